@@ -1,0 +1,98 @@
+/* sneppx.h - the one public header of SneppX's native core.
+ *
+ * Conventions: every function that can fail returns an int status, SX_OK (0)
+ * or a negative SX_E* code; sx_strerror() names it. Nothing here prints,
+ * aborts or touches Python; the cffi wrapper (runtime/SneppX_ALG/_native.py)
+ * turns codes into typed exceptions and releases the GIL around every call.
+ * Symbols start with sx_. C99 plus GCC target attributes for the SIMD kernels.
+ */
+#ifndef SNEPPX_H
+#define SNEPPX_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- status codes ------------------------------------------------------ */
+#define SX_OK 0
+#define SX_EINVAL -1      /* bad argument */
+#define SX_EIO -2         /* read/write/fsync failed (see sx_last_errno) */
+#define SX_ENOSPC -3      /* the device is full */
+#define SX_ENOMEM -4      /* allocation failed */
+#define SX_ENOENT -5      /* no such file or directory */
+#define SX_EEXIST -6      /* target exists */
+#define SX_EFAULT_INJECTED -7 /* a test fault hook fired */
+#define SX_ENODEV -8      /* no device (e.g. CUDA present but no GPU) */
+#define SX_ENOLIB -9      /* a dlopen'ed library is missing */
+#define SX_ECUDA -10      /* a CUDA call failed */
+#define SX_EPERM -11      /* permission denied */
+
+const char *sx_strerror(int code);
+/* errno of the last failed system call in this thread (0 if none). */
+int sx_last_errno(void);
+
+/* ---- CRC32C (Castagnoli, reflected, init/xorout 0xFFFFFFFF) ------------ */
+/* Kernels, in order of preference; sx_crc32c() uses the best one this CPU has. */
+#define SX_CRC_PORTABLE 0    /* slicing-by-8 table, any CPU */
+#define SX_CRC_SSE42 1       /* crc32q, three long contiguous streams */
+#define SX_CRC_VPCLMUL256 2  /* AVX2 + VPCLMULQDQ folding, 256-bit lanes */
+#define SX_CRC_VPCLMUL512 3  /* AVX-512 + VPCLMULQDQ folding, 512-bit lanes */
+#define SX_CRC_NKERNELS 4
+
+/* crc is the running value: start with 0, feed the result back to continue. */
+uint32_t sx_crc32c(uint32_t crc, const void *buf, size_t len);
+/* Bit k set when kernel k runs on this CPU. */
+unsigned sx_crc32c_kernels(void);
+const char *sx_crc32c_kernel_name(int kernel);
+/* One named kernel; SX_EINVAL if this CPU can't run it. */
+int sx_crc32c_with(int kernel, uint32_t crc, const void *buf, size_t len, uint32_t *out);
+/* crc(A || B) from crc(A), crc(B) and len(B); O(log len) */
+uint32_t sx_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+/* Splits large buffers over up to nthreads threads (0 = online CPUs). */
+uint32_t sx_crc32c_parallel(uint32_t crc, const void *buf, size_t len, int nthreads);
+
+/* ---- durable file writing ---------------------------------------------- */
+/* A file written in one streaming pass: appends go through aligned staging
+ * buffers, handed to a background I/O thread (O_DIRECT where the filesystem
+ * allows it, buffered with write-behind otherwise), while the caller fills the
+ * next buffer. CRC32C of each append is computed as it is copied in. */
+typedef struct sx_file sx_file;
+
+/* Creates path exclusively (O_EXCL). buffer_bytes: per staging buffer (two of
+ * them), rounded up to the alignment; 0 = 8 MiB. direct: 1 try O_DIRECT and
+ * fall back, 0 buffered. */
+int sx_file_create(const char *path, size_t buffer_bytes, int direct, sx_file **out);
+/* Appends len bytes; *crc is updated with them (pass NULL to skip). */
+int sx_file_append(sx_file *f, const void *buf, size_t len, uint32_t *crc);
+/* Appends zero bytes up to the next multiple of alignment. */
+int sx_file_pad(sx_file *f, uint64_t alignment);
+uint64_t sx_file_size(const sx_file *f);
+/* Writes len bytes at an offset already passed (e.g. a header at 0). */
+int sx_file_pwrite(sx_file *f, const void *buf, size_t len, uint64_t offset);
+/* Flushes, trims the O_DIRECT tail padding, fdatasyncs and closes. A failed
+ * fsync is reported, never retried. f is freed in every case. */
+int sx_file_finish(sx_file *f);
+/* Closes and unlinks a file that will not be committed; f is freed. */
+void sx_file_abort(sx_file *f);
+/* 1 if the file is using O_DIRECT. */
+int sx_file_is_direct(const sx_file *f);
+
+/* fsync of an existing file or directory by path. */
+int sx_fsync_path(const char *path);
+/* rename(from, to) then fsync of the directory of `to` (and of `from` if it differs). */
+int sx_rename_durable(const char *from, const char *to);
+
+/* ---- fault injection (tests only) -------------------------------------- */
+/* Every I/O site (write, fsync, rename, dirsync) calls the hook first. When
+ * armed with (site_mask, countdown, action), the countdown-th matching call
+ * either kills the process with SIGKILL (action 0) or fails with errno
+ * (action > 0, e.g. ENOSPC or EIO). Also armed from the environment:
+ * SNEPPX_FAULT="<sites>:<countdown>:<kill|ENOSPC|EIO>", sites like "write,fsync". */
+#define SX_SITE_WRITE 1u
+#define SX_SITE_FSYNC 2u
+#define SX_SITE_RENAME 4u
+#define SX_SITE_DIRSYNC 8u
+void sx_fault_arm(unsigned site_mask, long countdown, int action);
+/* Number of I/O sites passed since the process started (to size a kill sweep). */
+long sx_fault_sites_passed(void);
+
+#endif

@@ -1,0 +1,1 @@
+"""SneppX Kubernetes operator: manages ElasticTrainingJob resources (kopf)."""

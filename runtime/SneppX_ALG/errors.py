@@ -1,0 +1,103 @@
+"""Every error SneppX raises, under one base class.
+
+Callers catch `SneppXError` for "anything from SneppX" or a subclass for one
+kind of failure. Each class says what failed; messages say where and what a
+person can do about it.
+"""
+
+from __future__ import annotations
+
+
+class SneppXError(Exception):
+    """Base class of every SneppX error."""
+
+
+# --- storage: the bytes could not be written or read -------------------------
+
+
+class StorageError(SneppXError):
+    """An I/O operation failed; nothing was committed by the failing call."""
+
+    def __init__(self, message: str, *, path: str | None = None, errno: int | None = None):
+        super().__init__(message)
+        self.path = path
+        self.errno = errno
+
+
+class DiskFullError(StorageError):
+    """The device ran out of space (ENOSPC)."""
+
+
+class DurabilityError(StorageError):
+    """fsync (or another flush) failed: the data may not be on disk, so the write failed."""
+
+
+class CheckpointNotFoundError(StorageError, FileNotFoundError):
+    """No checkpoint exists at the given path."""
+
+
+class InjectedFault(StorageError):
+    """A test fault hook failed an I/O site on purpose."""
+
+
+# --- format: the bytes are not a valid SNPX checkpoint ------------------------
+
+
+class CheckpointFormatError(SneppXError):
+    """The file is not a valid SNPX checkpoint. `.path` names it when known."""
+
+    def __init__(self, message: str, *, path: str | None = None):
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path = path
+        self.reason = message
+
+
+class BadMagicError(CheckpointFormatError):
+    """The file does not start with the SNPX magic bytes."""
+
+
+class UnsafeFormatError(BadMagicError):
+    """The file is a format whose loading could run code (a pickle); it is refused."""
+
+
+class UnsupportedVersionError(CheckpointFormatError):
+    """The file was written by a newer, incompatible version of the format."""
+
+
+class TruncatedCheckpointError(CheckpointFormatError):
+    """The file is shorter than its header says."""
+
+
+class CorruptHeaderError(CheckpointFormatError):
+    """The fixed header fails its CRC or holds impossible values."""
+
+
+class CorruptTableError(CheckpointFormatError):
+    """The tensor table fails its CRC or does not follow the spec."""
+
+
+class LimitExceededError(CorruptTableError):
+    """A length, count, rank or size is beyond the format's hard limits."""
+
+
+class LayoutError(CorruptTableError):
+    """Tensor byte ranges overlap, leave holes, or run past the data section."""
+
+
+class ChecksumMismatchError(CheckpointFormatError):
+    """Bytes on disk do not match their CRC32C: silent corruption."""
+
+
+class NonZeroPaddingError(CheckpointFormatError):
+    """Padding that the spec requires to be zero is not."""
+
+
+class TensorNotFoundError(SneppXError, KeyError):
+    """The checkpoint has no tensor of that name."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnsupportedTensorError(SneppXError, TypeError):
+    """The object can't be written as a tensor (dtype, memory layout or device)."""
