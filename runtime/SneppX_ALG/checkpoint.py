@@ -1,0 +1,360 @@
+"""Writing, reading and validating one SNPX checkpoint file.
+
+`CheckpointWriter` streams tensors through the native writer (O_DIRECT where the filesystem allows it,
+CRC32C computed as the bytes are copied) into a temporary name and commits with fsync, rename and a
+directory fsync, so a reader sees either the whole file or none. `CheckpointReader` maps the file and hands
+out zero-copy, read-only arrays, verifying each tensor's CRC32C on first read. `validate_checkpoint` checks
+every byte without loading anything and never raises for a bad file.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from SneppX_ALG import _native, errors, format
+
+# Writes go to the native writer in pieces of this size so signing digests can stream alongside.
+_PIECE = 64 << 20
+
+
+def as_array(tensor: Any) -> np.ndarray:
+    """A CPU numpy view of a numpy array, a DLPack tensor or a buffer-protocol object (no copy where possible)."""
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    if hasattr(tensor, "__dlpack__"):
+        try:
+            return np.from_dlpack(tensor)
+        except (RuntimeError, TypeError, BufferError, ValueError) as e:
+            raise errors.UnsupportedTensorError(
+                f"can't read {type(tensor).__name__} through DLPack on the CPU ({e}); copy it to host memory first"
+            ) from None
+    try:
+        return np.asarray(memoryview(tensor))
+    except (TypeError, ValueError, NotImplementedError) as e:
+        raise errors.UnsupportedTensorError(
+            f"{type(tensor).__name__} is not a numpy array, DLPack tensor or buffer ({e})") from None
+
+
+def _little_endian_pieces(array: np.ndarray, piece: int) -> Iterator[memoryview]:
+    """The array's bytes in C order and little-endian, in pieces; copies only what isn't already so."""
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    if array.flags.c_contiguous:
+        flat = memoryview(array.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
+        for start in range(0, len(flat), piece):
+            yield flat[start:start + piece]
+        return
+    # Non-contiguous: copy a bounded block of rows at a time, never the whole tensor.
+    rows_per_piece = max(1, piece // max(1, array[0].nbytes)) if array.ndim and len(array) else 1
+    for start in range(0, len(array), rows_per_piece):
+        block = np.ascontiguousarray(array[start:start + rows_per_piece])
+        yield memoryview(block.reshape(-1).view(np.uint8))
+
+
+class CheckpointWriter:
+    """Writes one SNPX file in a single streaming pass and commits it atomically.
+
+    >>> with CheckpointWriter(path, metadata={"run": "a"}) as w:
+    ...     w.write("layer0.w", array)
+
+    A clean exit from the `with` block commits (temp name, fsync, rename, directory fsync); an exception
+    leaves no file at `path` (and the previous file there, if any, untouched). A failed fsync fails the write.
+    With `signing_key` (an Ed25519 private key), a digest of every tensor is computed in the same pass and the
+    table is signed (see signing.py).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], metadata: dict[str, str] | None = None, config: Any = None,
+                 *, signing_key: Any = None, direct: bool = True, buffer_bytes: int = 0):
+        self.path = os.fspath(path)
+        self.metadata = format.check_metadata(metadata or {}, error=errors.UnsupportedTensorError)
+        format.check_config(config)
+        self.config = config
+        self.signing_key = signing_key
+        self._direct = direct
+        self._buffer_bytes = buffer_bytes
+        self._entries: list[format.TensorEntry] = []
+        self._names: set[str] = set()
+        self._file: _native.NativeFile | None = None
+        self._tmp = ""
+        self.committed = False
+
+    def __enter__(self) -> CheckpointWriter:
+        self.open()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+    def open(self) -> None:
+        """Creates the temporary file next to `path` (done by `with`)."""
+        if self._file is not None:
+            return
+        directory, base = os.path.split(os.path.abspath(self.path))
+        if not os.path.isdir(directory):
+            raise errors.CheckpointNotFoundError(f"directory {directory} does not exist", path=self.path)
+        self._tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        self._file = _native.NativeFile(self._tmp, direct=self._direct, buffer_bytes=self._buffer_bytes)
+        self._file.append(bytes(format.DATA_OFFSET))  # the header block, filled in at commit
+
+    def write(self, name: str, tensor: Any, *, global_shape: tuple[int, ...] | None = None,
+              global_offset: tuple[int, ...] | None = None) -> format.TensorEntry:
+        """Streams one tensor into the file. Returns its table entry (offset, length, CRC32C)."""
+        self.open()
+        assert self._file is not None
+        format.check_name(name)
+        if name in self._names:
+            raise errors.UnsupportedTensorError(f"tensor {name!r} was already written to this checkpoint")
+        array = as_array(tensor)
+        dtype = format.dtype_name(array.dtype)
+        shape = tuple(int(d) for d in array.shape)
+        if (global_shape is None) != (global_offset is None):
+            raise ValueError("global_shape and global_offset come together")
+        if global_shape is not None:
+            global_shape, global_offset = tuple(global_shape), tuple(global_offset or ())
+            if not len(global_shape) == len(global_offset) == len(shape) or any(
+                    o < 0 or o + s > g for o, s, g in zip(global_offset, shape, global_shape)):
+                raise ValueError(f"shard {list(shape)} at {list(global_offset)} does not fit in {list(global_shape)}")
+        self._file.pad(format.ALIGN)
+        offset = self._file.size
+        digest = _new_digest() if self.signing_key is not None else None
+        crc = 0
+        for piece in _little_endian_pieces(array, _PIECE):
+            crc = _native.crc32c_combine(crc, self._file.append(piece), len(piece))
+            if digest is not None:
+                digest.update(piece)
+        entry = format.TensorEntry(
+            name=name, dtype=dtype, shape=shape, offset=offset, length=self._file.size - offset, crc32c=crc,
+            global_shape=global_shape, global_offset=global_offset,
+            digest=f"{digest.name}:{digest.hexdigest()}" if digest is not None else None)
+        self._entries.append(entry)
+        self._names.add(name)
+        return entry
+
+    def commit(self) -> None:
+        """Writes table and header, makes the file durable and renames it to `path`."""
+        self.open()
+        assert self._file is not None
+        try:
+            self._file.pad(format.ALIGN)
+            table_offset = self._file.size
+            table = format.encode_table(format.Table(tuple(self._entries), self.metadata, self.config))
+            self._file.append(table)
+            signature = b""
+            if self.signing_key is not None:
+                from SneppX_ALG import signing
+
+                signature = signing.signature_block(table, self.signing_key)
+                self._file.append(signature)
+            header = format.Header(
+                file_size=self._file.size, table_offset=table_offset, table_length=len(table),
+                table_crc32c=_native.crc32c(table), signature_length=len(signature),
+                signature_crc32c=_native.crc32c(signature) if signature else 0)
+            self._file.pwrite(format.encode_header(header), 0)
+            file, self._file = self._file, None
+            file.finish()
+        except BaseException:
+            self.abort()
+            raise
+        try:
+            _native.rename_durable(self._tmp, self.path)
+        except BaseException:
+            _unlink_quietly(self._tmp)
+            raise
+        self.committed = True
+
+    def abort(self) -> None:
+        """Drops everything written; nothing appears at `path`."""
+        if self._file is not None:
+            file, self._file = self._file, None
+            file.abort()
+        elif self._tmp and not self.committed:
+            _unlink_quietly(self._tmp)
+
+    def __del__(self) -> None:
+        if getattr(self, "_file", None) is not None:
+            self.abort()
+
+
+def _new_digest() -> Any:
+    from SneppX_ALG import signing
+
+    return signing.new_digest()
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _open_checked(path: str) -> tuple[int, int]:
+    """Opens a checkpoint file for reading; typed errors for missing paths and directories."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise errors.CheckpointNotFoundError(f"no checkpoint at {path}: file not found", path=path) from None
+    except IsADirectoryError:
+        raise errors.CheckpointFormatError("is a directory, not a checkpoint file", path=path) from None
+    except PermissionError as e:
+        raise errors.StorageError(f"can't read {path}: {e.strerror}", path=path, errno=e.errno) from None
+    size = os.fstat(fd).st_size
+    return fd, size
+
+
+class CheckpointReader:
+    """Reads an SNPX file: header and table checked at open, tensors mapped on demand.
+
+    `read(name)` returns a read-only numpy array over the file's memory map (zero-copy) after checking the
+    tensor's CRC32C (once per tensor per reader). Arrays stay valid after `close()`; copy them (`np.array`)
+    to own writable memory.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True):
+        self.path = os.fspath(path)
+        self.verify = verify
+        self._fd, size = _open_checked(self.path)
+        try:
+            head = os.pread(self._fd, format.DATA_OFFSET, 0)
+            self.header = format.decode_header(head, actual_size=size, path=self.path)
+            if head[format.HEADER_SIZE:].strip(b"\x00"):
+                raise errors.NonZeroPaddingError("header padding (bytes 64..4095) is not zero", path=self.path)
+            tail = os.pread(self._fd, self.header.table_length + self.header.signature_length,
+                            self.header.table_offset)
+            self.table_bytes = tail[: self.header.table_length]
+            self.signature_block = tail[self.header.table_length:]
+            if len(self.signature_block) != self.header.signature_length:
+                raise errors.TruncatedCheckpointError("signature block is truncated", path=self.path)
+            if self.signature_block and _native.crc32c(self.signature_block) != self.header.signature_crc32c:
+                raise errors.ChecksumMismatchError("signature block fails its CRC32C", path=self.path)
+            self.table = format.decode_table(self.table_bytes, self.header, path=self.path)
+            self._mmap = mmap.mmap(self._fd, size, prot=mmap.PROT_READ)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._entries = {t.name: t for t in self.table.tensors}
+        self._verified: set[str] = set()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # arrays handed out still use the mapping; it is unmapped when they are gone
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return self.table.metadata
+
+    @property
+    def config(self) -> Any:
+        return self.table.config
+
+    def names(self) -> list[str]:
+        return [t.name for t in self.table.tensors]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entry(self, name: str) -> format.TensorEntry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise errors.TensorNotFoundError(f"{self.path}: no tensor named {name!r}") from None
+
+    def raw(self, name: str) -> memoryview:
+        """The tensor's stored bytes, zero-copy, unverified."""
+        entry = self.entry(name)
+        return memoryview(self._mmap)[entry.offset:entry.offset + entry.length]
+
+    def read(self, name: str, *, verify: bool | None = None) -> np.ndarray:
+        """The tensor as a read-only numpy array over the mapping, CRC-verified unless verify=False."""
+        entry = self.entry(name)
+        data = self.raw(name)
+        if (self.verify if verify is None else verify) and name not in self._verified:
+            crc = _native.crc32c_parallel(data)
+            if crc != entry.crc32c:
+                raise errors.ChecksumMismatchError(
+                    f"tensor {name!r} fails its CRC32C (stored {entry.crc32c:#010x}, computed {crc:#010x}): "
+                    "the bytes on disk changed after they were written", path=self.path)
+            self._verified.add(name)
+        array = np.frombuffer(data, dtype=format.numpy_dtype(entry.dtype), count=int(np.prod(entry.shape)))
+        return array.reshape(entry.shape)
+
+    def read_all(self) -> dict[str, np.ndarray]:
+        return {name: self.read(name) for name in self.names()}
+
+
+def validate_checkpoint(path: str | os.PathLike[str], trusted_keys: Any = None, *,
+                        progress: Callable[[int, int], None] | None = None) -> tuple[bool, list[str]]:
+    """Checks every byte of a checkpoint without loading it: (True, []) or (False, [what is wrong, ...]).
+
+    Never raises for a bad file (missing, empty, garbage, truncated, corrupt). With `trusted_keys`, the
+    signature and the digest of every tensor are checked too. `progress(done, total)` is called as bytes
+    are checked.
+    """
+    path = os.fspath(path)
+    try:
+        reader = CheckpointReader(path, verify=False)
+    except errors.SneppXError as e:
+        return False, [str(e)]
+    except OSError as e:
+        return False, [f"{path}: can't read: {e.strerror or e}"]
+    problems: list[str] = []
+    with reader:
+        total = reader.header.table_offset
+        done = format.DATA_OFFSET
+        view = memoryview(reader._mmap)
+        digests: dict[str, str] = {}
+        for entry in reader.table.tensors:
+            data = view[entry.offset:entry.offset + entry.length]
+            crc = _native.crc32c_parallel(data)
+            if crc != entry.crc32c:
+                problems.append(f"{path}: tensor {entry.name!r} fails its CRC32C (stored {entry.crc32c:#010x}, "
+                                f"computed {crc:#010x}): its bytes are corrupt")
+            if trusted_keys is not None and entry.digest is not None:
+                digests[entry.name] = _digest_of(data)
+            end = entry.offset + entry.length
+            pad_end = format.align_up(end)
+            if view[end:pad_end].tobytes().strip(b"\x00"):
+                problems.append(f"{path}: padding after tensor {entry.name!r} (bytes {end}..{pad_end - 1}) "
+                                "is not zero")
+            done = pad_end
+            if progress is not None:
+                progress(done, total)
+        if trusted_keys is not None:
+            from SneppX_ALG import signing
+
+            problems += signing.verify_table(reader.table_bytes, reader.signature_block, trusted_keys)
+            for entry in reader.table.tensors:
+                if entry.digest is not None and digests.get(entry.name) != entry.digest:
+                    problems.append(f"{path}: tensor {entry.name!r} does not match its signed digest")
+        del view
+    return not problems, problems
+
+
+def _digest_of(data: memoryview) -> str:
+    digest = _new_digest()
+    for start in range(0, len(data), _PIECE):
+        digest.update(data[start:start + _PIECE])
+    return f"{digest.name}:{digest.hexdigest()}"
