@@ -1,63 +1,417 @@
 /* crc32c.c - CRC32C (Castagnoli) with a run-time choice of kernel.
- * Placeholder portable implementation; SIMD kernels come next. */
+ *
+ * Every byte of a checkpoint is hashed once on the save path and once on the
+ * load path, so CRC speed is checkpoint speed: the goal is to run at memory
+ * read bandwidth on one core. The package is built without -march flags (one
+ * wheel for every x86-64), so each SIMD kernel carries its own GCC target
+ * attribute and the fastest one this CPU can run is picked once, at first use.
+ *
+ * Kernels (see sneppx.h):
+ *   portable    slicing-by-8 tables; any CPU, also the reference in tests.
+ *   sse42       the crc32q instruction over three long contiguous streams (one
+ *               crc32q has 3 cycles latency and 1 cycle throughput, so three
+ *               independent streams keep it busy), merged by carry-less
+ *               multiplication. Long streams rather than blocks a few KiB apart
+ *               keep the hardware prefetcher on three sequential reads.
+ *   vpclmul256  "folding" (Intel, "Fast CRC Computation for Generic Polynomials
+ *   vpclmul512  Using PCLMULQDQ", 2009): many 128-bit lanes are multiplied
+ *               forward by x^k mod P and xor-ed into the data k bits later, so
+ *               only the last 16 bytes need a real reduction. Both widths are
+ *               one macro body (FOLD_KERNEL) over a handful of vector
+ *               primitives, so the 512-bit kernel shares every line of logic
+ *               with the 256-bit one, which runs on more machines.
+ *
+ * Representation. CRC32C is bit-reflected: bit j of a 32-bit value is the
+ * coefficient of x^(31-j), and the first message bit is bit 0 of byte 0. All
+ * kernels work on the "raw" register (the public value with ~ applied), and
+ * every constant is computed at init from the polynomial, never copied.
+ */
 #include "sneppx.h"
 
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
-static uint32_t table[8][256];
-static pthread_once_t table_once = PTHREAD_ONCE_INIT;
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define SX_HAVE_X86 1
+#else
+#define SX_HAVE_X86 0
+#endif
 
-static void build_table(void) {
+/* x^32 + x^28 + ... + 1 (0x1EDC6F41), bit-reflected, without the x^32 term. */
+#define CRC32C_POLY_REFLECTED 0x82F63B78u
+/* x^0 in the reflected representation. */
+#define X_POW_0 0x80000000u
+
+/* Below this many bytes per thread, thread start-up costs more than it saves. */
+#define PARALLEL_MIN_PER_THREAD ((size_t)4 << 20)
+#define PARALLEL_MAX_THREADS 256
+
+typedef uint32_t (*crc_raw_fn)(uint32_t raw, const unsigned char *p, size_t len);
+
+/* ---- GF(2) arithmetic modulo P, portable --------------------------------- */
+
+/* x * v mod P. */
+static uint32_t mul_x(uint32_t v) { return (v >> 1) ^ (CRC32C_POLY_REFLECTED & (0u - (v & 1u))); }
+
+/* a * b mod P: shift-and-add over the bits of a, highest degree first. */
+static uint32_t mulmod_portable(uint32_t a, uint32_t b) {
+    uint32_t product = 0;
+    for (uint32_t bit = X_POW_0; a; bit >>= 1) {
+        if (a & bit) {
+            product ^= b;
+            a ^= bit;
+        }
+        b = mul_x(b);
+    }
+    return product;
+}
+
+/* x^n mod P for small n, for the fold constants. */
+static uint32_t xpow_slow(unsigned n) {
+    uint32_t v = X_POW_0;
+    while (n--) v = mul_x(v);
+    return v;
+}
+
+static struct {
+    uint32_t slice[8][256];      /* slicing-by-8 tables */
+    uint32_t x_pow2k[64];        /* x^(2^k) mod P */
+    unsigned kernels;            /* bit k: kernel k runs on this CPU */
+    int best;
+    crc_raw_fn fn[SX_CRC_NKERNELS];
+#if SX_HAVE_X86
+    /* Fold constants, (lo, hi) = (x^(8B+31), x^(8B-33)) mod P for a fold
+     * forward by B bytes (derivation at fold_constants()). */
+    __m128i fold16;              /* one 128-bit lane to the next */
+    __m128i fold_block256;       /* across one main-loop block of the 256-bit kernel */
+    __m128i fold_block512;       /* ... of the 512-bit kernel */
+#endif
+} G;
+
+static pthread_once_t init_once = PTHREAD_ONCE_INIT;
+
+/* x^(8 * nbytes) mod P in O(log n) multiplications: the shift that moves a
+ * CRC past nbytes of following data. */
+static uint32_t xpow8n_portable(uint64_t nbytes) {
+    uint32_t acc = X_POW_0;
+    for (unsigned k = 3; nbytes; nbytes >>= 1, k++)
+        if (nbytes & 1) acc = mulmod_portable(G.x_pow2k[k & 63], acc);
+    return acc;
+}
+
+/* ---- portable: slicing-by-8 ---------------------------------------------- */
+
+static uint32_t crc_portable_raw(uint32_t crc, const unsigned char *p, size_t len) {
+    while (len && ((uintptr_t)p & 7)) {
+        crc = (crc >> 8) ^ G.slice[0][(crc ^ *p++) & 0xFF];
+        len--;
+    }
+    while (len >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        w = __builtin_bswap64(w);
+#endif
+        w ^= crc;
+        crc = G.slice[7][w & 0xFF] ^ G.slice[6][(w >> 8) & 0xFF] ^ G.slice[5][(w >> 16) & 0xFF] ^
+              G.slice[4][(w >> 24) & 0xFF] ^ G.slice[3][(w >> 32) & 0xFF] ^ G.slice[2][(w >> 40) & 0xFF] ^
+              G.slice[1][(w >> 48) & 0xFF] ^ G.slice[0][w >> 56];
+        p += 8;
+        len -= 8;
+    }
+    while (len--) crc = (crc >> 8) ^ G.slice[0][(crc ^ *p++) & 0xFF];
+    return crc;
+}
+
+#if SX_HAVE_X86
+/* ---- x86: crc32 instruction + carry-less multiply ------------------------ */
+
+#define TARGET_SSE42 __attribute__((target("sse4.2,pclmul")))
+#define TARGET_V256 __attribute__((target("sse4.2,pclmul,avx2,vpclmulqdq")))
+#define TARGET_V512 __attribute__((target("sse4.2,pclmul,avx2,avx512f,avx512vl,vpclmulqdq")))
+
+static inline uint64_t load64(const unsigned char *p) {
+    uint64_t w;
+    memcpy(&w, p, 8);
+    return w;
+}
+
+/* a * b mod P. The 63-bit carry-less product, shifted up one place, has its
+ * x^32..x^62 part in the low word (reduced by crc32, which multiplies by x^32
+ * mod P) and its x^0..x^31 part, already reduced, in the high word. */
+TARGET_SSE42 static inline uint32_t mulmod_hw(uint32_t a, uint32_t b) {
+    __m128i product = _mm_clmulepi64_si128(_mm_cvtsi32_si128((int)a), _mm_cvtsi32_si128((int)b), 0x00);
+    uint64_t d = (uint64_t)_mm_cvtsi128_si64(product) << 1;
+    return _mm_crc32_u32(0, (uint32_t)d) ^ (uint32_t)(d >> 32);
+}
+
+TARGET_SSE42 static uint32_t xpow8n_hw(uint64_t nbytes) {
+    uint32_t acc = X_POW_0;
+    for (unsigned k = 3; nbytes; nbytes >>= 1, k++)
+        if (nbytes & 1) acc = mulmod_hw(G.x_pow2k[k & 63], acc);
+    return acc;
+}
+
+TARGET_SSE42 static uint32_t crc_sse42_bytes(uint32_t crc, const unsigned char *p, size_t len) {
+    for (; len >= 8; p += 8, len -= 8) crc = (uint32_t)_mm_crc32_u64(crc, load64(p));
+    for (; len; len--) crc = _mm_crc32_u8(crc, *p++);
+    return crc;
+}
+
+/* Below this the two multiplications that merge the streams cost more than
+ * the streams save. */
+#define SSE42_STREAMS_MIN 192
+
+TARGET_SSE42 static uint32_t crc_sse42_raw(uint32_t crc, const unsigned char *p, size_t len) {
+    for (; len && ((uintptr_t)p & 7); len--) crc = _mm_crc32_u8(crc, *p++);
+    if (len >= SSE42_STREAMS_MIN) {
+        size_t stream = (len / 3) & ~(size_t)7;
+        const unsigned char *a = p, *b = p + stream, *c = p + 2 * stream;
+        uint64_t ca = crc, cb = 0, cc = 0;
+        for (size_t i = 0; i < stream; i += 8) {
+            ca = _mm_crc32_u64(ca, load64(a + i));
+            cb = _mm_crc32_u64(cb, load64(b + i));
+            cc = _mm_crc32_u64(cc, load64(c + i));
+        }
+        /* crc(A || B) = crc(A) * x^(8 |B|) + crc_from_zero(B), for raw registers. */
+        uint32_t shift = xpow8n_hw(stream);
+        crc = mulmod_hw((uint32_t)ca, shift) ^ (uint32_t)cb;
+        crc = mulmod_hw(crc, shift) ^ (uint32_t)cc;
+        p += 3 * stream;
+        len -= 3 * stream;
+    }
+    return crc_sse42_bytes(crc, p, len);
+}
+
+/* Folding, derived. A 16-byte lane X loaded little-endian holds the message
+ * bits with bit j the coefficient of x^(127-j) (counted from the lane's end):
+ * its low qword is the high half H (times x^64), its high qword the low half L.
+ * Moving X forward by D bits is X * x^D = H * x^(64+D) + L * x^D. A carry-less
+ * product of a 64-bit reflected half with a 32-bit reflected constant k lands,
+ * read as a 128-bit lane, at half * k * x^33 (the bit positions add up to 33
+ * fewer than the degrees). So the constants are k_lo = x^(64+D-33) and
+ * k_hi = x^(D-33), and clmul(X.lo, k_lo) ^ clmul(X.hi, k_hi) is a lane
+ * congruent to X * x^D, ready to xor into the data D bits later. */
+static __m128i fold_constants(unsigned bytes) {
+    return _mm_set_epi64x((long long)xpow_slow(8 * bytes - 33), (long long)xpow_slow(8 * bytes + 31));
+}
+
+TARGET_SSE42 static inline __m128i fold_lane(__m128i lane, __m128i k, __m128i next) {
+    __m128i lo = _mm_clmulepi64_si128(lane, k, 0x00), hi = _mm_clmulepi64_si128(lane, k, 0x11);
+    return _mm_xor_si128(_mm_xor_si128(lo, hi), next);
+}
+
+/* Reduces the state after a folding loop, `lanes` in message order, to the
+ * raw CRC at their end: folds them into one lane, whose CRC from a zero
+ * register (everything before it is already folded in) is two crc32s. */
+TARGET_SSE42 static uint32_t fold_reduce(const __m128i *lanes, size_t nlanes) {
+    __m128i k = G.fold16, z = _mm_loadu_si128(lanes);
+    for (size_t i = 1; i < nlanes; i++) z = fold_lane(z, k, _mm_loadu_si128(lanes + i));
+    uint64_t crc = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(z));
+    return (uint32_t)_mm_crc32_u64(crc, (uint64_t)_mm_extract_epi64(z, 1));
+}
+
+/* Below this the streams' merge (a few hundred cycles) costs more than fusing saves. */
+#define FUSION_MIN 4096
+
+/* One folding kernel over vectors of W bytes with NACC independent
+ * accumulators (so the multiplier's latency overlaps), "fused" (corsix's
+ * term) with NS crc32 streams of SQ bytes per iteration: the multiplier and
+ * the crc32 unit are different execution units, so each iteration hashes
+ * BLOCK bytes by folding and NS * SQ more with crc32 in about the time of
+ * either. The buffer is cut into the folded region, then NS long scalar
+ * streams, then a short tail:
+ *
+ *   | folded: iters * BLOCK | stream 0: iters * SQ | ... | stream NS-1 | tail |
+ *
+ * and the pieces are joined with crc(A || B) = crc(A) * x^(8 |B|) + crc(B).
+ * Vector primitives: V type, LOADU(p), STOREU(p, v), XOR(a, b), XOR3(a, b, c),
+ * CLMUL(a, k, imm), BCAST(k128) (a 128-bit value in every lane), LOW32(c)
+ * (c in bits 0..31, zeros elsewhere). */
+#define FOLD_KERNEL(NAME, TARGET, V, W, NACC, NS, SQ, K_BLOCK, LOADU, STOREU, XOR, XOR3, CLMUL, BCAST, LOW32) \
+    TARGET static uint32_t NAME(uint32_t crc, const unsigned char *p, size_t len) {                        \
+        enum { BLOCK = (W) * (NACC), LANES_PER_V = (W) / 16, STEP = BLOCK + (NS) * (SQ) };              \
+        size_t head = (size_t)(-(uintptr_t)p & 63);                                                      \
+        if (len < head + 2 * BLOCK) return crc_sse42_raw(crc, p, len);                                   \
+        crc = crc_sse42_bytes(crc, p, head);                                                             \
+        p += head;                                                                                       \
+        len -= head;                                                                                     \
+        size_t iters = len >= FUSION_MIN ? len / STEP : 0;                                               \
+        size_t folded = iters ? iters * BLOCK : len / BLOCK * BLOCK, stream = iters * (SQ);              \
+        const unsigned char *v = p, *s = p + folded;                                                     \
+        uint64_t c[(NS)] = {0};                                                                          \
+        V x[NACC];                                                                                       \
+        for (int i = 0; i < (NACC); i++) x[i] = LOADU(v + i * (W));                                      \
+        x[0] = XOR(x[0], LOW32(crc)); /* the running CRC enters as the first 32 message bits */          \
+        const V k = BCAST(K_BLOCK);                                                                      \
+        if (iters) {                                                                                     \
+            for (v += BLOCK; v < p + folded; v += BLOCK, s += (SQ)) {                                    \
+                for (int i = 0; i < (NACC); i++)                                                         \
+                    x[i] = XOR3(CLMUL(x[i], k, 0x00), CLMUL(x[i], k, 0x11), LOADU(v + i * (W)));         \
+                for (int q = 0; q < (SQ); q += 8)                                                        \
+                    for (int j = 0; j < (NS); j++) c[j] = _mm_crc32_u64(c[j], load64(s + j * stream + q)); \
+            }                                                                                            \
+            for (int q = 0; q < (SQ); q += 8) /* streams have one iteration more than the loop */        \
+                for (int j = 0; j < (NS); j++) c[j] = _mm_crc32_u64(c[j], load64(s + j * stream + q));   \
+        } else {                                                                                         \
+            for (v += BLOCK; v < p + folded; v += BLOCK)                                                 \
+                for (int i = 0; i < (NACC); i++)                                                         \
+                    x[i] = XOR3(CLMUL(x[i], k, 0x00), CLMUL(x[i], k, 0x11), LOADU(v + i * (W)));         \
+        }                                                                                                \
+        __m128i lanes[(NACC) * LANES_PER_V];                                                             \
+        for (int i = 0; i < (NACC); i++) STOREU(lanes + i * LANES_PER_V, x[i]);                          \
+        crc = fold_reduce(lanes, (NACC) * LANES_PER_V);                                                  \
+        if (iters) {                                                                                     \
+            uint32_t shift = xpow8n_hw(stream);                                                          \
+            for (int j = 0; j < (NS); j++) crc = mulmod_hw(crc, shift) ^ (uint32_t)c[j];                 \
+        }                                                                                                \
+        size_t done = folded + (NS) * stream;                                                            \
+        return crc_sse42_raw(crc, p + done, len - done);                                                 \
+    }
+
+#define V256_LOADU(p) _mm256_loadu_si256((const __m256i *)(p))
+#define V256_STOREU(p, v) _mm256_storeu_si256((__m256i *)(p), (v))
+#define V256_XOR(a, b) _mm256_xor_si256((a), (b))
+#define V256_XOR3(a, b, c) _mm256_xor_si256(_mm256_xor_si256((a), (b)), (c))
+#define V256_CLMUL(a, k, imm) _mm256_clmulepi64_epi128((a), (k), (imm))
+#define V256_BCAST(k) _mm256_broadcastsi128_si256(k)
+#define V256_LOW32(c) _mm256_zextsi128_si256(_mm_cvtsi32_si128((int)(c)))
+
+#define V512_LOADU(p) _mm512_loadu_si512((const void *)(p))
+#define V512_STOREU(p, v) _mm512_storeu_si512((void *)(p), (v))
+#define V512_XOR(a, b) _mm512_xor_si512((a), (b))
+#define V512_XOR3(a, b, c) _mm512_ternarylogic_epi64((a), (b), (c), 0x96)
+#define V512_CLMUL(a, k, imm) _mm512_clmulepi64_epi128((a), (k), (imm))
+#define V512_BCAST(k) _mm512_broadcast_i32x4(k)
+#define V512_LOW32(c) _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)(c)))
+
+FOLD_KERNEL(crc_vpclmul256_raw, TARGET_V256, __m256i, 32, 8, 3, 64, G.fold_block256, V256_LOADU, V256_STOREU,
+            V256_XOR, V256_XOR3, V256_CLMUL, V256_BCAST, V256_LOW32)
+FOLD_KERNEL(crc_vpclmul512_raw, TARGET_V512, __m512i, 64, 4, 3, 40, G.fold_block512, V512_LOADU, V512_STOREU,
+            V512_XOR, V512_XOR3, V512_CLMUL, V512_BCAST, V512_LOW32)
+
+static unsigned detect_x86_kernels(void) {
+    unsigned mask = 0;
+    __builtin_cpu_init();
+    /* Every folding kernel also uses crc32 and 128-bit clmul for its edges. */
+    if (!__builtin_cpu_supports("sse4.2") || !__builtin_cpu_supports("pclmul")) return 0;
+    mask |= 1u << SX_CRC_SSE42;
+    if (__builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("avx2")) {
+        mask |= 1u << SX_CRC_VPCLMUL256;
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl"))
+            mask |= 1u << SX_CRC_VPCLMUL512;
+    }
+    return mask;
+}
+#endif /* SX_HAVE_X86 */
+
+/* ---- init and dispatch ----------------------------------------------------- */
+
+static void init(void) {
     for (uint32_t n = 0; n < 256; n++) {
         uint32_t c = n;
-        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
-        table[0][n] = c;
+        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (CRC32C_POLY_REFLECTED & (0u - (c & 1u)));
+        G.slice[0][n] = c;
     }
     for (uint32_t n = 0; n < 256; n++)
-        for (int t = 1; t < 8; t++) table[t][n] = (table[t - 1][n] >> 8) ^ table[0][table[t - 1][n] & 0xFF];
+        for (int t = 1; t < 8; t++) G.slice[t][n] = (G.slice[t - 1][n] >> 8) ^ G.slice[0][G.slice[t - 1][n] & 0xFF];
+    G.x_pow2k[0] = X_POW_0 >> 1; /* x^1 */
+    for (int k = 1; k < 64; k++) G.x_pow2k[k] = mulmod_portable(G.x_pow2k[k - 1], G.x_pow2k[k - 1]);
+
+    G.kernels = 1u << SX_CRC_PORTABLE;
+    G.fn[SX_CRC_PORTABLE] = crc_portable_raw;
+#if SX_HAVE_X86
+    G.kernels |= detect_x86_kernels();
+    G.fold16 = fold_constants(16);
+    G.fold_block256 = fold_constants(32 * 8);
+    G.fold_block512 = fold_constants(64 * 4);
+    G.fn[SX_CRC_SSE42] = crc_sse42_raw;
+    G.fn[SX_CRC_VPCLMUL256] = crc_vpclmul256_raw;
+    G.fn[SX_CRC_VPCLMUL512] = crc_vpclmul512_raw;
+#endif
+    G.best = SX_CRC_PORTABLE;
+    for (int k = 0; k < SX_CRC_NKERNELS; k++)
+        if (G.kernels & (1u << k)) G.best = k;
 }
 
-static uint32_t crc_portable(uint32_t crc, const unsigned char *p, size_t len) {
-    pthread_once(&table_once, build_table);
-    crc = ~crc;
-    while (len && ((uintptr_t)p & 7)) { crc = (crc >> 8) ^ table[0][(crc ^ *p++) & 0xFF]; len--; }
-    while (len >= 8) {
-        uint64_t w; memcpy(&w, p, 8); w ^= crc;
-        crc = table[7][w & 0xFF] ^ table[6][(w >> 8) & 0xFF] ^ table[5][(w >> 16) & 0xFF] ^ table[4][(w >> 24) & 0xFF] ^
-              table[3][(w >> 32) & 0xFF] ^ table[2][(w >> 40) & 0xFF] ^ table[1][(w >> 48) & 0xFF] ^ table[0][w >> 56];
-        p += 8; len -= 8;
-    }
-    while (len--) crc = (crc >> 8) ^ table[0][(crc ^ *p++) & 0xFF];
-    return ~crc;
+static inline void ensure_init(void) { pthread_once(&init_once, init); }
+
+uint32_t sx_crc32c(uint32_t crc, const void *buf, size_t len) {
+    ensure_init();
+    if (!len) return crc;
+    return ~G.fn[G.best](~crc, buf, len);
 }
 
-uint32_t sx_crc32c(uint32_t crc, const void *buf, size_t len) { return crc_portable(crc, buf, len); }
-unsigned sx_crc32c_kernels(void) { return 1u << SX_CRC_PORTABLE; }
-const char *sx_crc32c_kernel_name(int k) { return k == SX_CRC_PORTABLE ? "portable" : "unknown"; }
-int sx_crc32c_with(int k, uint32_t crc, const void *buf, size_t len, uint32_t *out) {
-    if (k != SX_CRC_PORTABLE) return SX_EINVAL;
-    *out = crc_portable(crc, buf, len);
+unsigned sx_crc32c_kernels(void) {
+    ensure_init();
+    return G.kernels;
+}
+
+const char *sx_crc32c_kernel_name(int kernel) {
+    static const char *const names[SX_CRC_NKERNELS] = {"portable", "sse42", "vpclmul256", "vpclmul512"};
+    return kernel >= 0 && kernel < SX_CRC_NKERNELS ? names[kernel] : "unknown";
+}
+
+int sx_crc32c_with(int kernel, uint32_t crc, const void *buf, size_t len, uint32_t *out) {
+    ensure_init();
+    if (!out || kernel < 0 || kernel >= SX_CRC_NKERNELS || !(G.kernels & (1u << kernel))) return SX_EINVAL;
+    if (!buf && len) return SX_EINVAL;
+    *out = len ? ~G.fn[kernel](~crc, buf, len) : crc;
     return SX_OK;
 }
-static uint32_t gf2_times(const uint32_t *mat, uint32_t vec) {
-    uint32_t sum = 0;
-    for (; vec; vec >>= 1, mat++) if (vec & 1) sum ^= *mat;
-    return sum;
+
+/* Linear in each argument, so the ~ of the public values cancels out:
+ * crc(A || B) = crc(A) * x^(8 len_b) + crc(B). */
+uint32_t sx_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+    ensure_init();
+    if (!len_b) return crc_a; /* B is empty, so crc(B) is 0 */
+    return mulmod_portable(xpow8n_portable(len_b), crc_a) ^ crc_b;
 }
-static void gf2_square(uint32_t *sq, const uint32_t *mat) { for (int n = 0; n < 32; n++) sq[n] = gf2_times(mat, mat[n]); }
-uint32_t sx_crc32c_combine(uint32_t a, uint32_t b, uint64_t len_b) {
-    uint32_t even[32], odd[32];
-    if (!len_b) return a;
-    odd[0] = 0x82F63B78u;
-    for (int n = 1, row = 1; n < 32; n++, row <<= 1) odd[n] = (uint32_t)row;
-    gf2_square(even, odd); gf2_square(odd, even);
-    do {
-        gf2_square(even, odd); if (len_b & 1) a = gf2_times(even, a); len_b >>= 1; if (!len_b) break;
-        gf2_square(odd, even); if (len_b & 1) a = gf2_times(odd, a); len_b >>= 1;
-    } while (len_b);
-    return a ^ b;
+
+struct crc_job {
+    const unsigned char *p;
+    size_t len;
+    uint32_t crc;
+};
+
+static void *crc_job_run(void *arg) {
+    struct crc_job *job = arg;
+    job->crc = sx_crc32c(0, job->p, job->len);
+    return NULL;
 }
+
 uint32_t sx_crc32c_parallel(uint32_t crc, const void *buf, size_t len, int nthreads) {
-    (void)nthreads; return sx_crc32c(crc, buf, len);
+    if (nthreads <= 0) {
+        long online = sysconf(_SC_NPROCESSORS_ONLN);
+        nthreads = online > 0 ? (int)(online < PARALLEL_MAX_THREADS ? online : PARALLEL_MAX_THREADS) : 1;
+    }
+    if (nthreads > PARALLEL_MAX_THREADS) nthreads = PARALLEL_MAX_THREADS;
+    size_t n = len / PARALLEL_MIN_PER_THREAD;
+    if (n > (size_t)nthreads) n = (size_t)nthreads;
+    if (n <= 1) return sx_crc32c(crc, buf, len);
+
+    struct crc_job jobs[PARALLEL_MAX_THREADS];
+    pthread_t threads[PARALLEL_MAX_THREADS];
+    int started[PARALLEL_MAX_THREADS];
+    const unsigned char *p = buf;
+    /* Chunks start on cache lines so no two threads share one. */
+    size_t chunk = ((len / n) + 63) & ~(size_t)63;
+    for (size_t i = 0; i < n; i++) {
+        jobs[i].p = p + i * chunk;
+        jobs[i].len = i + 1 < n ? chunk : len - i * chunk;
+    }
+    /* The caller hashes chunk 0 itself; a thread that can't start is run inline. */
+    for (size_t i = 1; i < n; i++) {
+        started[i] = pthread_create(&threads[i], NULL, crc_job_run, &jobs[i]) == 0;
+        if (!started[i]) crc_job_run(&jobs[i]);
+    }
+    crc = sx_crc32c(crc, jobs[0].p, jobs[0].len);
+    for (size_t i = 1; i < n; i++) {
+        if (started[i]) pthread_join(threads[i], NULL);
+        crc = sx_crc32c_combine(crc, jobs[i].crc, jobs[i].len);
+    }
+    return crc;
 }
