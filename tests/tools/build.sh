@@ -29,5 +29,7 @@ kv="-X k8s.io/component-base/version.gitVersion=$kube -X k8s.io/component-base/v
 build kube k8s.io/kubernetes/cmd/kube-apiserver kube-apiserver "$kube" "$kv"
 build kube k8s.io/kubernetes/cmd/kubectl kubectl "$kube" "$kv"
 build etcd go.etcd.io/etcd/server/v3 etcd "$(version_of etcd go.etcd.io/etcd/server/v3)"
-build helm helm.sh/helm/v3/cmd/helm helm "$(version_of helm helm.sh/helm/v3)"
+helm_v=$(version_of helm helm.sh/helm/v3)
+# helm's source says only "v3.20"; stamp the exact version so `helm version` is precise.
+build helm helm.sh/helm/v3/cmd/helm helm "$helm_v" "-X helm.sh/helm/v3/internal/version.version=$helm_v"
 echo "$cache"

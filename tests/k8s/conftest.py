@@ -1,0 +1,69 @@
+"""Fixtures for tests against the real kube-apiserver (see k8s_cluster.py and docs/TESTING.md).
+
+One cluster per test session (starting it takes seconds, building it the first time takes minutes);
+one fresh namespace per test, labelled to enforce the restricted Pod Security profile so every pod
+the operator creates is checked by the API server's own admission plugin.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import secrets
+from collections.abc import Iterator
+
+import kubernetes
+import pytest
+
+import k8s_cluster
+
+RESTRICTED = {
+    "pod-security.kubernetes.io/enforce": "restricted",
+    "pod-security.kubernetes.io/enforce-version": "latest",
+    "pod-security.kubernetes.io/warn": "restricted",
+    "pod-security.kubernetes.io/warn-version": "latest",
+}
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[k8s_cluster.Cluster]:
+    bin_dir = k8s_cluster.build_tools()
+    running = k8s_cluster.start_cluster(bin_dir, tmp_path_factory.mktemp("k8s"))
+    # kopf and the `kubernetes` package find the cluster through KUBECONFIG.
+    previous = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(running.kubeconfig)
+    try:
+        yield running
+    finally:
+        if previous is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = previous
+        running.stop()
+
+
+@pytest.fixture(scope="session")
+def api(cluster: k8s_cluster.Cluster) -> Iterator[kubernetes.client.ApiClient]:
+    client = kubernetes.config.new_client_from_config(config_file=str(cluster.kubeconfig))
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def namespace(api: kubernetes.client.ApiClient, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace for one test. Deleted afterwards but never waited on: without the
+    controller-manager a deleted namespace stays Terminating forever."""
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"t-{slug}-{secrets.token_hex(3)}"
+    core = kubernetes.client.CoreV1Api(api)
+    core.create_namespace({"metadata": {"name": name, "labels": RESTRICTED}})
+    yield name
+    core.delete_namespace(name)
+
+
+@pytest.fixture(scope="session")
+def repo() -> pathlib.Path:
+    return k8s_cluster.REPO

@@ -1,0 +1,219 @@
+"""The ElasticTrainingJob CRD as the real API server enforces it: schema bounds, enums, CEL messages,
+immutable fields, defaults, and that every manifest in examples/ is accepted."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable
+
+import kubernetes
+import pytest
+import yaml
+
+import k8s_cluster
+
+pytestmark = pytest.mark.k8s
+
+GROUP, VERSION, PLURAL = "sneppx.io", "v1alpha1", "elastictrainingjobs"
+EXAMPLES = sorted((k8s_cluster.REPO / "examples").glob("*.yaml"))
+
+
+def valid_job(name: str = "job") -> dict:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "ElasticTrainingJob",
+        "metadata": {"name": name},
+        "spec": {
+            "template": {
+                "spec": {"containers": [{"name": "trainer", "image": "example.org/train:1", "command": ["python"]}]}
+            },
+            "elastic": {"minNodes": 1, "maxNodes": 2},
+            "checkpoint": {"storage": {"pvc": {"claimName": "ckpt"}}},
+        },
+    }
+
+
+def _set(path: str, value: object) -> Callable[[dict], None]:
+    """A mutation that sets a dotted path (list indexes as numbers) in the job."""
+
+    def mutate(job: dict) -> None:
+        keys = [int(k) if k.isdigit() else k for k in path.split(".")]
+        node = job
+        for key in keys[:-1]:
+            node = node[key] if isinstance(key, int) else node.setdefault(key, {})
+        node[keys[-1]] = value
+
+    return mutate
+
+
+def _delete(path: str) -> Callable[[dict], None]:
+    def mutate(job: dict) -> None:
+        keys = path.split(".")
+        node = job
+        for key in keys[:-1]:
+            node = node[key]
+        del node[keys[-1]]
+
+    return mutate
+
+
+S3 = {"bucket": "bucket", "credentialsSecretRef": {"name": "creds"}}
+CONTAINER = {"name": "c", "image": "example.org/x:1"}
+
+# (test id, mutation, text the API server's error must contain)
+INVALID = [
+    ("min-greater-than-max", _set("spec.elastic", {"minNodes": 3, "maxNodes": 2}),
+     "elastic.minNodes must be less than or equal to elastic.maxNodes"),
+    ("min-nodes-zero", _set("spec.elastic.minNodes", 0), "should be greater than or equal to 1"),
+    ("max-nodes-over-limit", _set("spec.elastic.maxNodes", 5000), "should be less than or equal to 1024"),
+    ("quorum-50", _set("spec.quorum", {"minHealthyPercent": 50}),
+     "quorum.minHealthyPercent must be between 51 and 100"),
+    ("quorum-101", _set("spec.quorum", {"minHealthyPercent": 101}),
+     "quorum.minHealthyPercent must be between 51 and 100"),
+    ("quorum-bad-action", _set("spec.quorum", {"actionOnLoss": "Explode"}),
+     'Unsupported value: "Explode"'),
+    ("two-storages", _set("spec.checkpoint.storage.s3", S3), "checkpoint.storage needs exactly one of pvc or s3"),
+    ("no-storage", _set("spec.checkpoint.storage", {}), "checkpoint.storage needs exactly one of pvc or s3"),
+    ("s3-without-secret", _set("spec.checkpoint.storage", {"s3": {"bucket": "bucket"}}),
+     "spec.checkpoint.storage.s3.credentialsSecretRef: Required value"),
+    ("s3-bad-endpoint", _set("spec.checkpoint.storage", {"s3": {**S3, "endpoint": "ftp://example.org"}}),
+     "checkpoint.storage.s3.endpoint must be an http:// or https:// URL"),
+    ("pvc-subpath-escapes", _set("spec.checkpoint.storage.pvc.subPath", "runs/../../etc"),
+     "subPath must be relative and must not contain '..'"),
+    ("pvc-subpath-absolute", _set("spec.checkpoint.storage.pvc.subPath", "/etc"),
+     "subPath must be relative and must not contain '..'"),
+    ("rollback-deeper-than-kept", _set("spec.checkpoint", {"storage": {"pvc": {"claimName": "c"}},
+                                                           "maxToKeep": 2, "rollbackDepth": 2}),
+     "checkpoint.rollbackDepth must be less than checkpoint.maxToKeep"),
+    ("bad-validation-enum", _set("spec.checkpoint.validation", "Paranoid"), 'Unsupported value: "Paranoid"'),
+    ("restart-delay-inverted", _set("spec.failurePolicy", {"restartDelay": {"initialSeconds": 600,
+                                                                            "maxSeconds": 60}}),
+     "failurePolicy.restartDelay.initialSeconds must be less than or equal to maxSeconds"),
+    ("exit-code-zero-in", _set("spec.failurePolicy", {"rules": [{"action": "Restart", "onExitCodes": {
+        "operator": "In", "values": [0, 1]}}]}), "exit code 0 means success"),
+    ("bad-rule-action", _set("spec.failurePolicy", {"rules": [{"action": "Retry", "onExitCodes": {
+        "operator": "In", "values": [1]}}]}), 'Unsupported value: "Retry"'),
+    ("exit-code-over-255", _set("spec.failurePolicy", {"rules": [{"action": "FailJob", "onExitCodes": {
+        "operator": "In", "values": [256]}}]}), "should be less than or equal to 255"),
+    ("unbounded-image", _set("spec.template.spec.containers.0.image", "x" * 2000),
+     "spec.template.spec.containers[0].image: Too long"),
+    ("unbounded-arg", _set("spec.template.spec.containers.0.args", ["y" * 5000]),
+     "spec.template.spec.containers[0].args[0]: Too long"),
+    ("too-many-containers", _set("spec.template.spec.containers", [dict(CONTAINER, name=f"c{i}") for i in range(9)]),
+     "spec.template.spec.containers: Too many"),
+    ("too-many-rules", _set("spec.failurePolicy", {"rules": [{"action": "FailJob", "onExitCodes": {
+        "operator": "In", "values": [1]}}] * 17}), "spec.failurePolicy.rules: Too many"),
+    ("no-containers", _set("spec.template.spec.containers", []), "should have at least 1 items"),
+    ("reserved-env", _set("spec.template.spec.containers.0.env", [{"name": "SNEPPX_RANK", "value": "0"}]),
+     "env names starting with SNEPPX_ are set by the operator"),
+    ("missing-elastic", _delete("spec.elastic"), "spec.elastic: Required value"),
+    ("name-too-long", _set("metadata.name", "a" * 51), "metadata.name must be at most 50 characters"),
+    ("name-not-dns-label", _set("metadata.name", "my.job"), "metadata.name must be a DNS label"),
+    ("name-starts-with-digit", _set("metadata.name", "1job"), "metadata.name must be a DNS label"),
+]
+
+
+def _create(api: kubernetes.client.ApiClient, namespace: str, body: dict, dry_run: bool = False) -> dict:
+    custom = kubernetes.client.CustomObjectsApi(api)
+    kwargs = {"dry_run": "All"} if dry_run else {}
+    return custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body, **kwargs)
+
+
+def _rejection(call: Callable[[], object]) -> str:
+    with pytest.raises(kubernetes.client.ApiException) as info:
+        call()
+    assert info.value.status == 422, f"expected 422 Invalid, got {info.value.status}: {info.value.body}"
+    return json.loads(info.value.body)["message"]
+
+
+def test_valid_job_is_accepted_and_defaulted(api: kubernetes.client.ApiClient, namespace: str) -> None:
+    created = _create(api, namespace, valid_job())
+    spec = created["spec"]
+    assert spec["quorum"] == {"minHealthyPercent": 51, "actionOnLoss": "Pause"}
+    assert spec["failurePolicy"]["maxRestarts"] == 3
+    assert spec["failurePolicy"]["restartDelay"] == {"initialSeconds": 10, "multiplier": 2, "maxSeconds": 300}
+    assert spec["elastic"]["procsPerNode"] == 1 and spec["elastic"]["port"] == 29500
+    assert spec["checkpoint"]["validation"] == "Full" and spec["checkpoint"]["maxToKeep"] == 3
+    assert spec["suspend"] is False
+
+
+@pytest.mark.parametrize(("mutate", "expected"), [(m, e) for _, m, e in INVALID], ids=[i for i, _, _ in INVALID])
+def test_invalid_job_is_rejected_with_a_clear_message(
+    api: kubernetes.client.ApiClient, namespace: str, mutate: Callable[[dict], None], expected: str
+) -> None:
+    job = valid_job()
+    mutate(job)
+    message = _rejection(lambda: _create(api, namespace, job, dry_run=True))
+    assert expected in message, f"expected {expected!r} in the API server's message:\n{message}"
+
+
+@pytest.mark.parametrize(
+    ("patch", "expected"),
+    [
+        ({"spec": {"checkpoint": {"storage": {"pvc": {"claimName": "other"}}}}}, "checkpoint.storage is immutable"),
+        ({"spec": {"elastic": {"procsPerNode": 8}}}, "elastic.procsPerNode is immutable"),
+        ({"spec": {"elastic": {"port": 30000}}}, "elastic.port is immutable"),
+    ],
+    ids=["storage", "procs-per-node", "port"],
+)
+def test_immutable_fields_cannot_change_mid_run(
+    api: kubernetes.client.ApiClient, namespace: str, patch: dict, expected: str
+) -> None:
+    _create(api, namespace, valid_job())
+    custom = kubernetes.client.CustomObjectsApi(api)
+    message = _rejection(lambda: custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "job", patch))
+    assert expected in message, message
+
+
+def test_mutable_fields_can_change(api: kubernetes.client.ApiClient, namespace: str) -> None:
+    _create(api, namespace, valid_job())
+    custom = kubernetes.client.CustomObjectsApi(api)
+    patched = custom.patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "job",
+        {"spec": {"suspend": True, "elastic": {"maxNodes": 4}, "checkpoint": {"maxToKeep": 5}}},
+    )
+    assert patched["spec"]["suspend"] is True
+    assert patched["spec"]["elastic"]["maxNodes"] == 4
+    assert patched["spec"]["checkpoint"]["maxToKeep"] == 5
+
+
+def test_unknown_fields_are_refused_by_strict_apply(cluster: k8s_cluster.Cluster, namespace: str) -> None:
+    job = valid_job()
+    job["spec"]["elastic"]["minNodez"] = 1
+    result = cluster.kubectl("apply", "--server-side", "-n", namespace, "-f", "-",
+                             input_text=yaml.safe_dump(job), check=False)
+    assert result.returncode != 0
+    assert ".spec.elastic.minNodez: field not declared in schema" in result.stderr
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_is_accepted(cluster: k8s_cluster.Cluster, namespace: str, example: pathlib.Path) -> None:
+    result = cluster.kubectl("apply", "--server-side", "-n", namespace, "-f", str(example))
+    jobs = [doc for doc in yaml.safe_load_all(example.read_text()) if doc and doc["kind"] == "ElasticTrainingJob"]
+    assert jobs, f"{example.name} holds no ElasticTrainingJob"
+    for job in jobs:
+        name = job["metadata"]["name"]
+        assert f"elastictrainingjob.sneppx.io/{name} serverside-applied" in result.stdout
+        stored = json.loads(cluster.kubectl("get", "etj", name, "-n", namespace, "-o", "json").stdout)
+        assert stored["spec"]["elastic"] == {**_elastic_defaults(), **job["spec"]["elastic"]}
+
+
+def test_examples_directory_is_not_empty() -> None:
+    assert len(EXAMPLES) >= 3
+
+
+def _elastic_defaults() -> dict:
+    return {"procsPerNode": 1, "port": 29500, "rendezvousTimeoutSeconds": 600, "joinTimeoutSeconds": 30}
+
+
+def test_crd_is_established_with_short_name_and_printer_columns(cluster: k8s_cluster.Cluster) -> None:
+    crd = json.loads(cluster.kubectl("get", "crd", "elastictrainingjobs.sneppx.io", "-o", "json").stdout)
+    assert crd["spec"]["names"]["shortNames"] == ["etj"]
+    version = crd["spec"]["versions"][0]
+    assert version["subresources"] == {"status": {}}
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["Phase", "Ready", "Restarts", "Last-Valid-Step", "Age"]
+    established = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
+    assert established["Established"] == "True" and established["NamesAccepted"] == "True"
+
