@@ -101,3 +101,22 @@ class TensorNotFoundError(SneppXError, KeyError):
 
 class UnsupportedTensorError(SneppXError, TypeError):
     """The object can't be written as a tensor (dtype, memory layout or device)."""
+
+
+# --- model: the reference Transformer and its training state ------------------
+
+
+class ModelConfigError(SneppXError, ValueError):
+    """A model or optimizer configuration is invalid, or a checkpoint's config is not a model config."""
+
+
+class ConfigMismatchError(ModelConfigError):
+    """A checkpoint holds a different architecture than the model loading it (see Transformer.from_checkpoint)."""
+
+
+class ModelInputError(SneppXError, ValueError):
+    """Token ids the model can't take: wrong dtype or rank, too long, or outside the vocabulary."""
+
+
+class TrainingStateError(SneppXError):
+    """Optimizer, data-position or RNG state is missing or does not fit the trainer resuming from it."""

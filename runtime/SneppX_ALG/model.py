@@ -1,0 +1,593 @@
+"""The reference model: a decoder-only Transformer in plain numpy, with hand-written gradients and AdamW.
+
+Why it exists: every SneppX feature (async saves, elastic restarts, re-sharding, signed updates) has to be shown on
+real training rather than on random arrays, on a CPU, with no ML framework installed. This is that training: a
+small GPT-style model whose whole state (parameters, optimizer moments, step) is a flat dict of numpy arrays, so a
+checkpoint of it is exactly what SneppX saves for a real job.
+
+Shape of the model (pre-LayerNorm, as in GPT-2): token + position embeddings, `num_layers` blocks of
+`x += attn(ln1(x))`, `x += ffn(ln2(x))` with multi-head causal self-attention and a tanh-GELU feed-forward, a final
+LayerNorm and an untied LM head. The backward pass is written out by hand and vectorised: heads are stacked on a
+batch axis and go through `np.matmul` together, so no Python loop runs over tokens or heads.
+
+Determinism: parameters come from a seeded generator, and every operation is plain numpy on the same shapes in the
+same order, so the same inputs give bitwise the same parameters in any process on the same machine (the resume
+tests rely on it). float64 mode (`dtype="float64"`) exists for the finite-difference gradient check.
+
+Checkpoints use the SNPX format (`SneppX_ALG.checkpoint`), never pickle: tensors `params/<name>` plus, when a
+`training.Trainer` is attached and asked for, its optimizer, data-position and RNG tensors; the model config is the
+file's JSON config, so `Transformer.from_checkpoint` can rebuild the right model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+from SneppX_ALG import errors
+
+PARAM_PREFIX = "params/"
+MODEL_KIND = "sneppx.Transformer"
+LAYERNORM_EPS = 1e-5
+_GELU_C = math.sqrt(2.0 / math.pi)
+_DTYPES = ("float32", "float64")
+
+
+# --- configuration -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The architecture: everything needed to rebuild a model that a checkpoint's parameters fit."""
+
+    vocab_size: int = 1000
+    dim: int = 128
+    num_heads: int = 4
+    num_layers: int = 2
+    ffn_dim: int = 512
+    max_seq_len: int = 64
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "dim", "num_heads", "num_layers", "ffn_dim", "max_seq_len"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise errors.ModelConfigError(f"{field} must be a positive int, got {value!r}")
+        if self.dim % self.num_heads:
+            raise errors.ModelConfigError(
+                f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads}) so heads have equal width")
+        if self.dtype not in _DTYPES:
+            raise errors.ModelConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON config stored in a checkpoint."""
+        return {"kind": MODEL_KIND, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, value: Any, *, source: str = "checkpoint") -> ModelConfig:
+        """Parses a checkpoint's config; a config that isn't a Transformer's is a ModelConfigError."""
+        if not isinstance(value, dict) or value.get("kind") != MODEL_KIND:
+            kind = value.get("kind") if isinstance(value, dict) else type(value).__name__
+            raise errors.ModelConfigError(
+                f"{source}: config is not a {MODEL_KIND} config (kind {kind!r}); it was not written by "
+                "Transformer.save_checkpoint")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - fields - {"kind"})
+        missing = sorted(fields - set(value))
+        if unknown or missing:
+            raise errors.ModelConfigError(f"{source}: config has unknown keys {unknown} / lacks keys {missing}")
+        return cls(**{name: value[name] for name in fields})
+
+    def differences(self, other: ModelConfig) -> list[tuple[str, Any, Any]]:
+        """(field, self's value, other's value) for each field that differs; empty when the configs match."""
+        return [(f.name, getattr(self, f.name), getattr(other, f.name))
+                for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and shape, in the model's canonical order (the order checkpoints are written in)."""
+    d, f = config.dim, config.ffn_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "tok_emb": (config.vocab_size, d),
+        "pos_emb": (config.max_seq_len, d),
+    }
+    for i in range(config.num_layers):
+        p = f"blocks.{i}."
+        shapes.update({
+            p + "ln1.weight": (d,), p + "ln1.bias": (d,),
+            p + "attn.qkv.weight": (d, 3 * d), p + "attn.qkv.bias": (3 * d,),
+            p + "attn.out.weight": (d, d), p + "attn.out.bias": (d,),
+            p + "ln2.weight": (d,), p + "ln2.bias": (d,),
+            p + "ffn.in.weight": (d, f), p + "ffn.in.bias": (f,),
+            p + "ffn.out.weight": (f, d), p + "ffn.out.bias": (d,),
+        })
+    shapes.update({"ln_f.weight": (d,), "ln_f.bias": (d,), "head.weight": (d, config.vocab_size)})
+    return shapes
+
+
+def init_params(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """GPT-2 initialisation: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2 * layers), LN = identity."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    dtype = np.dtype(config.dtype)
+    residual_std = 0.02 / math.sqrt(2 * config.num_layers)
+    params: dict[str, np.ndarray] = {}
+    for name, shape in param_shapes(config).items():
+        if name.endswith(".bias"):
+            value = np.zeros(shape, dtype)
+        elif name.endswith((".ln1.weight", ".ln2.weight")) or name == "ln_f.weight":
+            value = np.ones(shape, dtype)
+        else:
+            std = residual_std if name.endswith(("attn.out.weight", "ffn.out.weight")) else 0.02
+            value = rng.standard_normal(shape).astype(dtype) * dtype.type(std)
+        params[name] = np.ascontiguousarray(value)
+    return params
+
+
+# --- the pieces of the forward and backward passes (pure functions on arrays) -----------------------------------
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """LayerNorm over the last axis; returns (y, cache for layer_norm_backward)."""
+    mean = x.mean(axis=-1, keepdims=True)
+    xc = x - mean
+    var = np.mean(xc * xc, axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(var + LAYERNORM_EPS)
+    xhat = xc
+    xhat *= rstd
+    return xhat * weight + bias, (xhat, rstd, weight)
+
+
+def layer_norm_backward(dy: np.ndarray, cache: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Returns (dx, dweight, dbias) for a 2-D (rows, features) input."""
+    xhat, rstd, weight = cache
+    dweight = np.sum(dy * xhat, axis=0)
+    dbias = dy.sum(axis=0)
+    dxhat = dy * weight
+    dx = dxhat - dxhat.mean(axis=-1, keepdims=True)
+    dx -= xhat * np.mean(dxhat * xhat, axis=-1, keepdims=True)
+    dx *= rstd
+    return dx, dweight, dbias
+
+
+def gelu(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """tanh-approximate GELU (as in GPT-2); returns (gelu(u), tanh term kept for the backward pass)."""
+    t = u * u
+    t *= 0.044715
+    t += 1.0
+    t *= u
+    t *= _GELU_C
+    np.tanh(t, out=t)
+    out = t + 1.0
+    out *= u
+    out *= 0.5
+    return out, t
+
+
+def gelu_backward(dout: np.ndarray, u: np.ndarray, tanh_term: np.ndarray) -> np.ndarray:
+    """d gelu(u) / du times dout, from the forward's tanh term."""
+    # d/du [0.5 u (1 + t)] = 0.5 (1 + t) + 0.5 u (1 - t^2) c (1 + 3 * 0.044715 u^2)
+    inner = u * u
+    inner *= 3 * 0.044715
+    inner += 1.0
+    inner *= _GELU_C
+    sech2 = tanh_term * tanh_term
+    np.subtract(1.0, sech2, out=sech2)
+    inner *= sech2
+    inner *= u
+    inner += tanh_term
+    inner += 1.0
+    inner *= 0.5
+    inner *= dout
+    return inner
+
+
+def causal_mask(seq_len: int, dtype: np.dtype) -> np.ndarray:
+    """Additive (T, T) mask: 0 on and below the diagonal, -inf above it (a token never sees the future)."""
+    mask = np.zeros((seq_len, seq_len), dtype)
+    mask[np.triu_indices(seq_len, k=1)] = -np.inf
+    return mask
+
+
+def softmax_cross_entropy(logits: np.ndarray, targets: np.ndarray) -> tuple[float, np.ndarray]:
+    """Mean next-token cross-entropy of (N, V) logits; returns (loss, dloss/dlogits)."""
+    n = logits.shape[0]
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    probs = np.exp(shifted)
+    sums = probs.sum(axis=-1, keepdims=True)
+    rows = np.arange(n)
+    log_likelihood = shifted[rows, targets] - np.log(sums[:, 0])
+    loss = -float(np.mean(log_likelihood, dtype=np.float64))
+    probs /= sums
+    probs[rows, targets] -= 1.0
+    probs *= probs.dtype.type(1.0 / n)
+    return loss, probs
+
+
+# --- the model ------------------------------------------------------------------------------------------------
+
+
+class TrainingStateOwner(Protocol):
+    """What `training.Trainer` gives the model so one checkpoint holds the whole training state.
+
+    `load_training_state_dict` checks everything before it changes anything, and raises TrainingStateError.
+    """
+
+    def training_state_dict(self) -> dict[str, np.ndarray]: ...
+
+    def check_training_state_dict(self, state: Mapping[str, np.ndarray]) -> None: ...
+
+    def load_training_state_dict(self, state: Mapping[str, np.ndarray]) -> None: ...
+
+
+class Transformer:
+    """A decoder-only causal Transformer language model in numpy (see the module docstring).
+
+    `forward(tokens)` gives logits, `loss(tokens)` the mean next-token cross-entropy, `loss_and_grads(tokens)` the
+    loss and the gradient of every parameter. `params` maps names to arrays; `state_dict()` / `load_state_dict()`
+    are the flat `name -> ndarray` view of the model (and, when asked, of the attached trainer) that checkpointing
+    uses, and `save_checkpoint` / `load_checkpoint` / `from_checkpoint` read and write SNPX files.
+    """
+
+    def __init__(self, vocab_size: int = 1000, dim: int = 128, num_heads: int = 4, num_layers: int = 2,
+                 ffn_dim: int = 512, max_seq_len: int = 64, *, seed: int = 0, dtype: str = "float32"):
+        self.config = ModelConfig(vocab_size=vocab_size, dim=dim, num_heads=num_heads, num_layers=num_layers,
+                                  ffn_dim=ffn_dim, max_seq_len=max_seq_len, dtype=str(np.dtype(dtype)))
+        self.params: dict[str, np.ndarray] = init_params(self.config, seed)
+        # Set by training.Trainer: with it, checkpoints can carry optimizer, data position and RNG too.
+        self.trainer: TrainingStateOwner | None = None
+        self._mask = causal_mask(self.config.max_seq_len, np.dtype(self.config.dtype))
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, *, seed: int = 0) -> Transformer:
+        fields = dataclasses.asdict(config)
+        return cls(**fields, seed=seed)
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.size for p in self.params.values())
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"Transformer(vocab_size={c.vocab_size}, dim={c.dim}, num_heads={c.num_heads}, "
+                f"num_layers={c.num_layers}, ffn_dim={c.ffn_dim}, max_seq_len={c.max_seq_len}, dtype={c.dtype!r})")
+
+    # --- forward / backward ---
+
+    def _check_tokens(self, tokens: Any, what: str, max_len: int) -> np.ndarray:
+        array = np.asarray(tokens)
+        if array.ndim == 1:
+            array = array[None, :]
+        if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):
+            raise errors.ModelInputError(
+                f"{what} must be a 1-D or 2-D (batch, seq) integer array, got {array.dtype} of shape {array.shape}")
+        if not 1 <= array.shape[1] <= max_len:
+            raise errors.ModelInputError(f"{what} length {array.shape[1]} is outside 1..{max_len}")
+        if array.size and (array.min() < 0 or array.max() >= self.config.vocab_size):
+            raise errors.ModelInputError(
+                f"{what} holds ids outside 0..{self.config.vocab_size - 1} "
+                f"(min {array.min()}, max {array.max()})")
+        return array
+
+    def _forward(self, tokens: np.ndarray, keep_cache: bool) -> tuple[np.ndarray, list[Any]]:
+        """(B, T) ids -> (B*T, V) logits, and the activations the backward pass needs (when keep_cache)."""
+        c, p = self.config, self.params
+        batch, seq = tokens.shape
+        n, h, hd = batch * seq, c.num_heads, c.head_dim
+        scale = np.dtype(c.dtype).type(1.0 / math.sqrt(hd))
+        mask = self._mask[:seq, :seq]
+        x = p["tok_emb"][tokens.reshape(-1)]
+        x += np.tile(p["pos_emb"][:seq], (batch, 1))
+        cache: list[Any] = []
+        for i in range(c.num_layers):
+            b = f"blocks.{i}."
+            a, ln1 = layer_norm(x, p[b + "ln1.weight"], p[b + "ln1.bias"])
+            qkv = a @ p[b + "attn.qkv.weight"]
+            qkv += p[b + "attn.qkv.bias"]
+            # (B, T, 3, H, hd) -> (3, B, H, T, hd): heads become a batch axis of one stacked matmul.
+            qkv_heads = np.ascontiguousarray(qkv.reshape(batch, seq, 3, h, hd).transpose(2, 0, 3, 1, 4))
+            q, k, v = qkv_heads[0], qkv_heads[1], qkv_heads[2]
+            scores = np.matmul(q, k.transpose(0, 1, 3, 2))
+            scores *= scale
+            scores += mask
+            scores -= scores.max(axis=-1, keepdims=True)
+            probs = np.exp(scores, out=scores)
+            probs /= probs.sum(axis=-1, keepdims=True)
+            heads_out = np.matmul(probs, v)
+            attn = heads_out.transpose(0, 2, 1, 3).reshape(n, c.dim)
+            x = x + attn @ p[b + "attn.out.weight"]
+            x += p[b + "attn.out.bias"]
+            a2, ln2 = layer_norm(x, p[b + "ln2.weight"], p[b + "ln2.bias"])
+            u = a2 @ p[b + "ffn.in.weight"]
+            u += p[b + "ffn.in.bias"]
+            g, tanh_term = gelu(u)
+            x = x + g @ p[b + "ffn.out.weight"]
+            x += p[b + "ffn.out.bias"]
+            if keep_cache:
+                cache.append((a, ln1, qkv_heads, probs, attn, a2, ln2, u, tanh_term, g))
+        xf, lnf = layer_norm(x, p["ln_f.weight"], p["ln_f.bias"])
+        logits = xf @ p["head.weight"]
+        if keep_cache:
+            cache.append((xf, lnf))
+        return logits, cache
+
+    def forward(self, tokens: Any) -> np.ndarray:
+        """Logits of shape (batch, seq, vocab) for integer ids of shape (batch, seq) or (seq,)."""
+        ids = self._check_tokens(tokens, "tokens", self.config.max_seq_len)
+        logits, _ = self._forward(ids, keep_cache=False)
+        return logits.reshape(ids.shape[0], ids.shape[1], self.config.vocab_size)
+
+    def _split_targets(self, tokens: Any, targets: Any) -> tuple[np.ndarray, np.ndarray]:
+        if targets is None:
+            # Next-token prediction: a (batch, seq + 1) window gives seq inputs and seq targets.
+            ids = self._check_tokens(tokens, "tokens", self.config.max_seq_len + 1)
+            if ids.shape[1] < 2:
+                raise errors.ModelInputError("tokens need at least 2 positions to predict a next token")
+            return ids[:, :-1], ids[:, 1:]
+        ids = self._check_tokens(tokens, "tokens", self.config.max_seq_len)
+        tgt = self._check_tokens(targets, "targets", self.config.max_seq_len)
+        if tgt.shape != ids.shape:
+            raise errors.ModelInputError(f"targets shape {tgt.shape} differs from tokens shape {ids.shape}")
+        return ids, tgt
+
+    def loss(self, tokens: Any, targets: Any = None) -> float:
+        """Mean cross-entropy (nats/token). Without targets, predicts tokens[:, 1:] from tokens[:, :-1]."""
+        ids, tgt = self._split_targets(tokens, targets)
+        logits, _ = self._forward(ids, keep_cache=False)
+        loss, _ = softmax_cross_entropy(logits, tgt.reshape(-1))
+        return loss
+
+    def loss_and_grads(self, tokens: Any, targets: Any = None) -> tuple[float, dict[str, np.ndarray]]:
+        """The loss (as `loss`) and d loss / d param for every parameter, by a hand-written backward pass."""
+        ids, tgt = self._split_targets(tokens, targets)
+        c, p = self.config, self.params
+        batch, seq = ids.shape
+        n, h, hd = batch * seq, c.num_heads, c.head_dim
+        scale = np.dtype(c.dtype).type(1.0 / math.sqrt(hd))
+        logits, cache = self._forward(ids, keep_cache=True)
+        loss, dlogits = softmax_cross_entropy(logits, tgt.reshape(-1))
+        del logits
+        grads: dict[str, np.ndarray] = {}
+
+        xf, lnf = cache.pop()
+        grads["head.weight"] = xf.T @ dlogits
+        dx, grads["ln_f.weight"], grads["ln_f.bias"] = layer_norm_backward(dlogits @ p["head.weight"].T, lnf)
+        del dlogits
+
+        for i in reversed(range(c.num_layers)):
+            b = f"blocks.{i}."
+            a, ln1, qkv_heads, probs, attn, a2, ln2, u, tanh_term, g = cache.pop()
+            # Feed-forward: x_out = x_mid + gelu(ln2(x_mid) W1 + b1) W2 + b2
+            grads[b + "ffn.out.weight"] = g.T @ dx
+            grads[b + "ffn.out.bias"] = dx.sum(axis=0)
+            du = gelu_backward(dx @ p[b + "ffn.out.weight"].T, u, tanh_term)
+            grads[b + "ffn.in.weight"] = a2.T @ du
+            grads[b + "ffn.in.bias"] = du.sum(axis=0)
+            da2, grads[b + "ln2.weight"], grads[b + "ln2.bias"] = layer_norm_backward(
+                du @ p[b + "ffn.in.weight"].T, ln2)
+            dx += da2
+            # Attention: x_mid = x_in + concat_heads(softmax(q k^T * scale + mask) v) Wo + bo
+            grads[b + "attn.out.weight"] = attn.T @ dx
+            grads[b + "attn.out.bias"] = dx.sum(axis=0)
+            dheads = (dx @ p[b + "attn.out.weight"].T).reshape(batch, seq, h, hd).transpose(0, 2, 1, 3)
+            q, k, v = qkv_heads[0], qkv_heads[1], qkv_heads[2]
+            dqkv = np.empty_like(qkv_heads)
+            np.matmul(probs.transpose(0, 1, 3, 2), dheads, out=dqkv[2])
+            dprobs = np.matmul(dheads, v.transpose(0, 1, 3, 2))
+            # softmax backward; masked entries have probs == 0 and so get no gradient.
+            dscores = dprobs
+            dscores -= np.sum(dprobs * probs, axis=-1, keepdims=True)
+            dscores *= probs
+            dscores *= scale
+            np.matmul(dscores, k, out=dqkv[0])
+            np.matmul(dscores.transpose(0, 1, 3, 2), q, out=dqkv[1])
+            dqkv_rows = dqkv.transpose(1, 3, 0, 2, 4).reshape(n, 3 * c.dim)
+            grads[b + "attn.qkv.weight"] = a.T @ dqkv_rows
+            grads[b + "attn.qkv.bias"] = dqkv_rows.sum(axis=0)
+            da, grads[b + "ln1.weight"], grads[b + "ln1.bias"] = layer_norm_backward(
+                dqkv_rows @ p[b + "attn.qkv.weight"].T, ln1)
+            dx += da
+
+        grads["pos_emb"] = np.zeros_like(p["pos_emb"])
+        grads["pos_emb"][:seq] = dx.reshape(batch, seq, c.dim).sum(axis=0)
+        grads["tok_emb"] = np.zeros_like(p["tok_emb"])
+        np.add.at(grads["tok_emb"], ids.reshape(-1), dx)
+        return loss, {name: grads[name] for name in p}
+
+    # --- state as flat dicts of arrays (what checkpoints hold) ---
+
+    def state_dict(self, include_optimizer: bool = False) -> dict[str, np.ndarray]:
+        """`params/<name> -> array` (live arrays, not copies), plus the trainer's tensors when include_optimizer.
+
+        Callers that keep the result while training goes on must copy it (the async coordinator snapshots it).
+        """
+        state = {PARAM_PREFIX + name: value for name, value in self.params.items()}
+        if include_optimizer:
+            if self.trainer is None:
+                raise errors.TrainingStateError(
+                    "include_optimizer=True but no trainer is attached to this model: create "
+                    "training.Trainer(model, ...) first, or save the parameters only")
+            state.update(self.trainer.training_state_dict())
+        return state
+
+    def _check_params(self, state: Mapping[str, np.ndarray], source: str) -> None:
+        expected = param_shapes(self.config)
+        dtype = np.dtype(self.config.dtype)
+        present = {name[len(PARAM_PREFIX):] for name in state if name.startswith(PARAM_PREFIX)}
+        missing = [name for name in expected if name not in present]
+        unknown = sorted(present - set(expected))
+        if missing or unknown:
+            raise errors.ConfigMismatchError(
+                f"{source}: parameters do not fit {self!r}: missing {missing[:5]}, unknown {unknown[:5]}")
+        for name, shape in expected.items():
+            value = state[PARAM_PREFIX + name]
+            if tuple(value.shape) != shape or value.dtype != dtype:
+                raise errors.ConfigMismatchError(
+                    f"{source}: parameter {name} is {value.dtype}{list(value.shape)}, this model needs "
+                    f"{dtype}{list(shape)}")
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray], *, include_optimizer: bool | None = None,
+                        source: str = "state dict") -> None:
+        """Copies `params/*` (and the trainer's tensors) from `state` into this model, bitwise.
+
+        include_optimizer: None restores the training state when both the state and a trainer have it; True
+        requires it (TrainingStateError otherwise); False loads parameters only. Everything is checked before
+        anything changes, so a failed load leaves the model and trainer as they were.
+        """
+        self._check_params(state, source)
+        has_training_state = any(not name.startswith(PARAM_PREFIX) for name in state)
+        restore_training = bool(include_optimizer) or (include_optimizer is None and has_training_state
+                                                       and self.trainer is not None)
+        if restore_training:
+            if self.trainer is None:
+                raise errors.TrainingStateError(
+                    f"{source}: include_optimizer=True but no trainer is attached to this model")
+            if not has_training_state:
+                raise errors.TrainingStateError(
+                    f"{source}: holds parameters only (saved without include_optimizer=True); there is no "
+                    "optimizer, data position or RNG state to resume from")
+            training_state = {k: v for k, v in state.items() if not k.startswith(PARAM_PREFIX)}
+            self.trainer.check_training_state_dict(training_state)
+        for name, value in self.params.items():
+            # In place, so arrays the optimizer or others hold stay the model's arrays.
+            np.copyto(value, state[PARAM_PREFIX + name], casting="no")
+        if restore_training:
+            assert self.trainer is not None
+            self.trainer.load_training_state_dict(training_state)
+
+    # --- SNPX checkpoints ---
+
+    def save_checkpoint(self, path: str | os.PathLike[str], include_optimizer: bool = False,
+                        metadata: Mapping[str, str] | None = None) -> None:
+        """Writes the model to an SNPX file at `path`, atomically (the file appears whole or not at all).
+
+        Holds every parameter and the config; with include_optimizer=True also the attached trainer's optimizer
+        moments and step, data position and RNG state, so training resumes bitwise where it stopped.
+        """
+        from SneppX_ALG import checkpoint  # the checkpoint core imports nothing of the model
+
+        state = self.state_dict(include_optimizer=include_optimizer)
+        meta = {"sneppx.kind": MODEL_KIND, "sneppx.training_state": "true" if include_optimizer else "false"}
+        meta.update(metadata or {})
+        with checkpoint.CheckpointWriter(os.fspath(path), metadata=meta, config=self.config.to_json()) as writer:
+            for name, value in state.items():
+                writer.write(name, value)
+
+    def load_checkpoint(self, path: str | os.PathLike[str], include_optimizer: bool | None = None) -> None:
+        """Loads an SNPX checkpoint written by `save_checkpoint` into this model, bitwise.
+
+        Raises CheckpointNotFoundError, UnsafeFormatError for a pickle (refused, never loaded), another
+        CheckpointFormatError for a damaged file, ConfigMismatchError when the checkpoint is for a different
+        architecture (use `Transformer.from_checkpoint`), and TrainingStateError as `load_state_dict` says.
+        """
+        from SneppX_ALG import checkpoint
+
+        source = os.fspath(path)
+        with checkpoint.CheckpointReader(source) as reader:
+            theirs = ModelConfig.from_json(reader.config, source=source)
+            if theirs != self.config:
+                diff = ", ".join(f"{field}={saved!r} (this model: {ours!r})"
+                                 for field, saved, ours in theirs.differences(self.config))
+                raise errors.ConfigMismatchError(
+                    f"{source}: checkpoint is for a different model: {diff}; build the matching model with "
+                    "Transformer.from_checkpoint(path)")
+            want_training = include_optimizer is not False and (include_optimizer or self.trainer is not None)
+            names = [n for n in reader.names() if want_training or n.startswith(PARAM_PREFIX)]
+            # Zero-copy views over the file; load_state_dict copies them into our arrays before the file closes.
+            state = {name: reader.read(name) for name in names}
+            self.load_state_dict(state, include_optimizer=include_optimizer, source=source)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike[str]) -> Transformer:
+        """Builds the model a checkpoint was saved from and loads its parameters."""
+        from SneppX_ALG import checkpoint
+
+        source = os.fspath(path)
+        with checkpoint.CheckpointReader(source) as reader:
+            config = ModelConfig.from_json(reader.config, source=source)
+            model = cls.from_config(config)
+            state = {name: reader.read(name) for name in reader.names() if name.startswith(PARAM_PREFIX)}
+            model.load_state_dict(state, include_optimizer=False, source=source)
+        return model
+
+
+# --- the optimizer ----------------------------------------------------------------------------------------------
+
+
+class AdamW:
+    """Adam with decoupled weight decay (Loshchilov & Hutter), in place on the model's arrays.
+
+    The moments and the step count are training state: `state_dict()` gives them as `optim/...` tensors so a
+    checkpoint can resume training bitwise. Weight decay applies to matrices only (not biases or LayerNorm gains).
+    """
+
+    def __init__(self, params: Mapping[str, np.ndarray], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01):
+        if not (lr >= 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1 and eps > 0 and weight_decay >= 0):
+            raise errors.ModelConfigError(
+                f"AdamW hyperparameters out of range: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.m = {name: np.zeros_like(value) for name, value in params.items()}
+        self.v = {name: np.zeros_like(value) for name, value in params.items()}
+        self.step_count = 0
+
+    def step(self, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray], lr: float | None = None) -> None:
+        """One update of every parameter from its gradient (grads are used as scratch and left changed)."""
+        lr = self.lr if lr is None else lr
+        beta1, beta2 = self.betas
+        self.step_count += 1
+        t = self.step_count
+        step_size = lr / (1.0 - beta1 ** t)
+        inv_sqrt_bc2 = 1.0 / math.sqrt(1.0 - beta2 ** t)
+        for name, value in params.items():
+            g, m, v = grads[name], self.m[name], self.v[name]
+            dt = value.dtype.type
+            m *= dt(beta1)
+            m += dt(1.0 - beta1) * g
+            v *= dt(beta2)
+            g *= g
+            g *= dt(1.0 - beta2)
+            v += g
+            if value.ndim >= 2 and self.weight_decay:
+                value *= dt(1.0 - lr * self.weight_decay)
+            denom = np.sqrt(v)
+            denom *= dt(inv_sqrt_bc2)
+            denom += dt(self.eps)
+            update = np.divide(m, denom, out=denom)
+            update *= dt(step_size)
+            value -= update
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        state: dict[str, np.ndarray] = {"optim/step": np.array(self.step_count, np.int64)}
+        for name in self.m:
+            state[f"optim/m/{name}"] = self.m[name]
+            state[f"optim/v/{name}"] = self.v[name]
+        return state
+
+    def check_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Raises TrainingStateError unless `state` holds this optimizer's tensors with the right shapes."""
+        step = state.get("optim/step")
+        if step is None or step.shape != () or step.dtype != np.int64 or int(step) < 0:
+            raise errors.TrainingStateError("training state lacks a valid optim/step (int64 scalar >= 0)")
+        for kind, moments in (("m", self.m), ("v", self.v)):
+            for name, ours in moments.items():
+                value = state.get(f"optim/{kind}/{name}")
+                if value is None or value.shape != ours.shape or value.dtype != ours.dtype:
+                    found = "missing" if value is None else f"{value.dtype}{list(value.shape)}"
+                    raise errors.TrainingStateError(
+                        f"optimizer moment optim/{kind}/{name} is {found}, needs {ours.dtype}{list(ours.shape)}")
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        self.check_state_dict(state)
+        for name in self.m:
+            np.copyto(self.m[name], state[f"optim/m/{name}"], casting="no")
+            np.copyto(self.v[name], state[f"optim/v/{name}"], casting="no")
+        self.step_count = int(state["optim/step"])
