@@ -20,7 +20,7 @@
 #define SX_ENOMEM -4      /* allocation failed */
 #define SX_ENOENT -5      /* no such file or directory */
 #define SX_EEXIST -6      /* target exists */
-#define SX_EFAULT_INJECTED -7 /* a test fault hook fired */
+#define SX_EFSYNC -7        /* fsync failed: the data may not be durable (never retried) */
 #define SX_ENODEV -8      /* no device (e.g. CUDA present but no GPU) */
 #define SX_ENOLIB -9      /* a dlopen'ed library is missing */
 #define SX_ECUDA -10      /* a CUDA call failed */
@@ -84,8 +84,8 @@ int sx_rename_durable(const char *from, const char *to);
 /* ---- fault injection (tests only) -------------------------------------- */
 /* Every I/O site (write, fsync, rename, dirsync) calls the hook first. When
  * armed with (site_mask, countdown, action), the countdown-th matching call
- * either kills the process with SIGKILL (action 0) or fails with errno
- * (action > 0, e.g. ENOSPC or EIO). Also armed from the environment:
+ * either kills the process with SIGKILL (action 0) or fails exactly as if the
+ * system call had failed with errno = action (e.g. ENOSPC or EIO). Also armed from the environment:
  * SNEPPX_FAULT="<sites>:<countdown>:<kill|ENOSPC|EIO>", sites like "write,fsync". */
 #define SX_SITE_WRITE 1u
 #define SX_SITE_FSYNC 2u
@@ -94,5 +94,45 @@ int sx_rename_durable(const char *from, const char *to);
 void sx_fault_arm(unsigned site_mask, long countdown, int action);
 /* Number of I/O sites passed since the process started (to size a kill sweep). */
 long sx_fault_sites_passed(void);
+
+/* ---- copy engine: snapshot state into staging chunks (copy.c) ----------- */
+/* CUDA is dlopen'ed, never linked. sx_cuda_load(path) loads libcudart from
+ * path (NULL or "" = the soname libcudart.so.12); once loaded, later calls are
+ * no-ops. SX_ENOLIB if it can't be loaded. A machine without a GPU loads it
+ * fine and sx_cuda_device_count() returns SX_ENODEV (CUDA error 35 or 100,
+ * see sx_cuda_last_error()). */
+#define SX_COPY_H2H 0      /* host to host: plain threads */
+#define SX_COPY_D2H 1      /* device to host: cudaMemcpyAsync on the copier's stream */
+#define SX_COPY_H2D 2      /* sx_cuda_memcpy only (tests, benchmarks) */
+#define SX_COPY_D2D 3      /* sx_cuda_memcpy only */
+
+int sx_cuda_load(const char *path);
+/* The file libcudart was loaded from, or NULL. */
+const char *sx_cuda_library(void);
+int sx_cuda_device_count(int *count);
+/* The last cudaError_t seen by this thread, and its text. */
+int sx_cuda_last_error(void);
+const char *sx_cuda_error_string(int err);
+/* Device memory and synchronous copies, for tests and benchmarks. */
+int sx_cuda_malloc(int device, size_t len, void **out);
+int sx_cuda_free(int device, void *p);
+int sx_cuda_memcpy(int device, void *dst, const void *src, size_t len, int kind);
+
+typedef struct sx_copier sx_copier;
+/* device -1: host copies with up to nthreads threads (0 = online CPUs).
+ * device >= 0: also D2H on its own non-blocking stream in pieces of
+ * piece_bytes (0 = 8 MiB), one event per piece, at most 8 in flight. */
+int sx_copier_create(int device, size_t piece_bytes, int nthreads, sx_copier **out);
+void sx_copier_destroy(sx_copier *c);
+int sx_copier_device(const sx_copier *c);
+/* Staging memory: pinned (cudaHostAlloc) on a device copier, 4 KiB-aligned
+ * malloc otherwise. Free with the copier that allocated it. */
+int sx_copier_alloc(sx_copier *c, size_t len, void **out);
+void sx_copier_free(sx_copier *c, void *p);
+/* Copies len bytes (kind SX_COPY_H2H or SX_COPY_D2H). With crc non-NULL, *crc
+ * is continued with the copied bytes, each piece hashed as it lands (pieces
+ * combined with sx_crc32c_combine); with crc NULL the D2H path is the bare
+ * cudaMemcpyAsync loop. Returns only when every byte has landed. */
+int sx_copier_copy(sx_copier *c, void *dst, const void *src, size_t len, int kind, uint32_t *crc);
 
 #endif

@@ -34,7 +34,7 @@ const char *sx_strerror(int code) {
     case SX_ENOMEM: return "out of memory";
     case SX_ENOENT: return "no such file or directory";
     case SX_EEXIST: return "file exists";
-    case SX_EFAULT_INJECTED: return "fault injected by test hook";
+    case SX_EFSYNC: return "fsync failed: data may not be on disk";
     case SX_ENODEV: return "no device";
     case SX_ENOLIB: return "library not found";
     case SX_ECUDA: return "CUDA error";
@@ -123,8 +123,7 @@ static int fault_point(unsigned site) {
 
 static int fsync_fd(int fd) {
     int inj = fault_point(SX_SITE_FSYNC);
-    if (inj) { last_errno = inj; return inj == ENOSPC ? SX_ENOSPC : SX_EFAULT_INJECTED; }
-    if (fsync(fd) != 0) return status_from_errno(errno) == SX_ENOSPC ? SX_ENOSPC : SX_EIO;
+    if (inj || fsync(fd) != 0) return status_from_errno(inj ? inj : errno) == SX_ENOSPC ? SX_ENOSPC : SX_EFSYNC;
     return SX_OK;
 }
 
@@ -139,16 +138,13 @@ int sx_fsync_path(const char *path) {
 static int fsync_dir_of(const char *path) {
     char *copy = strdup(path);
     if (!copy) return SX_ENOMEM;
-    int inj = fault_point(SX_SITE_DIRSYNC);
     int rc = SX_OK;
-    if (inj) { last_errno = inj; rc = SX_EFAULT_INJECTED; }
+    int fd = open(dirname(copy), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) rc = status_from_errno(errno);
     else {
-        int fd = open(dirname(copy), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        if (fd < 0) rc = status_from_errno(errno);
-        else {
-            if (fsync(fd) != 0) { status_from_errno(errno); rc = SX_EIO; }
-            close(fd);
-        }
+        int inj = fault_point(SX_SITE_DIRSYNC);
+        if (inj || fsync(fd) != 0) { status_from_errno(inj ? inj : errno); rc = SX_EFSYNC; }
+        close(fd);
     }
     free(copy);
     return rc;
@@ -156,8 +152,7 @@ static int fsync_dir_of(const char *path) {
 
 int sx_rename_durable(const char *from, const char *to) {
     int inj = fault_point(SX_SITE_RENAME);
-    if (inj) { last_errno = inj; return SX_EFAULT_INJECTED; }
-    if (rename(from, to) != 0) return status_from_errno(errno);
+    if (inj || rename(from, to) != 0) return status_from_errno(inj ? inj : errno);
     int rc = fsync_dir_of(to);
     if (rc != SX_OK) return rc;
     char *a = strdup(from), *b = strdup(to);
@@ -195,8 +190,7 @@ struct sx_file {
 static int write_all(sx_file *f, int fd, const unsigned char *p, size_t len, uint64_t off, int *err) {
     while (len) {
         int inj = fault_point(SX_SITE_WRITE);
-        if (inj) { *err = inj; return inj == ENOSPC ? SX_ENOSPC : SX_EFAULT_INJECTED; }
-        ssize_t n = pwrite(fd, p, len, (off_t)off);
+        ssize_t n = inj ? (errno = inj, -1) : pwrite(fd, p, len, (off_t)off);
         if (n < 0) {
             if (errno == EINTR) continue;
             if (errno == EINVAL && fd == f->fd && f->direct) {

@@ -39,9 +39,7 @@ def raise_for(code: int, what: str, path: str | None = None) -> None:
         raise errors.DiskFullError(message, path=path, errno=_errno.ENOSPC)
     if code == lib.SX_ENOENT:
         raise errors.CheckpointNotFoundError(message, path=path, errno=_errno.ENOENT)
-    if code == lib.SX_EFAULT_INJECTED:
-        raise errors.InjectedFault(message, path=path, errno=err)
-    if code == lib.SX_EIO and "fsync" in what:
+    if code == lib.SX_EFSYNC:
         raise errors.DurabilityError(message, path=path, errno=err)
     if code == lib.SX_EINVAL:
         raise ValueError(message)
@@ -150,3 +148,142 @@ def fault_arm(sites: str, countdown: int, action: str = "kill") -> None:
 
 def fault_sites_passed() -> int:
     return int(lib.sx_fault_sites_passed())
+
+
+# ---- copy engine (copy.c): CUDA by dlopen, pinned staging, CRC as bytes land ----------------------------
+
+COPY_H2H = lib.SX_COPY_H2H
+COPY_D2H = lib.SX_COPY_D2H
+COPY_H2D = lib.SX_COPY_H2D
+COPY_D2D = lib.SX_COPY_D2D
+CUDART_SONAME = "libcudart.so.12"
+_CUDART_IN_WHEEL = os.path.join("nvidia", "cuda_runtime", "lib", CUDART_SONAME)
+
+
+def cudart_candidates(sys_path: list[str], env: dict[str, str]) -> list[str]:
+    """Where to look for libcudart, in order: $SNEPPX_CUDART alone if set, else the
+    nvidia-cuda-runtime-cu12 wheel on any sys.path entry (`nvidia` is a namespace package), then the soname."""
+    override = env.get("SNEPPX_CUDART")
+    if override:
+        return [override]
+    found = [os.path.join(entry or ".", _CUDART_IN_WHEEL) for entry in sys_path]
+    return [path for path in found if os.path.isfile(path)] + [CUDART_SONAME]
+
+
+def _raise_cuda(code: int, what: str) -> None:
+    if code == lib.SX_OK:
+        return
+    cuda_err = int(lib.sx_cuda_last_error())
+    text = ffi.string(lib.sx_cuda_error_string(cuda_err)).decode(errors="replace") if cuda_err else ""
+    if code == lib.SX_ENOLIB:
+        raise errors.AcceleratorUnavailableError(f"{what}: the CUDA runtime library ({CUDART_SONAME}) can't be "
+                                                 "loaded; install nvidia-cuda-runtime-cu12 or set SNEPPX_CUDART")
+    if code == lib.SX_ENODEV:
+        raise errors.AcceleratorUnavailableError(f"{what}: no CUDA device (CUDA error {cuda_err}: {text})")
+    if code == lib.SX_ECUDA:
+        raise errors.CudaError(f"{what}: CUDA error {cuda_err}: {text}", cuda_error=cuda_err)
+    raise_for(code, what)
+
+
+def cuda_load() -> str:
+    """Loads libcudart (first candidate that loads) and returns the file it came from."""
+    import sys
+
+    for candidate in cudart_candidates(sys.path, dict(os.environ)):
+        if lib.sx_cuda_load(os.fsencode(candidate)) == lib.SX_OK:
+            return ffi.string(lib.sx_cuda_library()).decode()
+    _raise_cuda(lib.SX_ENOLIB, "load CUDA runtime")
+    return ""  # unreachable: _raise_cuda raised
+
+
+def cuda_device_count() -> int:
+    """Number of CUDA devices; AcceleratorUnavailableError when the runtime or a device is missing."""
+    cuda_load()
+    count = ffi.new("int *")
+    _raise_cuda(lib.sx_cuda_device_count(count), "cudaGetDeviceCount")
+    return int(count[0])
+
+
+def cuda_available() -> bool:
+    """True when a CUDA device can be used; never raises."""
+    try:
+        return cuda_device_count() > 0
+    except errors.AcceleratorUnavailableError:
+        return False
+
+
+def cuda_malloc(device: int, nbytes: int) -> int:
+    """Device memory (tests, benchmarks); returns the pointer as an int."""
+    out = ffi.new("void **")
+    _raise_cuda(lib.sx_cuda_malloc(device, nbytes, out), "cudaMalloc")
+    return int(ffi.cast("uintptr_t", out[0]))
+
+
+def cuda_free(device: int, pointer: int) -> None:
+    _raise_cuda(lib.sx_cuda_free(device, ffi.cast("void *", pointer)), "cudaFree")
+
+
+def cuda_memcpy(device: int, dst: int, src: int, nbytes: int, kind: int) -> None:
+    """Synchronous cudaMemcpy between int pointers (tests, benchmarks)."""
+    _raise_cuda(lib.sx_cuda_memcpy(device, ffi.cast("void *", dst), ffi.cast("void *", src), nbytes, kind),
+                "cudaMemcpy")
+
+
+def address_of(data: Any) -> int:
+    """The address of a buffer's first byte (bytes, bytearray, numpy array...)."""
+    return int(ffi.cast("uintptr_t", as_buffer(data)))
+
+
+class Copier:
+    """The snapshot copy engine: copies into staging memory and returns the CRC32C of what landed.
+
+    device=-1 copies host memory with plain threads; device>=0 also copies from CUDA device memory
+    through pinned staging on its own stream (AcceleratorUnavailableError without a device).
+    Staging buffers come from alloc() (pinned on a device copier) and go back with free().
+    """
+
+    def __init__(self, device: int = -1, *, piece_bytes: int = 0, threads: int = 0):
+        if device >= 0:
+            cuda_load()
+        out = ffi.new("sx_copier **")
+        _raise_cuda(lib.sx_copier_create(device, piece_bytes, threads, out), "create copier")
+        self._c = ffi.gc(out[0], lib.sx_copier_destroy)
+        self.device = device
+
+    def alloc(self, nbytes: int) -> Any:
+        """A writable buffer (cffi) of nbytes; pinned on a device copier. Keep it alive while in use."""
+        out = ffi.new("void **")
+        _raise_cuda(lib.sx_copier_alloc(self._c, nbytes, out), "allocate staging memory")
+        copier = self._c  # the buffer must not outlive the copier that frees it
+        return ffi.gc(ffi.cast("char *", out[0]), lambda p: lib.sx_copier_free(copier, p), nbytes)
+
+    def view(self, buffer: Any, nbytes: int) -> memoryview:
+        """A memoryview over the first nbytes of a buffer from alloc()."""
+        return memoryview(ffi.buffer(buffer, nbytes))
+
+    def copy(self, dst: Any, src: Any, nbytes: int | None = None, *, crc: int | None = 0,
+             kind: int = COPY_H2H) -> int | None:
+        """Copies into dst (writable buffer or int address) from src (buffer, or int device address for
+        COPY_D2H). Returns the CRC32C of the bytes continued from `crc`, or None with crc=None."""
+        dst_p, dst_len = _pointer(dst, writable=True)
+        src_p, src_len = _pointer(src, writable=False)
+        if nbytes is None:
+            nbytes = src_len if src_len is not None else dst_len
+        if nbytes is None:
+            raise ValueError("nbytes is needed when both ends are raw pointers")
+        for end, length in (("into", dst_len), ("from", src_len)):
+            if length is not None and nbytes > length:
+                raise ValueError(f"copy of {nbytes} bytes {end} a buffer of {length}")
+        out = ffi.new("uint32_t *", crc or 0) if crc is not None else ffi.NULL
+        _raise_cuda(lib.sx_copier_copy(self._c, dst_p, src_p, nbytes, kind, out), "copy")
+        return int(out[0]) if crc is not None else None
+
+
+def _pointer(data: Any, *, writable: bool) -> tuple[Any, int | None]:
+    """A void* for an int address, a cffi pointer (length unknown) or a buffer (with its length)."""
+    if isinstance(data, int):
+        return ffi.cast("void *", data), None
+    if isinstance(data, ffi.CData):
+        return ffi.cast("void *", data), None
+    buf = ffi.from_buffer("char[]", data, require_writable=writable)
+    return buf, len(buf)

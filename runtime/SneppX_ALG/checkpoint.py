@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import stat
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -72,7 +73,10 @@ class CheckpointWriter:
     def __init__(self, path: str | os.PathLike[str], metadata: dict[str, str] | None = None, config: Any = None,
                  *, signing_key: Any = None, direct: bool = True, buffer_bytes: int = 0):
         self.path = os.fspath(path)
-        self.metadata = format.check_metadata(metadata or {}, error=errors.UnsupportedTensorError)
+        try:
+            self.metadata = format.check_metadata(metadata or {})
+        except errors.CorruptTableError as e:
+            raise errors.UnsupportedTensorError(e.reason) from None
         format.check_config(config)
         self.config = config
         self.signing_key = signing_key
@@ -207,8 +211,11 @@ def _open_checked(path: str) -> tuple[int, int]:
         raise errors.CheckpointFormatError("is a directory, not a checkpoint file", path=path) from None
     except PermissionError as e:
         raise errors.StorageError(f"can't read {path}: {e.strerror}", path=path, errno=e.errno) from None
-    size = os.fstat(fd).st_size
-    return fd, size
+    st = os.fstat(fd)
+    if stat.S_ISDIR(st.st_mode):
+        os.close(fd)
+        raise errors.CheckpointFormatError("is a directory, not a checkpoint file", path=path)
+    return fd, st.st_size
 
 
 class CheckpointReader:
@@ -297,9 +304,15 @@ class CheckpointReader:
                 raise errors.ChecksumMismatchError(
                     f"tensor {name!r} fails its CRC32C (stored {entry.crc32c:#010x}, computed {crc:#010x}): "
                     "the bytes on disk changed after they were written", path=self.path)
+            if not self._padding_is_zero(entry):
+                raise errors.NonZeroPaddingError(f"padding after tensor {name!r} is not zero", path=self.path)
             self._verified.add(name)
         array = np.frombuffer(data, dtype=format.numpy_dtype(entry.dtype), count=int(np.prod(entry.shape)))
         return array.reshape(entry.shape)
+
+    def _padding_is_zero(self, entry: format.TensorEntry) -> bool:
+        end = entry.offset + entry.length
+        return not self._mmap[end:format.align_up(end)].strip(b"\x00")
 
     def read_all(self) -> dict[str, np.ndarray]:
         return {name: self.read(name) for name in self.names()}
@@ -334,12 +347,9 @@ def validate_checkpoint(path: str | os.PathLike[str], trusted_keys: Any = None, 
                                 f"computed {crc:#010x}): its bytes are corrupt")
             if trusted_keys is not None and entry.digest is not None:
                 digests[entry.name] = _digest_of(data)
-            end = entry.offset + entry.length
-            pad_end = format.align_up(end)
-            if view[end:pad_end].tobytes().strip(b"\x00"):
-                problems.append(f"{path}: padding after tensor {entry.name!r} (bytes {end}..{pad_end - 1}) "
-                                "is not zero")
-            done = pad_end
+            if not reader._padding_is_zero(entry):
+                problems.append(f"{path}: padding after tensor {entry.name!r} is not zero")
+            done = entry.offset + entry.length
             if progress is not None:
                 progress(done, total)
         if trusted_keys is not None:

@@ -36,10 +36,6 @@ class CheckpointNotFoundError(StorageError, FileNotFoundError):
     """No checkpoint exists at the given path."""
 
 
-class InjectedFault(StorageError):
-    """A test fault hook failed an I/O site on purpose."""
-
-
 # --- format: the bytes are not a valid SNPX checkpoint ------------------------
 
 
@@ -92,6 +88,48 @@ class NonZeroPaddingError(CheckpointFormatError):
     """Padding that the spec requires to be zero is not."""
 
 
+# --- signatures: who made the checkpoint, and is every byte as signed ---------
+
+
+class SignatureError(CheckpointFormatError):
+    """The checkpoint's signature does not prove that a trusted key made exactly these bytes."""
+
+
+class MissingSignatureError(SignatureError):
+    """The checkpoint (or manifest) carries no signature, and one is required."""
+
+
+class UntrustedKeyError(SignatureError):
+    """The signature was made by a key that is not among the trusted keys."""
+
+
+class BadSignatureError(SignatureError):
+    """The signature does not verify: the signed table or manifest changed, or the block is forged."""
+
+
+class DigestMismatchError(SignatureError):
+    """Bytes do not match the cryptographic digest that the signature covers (or have none)."""
+
+
+class KeyFormatError(SneppXError, ValueError):
+    """A key file or key value is not an Ed25519 key in a form SneppX reads."""
+
+
+# --- updates: installing signed checkpoints -----------------------------------
+
+
+class UpdateRejectedError(SneppXError):
+    """An update is authentic but its signed version or dates forbid installing it."""
+
+
+class RollbackRefusedError(UpdateRejectedError):
+    """The update's version is not newer than one already installed (rollback or replay)."""
+
+
+class ExpiredUpdateError(UpdateRejectedError):
+    """The update's signed expiry time has passed."""
+
+
 class TensorNotFoundError(SneppXError, KeyError):
     """The checkpoint has no tensor of that name."""
 
@@ -120,3 +158,30 @@ class ModelInputError(SneppXError, ValueError):
 
 class TrainingStateError(SneppXError):
     """Optimizer, data-position or RNG state is missing or does not fit the trainer resuming from it."""
+
+
+# --- async checkpointing: coordinator, manifests, copy engine -----------------
+
+
+class CheckpointExistsError(StorageError):
+    """A valid committed checkpoint already exists for that step; it is never overwritten."""
+
+
+class ManifestError(CheckpointFormatError):
+    """A step's manifest.json is missing, not JSON, or does not match its shard files."""
+
+
+class CoordinatorClosedError(SneppXError, RuntimeError):
+    """The CheckpointCoordinator was closed; make a new one."""
+
+
+class AcceleratorUnavailableError(SneppXError):
+    """No usable GPU: the CUDA runtime library is missing or reports no device. CPU paths still work."""
+
+
+class CudaError(SneppXError):
+    """A CUDA runtime call failed (`.cuda_error` holds the cudaError_t)."""
+
+    def __init__(self, message: str, *, cuda_error: int = 0):
+        super().__init__(message)
+        self.cuda_error = cuda_error

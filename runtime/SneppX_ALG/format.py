@@ -202,14 +202,14 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return n
 
 
-def check_metadata(metadata: Any, *, path: str | None = None, error: type = errors.CorruptTableError) -> dict[str, str]:
+def check_metadata(metadata: Any, *, path: str | None = None) -> dict[str, str]:
     if not isinstance(metadata, dict):
-        raise error("metadata must be a mapping of string to string", path=path)
+        raise errors.CorruptTableError("metadata must be a mapping of string to string", path=path)
     if len(metadata) > MAX_METADATA_ENTRIES:
         raise errors.LimitExceededError(f"{len(metadata)} metadata entries, limit {MAX_METADATA_ENTRIES}", path=path)
     for k, v in metadata.items():
         if not isinstance(k, str) or not isinstance(v, str):
-            raise error(f"metadata entry {k!r}: keys and values must be strings", path=path)
+            raise errors.CorruptTableError(f"metadata entry {k!r}: keys and values must be strings", path=path)
         if len(k.encode("utf-8", "surrogatepass")) > MAX_METADATA_KEY_BYTES:
             raise errors.LimitExceededError(f"metadata key {k[:40]!r}... longer than {MAX_METADATA_KEY_BYTES} bytes",
                                             path=path)

@@ -1,0 +1,235 @@
+"""CheckpointWriter / CheckpointReader / validate_checkpoint: round trips, atomic commit, typed errors."""
+
+from __future__ import annotations
+
+import array
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+from SneppX_ALG import CheckpointReader, CheckpointWriter, _native, errors, format, validate_checkpoint
+
+ALL_DTYPES = ["bool", "uint8", "int8", "uint16", "int16", "float16", "uint32", "int32", "float32", "uint64",
+              "int64", "float64", "complex64", "complex128"]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5), (2, 0, 4), (2, 3, 4, 5)])
+def test_round_trip_is_bitwise_for_every_dtype_and_shape(tmp_path: pathlib.Path, dtype: str, shape: tuple) -> None:
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, size=int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=np.uint8)
+    value = data.view(dtype).reshape(shape) if dtype != "bool" else (data % 2).astype(bool).reshape(shape)
+    path = tmp_path / "x.snpx"
+    with CheckpointWriter(path) as w:
+        w.write("t", value)
+    with CheckpointReader(path) as r:
+        got = r.read("t")
+        assert got.dtype == value.dtype and got.shape == value.shape
+        assert got.tobytes() == value.tobytes()
+
+
+def test_metadata_config_and_names_round_trip(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "m.snpx"
+    config = {"dim": 128, "layers": [1, 2], "name": "ünïcode", "nested": {"a": None, "b": 1.5}}
+    with CheckpointWriter(path, metadata={"run": "a", "step": "10"}, config=config) as w:
+        w.write("layer0.w", np.ones((2, 2), np.float32))
+        w.write("ελληνικά/ü", np.zeros(3, np.int8))
+    with CheckpointReader(path) as r:
+        assert r.names() == ["layer0.w", "ελληνικά/ü"]
+        assert r.metadata == {"run": "a", "step": "10"}
+        assert r.config == config
+        assert "layer0.w" in r and len(r) == 2
+    assert validate_checkpoint(path) == (True, [])
+
+
+def test_noncontiguous_bigendian_and_buffer_inputs(tmp_path: pathlib.Path) -> None:
+    base = np.arange(24, dtype=np.float64).reshape(4, 6)
+    big = np.arange(10, dtype=">i4")
+
+    class DLPackOnly:  # a framework tensor that only speaks DLPack
+        def __init__(self, a: np.ndarray):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    path = tmp_path / "in.snpx"
+    with CheckpointWriter(path) as w:
+        w.write("transposed", base.T)
+        w.write("strided", base[:, ::2])
+        w.write("bigendian", big)
+        w.write("bytearray", bytearray(b"abc"))
+        w.write("array.array", array.array("h", [1, -2, 3]))
+        w.write("dlpack", DLPackOnly(np.arange(5, dtype=np.float32)))
+    with CheckpointReader(path) as r:
+        np.testing.assert_array_equal(r.read("transposed"), base.T)
+        np.testing.assert_array_equal(r.read("strided"), base[:, ::2])
+        np.testing.assert_array_equal(r.read("bigendian"), np.arange(10))
+        assert r.read("bigendian").dtype == np.dtype("<i4")
+        assert r.read("bytearray").tobytes() == b"abc"
+        np.testing.assert_array_equal(r.read("array.array"), [1, -2, 3])
+        np.testing.assert_array_equal(r.read("dlpack"), np.arange(5, dtype=np.float32))
+
+
+def test_read_is_zero_copy_and_read_only(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "z.snpx"
+    with CheckpointWriter(path) as w:
+        w.write("a", np.arange(1000, dtype=np.float32))
+    with CheckpointReader(path) as r:
+        a = r.read("a")
+        assert not a.flags.writeable and not a.flags.owndata
+        with pytest.raises(ValueError):
+            a[0] = 1
+        entry = r.entry("a")
+        assert entry.offset % format.ALIGN == 0
+    np.testing.assert_array_equal(a, np.arange(1000, dtype=np.float32))  # still valid after close
+
+
+def test_shard_metadata_round_trips(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "shard.snpx"
+    with CheckpointWriter(path) as w:
+        w.write("w", np.ones((2, 4)), global_shape=(8, 4), global_offset=(6, 0))
+        with pytest.raises(ValueError, match="does not fit"):
+            w.write("bad", np.ones((2, 4)), global_shape=(8, 4), global_offset=(7, 0))
+    with CheckpointReader(path) as r:
+        assert r.entry("w").global_shape == (8, 4) and r.entry("w").global_offset == (6, 0)
+
+
+def test_exception_inside_with_leaves_no_file_and_keeps_the_old_one(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "keep.snpx"
+    with CheckpointWriter(path, metadata={"v": "1"}) as w:
+        w.write("a", np.zeros(4))
+    with pytest.raises(RuntimeError):
+        with CheckpointWriter(path, metadata={"v": "2"}) as w:
+            w.write("a", np.ones(4))
+            raise RuntimeError("training crashed")
+    with CheckpointReader(path) as r:
+        assert r.metadata == {"v": "1"}
+    assert sorted(os.listdir(tmp_path)) == ["keep.snpx"]  # no temporary left behind
+    with pytest.raises(RuntimeError):
+        with CheckpointWriter(tmp_path / "new.snpx") as w:
+            raise RuntimeError("boom")
+    assert not (tmp_path / "new.snpx").exists()
+
+
+@pytest.mark.parametrize("site,action,error", [
+    ("fsync", "EIO", errors.DurabilityError),
+    ("fsync", "ENOSPC", errors.DiskFullError),
+    ("write", "ENOSPC", errors.DiskFullError),
+    ("write", "EIO", errors.StorageError),
+    ("rename", "EIO", errors.StorageError),
+])
+def test_failed_io_fails_the_write_and_keeps_the_previous_file(tmp_path: pathlib.Path, site: str, action: str,
+                                                               error: type) -> None:
+    path = tmp_path / "c.snpx"
+    with CheckpointWriter(path, metadata={"v": "old"}) as w:
+        w.write("a", np.zeros(4))
+    _native.fault_arm(site, 1, action)
+    try:
+        with pytest.raises(error):
+            with CheckpointWriter(path, metadata={"v": "new"}) as w:
+                w.write("a", np.ones(1 << 20))
+    finally:
+        _native.fault_arm("write", 0, "kill")  # disarm
+    assert validate_checkpoint(path) == (True, [])
+    with CheckpointReader(path) as r:
+        assert r.metadata == {"v": "old"}
+    assert sorted(os.listdir(tmp_path)) == ["c.snpx"]
+
+
+def test_failed_directory_fsync_after_rename_is_reported(tmp_path: pathlib.Path) -> None:
+    # The rename happened, so the new file is in place and whole; but its directory entry may not survive a
+    # crash, and the caller must hear that rather than trust it.
+    path = tmp_path / "d.snpx"
+    _native.fault_arm("dirsync", 1, "EIO")
+    try:
+        with pytest.raises(errors.DurabilityError, match="fsync"):
+            with CheckpointWriter(path) as w:
+                w.write("a", np.ones(10))
+    finally:
+        _native.fault_arm("write", 0, "kill")
+    assert validate_checkpoint(path) == (True, [])
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_direct_and_buffered_writes_give_the_same_file(tmp_path: pathlib.Path, direct: bool) -> None:
+    data = np.random.default_rng(3).standard_normal(3_000_001)  # not a multiple of the block size
+    with CheckpointWriter(tmp_path / "a.snpx", direct=direct, buffer_bytes=1 << 20) as w:
+        w.write("a", data)
+        w.write("b", np.arange(5))
+    with CheckpointWriter(tmp_path / "ref.snpx", direct=False) as w:
+        w.write("a", data)
+        w.write("b", np.arange(5))
+    assert (tmp_path / "a.snpx").read_bytes() == (tmp_path / "ref.snpx").read_bytes()
+    probe = _native.NativeFile(str(tmp_path / "probe"), direct=direct)
+    assert probe.is_direct == direct  # this disk takes O_DIRECT; buffered when asked
+    probe.abort()
+    assert not (tmp_path / "probe").exists()
+
+
+def test_writer_rejects_bad_input_with_typed_errors(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(errors.UnsupportedTensorError, match="JSON-safe"):
+        CheckpointWriter(tmp_path / "a", config={"x": (1, 2)})
+    with pytest.raises(errors.UnsupportedTensorError, match="JSON-safe"):
+        CheckpointWriter(tmp_path / "a", config={"x": float("nan")})
+    with pytest.raises(errors.UnsupportedTensorError, match="strings"):
+        CheckpointWriter(tmp_path / "a", metadata={"step": 3})  # type: ignore[dict-item]
+    with CheckpointWriter(tmp_path / "b.snpx") as w:
+        w.write("a", np.zeros(1))
+        with pytest.raises(errors.UnsupportedTensorError, match="already written"):
+            w.write("a", np.zeros(1))
+        with pytest.raises(errors.UnsupportedTensorError, match="can't be stored"):
+            w.write("obj", np.array([object()]))
+        with pytest.raises(errors.UnsupportedTensorError):
+            w.write("str", "not a tensor")
+        with pytest.raises(errors.CorruptTableError, match="non-empty"):
+            w.write("", np.zeros(1))
+    with pytest.raises(errors.CheckpointNotFoundError):
+        CheckpointWriter(tmp_path / "missing-dir" / "x.snpx").open()
+
+
+def test_reader_typed_errors(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(errors.CheckpointNotFoundError):
+        CheckpointReader(tmp_path / "nope.snpx")
+    with pytest.raises(errors.CheckpointFormatError, match="directory"):
+        CheckpointReader(tmp_path)
+    path = tmp_path / "r.snpx"
+    with CheckpointWriter(path) as w:
+        w.write("a", np.zeros(3))
+    with CheckpointReader(path) as r, pytest.raises(errors.TensorNotFoundError, match="no tensor named 'b'"):
+        r.read("b")
+
+
+def test_validate_never_raises_and_explains(tmp_path: pathlib.Path) -> None:
+    assert validate_checkpoint(tmp_path / "missing")[1][0].endswith("file not found")
+    (tmp_path / "empty").write_bytes(b"")
+    assert "empty" in validate_checkpoint(tmp_path / "empty")[1][0]
+    (tmp_path / "garbage").write_bytes(os.urandom(5000))
+    assert not validate_checkpoint(tmp_path / "garbage")[0]
+    assert not validate_checkpoint(tmp_path)[0]
+
+
+def test_corrupt_tensor_is_reported_by_name_and_others_still_checked(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "c.snpx"
+    with CheckpointWriter(path) as w:
+        w.write("good", np.ones(100))
+        w.write("bad", np.ones(100))
+        w.write("worse", np.ones(100))
+    with CheckpointReader(path) as r:
+        bad, worse = r.entry("bad").offset, r.entry("worse").offset
+    blob = bytearray(path.read_bytes())
+    blob[bad + 5] ^= 0x10
+    blob[worse] ^= 0x01
+    path.write_bytes(blob)
+    ok, problems = validate_checkpoint(path)
+    assert not ok and len(problems) == 2
+    assert "'bad'" in problems[0] and "'worse'" in problems[1]
+    with CheckpointReader(path) as r:
+        np.testing.assert_array_equal(r.read("good"), np.ones(100))
+        with pytest.raises(errors.ChecksumMismatchError, match="'bad'"):
+            r.read("bad")
