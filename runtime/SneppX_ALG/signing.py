@@ -1,0 +1,738 @@
+"""Ed25519 signatures over checkpoints: who made a checkpoint, and that no byte changed since.
+
+CRC32C catches accidents, not attackers: anyone can recompute a CRC after editing a file. A checkpoint
+that travels between clusters, buckets and teams is signed instead. What is signed is the exact table
+bytes of the file (docs/FORMAT.md, "Signatures"): the table already names every tensor, its dtype, shape,
+offset, the metadata, the config and a cryptographic digest of every tensor's bytes, so one Ed25519
+signature over it binds all of them, and a signature moved to another checkpoint fails because that
+checkpoint's table differs. Multi-file checkpoints sign their manifest.json (which lists each file's
+digest) with a detached `manifest.sig` in the same block format.
+
+Digests are BLAKE3 (measured in bench/signing.py and docs/FORMAT.md: the only candidate faster than the
+disk on this class of machine) and are computed on a background thread while the writer streams the same
+bytes to disk, so signing costs little more than the hash work that the second core absorbs.
+
+The pure parts (block encode/decode, what is signed, the decision whether a signature is acceptable) are
+separate from the file-level entry points (`sign_checkpoint`, `verify_checkpoint`, `sign_manifest`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import hashlib
+import json
+import mmap
+import os
+import re
+import secrets
+import struct
+import sys
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from SneppX_ALG import _native, checkpoint, errors, format
+
+# --- digests -------------------------------------------------------------------------------------------
+
+DIGEST_ALGORITHM = "blake3"
+# Verification also accepts SHA-256 so that digests made by other tools (sha256sum, S3 checksums) verify.
+_HASHERS: dict[str, Any] = {
+    "blake3": blake3.blake3,
+    "sha256": hashlib.sha256,
+}
+_DIGEST_HEX_LENGTH = {"blake3": 64, "sha256": 64}
+_DIGEST_RE = re.compile(r"^([a-z0-9]+):([0-9a-f]+)$")
+
+# Buffers below this are hashed inline: handing them to the worker costs more than hashing them.
+_INLINE_BYTES = 1 << 20
+# At most this many buffers per digest wait for the worker, so a caller feeding fresh buffers faster
+# than they can be hashed keeps bounded memory.
+_MAX_QUEUED = 4
+
+_worker_lock = threading.Lock()
+_worker: concurrent.futures.ThreadPoolExecutor | None = None
+_worker_pid = 0
+
+
+def _hash_worker() -> concurrent.futures.ThreadPoolExecutor:
+    """One process-wide hashing thread (recreated after fork). One thread keeps each digest's updates in order."""
+    global _worker, _worker_pid
+    with _worker_lock:
+        if _worker is None or _worker_pid != os.getpid():
+            _worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sneppx-digest")
+            _worker_pid = os.getpid()
+        return _worker
+
+
+class StreamingDigest:
+    """A hash whose large updates run on a background thread, overlapping the caller's own work.
+
+    `update(buffer)` returns at once for large buffers: the buffer must stay unchanged until
+    `hexdigest()` returns (the writer passes views of the tensor being written, which it holds until then).
+    Hashing releases the GIL, so a write and its digest really run on two cores.
+    """
+
+    def __init__(self, name: str = DIGEST_ALGORITHM):
+        if name not in _HASHERS:
+            raise ValueError(f"unsupported digest algorithm {name!r}; supported: {', '.join(_HASHERS)}")
+        self.name = name
+        self._hasher = _HASHERS[name]()
+        self._queued: collections.deque[concurrent.futures.Future[None]] = collections.deque()
+
+    def update(self, data: Any) -> None:
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        while self._queued and self._queued[0].done():
+            self._queued.popleft().result()
+        if not self._queued and len(view) < _INLINE_BYTES:
+            self._hasher.update(view)
+            return
+        if len(self._queued) >= _MAX_QUEUED:
+            self._queued.popleft().result()
+        self._queued.append(_hash_worker().submit(self._hasher.update, view))
+
+    def hexdigest(self) -> str:
+        while self._queued:
+            self._queued.popleft().result()
+        return str(self._hasher.hexdigest())
+
+
+def new_digest(name: str = DIGEST_ALGORITHM) -> StreamingDigest:
+    """The digest the writer feeds every tensor's bytes to; store as f"{d.name}:{d.hexdigest()}"."""
+    return StreamingDigest(name)
+
+
+def parse_digest(value: str) -> tuple[str, str]:
+    """'<alg>:<hex>' -> (alg, hex); DigestMismatchError for an unknown algorithm or a malformed value."""
+    match = _DIGEST_RE.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise errors.DigestMismatchError(f"digest {value!r} is not '<algorithm>:<lowercase hex>'")
+    alg, hexdigest = match.groups()
+    if alg not in _HASHERS:
+        raise errors.DigestMismatchError(
+            f"digest algorithm {alg!r} is not supported (supported: {', '.join(_HASHERS)})")
+    if len(hexdigest) != _DIGEST_HEX_LENGTH[alg]:
+        raise errors.DigestMismatchError(f"{alg} digest has {len(hexdigest)} hex digits, expected "
+                                         f"{_DIGEST_HEX_LENGTH[alg]}")
+    return alg, hexdigest
+
+
+def digest_of(data: Any, name: str = DIGEST_ALGORITHM) -> str:
+    """'<alg>:<hex>' of a buffer (large buffers are hashed in pieces on the worker thread)."""
+    digest = new_digest(name)
+    view = memoryview(data).cast("B") if memoryview(data).format != "B" else memoryview(data)
+    for start in range(0, len(view), 64 << 20):
+        digest.update(view[start:start + (64 << 20)])
+    return f"{digest.name}:{digest.hexdigest()}"
+
+
+def file_digest(path: str | os.PathLike[str], name: str = DIGEST_ALGORITHM) -> str:
+    """'<alg>:<hex>' of a whole file, read through a memory map (for manifests of multi-file checkpoints)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return digest_of(b"", name)
+        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                return digest_of(view, name)
+            finally:
+                view.release()
+
+
+# --- keys ----------------------------------------------------------------------------------------------
+
+KEY_ID_BYTES = 32
+
+
+def generate_keypair() -> tuple[ed25519.Ed25519PrivateKey, ed25519.Ed25519PublicKey]:
+    """A new Ed25519 key pair (private, public)."""
+    private = ed25519.Ed25519PrivateKey.generate()
+    return private, private.public_key()
+
+
+def key_id(key: ed25519.Ed25519PublicKey | ed25519.Ed25519PrivateKey) -> bytes:
+    """SHA-256 of the raw 32-byte public key: names the key in a signature block without revealing more."""
+    public = key.public_key() if isinstance(key, ed25519.Ed25519PrivateKey) else key
+    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).digest()
+
+
+def key_id_hex(key: ed25519.Ed25519PublicKey | ed25519.Ed25519PrivateKey) -> str:
+    return key_id(key).hex()
+
+
+def _write_new_file(path: str, data: bytes, mode: int) -> None:
+    """Creates `path` (never overwrites: losing a private key is not recoverable) and fsyncs it."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    except FileExistsError:
+        raise errors.StorageError(f"{path} already exists; refusing to overwrite a key", path=path) from None
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _native.fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+def save_private_key(path: str | os.PathLike[str], key: ed25519.Ed25519PrivateKey,
+                     password: bytes | None = None) -> None:
+    """PKCS#8 PEM, mode 0600, encrypted when a password is given. Refuses to overwrite an existing file."""
+    encryption: serialization.KeySerializationEncryption = (
+        serialization.BestAvailableEncryption(password) if password else serialization.NoEncryption())
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
+    _write_new_file(os.fspath(path), pem, 0o600)
+
+
+def save_public_key(path: str | os.PathLike[str], key: ed25519.Ed25519PublicKey) -> None:
+    """SubjectPublicKeyInfo PEM (what `openssl pkey -pubout` writes)."""
+    pem = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    _write_new_file(os.fspath(path), pem, 0o644)
+
+
+def _read_key_file(path: str | os.PathLike[str]) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(1 << 16)
+    except FileNotFoundError:
+        raise errors.KeyFormatError(f"key file {os.fspath(path)} not found") from None
+    except IsADirectoryError:
+        raise errors.KeyFormatError(f"key file {os.fspath(path)} is a directory") from None
+    return data
+
+
+def load_private_key(path: str | os.PathLike[str], password: bytes | None = None) -> ed25519.Ed25519PrivateKey:
+    """An Ed25519 private key from a PEM file; KeyFormatError for anything else."""
+    try:
+        key = serialization.load_pem_private_key(_read_key_file(path), password=password)
+    except (ValueError, TypeError) as e:
+        raise errors.KeyFormatError(f"{os.fspath(path)}: not a readable PEM private key ({e})") from None
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        raise errors.KeyFormatError(f"{os.fspath(path)}: a {type(key).__name__}, not an Ed25519 key")
+    return key
+
+
+def public_key_from_bytes(data: bytes, *, source: str = "key") -> ed25519.Ed25519PublicKey:
+    """An Ed25519 public key from PEM (public or private) or the raw 32 bytes."""
+    if len(data) == 32 and not data.startswith(b"-----"):
+        return ed25519.Ed25519PublicKey.from_public_bytes(data)
+    try:
+        key: Any = serialization.load_pem_public_key(data)
+    except ValueError:
+        try:
+            key = serialization.load_pem_private_key(data, password=None).public_key()
+        except (ValueError, TypeError) as e:
+            raise errors.KeyFormatError(f"{source}: not a PEM Ed25519 public key ({e})") from None
+    if not isinstance(key, ed25519.Ed25519PublicKey):
+        raise errors.KeyFormatError(f"{source}: a {type(key).__name__}, not an Ed25519 key")
+    return key
+
+
+def load_public_key(path: str | os.PathLike[str]) -> ed25519.Ed25519PublicKey:
+    """An Ed25519 public key from a PEM file (a private key file gives its public half)."""
+    return public_key_from_bytes(_read_key_file(path), source=os.fspath(path))
+
+
+def trusted_key_set(trusted_keys: Any) -> dict[bytes, ed25519.Ed25519PublicKey]:
+    """key id -> public key from one key or an iterable of: public or private keys, PEM paths, PEM or raw bytes."""
+    if trusted_keys is None:
+        return {}
+    items: Iterable[Any]
+    if isinstance(trusted_keys, (ed25519.Ed25519PublicKey, ed25519.Ed25519PrivateKey, str, bytes, os.PathLike)):
+        items = [trusted_keys]
+    elif isinstance(trusted_keys, dict):
+        items = trusted_keys.values()
+    else:
+        items = trusted_keys
+    keys: dict[bytes, ed25519.Ed25519PublicKey] = {}
+    for item in items:
+        if isinstance(item, ed25519.Ed25519PrivateKey):
+            public = item.public_key()
+        elif isinstance(item, ed25519.Ed25519PublicKey):
+            public = item
+        elif isinstance(item, bytes):
+            public = public_key_from_bytes(item)
+        elif isinstance(item, (str, os.PathLike)):
+            public = load_public_key(item)
+        else:
+            raise errors.KeyFormatError(f"can't use a {type(item).__name__} as a trusted key")
+        keys[key_id(public)] = public
+    return keys
+
+
+# --- the signature block (docs/FORMAT.md, "Signatures") ------------------------------------------------
+
+BLOCK_MAGIC = b"SNPX-SIG"
+BLOCK_VERSION = 1
+ALG_ED25519 = 1
+MAX_SIGNATURES = 16
+_BLOCK_HEAD = struct.Struct("<8sHHI")       # magic, block version, count, reserved
+_BLOCK_ENTRY = struct.Struct("<HHI32s64s")  # algorithm, reserved, reserved, key id, signature
+assert _BLOCK_HEAD.size == 16 and _BLOCK_ENTRY.size == 104
+
+# Domain separation: a signature over a table can't be passed off as one over a manifest, or the reverse.
+TABLE_DOMAIN = b"SNPX table signature v1\x00"
+MANIFEST_DOMAIN = b"SNPX manifest signature v1\x00"
+
+
+@dataclass(frozen=True)
+class SignatureEntry:
+    algorithm: int
+    key_id: bytes
+    signature: bytes
+
+
+def encode_block(entries: list[SignatureEntry]) -> bytes:
+    if not 1 <= len(entries) <= MAX_SIGNATURES:
+        raise ValueError(f"a signature block holds 1..{MAX_SIGNATURES} signatures, not {len(entries)}")
+    out = [_BLOCK_HEAD.pack(BLOCK_MAGIC, BLOCK_VERSION, len(entries), 0)]
+    out += [_BLOCK_ENTRY.pack(e.algorithm, 0, 0, e.key_id, e.signature) for e in entries]
+    return b"".join(out)
+
+
+def decode_block(raw: bytes, *, path: str | None = None) -> list[SignatureEntry]:
+    """Strict decode: exact length, known version and algorithm, zero reserved fields, distinct key ids."""
+    if len(raw) < _BLOCK_HEAD.size:
+        raise errors.BadSignatureError(f"signature block is {len(raw)} bytes, shorter than its 16-byte head",
+                                       path=path)
+    magic, version, count, reserved = _BLOCK_HEAD.unpack_from(raw)
+    if magic != BLOCK_MAGIC:
+        raise errors.BadSignatureError(f"signature block has bad magic {magic!r}", path=path)
+    if version != BLOCK_VERSION:
+        raise errors.BadSignatureError(f"signature block version {version} is not supported (expected "
+                                       f"{BLOCK_VERSION}); upgrade SneppX", path=path)
+    if not 1 <= count <= MAX_SIGNATURES or reserved:
+        raise errors.BadSignatureError(f"signature block head is malformed (count {count}, reserved {reserved})",
+                                       path=path)
+    if len(raw) != _BLOCK_HEAD.size + count * _BLOCK_ENTRY.size:
+        raise errors.BadSignatureError(
+            f"signature block is {len(raw)} bytes, expected {_BLOCK_HEAD.size + count * _BLOCK_ENTRY.size} "
+            f"for {count} signature(s)", path=path)
+    entries = []
+    for i in range(count):
+        alg, r1, r2, kid, sig = _BLOCK_ENTRY.unpack_from(raw, _BLOCK_HEAD.size + i * _BLOCK_ENTRY.size)
+        if alg != ALG_ED25519 or r1 or r2:
+            raise errors.BadSignatureError(f"signature #{i}: unknown algorithm {alg} or non-zero reserved field",
+                                           path=path)
+        entries.append(SignatureEntry(alg, kid, sig))
+    if len({e.key_id for e in entries}) != len(entries):
+        raise errors.BadSignatureError("signature block names the same key twice", path=path)
+    return entries
+
+
+def signed_message(domain: bytes, body: bytes, entry_key_id: bytes, algorithm: int = ALG_ED25519) -> bytes:
+    """What each signature covers: domain, algorithm, key id, then the length-prefixed body."""
+    return domain + struct.pack("<H", algorithm) + entry_key_id + struct.pack("<Q", len(body)) + body
+
+
+def _sign(domain: bytes, body: bytes, private_key: ed25519.Ed25519PrivateKey) -> bytes:
+    if not isinstance(private_key, ed25519.Ed25519PrivateKey):
+        raise errors.KeyFormatError(f"signing needs an Ed25519 private key, got {type(private_key).__name__}")
+    kid = key_id(private_key)
+    signature = private_key.sign(signed_message(domain, body, kid))
+    return encode_block([SignatureEntry(ALG_ED25519, kid, signature)])
+
+
+def check_signature(domain: bytes, body: bytes, block: bytes, trusted_keys: Any, *, what: str = "table",
+                    path: str | None = None) -> bytes:
+    """Raises the typed error for the first failed check; returns the id of the trusted key that signed.
+
+    Checks, in order: there is a block; it decodes; at least one signature is by a trusted key; every
+    signature by a trusted key verifies over (domain, key id, body). Signatures by other keys are ignored.
+    """
+    keys = trusted_keys if isinstance(trusted_keys, dict) else trusted_key_set(trusted_keys)
+    if not block:
+        raise errors.MissingSignatureError(f"the {what} is not signed, and a signature is required", path=path)
+    entries = decode_block(block, path=path)
+    if not keys:
+        raise errors.UntrustedKeyError("no trusted keys were given, so no signature can be accepted", path=path)
+    trusted = [e for e in entries if e.key_id in keys]
+    if not trusted:
+        ids = ", ".join(e.key_id.hex()[:16] for e in entries)
+        raise errors.UntrustedKeyError(
+            f"the {what} is signed by key {ids}, which is not among the {len(keys)} trusted key(s)", path=path)
+    for e in trusted:
+        try:
+            keys[e.key_id].verify(e.signature, signed_message(domain, body, e.key_id))
+        except InvalidSignature:
+            raise errors.BadSignatureError(
+                f"the Ed25519 signature by key {e.key_id.hex()[:16]} does not verify: the {what} changed after "
+                "it was signed, or the signature belongs to another checkpoint", path=path) from None
+    return trusted[0].key_id
+
+
+def signature_block(table_bytes: bytes, private_key: ed25519.Ed25519PrivateKey) -> bytes:
+    """The block the writer puts after the table. Refuses a table with a tensor that has no digest."""
+    _check_digest_coverage(_tensor_entries(table_bytes))
+    return _sign(TABLE_DOMAIN, table_bytes, private_key)
+
+
+def _tensor_entries(table_bytes: bytes) -> list[dict[str, Any]]:
+    try:
+        doc = json.loads(table_bytes)
+        tensors = doc["tensors"]
+        if not isinstance(tensors, list) or not all(isinstance(t, dict) for t in tensors):
+            raise TypeError("tensors is not a list of objects")
+    except (ValueError, TypeError, KeyError) as e:
+        raise errors.CorruptTableError(f"table can't be parsed for signing: {e}") from None
+    return tensors
+
+
+def _check_digest_coverage(tensors: Iterable[Any], path: str | None = None) -> None:
+    """Every tensor must carry a well-formed digest, or the signature would not cover its bytes."""
+    for t in tensors:
+        digest = t.get("digest") if isinstance(t, dict) else t.digest
+        name = t.get("name") if isinstance(t, dict) else t.name
+        if digest is None:
+            raise errors.DigestMismatchError(
+                f"tensor {name!r} carries no digest, so a signature would not cover its bytes", path=path)
+        try:
+            parse_digest(digest)
+        except errors.DigestMismatchError as e:
+            raise errors.DigestMismatchError(f"tensor {name!r}: {e.reason}", path=path) from None
+
+
+def verify_table(table_bytes: bytes, signature_block: bytes, trusted_keys: Any) -> list[str]:
+    """For validate_checkpoint: [] when a trusted key signed these table bytes and every tensor has a digest."""
+    try:
+        check_signature(TABLE_DOMAIN, table_bytes, signature_block, trusted_keys)
+        _check_digest_coverage(_tensor_entries(table_bytes))
+    except errors.SneppXError as e:
+        return [f"{type(e).__name__}: {e}"]
+    return []
+
+
+# --- whole checkpoints ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What a successful verification proved."""
+
+    path: str
+    key_id: bytes
+    metadata: dict[str, str]
+    config: Any
+
+
+def _check_tensor(reader: checkpoint.CheckpointReader, entry: format.TensorEntry) -> None:
+    """CRC32C, padding and digest of one tensor; the CRC is compared first so accidents read as such."""
+    data = reader.raw(entry.name)
+    assert entry.digest is not None
+    alg, expected = parse_digest(entry.digest)
+    digest = new_digest(alg)
+    for start in range(0, len(data), 64 << 20):
+        digest.update(data[start:start + (64 << 20)])
+    crc = _native.crc32c_parallel(data)  # runs while the digest worker hashes the same bytes
+    actual = digest.hexdigest()
+    if crc != entry.crc32c:
+        raise errors.ChecksumMismatchError(
+            f"tensor {entry.name!r} fails its CRC32C (stored {entry.crc32c:#010x}, computed {crc:#010x})",
+            path=reader.path)
+    if not reader._padding_is_zero(entry):
+        raise errors.NonZeroPaddingError(f"padding after tensor {entry.name!r} is not zero", path=reader.path)
+    if actual != expected:
+        raise errors.DigestMismatchError(
+            f"tensor {entry.name!r} does not match its signed {alg} digest (its CRC32C matches: the bytes were "
+            "changed deliberately)", path=reader.path)
+
+
+def check_checkpoint(path: str | os.PathLike[str], trusted_keys: Any) -> Verified:
+    """Verifies a checkpoint file or a signed checkpoint directory; raises the typed error of the first failed check.
+
+    File: header, table and signature CRCs and layout (CheckpointReader), then the signature over the table
+    (before reading any data, so a forged file costs nothing), then every tensor's CRC32C, padding and digest.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return check_manifest(path, trusted_keys)
+    keys = trusted_key_set(trusted_keys)
+    with checkpoint.CheckpointReader(path, verify=False) as reader:
+        signer = check_signature(TABLE_DOMAIN, reader.table_bytes, reader.signature_block, keys, path=path)
+        _check_digest_coverage(reader.table.tensors, path=path)
+        for entry in reader.table.tensors:
+            _check_tensor(reader, entry)
+        return Verified(path, signer, dict(reader.metadata), reader.config)
+
+
+def verify_checkpoint(path: str | os.PathLike[str], trusted_keys: Any) -> tuple[bool, list[str]]:
+    """(True, []) when a trusted key signed the checkpoint and every byte matches; else (False, [why]).
+
+    Never raises for a bad or missing file; each message starts with the name of the failed check.
+    """
+    try:
+        check_checkpoint(path, trusted_keys)
+    except errors.SneppXError as e:
+        return False, [f"{type(e).__name__}: {e}"]
+    except OSError as e:
+        return False, [f"StorageError: {os.fspath(path)}: can't read: {e.strerror or e}"]
+    return True, []
+
+
+def sign_checkpoint(path: str | os.PathLike[str], private_key: ed25519.Ed25519PrivateKey) -> bytes:
+    """Signs an existing checkpoint file (or a checkpoint directory's manifest); returns the key id.
+
+    The file is checked (CRC32C of every tensor and padding) and rewritten next to itself with a digest per
+    tensor, the new table and a signature block, then renamed over the original after fsync: a crash leaves
+    the old file or the signed one. The data section is copied byte for byte; an existing signature is
+    replaced. A digest already in the table must match the data, or signing is refused.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return sign_manifest(path, private_key)
+    if not isinstance(private_key, ed25519.Ed25519PrivateKey):
+        raise errors.KeyFormatError(f"signing needs an Ed25519 private key, got {type(private_key).__name__}")
+    directory, base = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.sign.tmp")
+    with checkpoint.CheckpointReader(path, verify=False) as reader:
+        out = _native.NativeFile(tmp)
+        try:
+            out.append(bytes(format.DATA_OFFSET))  # header block, written last
+            entries = []
+            for entry in reader.table.tensors:
+                out.pad(format.ALIGN)
+                data = reader.raw(entry.name)
+                if not reader._padding_is_zero(entry):
+                    raise errors.NonZeroPaddingError(f"padding after tensor {entry.name!r} is not zero",
+                                                     path=path)
+                alg = parse_digest(entry.digest)[0] if entry.digest is not None else DIGEST_ALGORITHM
+                digest = new_digest(alg)
+                crc = 0
+                for start in range(0, len(data), 64 << 20):
+                    piece = data[start:start + (64 << 20)]
+                    digest.update(piece)  # hashed on the worker while the piece is copied out
+                    crc = _native.crc32c_combine(crc, out.append(piece), len(piece))
+                if crc != entry.crc32c:
+                    raise errors.ChecksumMismatchError(
+                        f"tensor {entry.name!r} fails its CRC32C (stored {entry.crc32c:#010x}, computed "
+                        f"{crc:#010x}); refusing to sign corrupt data", path=path)
+                value = f"{alg}:{digest.hexdigest()}"
+                if entry.digest is not None and entry.digest != value:
+                    raise errors.DigestMismatchError(
+                        f"tensor {entry.name!r} does not match the digest already in its table; refusing to sign",
+                        path=path)
+                entries.append(format.TensorEntry(
+                    entry.name, entry.dtype, entry.shape, entry.offset, entry.length, entry.crc32c,
+                    entry.global_shape, entry.global_offset, value))
+            out.pad(format.ALIGN)
+            table_offset = out.size
+            table = format.encode_table(format.Table(tuple(entries), reader.metadata, reader.config))
+            block = signature_block(table, private_key)
+            out.append(table)
+            out.append(block)
+            header = format.Header(
+                file_size=out.size, table_offset=table_offset, table_length=len(table),
+                table_crc32c=_native.crc32c(table), signature_length=len(block),
+                signature_crc32c=_native.crc32c(block))
+            out.pwrite(format.encode_header(header), 0)
+            out.finish()
+        except BaseException:
+            out.abort()
+            raise
+    try:
+        _native.rename_durable(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    return key_id(private_key)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# --- multi-file checkpoints: a signed manifest ---------------------------------------------------------
+
+MANIFEST_NAME = "manifest.json"
+SIGNATURE_NAME = "manifest.sig"
+MAX_MANIFEST_BYTES = 64 << 20
+
+
+def manifest_signature(manifest_bytes: bytes, private_key: ed25519.Ed25519PrivateKey) -> bytes:
+    """The detached `manifest.sig` for these exact manifest bytes (also for an S3 prefix: store it beside)."""
+    _manifest_files(manifest_bytes)
+    return _sign(MANIFEST_DOMAIN, manifest_bytes, private_key)
+
+
+def _manifest_files(manifest_bytes: bytes, path: str | None = None) -> dict[str, dict[str, Any]]:
+    """The manifest's "files" object, each entry checked: a safe relative path, a size and a digest."""
+    try:
+        doc = json.loads(manifest_bytes)
+    except (ValueError, RecursionError) as e:
+        raise errors.CorruptTableError(f"manifest is not valid JSON: {e}", path=path) from None
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, dict):
+        raise errors.CorruptTableError('manifest has no "files" object mapping relative paths to '
+                                       '{"size", "digest"}', path=path)
+    for name, info in files.items():
+        parts = name.split("/")
+        if not name or name.startswith("/") or "\\" in name or "\x00" in name or any(
+                p in ("", ".", "..") for p in parts) or name in (MANIFEST_NAME, SIGNATURE_NAME):
+            raise errors.CorruptTableError(f"manifest lists an unsafe or reserved path {name!r}", path=path)
+        if not isinstance(info, dict) or type(info.get("size")) is not int or info["size"] < 0:
+            raise errors.CorruptTableError(f"manifest entry {name!r} needs an integer size", path=path)
+        try:
+            parse_digest(info.get("digest"))  # type: ignore[arg-type]
+        except errors.DigestMismatchError as e:
+            raise errors.DigestMismatchError(f"manifest entry {name!r}: {e.reason}", path=path) from None
+    return files
+
+
+def check_manifest_signature(manifest_bytes: bytes, signature: bytes, trusted_keys: Any, *,
+                             path: str | None = None) -> bytes:
+    """Checks a detached manifest signature; returns the signer's key id (typed error otherwise)."""
+    return check_signature(MANIFEST_DOMAIN, manifest_bytes, signature, trusted_keys, what="manifest", path=path)
+
+
+def _read_bounded(path: str, limit: int) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        return None
+    if len(data) > limit:
+        raise errors.LimitExceededError(f"{os.path.basename(path)} is larger than {limit} bytes", path=path)
+    return data
+
+
+def sign_manifest(directory: str | os.PathLike[str], private_key: ed25519.Ed25519PrivateKey) -> bytes:
+    """Writes `manifest.sig` next to the directory's manifest.json (tmp, fsync, rename); returns the key id.
+
+    Every listed file is checked against its size and digest first: a signature vouches for the bytes.
+    """
+    directory = os.fspath(directory)
+    manifest_path = os.path.join(directory, MANIFEST_NAME)
+    manifest = _read_bounded(manifest_path, MAX_MANIFEST_BYTES)
+    if manifest is None:
+        raise errors.CheckpointNotFoundError(f"{manifest_path} not found: nothing to sign", path=manifest_path)
+    _check_manifest_files(directory, _manifest_files(manifest, manifest_path))
+    block = manifest_signature(manifest, private_key)
+    tmp = os.path.join(directory, f".{SIGNATURE_NAME}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    out = _native.NativeFile(tmp, direct=False)
+    try:
+        out.append(block)
+        out.finish()
+    except BaseException:
+        out.abort()
+        raise
+    _native.rename_durable(tmp, os.path.join(directory, SIGNATURE_NAME))
+    return key_id(private_key)
+
+
+def _check_manifest_files(directory: str, files: dict[str, dict[str, Any]]) -> None:
+    root = os.path.realpath(directory)
+    for name, info in files.items():
+        target = os.path.realpath(os.path.join(root, name))
+        if os.path.commonpath([root, target]) != root:
+            raise errors.CorruptTableError(f"manifest entry {name!r} resolves outside the checkpoint", path=directory)
+        try:
+            size = os.stat(target).st_size
+        except FileNotFoundError:
+            raise errors.TruncatedCheckpointError(f"file {name!r} listed in the manifest is missing",
+                                                  path=directory) from None
+        if size != info["size"]:
+            kind = errors.TruncatedCheckpointError if size < info["size"] else errors.CorruptHeaderError
+            raise kind(f"file {name!r} is {size} bytes, the manifest says {info['size']}", path=directory)
+        alg, _ = parse_digest(info["digest"])
+        if file_digest(target, alg) != info["digest"]:
+            raise errors.DigestMismatchError(f"file {name!r} does not match its {alg} digest in the manifest",
+                                             path=directory)
+
+
+def check_manifest(directory: str | os.PathLike[str], trusted_keys: Any) -> Verified:
+    """Verifies a signed checkpoint directory: manifest.sig over manifest.json, then every listed file's digest."""
+    directory = os.fspath(directory)
+    manifest_path = os.path.join(directory, MANIFEST_NAME)
+    manifest = _read_bounded(manifest_path, MAX_MANIFEST_BYTES)
+    if manifest is None:
+        raise errors.CheckpointNotFoundError(f"{manifest_path} not found", path=directory)
+    signature = _read_bounded(os.path.join(directory, SIGNATURE_NAME), format.MAX_SIGNATURE_BYTES)
+    signer = check_manifest_signature(manifest, signature or b"", trusted_keys, path=directory)
+    files = _manifest_files(manifest, directory)
+    _check_manifest_files(directory, files)
+    doc = json.loads(manifest)
+    metadata = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    return Verified(directory, signer, {str(k): str(v) for k, v in metadata.items()}, doc.get("config"))
+
+
+# --- command line (`sneppx keygen | sign | verify`; cli.py registers these) --------------------------
+
+
+def add_cli_commands(subparsers: Any) -> None:
+    """Adds the keygen, sign and verify subcommands to the `sneppx` argument parser."""
+    p = subparsers.add_parser("keygen", help="make an Ed25519 key pair (PEM)")
+    p.add_argument("private_key", help="where to write the private key (mode 0600; never overwritten)")
+    p.add_argument("--public", help="where to write the public key (default: PRIVATE.pub)")
+    p.set_defaults(func=cli_keygen)
+    p = subparsers.add_parser("sign", help="sign a checkpoint file or checkpoint directory in place")
+    p.add_argument("path")
+    p.add_argument("--key", required=True, help="private key PEM")
+    p.set_defaults(func=cli_sign)
+    p = subparsers.add_parser("verify", help="check a checkpoint's signature and every byte; exit 0 if valid")
+    p.add_argument("paths", nargs="+")
+    p.add_argument("--trusted-key", "-k", action="append", required=True, help="trusted public key PEM (repeat)")
+    p.set_defaults(func=cli_verify)
+
+
+def _password() -> bytes | None:
+    value = os.environ.get("SNEPPX_KEY_PASSWORD")
+    return value.encode() if value else None
+
+
+def cli_keygen(args: argparse.Namespace) -> int:
+    private, public = generate_keypair()
+    public_path = args.public or f"{args.private_key}.pub"
+    try:
+        save_private_key(args.private_key, private, _password())
+        save_public_key(public_path, public)
+    except errors.SneppXError as e:
+        print(f"sneppx keygen: {e}", file=sys.stderr)
+        return 2
+    print(f"key id {key_id_hex(public)}\nprivate {args.private_key}\npublic  {public_path}")
+    return 0
+
+
+def cli_sign(args: argparse.Namespace) -> int:
+    try:
+        key = load_private_key(args.key, _password())
+    except errors.KeyFormatError as e:
+        print(f"sneppx sign: {e}", file=sys.stderr)
+        return 2
+    try:
+        kid = sign_checkpoint(args.path, key)
+    except errors.SneppXError as e:
+        print(f"sneppx sign: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(f"signed {args.path} with key {kid.hex()}")
+    return 0
+
+
+def cli_verify(args: argparse.Namespace) -> int:
+    try:
+        keys = trusted_key_set(args.trusted_key)
+    except errors.KeyFormatError as e:
+        print(f"sneppx verify: {e}", file=sys.stderr)
+        return 2
+    all_ok = True
+    for path in args.paths:
+        try:
+            verified = check_checkpoint(path, keys)
+        except (errors.SneppXError, OSError) as e:
+            all_ok = False
+            print(f"INVALID {path}\n        - {type(e).__name__}: {e}")
+            continue
+        print(f"OK      {path} (signed by key {verified.key_id.hex()[:16]})")
+    return 0 if all_ok else 1
