@@ -1,0 +1,180 @@
+"""Save, load and validate of one SNPX file against the physical limit and what users pick instead.
+
+    python -m bench format [-- --sizes 64,256,1024 --dir bench-output --repeat 3]
+
+Save: CheckpointWriter (through its fsync) vs a raw O_DIRECT write of the same bytes from page-aligned memory
+(the disk's limit), safetensors.numpy.save_file + fsync, np.savez + fsync, pickle.dump + fsync.
+Load (file in the page cache): CheckpointReader.read of every tensor with CRC verification, zero-copy and
+copied into owned arrays, vs safetensors.numpy.load_file and np.load (neither verifies anything).
+Validate: validate_checkpoint vs CRC32C alone over the same bytes in memory (one core).
+Every figure is the best of --repeat runs; ratios compare figures from this same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import pickle
+import shutil
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from SneppX_ALG import _native, checkpoint
+
+TENSORS = 16
+
+
+def aligned_state(total: int) -> dict[str, np.ndarray]:
+    """TENSORS float32 arrays in page-aligned memory, so the raw O_DIRECT baseline needs no copy."""
+    each = (total // TENSORS) // 4096 * 4096
+    rng = np.random.default_rng(0)
+    state = {}
+    for i in range(TENSORS):
+        buf = mmap.mmap(-1, each)
+        arr = np.frombuffer(buf, dtype=np.float32)
+        arr[:] = rng.standard_normal(arr.size, dtype=np.float32)
+        state[f"layer{i:02d}.w"] = arr
+    return state
+
+
+def best(repeat: int, fn: Callable[[], object], before: Callable[[], object] | None = None) -> float:
+    times = []
+    for _ in range(repeat):
+        if before:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_direct_write(path: str, state: dict[str, np.ndarray]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        for arr in state.values():
+            view = memoryview(arr).cast("B")
+            for start in range(0, len(view), 8 << 20):
+                os.write(fd, view[start:start + (8 << 20)])
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def warm(path: str) -> None:
+    """Reads a file once so load timings measure the page cache, not the disk."""
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+def run(size_mib: int, directory: str, repeat: int) -> list[tuple[str, float, str]]:
+    total = size_mib << 20
+    state = aligned_state(total)
+    nbytes = sum(a.nbytes for a in state.values())
+    paths = {k: os.path.join(directory, f"{k}-{size_mib}") for k in ("snpx", "raw", "st", "npz", "pkl")}
+
+    def clean(*keys: str) -> Callable[[], None]:
+        return lambda: [os.path.exists(paths[k]) and os.remove(paths[k]) for k in keys]
+
+    def save_snpx() -> None:
+        with checkpoint.CheckpointWriter(paths["snpx"]) as w:
+            for name, arr in state.items():
+                w.write(name, arr)
+
+    def save_st() -> None:
+        from safetensors.numpy import save_file
+
+        save_file(state, paths["st"])
+        fsync_file(paths["st"])
+
+    def save_npz() -> None:
+        with open(paths["npz"], "wb") as f:
+            np.savez(f, **state)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def save_pickle() -> None:
+        with open(paths["pkl"], "wb") as f:
+            pickle.dump(state, f, protocol=5)
+            f.flush()
+            os.fsync(f.fileno())
+
+    rows = []
+    t = {
+        "raw": best(repeat, lambda: raw_direct_write(paths["raw"], state), clean("raw")),
+        "snpx": best(repeat, save_snpx, clean("snpx")),
+        "st": best(repeat, save_st, clean("st")),
+        "npz": best(repeat, save_npz, clean("npz")),
+        "pkl": best(repeat, save_pickle, clean("pkl")),
+    }
+    gbps = {k: nbytes / v / 1e9 for k, v in t.items()}
+    rows.append(("save: SNPX CheckpointWriter (fsync)", gbps["snpx"], "1.00x"))
+    rows.append(("save: raw O_DIRECT write, same bytes", gbps["raw"], f"SNPX = {t['raw'] / t['snpx']:.2f}x of it"))
+    for key, label in (("st", "safetensors save_file + fsync"), ("npz", "np.savez + fsync"),
+                       ("pkl", "pickle.dump + fsync")):
+        rows.append((f"save: {label}", gbps[key], f"SNPX {t[key] / t['snpx']:.2f}x faster"))
+
+    for p in (paths["snpx"], paths["st"], paths["npz"]):
+        warm(p)
+
+    def load_snpx(copy: bool) -> Callable[[], object]:
+        def go() -> object:
+            with checkpoint.CheckpointReader(paths["snpx"]) as r:
+                return {n: (np.array(r.read(n)) if copy else r.read(n)) for n in r.names()}
+        return go
+
+    def load_st() -> object:
+        from safetensors.numpy import load_file
+
+        return load_file(paths["st"])
+
+    def load_npz() -> object:
+        with np.load(paths["npz"]) as z:
+            return {k: z[k] for k in z.files}
+
+    lt = {"zero": best(repeat, load_snpx(False)), "copy": best(repeat, load_snpx(True)),
+          "st": best(repeat, load_st), "npz": best(repeat, load_npz)}
+    rows.append(("load: SNPX, CRC-verified, zero-copy", nbytes / lt["zero"] / 1e9,
+                 f"{lt['st'] / lt['zero']:.2f}x safetensors"))
+    rows.append(("load: SNPX, CRC-verified, copied", nbytes / lt["copy"] / 1e9,
+                 f"{lt['st'] / lt['copy']:.2f}x safetensors"))
+    rows.append(("load: safetensors load_file (no check)", nbytes / lt["st"] / 1e9, "1.00x"))
+    rows.append(("load: np.load of .npz (no check)", nbytes / lt["npz"] / 1e9,
+                 f"SNPX zero-copy {lt['npz'] / lt['zero']:.2f}x faster"))
+
+    blob = np.concatenate([a.view(np.uint8) for a in state.values()])
+    v = best(repeat, lambda: checkpoint.validate_checkpoint(paths["snpx"]))
+    c = best(repeat, lambda: _native.crc32c(blob))
+    rows.append(("validate_checkpoint (cached file)", nbytes / v / 1e9, f"{c / v:.2f}x of CRC alone"))
+    rows.append(("CRC32C alone, one core, in memory", nbytes / c / 1e9, "1.00x"))
+    for p in paths.values():
+        if os.path.exists(p):
+            os.remove(p)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench format")
+    parser.add_argument("--sizes", default="64,256,1024", help="state sizes in MiB (issue range: 64..2048)")
+    parser.add_argument("--dir", default="bench-output")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    os.makedirs(args.dir, exist_ok=True)
+    print(f"SNPX save/load/validate; {TENSORS} float32 tensors; best of {args.repeat}; dir {args.dir} "
+          f"({shutil.disk_usage(args.dir).free >> 30} GiB free); CRC kernel {_native.crc32c_kernels()[-1]}\n")
+    for size in (int(s) for s in args.sizes.split(",")):
+        print(f"### {size} MiB\n\n| operation | GB/s | ratio |\n|---|---|---|")
+        for name, gbps, ratio in run(size, args.dir, args.repeat):
+            print(f"| {name} | {gbps:.2f} | {ratio} |")
+        print(flush=True)
