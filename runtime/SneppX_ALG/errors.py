@@ -185,3 +185,10 @@ class CudaError(SneppXError):
     def __init__(self, message: str, *, cuda_error: int = 0):
         super().__init__(message)
         self.cuda_error = cuda_error
+
+
+# --- operator: job specs the CRD schema can't judge alone -----------------------
+
+
+class JobSpecError(SneppXError, ValueError):
+    """An ElasticTrainingJob asks for something the operator can't build (e.g. a reserved volume name)."""
