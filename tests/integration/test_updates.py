@@ -1,0 +1,242 @@
+"""SignedUpdateManager against real files: installs, version policy, rollback, and SIGKILL mid-install.
+
+The kill sweep runs each install in a real child process whose native fault hook (SNEPPX_FAULT) sends it
+SIGKILL at the N-th I/O site (write, fsync, rename, directory fsync), for seeded N across the whole
+install; the parent then checks that the old or the new version is installed, never a mix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from SneppX_ALG import checkpoint, errors, signing, updates
+
+NOW = 1_800_000_000.0  # a fixed clock: 2027-01-15
+
+
+def make_update(path: pathlib.Path, key, version: str | None, *, expires: str | None = None, seed: int = 0,
+                size: int = 5000) -> pathlib.Path:
+    metadata = {} if version is None else {updates.VERSION_KEY: version}
+    if expires is not None:
+        metadata[updates.EXPIRES_KEY] = expires
+    rng = np.random.default_rng(seed)
+    with checkpoint.CheckpointWriter(path, metadata=metadata, config={"seed": seed}, signing_key=key) as w:
+        w.write("embed", rng.standard_normal((size // 50, 50)).astype(np.float32))
+        w.write("bias", rng.standard_normal(17).astype(np.float64))
+    return path
+
+
+@pytest.fixture
+def keys():
+    return signing.generate_keypair()
+
+
+@pytest.fixture
+def manager(tmp_path: pathlib.Path, keys) -> updates.SignedUpdateManager:
+    return updates.SignedUpdateManager([keys[1]], tmp_path / "installed", clock=lambda: NOW)
+
+
+def installed_files(manager: updates.SignedUpdateManager) -> list[str]:
+    return sorted(os.listdir(os.path.join(manager.install_dir, updates.VERSIONS_DIR)))
+
+
+def test_install_current_and_previous(tmp_path: pathlib.Path, keys, manager) -> None:
+    assert manager.current() is None
+    v1 = make_update(tmp_path / "v1.snpx", keys[0], "1", seed=1)
+    assert manager.install_update(v1) == "1"
+    first = manager.current()
+    assert first is not None and first.version == "1" and first.key_id == signing.key_id_hex(keys[1])
+    assert first.path != str(v1) and pathlib.Path(first.path).read_bytes() == v1.read_bytes()
+    assert not os.access(first.path, os.W_OK) or os.geteuid() == 0
+    assert oct(os.stat(first.path).st_mode & 0o777) == "0o444"
+    v2 = make_update(tmp_path / "v2.snpx", keys[0], "1.10", seed=2)
+    assert manager.install_update(v2) == "1.10"
+    assert manager.current().version == "1.10" and manager.previous() == first
+    v3 = make_update(tmp_path / "v3.snpx", keys[0], "2", seed=3)
+    manager.install_update(v3)
+    # only current and previous are kept
+    assert len(installed_files(manager)) == 2
+    assert manager.previous().version == "1.10"
+
+
+def test_installed_copy_is_independent_of_the_source(tmp_path: pathlib.Path, keys, manager) -> None:
+    v1 = make_update(tmp_path / "v1.snpx", keys[0], "1")
+    manager.install_update(v1)
+    v1.write_bytes(b"overwritten after install")
+    assert signing.verify_checkpoint(manager.current().path, [keys[1]]) == (True, [])
+
+
+def test_rollback_then_replay_of_the_rolled_back_version_needs_force(tmp_path: pathlib.Path, keys, manager) -> None:
+    v1 = make_update(tmp_path / "v1.snpx", keys[0], "1", seed=1)
+    v2 = make_update(tmp_path / "v2.snpx", keys[0], "2", seed=2)
+    manager.install_update(v1)
+    manager.install_update(v2)
+    back = manager.rollback()
+    assert back.version == "1" and manager.current() == back and manager.previous() is None
+    with pytest.raises(errors.UpdateRejectedError, match="no previous version"):
+        manager.rollback()
+    with pytest.raises(errors.RollbackRefusedError, match="not newer than version 2"):
+        manager.install_update(v2)
+    assert manager.current().version == "1"
+    assert manager.install_update(v2, force=True) == "2"
+    assert manager.current().version == "2" and manager.previous().version == "1"
+
+
+def test_rollback_reverifies_the_previous_file(tmp_path: pathlib.Path, keys, manager) -> None:
+    manager.install_update(make_update(tmp_path / "v1.snpx", keys[0], "1", seed=1))
+    manager.install_update(make_update(tmp_path / "v2.snpx", keys[0], "2", seed=2))
+    previous = pathlib.Path(manager.previous().path)
+    os.chmod(previous, 0o644)
+    raw = bytearray(previous.read_bytes())
+    raw[4096] ^= 0xFF
+    previous.write_bytes(raw)
+    with pytest.raises(errors.ChecksumMismatchError):
+        manager.rollback()
+    assert manager.current().version == "2"
+
+
+def test_force_installs_an_older_version_but_never_an_expired_one(tmp_path: pathlib.Path, keys, manager) -> None:
+    manager.install_update(make_update(tmp_path / "v5.snpx", keys[0], "5"))
+    old = make_update(tmp_path / "v3.snpx", keys[0], "3", seed=3)
+    assert manager.install_update(old, force=True) == "3"
+    with pytest.raises(errors.RollbackRefusedError):  # high-water mark stays 5
+        manager.install_update(make_update(tmp_path / "v4.snpx", keys[0], "4", seed=4))
+    expired = make_update(tmp_path / "v9.snpx", keys[0], "9", expires="2027-01-01T00:00:00Z", seed=9)
+    with pytest.raises(errors.ExpiredUpdateError, match="expired at 2027-01-01"):
+        manager.install_update(expired, force=True)
+    assert manager.current().version == "3"
+
+
+def test_expiry_in_the_future_installs_and_can_be_required(tmp_path: pathlib.Path, keys) -> None:
+    strict = updates.SignedUpdateManager([keys[1]], tmp_path / "strict", require_expiry=True, clock=lambda: NOW)
+    with pytest.raises(errors.UpdateRejectedError, match="no signed expiry"):
+        strict.install_update(make_update(tmp_path / "v1.snpx", keys[0], "1"))
+    ok = make_update(tmp_path / "v2.snpx", keys[0], "2", expires="2027-02-01T00:00:00+00:00")
+    assert strict.install_update(ok) == "2"
+    naive = make_update(tmp_path / "v3.snpx", keys[0], "3", expires="2027-02-01T00:00:00")
+    with pytest.raises(errors.UpdateRejectedError, match="with a zone"):
+        strict.install_update(naive)
+    assert strict.current().version == "2"
+
+
+@pytest.mark.parametrize("version", [None, "", "v2", "1..2", "-1", "1.2.", "1e3"])
+def test_missing_or_malformed_signed_version_is_refused(tmp_path: pathlib.Path, keys, manager, version) -> None:
+    with pytest.raises(errors.UpdateRejectedError, match="version"):
+        manager.install_update(make_update(tmp_path / "bad.snpx", keys[0], version))
+    assert manager.current() is None
+    assert installed_files(manager) == []
+
+
+def test_version_order_is_numeric() -> None:
+    assert updates.parse_version("1.10") > updates.parse_version("1.9")
+    assert updates.parse_version("2.0.0") == updates.parse_version("2")
+    assert updates.parse_version("10") > updates.parse_version("9.99")
+
+
+def test_directory_updates_are_refused_with_a_typed_error(tmp_path: pathlib.Path, manager) -> None:
+    (tmp_path / "d").mkdir()
+    with pytest.raises(errors.CheckpointFormatError, match="not a directory"):
+        manager.install_update(tmp_path / "d")
+
+
+def test_manager_needs_a_trusted_key(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(errors.KeyFormatError):
+        updates.SignedUpdateManager([], tmp_path / "x")
+
+
+def test_corrupt_state_file_is_a_typed_error(tmp_path: pathlib.Path, keys, manager) -> None:
+    manager.install_update(make_update(tmp_path / "v1.snpx", keys[0], "1"))
+    state = pathlib.Path(manager.install_dir, updates.STATE_NAME)
+    doc = json.loads(state.read_text())
+    doc["current"]["path"] = "../../etc/passwd"
+    state.write_text(json.dumps(doc))
+    with pytest.raises(errors.StorageError, match="outside versions"):
+        manager.current()
+
+
+# --- SIGKILL at seeded points of an install --------------------------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import sys
+    from SneppX_ALG import _native, signing, updates
+    manager = updates.SignedUpdateManager([sys.argv[1]], sys.argv[2], clock=lambda: 1_800_000_000.0)
+    before = _native.fault_sites_passed()
+    if sys.argv[4] == "rollback":
+        manager.rollback()
+    else:
+        manager.install_update(sys.argv[3])
+    print(_native.fault_sites_passed() - before)
+""")
+
+
+def run_child(pub: pathlib.Path, install_dir: pathlib.Path, update: pathlib.Path, action: str,
+              fault: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "SNEPPX_FAULT"}
+    if fault:
+        env["SNEPPX_FAULT"] = fault
+    return subprocess.run([sys.executable, "-c", CHILD, str(pub), str(install_dir), str(update), action],
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("action, min_sites", [("install", 8), ("rollback", 3)])
+def test_sigkill_at_any_io_site_leaves_old_or_new_never_a_mix(tmp_path: pathlib.Path, keys, action: str,
+                                                              min_sites: int) -> None:
+    pub = tmp_path / "trusted.pub"
+    signing.save_public_key(pub, keys[1])
+    # 9 MiB so the staging copy spans several native write buffers (each one an I/O site)
+    v1 = make_update(tmp_path / "v1.snpx", keys[0], "1", seed=1, size=9 << 20)
+    v2 = make_update(tmp_path / "v2.snpx", keys[0], "2", seed=2, size=9 << 20)
+    base = tmp_path / "base"
+    base_manager = updates.SignedUpdateManager([pub], base)
+    base_manager.install_update(v1)
+    if action == "rollback":
+        base_manager.install_update(v2)
+    old, new = base_manager.current().version, ("1" if action == "rollback" else "2")
+
+    def fresh_copy(name: str) -> pathlib.Path:
+        target = tmp_path / name
+        shutil.copytree(base, target, symlinks=True)
+        return target
+
+    clean_dir = fresh_copy("clean")
+    clean = run_child(pub, clean_dir, v2, action, None)
+    assert clean.returncode == 0, clean.stderr
+    sites = int(clean.stdout.strip())
+    assert sites >= min_sites, f"{action} passed only {sites} I/O sites"
+    assert updates.SignedUpdateManager([pub], clean_dir).current().version == new
+    shutil.rmtree(clean_dir)
+
+    points = sorted({1, sites, *random.Random(1234).sample(range(1, sites + 1), min(sites, 10))})
+    outcomes = []
+    for n in points:
+        install_dir = fresh_copy(f"kill-{n}")
+        result = run_child(pub, install_dir, v2, action, f"write,fsync,rename,dirsync:{n}:kill")
+        assert result.returncode == -signal.SIGKILL, f"site {n}/{sites}: child was not killed: {result.stderr}"
+        manager = updates.SignedUpdateManager([pub], install_dir)
+        now = manager.current()
+        assert now is not None and now.version in (old, new), f"site {n}/{sites}: {now}"
+        # whatever is installed verifies completely: never a half-written file
+        assert signing.verify_checkpoint(now.path, [pub]) == (True, []), f"site {n}/{sites}"
+        outcomes.append(now.version)
+        # the next run cleans up what the killed one left and completes
+        if now.version == old:
+            manager.rollback() if action == "rollback" else manager.install_update(v2)
+        assert manager.current().version == new
+        leftovers = [n for d in (install_dir, install_dir / updates.VERSIONS_DIR) for n in os.listdir(d)
+                     if n.startswith(".tmp-")]
+        assert leftovers == [], f"site {n}: {leftovers}"
+        assert len(os.listdir(install_dir / updates.VERSIONS_DIR)) <= 2
+        shutil.rmtree(install_dir)
+    # early kills keep the old version, a kill at the last site (after the commit rename) has the new one
+    assert outcomes[0] == old and outcomes[-1] == new, outcomes
