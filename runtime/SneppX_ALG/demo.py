@@ -1,0 +1,223 @@
+"""`make demo`: train the reference model, lose the process, resume from the latest checkpoint, check the files.
+
+Why it exists: it shows the one promise SneppX makes, on real training a person can watch. A first process trains
+the recipe-1 Transformer with a progress bar, saving a checkpoint every K steps, and is then killed with SIGKILL
+(a node failure, so the steps since the last checkpoint are lost). A new process resumes from the latest valid
+checkpoint and retrains the lost steps; their losses match the first run's exactly, because parameters, optimizer
+moments, data position and RNG state all came back bitwise. Finally every checkpoint is validated.
+
+    python -m SneppX_ALG.demo [--output demo-output] [--steps 150] [--every 30] [--crash-at 100] [--small]
+
+The orchestrator (`main`) runs both training phases as child processes of itself (`--phase first|resume`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from SneppX_ALG import checkpoint, training
+from SneppX_ALG import model as model_lib
+
+CHECKPOINT_NAME = "model-step-{step:06d}.snpx"
+_CHECKPOINT_RE = re.compile(r"^model-step-(\d{6,})\.snpx$")
+
+# The recipe-1 model, and a tiny one for quick runs (tests).
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "recipe": dict(vocab_size=1000, dim=128, num_heads=4, num_layers=2, ffn_dim=512, max_seq_len=64),
+    "small": dict(vocab_size=64, dim=32, num_heads=4, num_layers=2, ffn_dim=64, max_seq_len=16),
+}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m SneppX_ALG.demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", default="demo-output", help="directory for checkpoints and loss logs")
+    parser.add_argument("--steps", type=int, default=150, help="total training steps")
+    parser.add_argument("--every", type=int, default=30, help="checkpoint every K steps")
+    parser.add_argument("--crash-at", type=int, default=100, help="the first process is killed after this step")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--small", action="store_true", help="a tiny model (seconds; for tests)")
+    parser.add_argument("--phase", choices=("first", "resume"), help=argparse.SUPPRESS)
+    parser.add_argument("--resume-from", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if not 0 < args.every <= args.crash_at < args.steps:
+        parser.error("need 0 < --every <= --crash-at < --steps (a checkpoint before the crash, steps after it)")
+    return args
+
+
+# --- the pieces each training process uses ---------------------------------------------------------------------
+
+
+def build_trainer(args: argparse.Namespace) -> training.Trainer:
+    """The same model, data and optimizer settings in every process: only checkpoints carry state across."""
+    sizes = MODEL_SIZES["small" if args.small else "recipe"]
+    model = model_lib.Transformer(**sizes, seed=0)
+    language = training.SyntheticLanguage(vocab_size=sizes["vocab_size"], seq_len=sizes["max_seq_len"],
+                                          num_sequences=2048, seed=0)
+    return training.Trainer(model, language, batch_size=args.batch_size, lr=args.lr, warmup_steps=10, seed=0)
+
+
+def save_checkpoint(model: model_lib.Transformer, directory: str, step: int) -> str:
+    """The demo's one save call: the full training state, atomically, as one SNPX file per step."""
+    path = os.path.join(directory, CHECKPOINT_NAME.format(step=step))
+    model.save_checkpoint(path, include_optimizer=True, metadata={"step": str(step)})
+    return path
+
+
+def checkpoint_steps(directory: str) -> list[tuple[int, str]]:
+    """(step, path) of the demo's checkpoint files in a directory, oldest first."""
+    found = []
+    for name in os.listdir(directory):
+        match = _CHECKPOINT_RE.match(name)
+        if match:
+            found.append((int(match.group(1)), os.path.join(directory, name)))
+    return sorted(found)
+
+
+def latest_valid_checkpoint(directory: str) -> tuple[int, str] | None:
+    """The newest checkpoint that validates; damaged or partial ones are skipped, never loaded."""
+    for step, path in reversed(checkpoint_steps(directory)):
+        ok, _ = checkpoint.validate_checkpoint(path)
+        if ok:
+            return step, path
+    return None
+
+
+def read_losses(path: str) -> dict[int, float]:
+    losses = {}
+    with open(path, encoding="utf-8") as log:
+        for line in log:
+            if line.strip():
+                record = json.loads(line)
+                losses[int(record["step"])] = float(record["loss"])
+    return losses
+
+
+def run_phase(args: argparse.Namespace) -> int:
+    """One training process: `first` from scratch until it is killed, `resume` from a checkpoint to the end."""
+    from rich.console import Console
+
+    console = Console()
+    trainer = build_trainer(args)
+    if args.phase == "resume":
+        trainer.model.load_checkpoint(args.resume_from, include_optimizer=True)
+        console.print(f"[bold]resumed[/] from {args.resume_from}: step {trainer.step}, optimizer, data position "
+                      f"(epoch {trainer.stream.epoch}, batch {trainer.stream.cursor // trainer.stream.batch_size})"
+                      " and RNG restored")
+    stop_at = args.crash_at if args.phase == "first" else args.steps
+    log_path = os.path.join(args.output, f"losses-{args.phase}.jsonl")
+    with open(log_path, "w", encoding="utf-8") as log, training.ProgressBar(
+            args.steps, start_step=trainer.step, description=f"{args.phase} run", console=console) as bar:
+        def on_step(result: training.StepResult) -> None:
+            bar(result)
+            log.write(json.dumps({"step": result.step, "loss": result.loss}) + "\n")
+            log.flush()
+            if result.step % args.every == 0:
+                path = save_checkpoint(trainer.model, args.output, result.step)
+                bar.log(f"step {result.step}: loss {result.loss:.4f}, checkpoint {path}")
+
+        trainer.train(stop_at - trainer.step, on_step=on_step)
+    if args.phase == "first":
+        console.print(f"[bold red]step {trainer.step}: simulating a node failure (SIGKILL); the steps since the "
+                      "last checkpoint are lost[/]")
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 0
+
+
+# --- the orchestrator ------------------------------------------------------------------------------------------
+
+
+def _child(args: argparse.Namespace, phase: str, *extra: str) -> subprocess.CompletedProcess[Any]:
+    argv = [sys.executable, "-m", "SneppX_ALG.demo", "--phase", phase, "--output", args.output,
+            "--steps", str(args.steps), "--every", str(args.every), "--crash-at", str(args.crash_at),
+            "--batch-size", str(args.batch_size), "--lr", repr(args.lr), *(["--small"] if args.small else []),
+            *extra]
+    return subprocess.run(argv, check=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.phase:
+        return run_phase(args)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    os.makedirs(args.output, exist_ok=True)
+    for _, stale in checkpoint_steps(args.output):  # a previous demo's files would confuse "latest"
+        os.unlink(stale)
+    trainer = build_trainer(args)
+    config = trainer.model.config
+    console.rule("SneppX demo: train, crash, resume, validate")
+    console.print(f"model: {trainer.model!r}, {trainer.model.num_params:,} parameters")
+    console.print(f"data: a generated language of {config.vocab_size} tokens; uniform guessing costs "
+                  f"{math.log(config.vocab_size):.2f} nats/token, the grammar's floor is "
+                  f"{training.SyntheticLanguage().loss_floor:.2f}")
+    console.print(f"plan: {args.steps} steps, a checkpoint every {args.every}, the first process is killed after "
+                  f"step {args.crash_at}\n")
+    del trainer
+
+    started = time.perf_counter()
+    first = _child(args, "first")
+    console.print(f"first process ended by signal {-first.returncode}" if first.returncode < 0
+                  else f"first process exited with status {first.returncode}")
+    latest = latest_valid_checkpoint(args.output)
+    if first.returncode != -signal.SIGKILL or latest is None:
+        console.print("[bold red]FAILED[/]: the first run should die by SIGKILL after writing a checkpoint")
+        return 1
+    resume_step, resume_path = latest
+    console.print(f"\nlatest valid checkpoint: {resume_path} (step {resume_step}); starting a new process\n")
+    second = _child(args, "resume", "--resume-from", resume_path)
+    if second.returncode != 0:
+        console.print(f"[bold red]FAILED[/]: the resumed run exited with status {second.returncode}")
+        return 1
+
+    first_losses = read_losses(os.path.join(args.output, "losses-first.jsonl"))
+    resumed_losses = read_losses(os.path.join(args.output, "losses-resume.jsonl"))
+    replayed = sorted(set(first_losses) & set(resumed_losses))
+    table = Table(title=f"steps retrained after the crash (lost since the step-{resume_step} checkpoint)")
+    for column in ("step", "loss, first process", "loss, resumed process", "same"):
+        table.add_column(column, justify="right")
+    same = [first_losses[s] == resumed_losses[s] for s in replayed]
+    for step, equal in zip(replayed, same):
+        table.add_row(str(step), repr(first_losses[step]), repr(resumed_losses[step]), "yes" if equal else "NO")
+    console.print(table)
+    continued = min(resumed_losses) == resume_step + 1 and bool(replayed) and all(same)
+    curve = [first_losses[s] for s in sorted(first_losses) if s <= resume_step] + \
+        [resumed_losses[s] for s in sorted(resumed_losses)]
+    if continued:
+        console.print(f"[bold green]training continued from step {resume_step} with the same loss curve[/]: "
+                      f"the {len(replayed)} retrained steps have bitwise-identical losses")
+    else:
+        console.print(f"[bold red]FAILED[/]: the resumed run did not continue from step {resume_step} identically")
+    console.print(f"loss: {curve[0]:.3f} at step 1 -> {curve[-1]:.3f} at step {len(curve)} "
+                  f"(floor {training.SyntheticLanguage().loss_floor:.3f}); both processes took "
+                  f"{time.perf_counter() - started:.1f} s\n")
+
+    results = Table(title="validate_checkpoint on every checkpoint")
+    for column in ("checkpoint", "size", "valid", "errors"):
+        results.add_column(column)
+    all_valid = True
+    for _, path in checkpoint_steps(args.output):
+        ok, problems = checkpoint.validate_checkpoint(path)
+        all_valid &= ok
+        results.add_row(os.path.basename(path), f"{os.path.getsize(path) / 2**20:.1f} MiB", "yes" if ok else "NO",
+                        "; ".join(problems))
+    console.print(results)
+    return 0 if continued and all_valid else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
