@@ -192,3 +192,7 @@ class CudaError(SneppXError):
 
 class JobSpecError(SneppXError, ValueError):
     """An ElasticTrainingJob asks for something the operator can't build (e.g. a reserved volume name)."""
+
+
+class OperatorConfigError(SneppXError, ValueError):
+    """The operator's own configuration (environment, command line) is invalid."""
