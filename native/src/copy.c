@@ -1,0 +1,324 @@
+/* copy.c - the snapshot copy engine: state -> staging chunks, with CRC32C as the bytes land.
+ *
+ * Why in C: an async save is only as "async" as its snapshot is short. On a GPU the
+ * snapshot is a device-to-host copy that must overlap with hashing the bytes already
+ * copied, which needs a CUDA stream, events and pinned memory; in Python each of those
+ * would cost a GIL round trip per chunk. On the CPU the same call splits a copy over
+ * plain threads. Either way the caller gets the CRC32C of what was copied, so the
+ * bytes written later can be checked against the bytes snapshot.
+ *
+ * CUDA is never a build-time dependency: libcudart is dlopen'ed at run time (the
+ * path is chosen by the Python side: the nvidia-cuda-runtime-cu12 wheel, an
+ * environment override, or the soname). On a machine without a GPU the library
+ * still loads and cudaGetDeviceCount fails (35, insufficient driver, or 100, no
+ * device): that is SX_ENODEV, and callers fall back to the CPU path.
+ */
+#define _GNU_SOURCE
+#include "sneppx.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* ---- the slice of the CUDA runtime API we use (ABI-stable since CUDA 4) ---- */
+
+typedef int cuda_err;
+typedef void *cuda_stream;
+typedef void *cuda_event;
+
+enum { CUDA_SUCCESS = 0, CUDA_ERR_INSUFFICIENT_DRIVER = 35, CUDA_ERR_NO_DEVICE = 100 };
+enum { MEMCPY_H2D = 1, MEMCPY_D2H = 2, MEMCPY_D2D = 3 };
+enum { HOST_ALLOC_PORTABLE = 1, STREAM_NON_BLOCKING = 1, EVENT_BLOCKING_SYNC = 1, EVENT_DISABLE_TIMING = 2 };
+
+static struct {
+    cuda_err (*GetDeviceCount)(int *);
+    cuda_err (*SetDevice)(int);
+    cuda_err (*HostAlloc)(void **, size_t, unsigned);
+    cuda_err (*FreeHost)(void *);
+    cuda_err (*Malloc)(void **, size_t);
+    cuda_err (*Free)(void *);
+    cuda_err (*Memcpy)(void *, const void *, size_t, int);
+    cuda_err (*MemcpyAsync)(void *, const void *, size_t, int, cuda_stream);
+    cuda_err (*StreamCreateWithFlags)(cuda_stream *, unsigned);
+    cuda_err (*StreamSynchronize)(cuda_stream);
+    cuda_err (*StreamDestroy)(cuda_stream);
+    cuda_err (*EventCreateWithFlags)(cuda_event *, unsigned);
+    cuda_err (*EventRecord)(cuda_event, cuda_stream);
+    cuda_err (*EventSynchronize)(cuda_event);
+    cuda_err (*EventDestroy)(cuda_event);
+    const char *(*GetErrorString)(cuda_err);
+} cuda;
+
+static pthread_mutex_t cuda_lock = PTHREAD_MUTEX_INITIALIZER;
+static void *cuda_handle;
+static char cuda_path[4096];
+static __thread int cuda_last;
+
+int sx_cuda_last_error(void) { return cuda_last; }
+
+const char *sx_cuda_error_string(int err) {
+    if (cuda_handle && cuda.GetErrorString) return cuda.GetErrorString(err);
+    return "CUDA runtime not loaded";
+}
+
+static int cuda_status(cuda_err e) {
+    if (e == CUDA_SUCCESS) return SX_OK;
+    cuda_last = e;
+    if (e == CUDA_ERR_INSUFFICIENT_DRIVER || e == CUDA_ERR_NO_DEVICE) return SX_ENODEV;
+    return SX_ECUDA;
+}
+
+int sx_cuda_load(const char *path) {
+    pthread_mutex_lock(&cuda_lock);
+    int rc = SX_OK;
+    if (cuda_handle) goto out; /* loaded once per process; later paths are ignored */
+    const char *name = path && *path ? path : "libcudart.so.12";
+    void *h = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+    if (!h) { rc = SX_ENOLIB; goto out; }
+#define SYM(field, sym)                                       \
+    do {                                                      \
+        *(void **)&cuda.field = dlsym(h, sym);                \
+        if (!cuda.field) { dlclose(h); rc = SX_ENOLIB; goto out; } \
+    } while (0)
+    SYM(GetDeviceCount, "cudaGetDeviceCount");
+    SYM(SetDevice, "cudaSetDevice");
+    SYM(HostAlloc, "cudaHostAlloc");
+    SYM(FreeHost, "cudaFreeHost");
+    SYM(Malloc, "cudaMalloc");
+    SYM(Free, "cudaFree");
+    SYM(Memcpy, "cudaMemcpy");
+    SYM(MemcpyAsync, "cudaMemcpyAsync");
+    SYM(StreamCreateWithFlags, "cudaStreamCreateWithFlags");
+    SYM(StreamSynchronize, "cudaStreamSynchronize");
+    SYM(StreamDestroy, "cudaStreamDestroy");
+    SYM(EventCreateWithFlags, "cudaEventCreateWithFlags");
+    SYM(EventRecord, "cudaEventRecord");
+    SYM(EventSynchronize, "cudaEventSynchronize");
+    SYM(EventDestroy, "cudaEventDestroy");
+    SYM(GetErrorString, "cudaGetErrorString");
+#undef SYM
+    cuda_handle = h;
+    Dl_info info;
+    const char *where = dladdr(*(void **)&cuda.GetDeviceCount, &info) && info.dli_fname ? info.dli_fname : name;
+    strncpy(cuda_path, where, sizeof cuda_path - 1);
+out:
+    pthread_mutex_unlock(&cuda_lock);
+    return rc;
+}
+
+const char *sx_cuda_library(void) { return cuda_handle ? cuda_path : NULL; }
+
+int sx_cuda_device_count(int *count) {
+    if (!count) return SX_EINVAL;
+    *count = 0;
+    if (!cuda_handle) return SX_ENOLIB;
+    int rc = cuda_status(cuda.GetDeviceCount(count));
+    if (rc != SX_OK) *count = 0;
+    else if (*count == 0) { cuda_last = CUDA_ERR_NO_DEVICE; rc = SX_ENODEV; }
+    return rc;
+}
+
+int sx_cuda_malloc(int device, size_t len, void **out) {
+    if (!out || !cuda_handle) return out ? SX_ENOLIB : SX_EINVAL;
+    *out = NULL;
+    int rc = cuda_status(cuda.SetDevice(device));
+    if (rc == SX_OK) rc = cuda_status(cuda.Malloc(out, len ? len : 1));
+    return rc;
+}
+
+int sx_cuda_free(int device, void *p) {
+    if (!cuda_handle) return SX_ENOLIB;
+    int rc = cuda_status(cuda.SetDevice(device));
+    if (rc == SX_OK && p) rc = cuda_status(cuda.Free(p));
+    return rc;
+}
+
+int sx_cuda_memcpy(int device, void *dst, const void *src, size_t len, int kind) {
+    if (!cuda_handle) return SX_ENOLIB;
+    if (kind != SX_COPY_H2D && kind != SX_COPY_D2H && kind != SX_COPY_D2D) return SX_EINVAL;
+    int rc = cuda_status(cuda.SetDevice(device));
+    int k = kind == SX_COPY_H2D ? MEMCPY_H2D : kind == SX_COPY_D2H ? MEMCPY_D2H : MEMCPY_D2D;
+    if (rc == SX_OK && len) rc = cuda_status(cuda.Memcpy(dst, src, len, k));
+    return rc;
+}
+
+/* ---- the copier ---------------------------------------------------------- */
+
+#define MAX_INFLIGHT 8
+#define CPU_PIECE ((size_t)256 << 10)        /* CRC then copy in L2-sized pieces */
+#define CPU_MIN_PER_THREAD ((size_t)4 << 20) /* below this a thread costs more than it saves */
+#define CPU_MAX_THREADS 64
+
+struct sx_copier {
+    int device;     /* -1: host only */
+    int nthreads;   /* host copies */
+    size_t piece;   /* bytes per D2H piece (one event each) */
+    cuda_stream stream;
+    cuda_event events[MAX_INFLIGHT];
+    int nevents;
+};
+
+int sx_copier_create(int device, size_t piece_bytes, int nthreads, sx_copier **out) {
+    if (!out || device < -1) return SX_EINVAL;
+    *out = NULL;
+    sx_copier *c = calloc(1, sizeof *c);
+    if (!c) return SX_ENOMEM;
+    c->device = device;
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    c->nthreads = nthreads > 0 ? nthreads : (online > 0 ? (int)online : 1);
+    if (c->nthreads > CPU_MAX_THREADS) c->nthreads = CPU_MAX_THREADS;
+    c->piece = piece_bytes ? piece_bytes : ((size_t)8 << 20);
+    if (device >= 0) {
+        int count = 0;
+        int rc = sx_cuda_device_count(&count);
+        if (rc == SX_OK && device >= count) { rc = SX_ENODEV; }
+        if (rc == SX_OK) rc = cuda_status(cuda.SetDevice(device));
+        if (rc == SX_OK) rc = cuda_status(cuda.StreamCreateWithFlags(&c->stream, STREAM_NON_BLOCKING));
+        for (int i = 0; rc == SX_OK && i < MAX_INFLIGHT; i++) {
+            rc = cuda_status(cuda.EventCreateWithFlags(&c->events[i], EVENT_BLOCKING_SYNC | EVENT_DISABLE_TIMING));
+            if (rc == SX_OK) c->nevents++;
+        }
+        if (rc != SX_OK) { sx_copier_destroy(c); return rc; }
+    }
+    *out = c;
+    return SX_OK;
+}
+
+void sx_copier_destroy(sx_copier *c) {
+    if (!c) return;
+    if (c->device >= 0 && cuda_handle) {
+        cuda.SetDevice(c->device);
+        if (c->stream) cuda.StreamSynchronize(c->stream);
+        for (int i = 0; i < c->nevents; i++) cuda.EventDestroy(c->events[i]);
+        if (c->stream) cuda.StreamDestroy(c->stream);
+    }
+    free(c);
+}
+
+int sx_copier_device(const sx_copier *c) { return c ? c->device : -1; }
+
+int sx_copier_alloc(sx_copier *c, size_t len, void **out) {
+    if (!c || !out || !len) return SX_EINVAL;
+    *out = NULL;
+    if (c->device >= 0) {
+        /* pinned, so D2H runs at full link speed and asynchronously; pin once and reuse */
+        int rc = cuda_status(cuda.SetDevice(c->device));
+        if (rc == SX_OK) rc = cuda_status(cuda.HostAlloc(out, len, HOST_ALLOC_PORTABLE));
+        return rc;
+    }
+    return posix_memalign(out, 4096, len) ? SX_ENOMEM : SX_OK;
+}
+
+void sx_copier_free(sx_copier *c, void *p) {
+    if (!c || !p) return;
+    if (c->device >= 0) cuda.FreeHost(p);
+    else free(p);
+}
+
+/* -- host to host: plain threads, each hashing its slice as it copies -- */
+
+struct host_job {
+    unsigned char *dst;
+    const unsigned char *src;
+    size_t len;
+    int want_crc;
+    uint32_t crc;
+};
+
+static void host_copy_slice(struct host_job *j) {
+    uint32_t crc = 0;
+    for (size_t off = 0; off < j->len; off += CPU_PIECE) {
+        size_t n = j->len - off < CPU_PIECE ? j->len - off : CPU_PIECE;
+        /* CRC first brings the piece into cache; the copy then reads it from there */
+        if (j->want_crc) crc = sx_crc32c(crc, j->src + off, n);
+        memcpy(j->dst + off, j->src + off, n);
+    }
+    j->crc = crc;
+}
+
+static void *host_copy_main(void *arg) {
+    host_copy_slice(arg);
+    return NULL;
+}
+
+static int copy_host(sx_copier *c, void *dst, const void *src, size_t len, uint32_t *crc) {
+    int n = c->nthreads;
+    if ((size_t)n > len / CPU_MIN_PER_THREAD) n = (int)(len / CPU_MIN_PER_THREAD);
+    if (n < 1) n = 1;
+    struct host_job jobs[CPU_MAX_THREADS];
+    pthread_t threads[CPU_MAX_THREADS];
+    int started[CPU_MAX_THREADS] = {0};
+    size_t per = (len / (size_t)n + 63) & ~(size_t)63; /* cache-line aligned slices */
+    for (int i = 0; i < n; i++) {
+        size_t off = (size_t)i * per;
+        jobs[i].dst = (unsigned char *)dst + off;
+        jobs[i].src = (const unsigned char *)src + off;
+        jobs[i].len = off >= len ? 0 : (len - off < per ? len - off : per);
+        jobs[i].want_crc = crc != NULL;
+    }
+    /* slice 0 runs on the calling thread; a failed thread start runs its slice here too */
+    for (int i = 1; i < n; i++) started[i] = pthread_create(&threads[i], NULL, host_copy_main, &jobs[i]) == 0;
+    host_copy_slice(&jobs[0]);
+    for (int i = 1; i < n; i++) {
+        if (started[i]) pthread_join(threads[i], NULL);
+        else host_copy_slice(&jobs[i]);
+    }
+    if (crc) {
+        uint32_t total = *crc;
+        for (int i = 0; i < n; i++) total = sx_crc32c_combine(total, jobs[i].crc, jobs[i].len);
+        *crc = total;
+    }
+    return SX_OK;
+}
+
+/* -- device to host: pieces on the copier's stream, one event each; each piece
+ * is hashed as soon as its event fires while the next pieces are in flight -- */
+
+static int copy_d2h(sx_copier *c, void *dst, const void *src, size_t len, uint32_t *crc) {
+    int rc = cuda_status(cuda.SetDevice(c->device));
+    if (rc != SX_OK) return rc;
+    size_t npieces = (len + c->piece - 1) / c->piece;
+    unsigned char *d = dst;
+    const unsigned char *s = src;
+    if (!crc) { /* the bare loop: every piece queued, one synchronization */
+        for (size_t i = 0; rc == SX_OK && i < npieces; i++) {
+            size_t off = i * c->piece, n = len - off < c->piece ? len - off : c->piece;
+            rc = cuda_status(cuda.MemcpyAsync(d + off, s + off, n, MEMCPY_D2H, c->stream));
+        }
+        int sync = cuda_status(cuda.StreamSynchronize(c->stream));
+        return rc != SX_OK ? rc : sync;
+    }
+    uint32_t total = *crc;
+    size_t issued = 0, landed = 0;
+    while (rc == SX_OK && landed < npieces) {
+        while (rc == SX_OK && issued < npieces && issued - landed < (size_t)c->nevents) {
+            size_t off = issued * c->piece, n = len - off < c->piece ? len - off : c->piece;
+            rc = cuda_status(cuda.MemcpyAsync(d + off, s + off, n, MEMCPY_D2H, c->stream));
+            if (rc == SX_OK) rc = cuda_status(cuda.EventRecord(c->events[issued % (size_t)c->nevents], c->stream));
+            if (rc == SX_OK) issued++;
+        }
+        if (rc != SX_OK) break;
+        rc = cuda_status(cuda.EventSynchronize(c->events[landed % (size_t)c->nevents]));
+        if (rc != SX_OK) break;
+        size_t off = landed * c->piece, n = len - off < c->piece ? len - off : c->piece;
+        total = sx_crc32c_combine(total, sx_crc32c(0, d + off, n), n);
+        landed++;
+    }
+    if (rc != SX_OK) {
+        /* never return while DMA may still write into the caller's buffer */
+        cuda.StreamSynchronize(c->stream);
+        return rc;
+    }
+    *crc = total;
+    return SX_OK;
+}
+
+int sx_copier_copy(sx_copier *c, void *dst, const void *src, size_t len, int kind, uint32_t *crc) {
+    if (!c || (len && (!dst || !src))) return SX_EINVAL;
+    if (len == 0) return SX_OK;
+    if (kind == SX_COPY_H2H) return copy_host(c, dst, src, len, crc);
+    if (kind == SX_COPY_D2H) return c->device < 0 ? SX_ENODEV : copy_d2h(c, dst, src, len, crc);
+    return SX_EINVAL;
+}
