@@ -29,7 +29,6 @@
 #include "sneppx.h"
 
 #include <pthread.h>
-#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -67,13 +66,6 @@ static uint32_t mulmod_portable(uint32_t a, uint32_t b) {
         b = mul_x(b);
     }
     return product;
-}
-
-/* x^n mod P for small n, for the fold constants. */
-static uint32_t xpow_slow(unsigned n) {
-    uint32_t v = X_POW_0;
-    while (n--) v = mul_x(v);
-    return v;
 }
 
 static struct {
@@ -139,9 +131,10 @@ static inline uint64_t load64(const unsigned char *p) {
     return w;
 }
 
-/* a * b mod P. The 63-bit carry-less product, shifted up one place, has its
- * x^32..x^62 part in the low word (reduced by crc32, which multiplies by x^32
- * mod P) and its x^0..x^31 part, already reduced, in the high word. */
+/* a * b mod P. The carry-less product (degree <= 62), shifted up one place to
+ * fill a reflected 64-bit word, is H * x^32 + L with H in the low half and L
+ * (degree < 32, already reduced) in the high half; crc32 of H from a zero
+ * register is exactly H * x^32 mod P. */
 TARGET_SSE42 static inline uint32_t mulmod_hw(uint32_t a, uint32_t b) {
     __m128i product = _mm_clmulepi64_si128(_mm_cvtsi32_si128((int)a), _mm_cvtsi32_si128((int)b), 0x00);
     uint64_t d = (uint64_t)_mm_cvtsi128_si64(product) << 1;
@@ -184,6 +177,13 @@ TARGET_SSE42 static uint32_t crc_sse42_raw(uint32_t crc, const unsigned char *p,
         len -= 3 * stream;
     }
     return crc_sse42_bytes(crc, p, len);
+}
+
+/* x^n mod P for small n, by stepping. */
+static uint32_t xpow_slow(unsigned n) {
+    uint32_t v = X_POW_0;
+    while (n--) v = mul_x(v);
+    return v;
 }
 
 /* Folding, derived. A 16-byte lane X loaded little-endian holds the message
@@ -231,7 +231,8 @@ TARGET_SSE42 static uint32_t fold_reduce(const __m128i *lanes, size_t nlanes) {
  * Vector primitives: V type, LOADU(p), STOREU(p, v), XOR(a, b), XOR3(a, b, c),
  * CLMUL(a, k, imm), BCAST(k128) (a 128-bit value in every lane), LOW32(c)
  * (c in bits 0..31, zeros elsewhere). */
-#define FOLD_KERNEL(NAME, TARGET, V, W, NACC, NS, SQ, K_BLOCK, LOADU, STOREU, XOR, XOR3, CLMUL, BCAST, LOW32) \
+#define FOLD_KERNEL(NAME, TARGET, V, W, NACC, NS, SQ, K_BLOCK,                                             \
+                    LOADU, STOREU, XOR, XOR3, CLMUL, BCAST, LOW32)                                         \
     TARGET static uint32_t NAME(uint32_t crc, const unsigned char *p, size_t len) {                        \
         enum { BLOCK = (W) * (NACC), LANES_PER_V = (W) / 16, STEP = BLOCK + (NS) * (SQ) };              \
         size_t head = (size_t)(-(uintptr_t)p & 63);                                                      \
@@ -317,7 +318,10 @@ static void init(void) {
         G.slice[0][n] = c;
     }
     for (uint32_t n = 0; n < 256; n++)
-        for (int t = 1; t < 8; t++) G.slice[t][n] = (G.slice[t - 1][n] >> 8) ^ G.slice[0][G.slice[t - 1][n] & 0xFF];
+        for (int t = 1; t < 8; t++) {
+            uint32_t prev = G.slice[t - 1][n];
+            G.slice[t][n] = (prev >> 8) ^ G.slice[0][prev & 0xFF];
+        }
     G.x_pow2k[0] = X_POW_0 >> 1; /* x^1 */
     for (int k = 1; k < 64; k++) G.x_pow2k[k] = mulmod_portable(G.x_pow2k[k - 1], G.x_pow2k[k - 1]);
 
@@ -397,7 +401,7 @@ uint32_t sx_crc32c_parallel(uint32_t crc, const void *buf, size_t len, int nthre
     pthread_t threads[PARALLEL_MAX_THREADS];
     int started[PARALLEL_MAX_THREADS];
     const unsigned char *p = buf;
-    /* Chunks start on cache lines so no two threads share one. */
+    /* Whole cache lines per chunk: threads never share a line of an aligned buffer. */
     size_t chunk = ((len / n) + 63) & ~(size_t)63;
     for (size_t i = 0; i < n; i++) {
         jobs[i].p = p + i * chunk;
