@@ -1,0 +1,137 @@
+"""The snapshot copy engine (copy.c): threaded host copies with CRC, CUDA loading and the no-GPU fallback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from SneppX_ALG import _native, errors
+
+HAS_GPU = _native.cuda_available()
+gpu = pytest.mark.skipif(not HAS_GPU, reason="no GPU")
+
+
+@pytest.mark.parametrize("size", [1, 63, 4096, (4 << 20) + 3, (9 << 20) + 17])
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_host_copy_lands_every_byte_and_returns_its_crc32c(size: int, threads: int) -> None:
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    copier = _native.Copier(-1, threads=threads)
+    dst = bytearray(size + 8)
+    crc = copier.copy(memoryview(dst)[:size], data)
+    assert bytes(dst[:size]) == data.tobytes()
+    assert bytes(dst[size:]) == bytes(8), "the copy wrote past its end"
+    assert crc == _native.crc32c(data)
+
+
+def test_crc_continues_from_the_value_given() -> None:
+    a, b = os.urandom(1000), os.urandom(5 << 20)
+    copier = _native.Copier(-1)
+    dst = bytearray(len(b))
+    assert copier.copy(dst, b, crc=_native.crc32c(a)) == _native.crc32c(a + b)
+
+
+def test_copy_without_crc_returns_none_and_still_copies() -> None:
+    src = os.urandom(12345)
+    dst = bytearray(12345)
+    assert _native.Copier(-1).copy(dst, src, crc=None) is None
+    assert bytes(dst) == src
+
+
+def test_staging_memory_from_alloc_is_writable_and_sized() -> None:
+    copier = _native.Copier(-1)
+    buffer = copier.alloc(1 << 20)
+    view = copier.view(buffer, 1 << 20)
+    src = os.urandom(1 << 20)
+    assert copier.copy(view, src) == _native.crc32c(src)
+    assert bytes(view) == src
+
+
+def test_copy_refuses_to_overrun_either_buffer() -> None:
+    copier = _native.Copier(-1)
+    with pytest.raises(ValueError, match="into a buffer of 10"):
+        copier.copy(bytearray(10), b"x" * 11)
+    with pytest.raises(ValueError, match="from a buffer of 4"):
+        copier.copy(bytearray(10), b"x" * 4, 8)
+
+
+def test_cudart_search_order_env_override_then_wheel_then_soname(tmp_path) -> None:
+    wheel_lib = tmp_path / "site" / "nvidia" / "cuda_runtime" / "lib" / "libcudart.so.12"
+    wheel_lib.parent.mkdir(parents=True)
+    wheel_lib.write_bytes(b"")
+    sys_path = [str(tmp_path / "empty"), str(tmp_path / "site")]
+    assert _native.cudart_candidates(sys_path, {}) == [str(wheel_lib), "libcudart.so.12"]
+    assert _native.cudart_candidates(sys_path, {"SNEPPX_CUDART": "/opt/x.so"}) == ["/opt/x.so"]
+    assert _native.cudart_candidates([str(tmp_path / "empty")], {}) == ["libcudart.so.12"]
+
+
+def test_libcudart_loads_from_the_installed_wheel() -> None:
+    path = _native.cuda_load()
+    assert path.endswith("libcudart.so.12")
+    assert os.path.exists(path)
+
+
+def test_device_count_reports_no_device_as_a_typed_error_or_counts_gpus() -> None:
+    if HAS_GPU:
+        assert _native.cuda_device_count() >= 1
+        return
+    with pytest.raises(errors.AcceleratorUnavailableError, match=r"CUDA error (35|100)"):
+        _native.cuda_device_count()
+
+
+def test_device_copier_without_a_gpu_fails_cleanly_and_the_cpu_copier_still_works() -> None:
+    if HAS_GPU:
+        assert _native.Copier(0).device == 0
+        return
+    with pytest.raises(errors.AcceleratorUnavailableError):
+        _native.Copier(0)
+    assert _native.Copier(-1).copy(bytearray(3), b"abc") == _native.crc32c(b"abc")
+
+
+def test_a_missing_cudart_override_is_reported_and_saves_fall_back_to_cpu(tmp_path) -> None:
+    # libcudart loads once per process, so this runs in a fresh interpreter.
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from SneppX_ALG import _native, errors, coordinator
+        try:
+            _native.cuda_load()
+            raise SystemExit("loaded a library that does not exist")
+        except errors.AcceleratorUnavailableError as e:
+            assert "SNEPPX_CUDART" in str(e), e
+        assert not _native.cuda_available()
+        with coordinator.CheckpointCoordinator({str(tmp_path)!r}, device="auto") as c:
+            assert not c.uses_gpu
+            c.save({{"w": np.arange(10.0)}}, step=1)
+        print("ok")
+    """)
+    env = {**os.environ, "SNEPPX_CUDART": str(tmp_path / "no-such-libcudart.so")}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+    assert (tmp_path / "step-000000001" / "manifest.json").exists()
+
+
+# ---- on a GPU ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("size", [1, (8 << 20) - 1, (64 << 20) + 5])
+def test_device_to_host_copy_hashes_each_piece_as_it_lands(size: int) -> None:
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    device_ptr = _native.cuda_malloc(0, size)
+    try:
+        _native.cuda_memcpy(0, device_ptr, _native.address_of(data), size, _native.COPY_H2D)
+        copier = _native.Copier(0, piece_bytes=4 << 20)
+        staging = copier.alloc(size)
+        view = copier.view(staging, size)
+        crc = copier.copy(view, device_ptr, size, kind=_native.COPY_D2H)
+        assert crc == _native.crc32c(data)
+        assert bytes(view) == data.tobytes()
+        assert copier.copy(view, device_ptr, size, kind=_native.COPY_D2H, crc=None) is None
+    finally:
+        _native.cuda_free(0, device_ptr)
