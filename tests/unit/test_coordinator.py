@@ -1,0 +1,194 @@
+"""The coordinator's pure decisions: buffer sizing, splitting and packing, retention, manifests, state trees."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from SneppX_ALG import coordinator, errors
+
+MiB = 1 << 20
+
+
+def spec(name: str, shape: tuple[int, ...], itemsize: int = 4) -> coordinator.TensorSpec:
+    dtype = {1: "uint8", 2: "float16", 4: "float32", 8: "float64"}[itemsize]
+    return coordinator.TensorSpec((name,), dtype, shape, itemsize)
+
+
+# ---- buffer sizing, splitting, packing ------------------------------------------------------------------------
+
+
+def test_buffers_are_at_most_half_the_staging_area_so_there_are_always_two() -> None:
+    assert coordinator.choose_buffer_bytes(10 << 30, 1 << 30) == 64 * MiB
+    assert coordinator.choose_buffer_bytes(10 << 30, 64 * MiB) == 32 * MiB
+    assert coordinator.choose_buffer_bytes(100, 1 << 30) == MiB  # small states: 1 MiB, not 64
+    assert coordinator.choose_buffer_bytes(40 * MiB, 1 << 30) == 10 * MiB  # a quarter: copy/write overlap
+    for state in (1, 5 * MiB, 3 << 30):
+        for staging in (8192, 3 * MiB, 1 << 30):
+            size = coordinator.choose_buffer_bytes(state, staging)
+            assert size % 4096 == 0 and 2 * size <= max(staging, 8192)
+
+
+shapes = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)
+
+
+@given(shape=shapes, itemsize=st.sampled_from([1, 2, 4, 8]), limit=st.integers(64, 2000))
+@settings(deadline=None)
+def test_split_pieces_tile_the_tensor_exactly_and_fit_the_limit(shape, itemsize, limit) -> None:
+    s = spec("t", shape, itemsize)
+    pieces = coordinator.split_tensor(s, limit)
+    position = 0
+    for start, nbytes, piece_shape, global_offset in pieces:
+        assert start == position
+        assert nbytes <= limit
+        assert int(np.prod(piece_shape, dtype=np.int64)) * itemsize == nbytes
+        if global_offset is not None:  # row blocks keep every dimension but the first
+            assert piece_shape[1:] == shape[1:] and global_offset[0] * (s.nbytes // shape[0]) == start
+        position += nbytes
+    assert position == s.nbytes
+
+
+def test_large_tensors_split_into_row_blocks_when_a_row_fits() -> None:
+    pieces = coordinator.split_tensor(spec("w", (10, 256)), 3 * 1024)  # a row is 1 KiB
+    assert [p[2] for p in pieces] == [(3, 256), (3, 256), (3, 256), (1, 256)]
+    assert [p[3] for p in pieces] == [(0, 0), (3, 0), (6, 0), (9, 0)]
+    flat = coordinator.split_tensor(spec("v", (1, 1000)), 1024)  # one row larger than the limit
+    assert [p[2] for p in flat] == [(256,), (256,), (256,), (232,)] and all(p[3] is None for p in flat)
+
+
+@given(sizes=st.lists(st.tuples(st.integers(0, 5000), st.sampled_from([1, 4, 8])), min_size=1, max_size=12),
+       buffer=st.integers(64, 4096))
+@settings(max_examples=200, deadline=None)
+def test_packing_never_overlaps_or_overflows_a_buffer_and_names_are_unique(sizes, buffer) -> None:
+    buffer = buffer // 64 * 64
+    specs = [spec(f"t{i}", (n,), itemsize) for i, (n, itemsize) in enumerate(sizes)]
+    plan = coordinator.plan_pieces(specs, buffer)
+    names = [p.entry for b in plan for p in b]
+    assert len(names) == len(set(names))
+    for index, pieces in enumerate(plan):
+        end = 0
+        for p in pieces:
+            assert p.buffer == index and p.offset >= end and p.offset % 64 == 0
+            assert p.offset + p.nbytes <= buffer
+            end = p.offset + p.nbytes
+    for i, s in enumerate(specs):
+        assert sum(p.nbytes for b in plan for p in b if p.tensor == i) == s.nbytes
+
+
+def test_piece_names_never_collide_with_real_tensor_names() -> None:
+    specs = [spec("a", (1000,)), spec("a@0", (4,)), spec("a@1", (4,))]
+    names = [p.entry for b in coordinator.plan_pieces(specs, 1024) for p in b]
+    assert len(names) == len(set(names)) and "a@0" in names and "a@0~" in names
+
+
+# ---- when to save, what to delete ------------------------------------------------------------------------------
+
+
+def test_should_save_on_multiples_not_saved_yet() -> None:
+    assert coordinator.is_save_step(1000, 1000, None)
+    assert not coordinator.is_save_step(1000, 1000, 1000)
+    assert not coordinator.is_save_step(999, 1000, None)
+    assert not coordinator.is_save_step(1000, None, None) and not coordinator.is_save_step(1000, 0, None)
+
+
+def test_retention_keeps_the_newest_and_every_nth() -> None:
+    committed = [100, 200, 300, 400, 500]
+    assert coordinator.steps_to_delete(committed, new_step=600, max_to_keep=2) == [100, 200, 300, 400]
+    assert coordinator.steps_to_delete(committed, new_step=600, max_to_keep=2, keep_every_n_steps=200) == [100, 300]
+    assert coordinator.steps_to_delete(committed, new_step=600, max_to_keep=None) == []
+    assert coordinator.steps_to_delete(committed, new_step=600, max_to_keep=3, protected=frozenset({100})) == [200, 300]
+
+
+@given(committed=st.sets(st.integers(0, 60), max_size=20), new=st.integers(0, 60), keep=st.integers(1, 6),
+       every=st.one_of(st.none(), st.integers(1, 20)), protected=st.sets(st.integers(0, 60), max_size=3))
+def test_retention_never_deletes_the_new_step_a_newer_one_or_a_protected_one(committed, new, keep, every,
+                                                                             protected) -> None:
+    doomed = coordinator.steps_to_delete(sorted(committed), new_step=new, max_to_keep=keep,
+                                         keep_every_n_steps=every, protected=frozenset(protected))
+    assert new not in doomed and all(s < new for s in doomed) and not set(doomed) & protected
+    assert set(doomed) <= committed
+    survivors = (committed | {new}) - set(doomed)
+    assert len(survivors) >= min(keep, len(committed | {new}))
+    if every:
+        assert not any(s % every == 0 for s in doomed)
+
+
+# ---- manifests ----------------------------------------------------------------------------------------------------
+
+
+def good_manifest(step: int = 7) -> dict:
+    specs = [spec("w", (4, 4))]
+    pieces = [p for b in coordinator.plan_pieces(specs, 4096) for p in b]
+    return coordinator.build_manifest(step, specs, pieces, {"w": 123}, [(("n",), 3)], "mapping", {"pos": 1},
+                                      ["shard-00000.snpx"])
+
+
+def test_manifest_round_trips_through_json() -> None:
+    m = good_manifest()
+    assert coordinator.decode_manifest(coordinator.encode_manifest(m), step=7, where="m") == m
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda m: m.update(step=8), "directory says 7"),
+    (lambda m: m.update(version=99), "not supported"),
+    (lambda m: m.update(format="other"), "not a SneppX manifest"),
+    (lambda m: m.update(shards=["../../etc/passwd"]), "plain file names"),
+    (lambda m: m["tensors"][0].update(nbytes=65), "malformed"),
+    (lambda m: m["tensors"][0]["pieces"][0].update(start=4), "not contiguous"),
+    (lambda m: m["tensors"][0]["pieces"][0].update(nbytes=32), "cover 32 of 64"),
+    (lambda m: m["tensors"][0]["pieces"][0].update(shard=1), "not contiguous"),
+    (lambda m: m["tensors"][0].update(dtype="object"), "malformed"),
+])
+def test_bad_manifests_are_typed_errors_saying_what_is_wrong(mutate, message) -> None:
+    m = good_manifest()
+    mutate(m)
+    with pytest.raises(errors.ManifestError, match=message):
+        coordinator.decode_manifest(json.dumps(m).encode(), step=7, where="m")
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"[]", b'{"format": NaN}', "\u00ff".encode("latin-1")])
+def test_garbage_manifests_are_manifest_errors(raw: bytes) -> None:
+    with pytest.raises(errors.ManifestError):
+        coordinator.decode_manifest(raw, step=1, where="m")
+
+
+# ---- state trees ---------------------------------------------------------------------------------------------------
+
+
+class HasStateDict:
+    def __init__(self) -> None:
+        self.w = np.ones(3)
+
+    def state_dict(self) -> dict:
+        return {"w": self.w, "count": 2}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.w = state["w"]
+
+
+def test_state_dict_objects_and_nested_mappings_flatten_with_paths() -> None:
+    kind, tensors, values = coordinator.flatten_state(HasStateDict())
+    assert kind == "state_dict" and [p for p, _ in tensors] == [("w",)] and values == [(("count",), 2)]
+    kind, tensors, values = coordinator.flatten_state({"opt": {"m": np.zeros(2), "t": np.float32(3)}, "lr": 0.1})
+    assert kind == "mapping"
+    assert [p for p, _ in tensors] == [("opt", "m"), ("opt", "t")] and values == [(("lr",), 0.1)]
+
+
+@pytest.mark.parametrize("bad", [{1: np.zeros(1)}, {"a/b": np.zeros(1)}, {"": np.zeros(1)}, [np.zeros(1)],
+                                 {"x": object()}])
+def test_states_that_cannot_be_named_or_stored_are_refused(bad) -> None:
+    with pytest.raises(errors.UnsupportedTensorError):
+        coordinator.flatten_state(bad)
+
+
+def test_restoring_a_mapping_writes_into_matching_arrays_in_place() -> None:
+    live = np.zeros(3)
+    target = {"w": live, "other": np.zeros(2, np.int32), "nested": {"v": np.zeros(1)}}
+    coordinator._load_into_mapping(target, {"w": np.arange(3.0), "other": np.arange(5), "nested": {"v": np.ones(1)}})
+    assert target["w"] is live and list(live) == [0, 1, 2]
+    assert list(target["other"]) == [0, 1, 2, 3, 4]  # shape differs: replaced
+    assert target["nested"]["v"][0] == 1
