@@ -50,7 +50,11 @@ def raise_for(code: int, what: str, path: str | None = None) -> None:
 
 def as_buffer(data: Any) -> Any:
     """A zero-copy cffi view of bytes, bytearray, memoryview or a C-contiguous numpy array."""
-    return ffi.from_buffer("char[]", data, require_writable=False)
+    try:
+        return ffi.from_buffer("char[]", data, require_writable=False)
+    except (TypeError, ValueError, BufferError) as e:
+        raise errors.UnsupportedTensorError(
+            f"{type(data).__name__} is not a contiguous buffer ({e}); pass bytes or a C-contiguous array") from None
 
 
 def crc32c(data: Any, crc: int = 0) -> int:
