@@ -132,9 +132,9 @@ class CheckpointWriter:
         digest = _new_digest() if self.signing_key is not None else None
         crc = 0
         for piece in _little_endian_pieces(array, _PIECE):
-            crc = _native.crc32c_combine(crc, self._file.append(piece), len(piece))
             if digest is not None:
-                digest.update(piece)
+                digest.update(piece)  # hashed on signing's worker thread while append copies the same bytes
+            crc = _native.crc32c_combine(crc, self._file.append(piece), len(piece))
         entry = format.TensorEntry(
             name=name, dtype=dtype, shape=shape, offset=offset, length=self._file.size - offset, crc32c=crc,
             global_shape=global_shape, global_offset=global_offset,
@@ -338,15 +338,18 @@ def validate_checkpoint(path: str | os.PathLike[str], trusted_keys: Any = None, 
         total = reader.header.table_offset
         done = format.DATA_OFFSET
         view = memoryview(reader._mmap)
-        digests: dict[str, str] = {}
+        digest_problems: dict[str, str | None] = {}
         for entry in reader.table.tensors:
             data = view[entry.offset:entry.offset + entry.length]
+            # the digest (when checked) runs on signing's worker thread while this thread computes the CRC
+            digest_check = (_start_digest_check(data, entry.digest)
+                            if trusted_keys is not None and entry.digest is not None else None)
             crc = _native.crc32c_parallel(data)
             if crc != entry.crc32c:
                 problems.append(f"{path}: tensor {entry.name!r} fails its CRC32C (stored {entry.crc32c:#010x}, "
                                 f"computed {crc:#010x}): its bytes are corrupt")
-            if trusted_keys is not None and entry.digest is not None:
-                digests[entry.name] = _digest_of(data)
+            if digest_check is not None:
+                digest_problems[entry.name] = digest_check()
             if not reader._padding_is_zero(entry):
                 problems.append(f"{path}: padding after tensor {entry.name!r} is not zero")
             done = entry.offset + entry.length
@@ -356,15 +359,12 @@ def validate_checkpoint(path: str | os.PathLike[str], trusted_keys: Any = None, 
             from SneppX_ALG import signing
 
             problems += signing.verify_table(reader.table_bytes, reader.signature_block, trusted_keys)
-            for entry in reader.table.tensors:
-                if entry.digest is not None and digests.get(entry.name) != entry.digest:
-                    problems.append(f"{path}: tensor {entry.name!r} does not match its signed digest")
+            problems += [f"{path}: tensor {name!r} {problem}" for name, problem in digest_problems.items() if problem]
         del view
     return not problems, problems
 
 
-def _digest_of(data: memoryview) -> str:
-    digest = _new_digest()
-    for start in range(0, len(data), _PIECE):
-        digest.update(data[start:start + _PIECE])
-    return f"{digest.name}:{digest.hexdigest()}"
+def _start_digest_check(data: memoryview, expected: str) -> Callable[[], str | None]:
+    from SneppX_ALG import signing
+
+    return signing.start_digest_check(data, expected)

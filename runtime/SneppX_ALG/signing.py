@@ -30,7 +30,7 @@ import secrets
 import struct
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,8 @@ _DIGEST_RE = re.compile(r"^([a-z0-9]+):([0-9a-f]+)$")
 
 # Buffers below this are hashed inline: handing them to the worker costs more than hashing them.
 _INLINE_BYTES = 1 << 20
+# Large buffers are fed to the hasher in pieces of this size, so hashing starts before the copy ends.
+_PIECE = 64 << 20
 # At most this many buffers per digest wait for the worker, so a caller feeding fresh buffers faster
 # than they can be hashed keeps bounded memory.
 _MAX_QUEUED = 4
@@ -131,9 +133,32 @@ def digest_of(data: Any, name: str = DIGEST_ALGORITHM) -> str:
     """'<alg>:<hex>' of a buffer (large buffers are hashed in pieces on the worker thread)."""
     digest = new_digest(name)
     view = memoryview(data).cast("B") if memoryview(data).format != "B" else memoryview(data)
-    for start in range(0, len(view), 64 << 20):
-        digest.update(view[start:start + (64 << 20)])
+    for start in range(0, len(view), _PIECE):
+        digest.update(view[start:start + _PIECE])
     return f"{digest.name}:{digest.hexdigest()}"
+
+
+def start_digest_check(data: Any, expected: str) -> Callable[[], str | None]:
+    """Starts hashing `data` on the worker; the returned function waits and says what is wrong, or None.
+
+    Lets a caller compute the CRC32C of the same bytes while the digest runs (validate, verify).
+    """
+    try:
+        alg, _ = parse_digest(expected)
+    except errors.DigestMismatchError as e:
+        reason = e.reason
+        return lambda: reason
+    digest = new_digest(alg)
+    view = memoryview(data)
+    for start in range(0, len(view), _PIECE):
+        digest.update(view[start:start + _PIECE])
+
+    def finish() -> str | None:
+        if f"{alg}:{digest.hexdigest()}" != expected:
+            return f"does not match its signed {alg} digest"
+        return None
+
+    return finish
 
 
 def file_digest(path: str | os.PathLike[str], name: str = DIGEST_ALGORITHM) -> str:
@@ -429,22 +454,19 @@ def _check_tensor(reader: checkpoint.CheckpointReader, entry: format.TensorEntry
     """CRC32C, padding and digest of one tensor; the CRC is compared first so accidents read as such."""
     data = reader.raw(entry.name)
     assert entry.digest is not None
-    alg, expected = parse_digest(entry.digest)
-    digest = new_digest(alg)
-    for start in range(0, len(data), 64 << 20):
-        digest.update(data[start:start + (64 << 20)])
+    digest_problem = start_digest_check(data, entry.digest)
     crc = _native.crc32c_parallel(data)  # runs while the digest worker hashes the same bytes
-    actual = digest.hexdigest()
+    problem = digest_problem()
     if crc != entry.crc32c:
         raise errors.ChecksumMismatchError(
             f"tensor {entry.name!r} fails its CRC32C (stored {entry.crc32c:#010x}, computed {crc:#010x})",
             path=reader.path)
     if not reader._padding_is_zero(entry):
         raise errors.NonZeroPaddingError(f"padding after tensor {entry.name!r} is not zero", path=reader.path)
-    if actual != expected:
+    if problem is not None:
         raise errors.DigestMismatchError(
-            f"tensor {entry.name!r} does not match its signed {alg} digest (its CRC32C matches: the bytes were "
-            "changed deliberately)", path=reader.path)
+            f"tensor {entry.name!r} {problem} (its CRC32C matches: the bytes were changed deliberately)",
+            path=reader.path)
 
 
 def check_checkpoint(path: str | os.PathLike[str], trusted_keys: Any) -> Verified:
@@ -508,8 +530,8 @@ def sign_checkpoint(path: str | os.PathLike[str], private_key: ed25519.Ed25519Pr
                 alg = parse_digest(entry.digest)[0] if entry.digest is not None else DIGEST_ALGORITHM
                 digest = new_digest(alg)
                 crc = 0
-                for start in range(0, len(data), 64 << 20):
-                    piece = data[start:start + (64 << 20)]
+                for start in range(0, len(data), _PIECE):
+                    piece = data[start:start + _PIECE]
                     digest.update(piece)  # hashed on the worker while the piece is copied out
                     crc = _native.crc32c_combine(crc, out.append(piece), len(piece))
                 if crc != entry.crc32c:

@@ -236,7 +236,7 @@ def test_crc_preserving_weight_change_is_caught_by_the_digest(tmp_path: pathlib.
     change_data_keeping_crc(make_update(tmp_path / "v2.snpx", trusted[0]), forged)
     assert checkpoint.validate_checkpoint(forged) == (True, [])  # CRC32C alone is fooled
     ok, problems = checkpoint.validate_checkpoint(forged, trusted_keys=[trusted[1]])
-    assert not ok and "does not match its signed digest" in problems[0]
+    assert not ok and "does not match its signed blake3 digest" in problems[0]
     assert_refused(manager, forged, errors.DigestMismatchError, "digest")
 
 
