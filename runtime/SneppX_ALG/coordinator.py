@@ -126,19 +126,30 @@ def split_tensor(spec: TensorSpec, max_bytes: int) -> list[tuple[int, int, tuple
 def plan_pieces(specs: list[TensorSpec], buffer_bytes: int) -> list[list[Piece]]:
     """Packs every tensor's pieces into buffers of buffer_bytes, in order; returns the pieces per buffer.
 
-    Entry names in the shard: the tensor's name when it is one piece, else `name@<i>` (made unique)."""
-    taken = {spec.name for spec in specs}
+    Entry names in the shard: the tensor's path joined with "/" when it is one piece, else `name@<i>`;
+    a name already taken gets "~" appended until it is unique (the manifest maps entries back to paths)."""
+    used: set[str] = set()
+    own_name: dict[int, str] = {}
+    for index, spec in enumerate(specs):  # whole tensors keep their own names first
+        if spec.nbytes <= buffer_bytes and spec.name not in used:
+            used.add(spec.name)
+            own_name[index] = spec.name
+
+    def unique(name: str) -> str:
+        while name in used:
+            name += "~"
+        used.add(name)
+        return name
+
     buffers: list[list[Piece]] = [[]]
     fill = 0
     for index, spec in enumerate(specs):
         parts = split_tensor(spec, buffer_bytes)
         for i, (start, nbytes, shape, global_offset) in enumerate(parts):
-            entry = spec.name
-            if len(parts) > 1:
-                entry = f"{spec.name}@{i}"
-                while entry in taken:
-                    entry += "~"
-                taken.add(entry)
+            if index in own_name:
+                entry = own_name[index]
+            else:
+                entry = unique(f"{spec.name}@{i}" if len(parts) > 1 else spec.name)
             offset = _align(fill, _PIECE_ALIGN)
             if offset + nbytes > buffer_bytes and buffers[-1]:
                 buffers.append([])
@@ -291,9 +302,9 @@ def flatten_state(obj: Any) -> tuple[str, list[tuple[tuple[str, ...], np.ndarray
 
     def walk(node: Mapping[Any, Any], prefix: tuple[str, ...]) -> None:
         for key, value in node.items():
-            if not isinstance(key, str) or not key or "/" in key:
+            if not isinstance(key, str) or not key:
                 raise errors.UnsupportedTensorError(f"state key {key!r} at {'/'.join(prefix) or 'top'} must be a "
-                                                    "non-empty string without '/'")
+                                                    "non-empty string")
             path = (*prefix, key)
             if isinstance(value, Mapping):
                 walk(value, path)
@@ -411,6 +422,7 @@ class _Engine:
         self.queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.error: BaseException | None = None
         self.committed: list[tuple[int, str]] = []
+        self.steps: set[int] = set()  # submitted or committed here (failed saves are taken out again)
         self._outstanding = 0
         self._idle = threading.Condition()
         self.pool: _StagingPool | None = None
@@ -451,6 +463,7 @@ class _Engine:
                 with self._idle:
                     if self.error is None:
                         self.error = e
+                    self.steps.discard(job.step)
                 log.warning("checkpoint of step %d failed: %s", job.step, e)
             finally:
                 if item[0] == "data":
@@ -658,9 +671,10 @@ class CheckpointCoordinator:
             if not isinstance(step, (int, np.integer)) or step < 0:
                 raise ValueError(f"step must be a non-negative int, not {step!r}")
             step = int(step)
-            if any(s == step for s, _ in self._engine.committed):
-                raise errors.CheckpointExistsError(f"step {step} was already saved by this coordinator",
-                                                   path=self.checkpoint_root)
+            with self._engine._idle:
+                if step in self._engine.steps:
+                    raise errors.CheckpointExistsError(f"step {step} was already saved by this coordinator",
+                                                       path=self.checkpoint_root)
             _check_json_safe(training_state, "training_state")
             kind, leaves, values = flatten_state(obj)
             _check_json_safe([v for _, v in values], "the state's plain (non-array) values")
@@ -672,6 +686,8 @@ class CheckpointCoordinator:
                 engine.pool = _StagingPool(self._copier, size, self.staging_bytes // size)
             plan = plan_pieces(specs, engine.pool.size)
             job = _Job(step, specs, [p for b in plan for p in b], values, kind, training_state)
+            with engine._idle:
+                engine.steps.add(step)
             engine.submit("begin", job)
             try:
                 for pieces in plan:
@@ -684,6 +700,8 @@ class CheckpointCoordinator:
                     engine.submit("data", job, buffer, pieces)
             except BaseException:
                 engine.submit("abort", job)
+                with engine._idle:
+                    engine.steps.discard(step)
                 raise
             engine.submit("end", job)
             self.last_saved_step = step

@@ -81,8 +81,16 @@ def test_packing_never_overlaps_or_overflows_a_buffer_and_names_are_unique(sizes
 
 def test_piece_names_never_collide_with_real_tensor_names() -> None:
     specs = [spec("a", (1000,)), spec("a@0", (4,)), spec("a@1", (4,))]
-    names = [p.entry for b in coordinator.plan_pieces(specs, 1024) for p in b]
-    assert len(names) == len(set(names)) and "a@0" in names and "a@0~" in names
+    plan = [p for b in coordinator.plan_pieces(specs, 1024) for p in b]
+    names = [p.entry for p in plan]
+    assert len(names) == len(set(names))
+    assert [p.entry for p in plan if p.tensor == 1] == ["a@0"], "a whole tensor keeps its own name"
+    assert "a@0~" in names
+
+
+def test_paths_that_join_to_the_same_name_still_get_distinct_entries() -> None:
+    specs = [coordinator.TensorSpec(("a/b",), "uint8", (4,), 1), coordinator.TensorSpec(("a", "b"), "uint8", (4,), 1)]
+    assert [p.entry for b in coordinator.plan_pieces(specs, 1024) for p in b] == ["a/b", "a/b~"]
 
 
 # ---- when to save, what to delete ------------------------------------------------------------------------------
@@ -178,7 +186,7 @@ def test_state_dict_objects_and_nested_mappings_flatten_with_paths() -> None:
     assert [p for p, _ in tensors] == [("opt", "m"), ("opt", "t")] and values == [(("lr",), 0.1)]
 
 
-@pytest.mark.parametrize("bad", [{1: np.zeros(1)}, {"a/b": np.zeros(1)}, {"": np.zeros(1)}, [np.zeros(1)],
+@pytest.mark.parametrize("bad", [{1: np.zeros(1)}, {"": np.zeros(1)}, [np.zeros(1)],
                                  {"x": object()}])
 def test_states_that_cannot_be_named_or_stored_are_refused(bad) -> None:
     with pytest.raises(errors.UnsupportedTensorError):
