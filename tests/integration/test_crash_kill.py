@@ -1,0 +1,147 @@
+"""Crash consistency, shown: a saving process is SIGKILLed at every I/O site and at random times.
+
+Each round forks a child that saves a few checkpoints into one shared root (so leftovers of earlier kills
+are there too). The child dies either by the native fault hook (`kill(getpid(), SIGKILL)` in front of the
+k-th write/fsync/rename/dirsync: every site in turn) or by a SIGKILL from this process after a random
+delay. After every kill a new coordinator starts on the root and we check that leftovers are gone, that
+every committed step validates (no partial checkpoint is ever visible), that the newest committed step
+never goes backwards, and that latest() restores bitwise what was saved at its step.
+
+`make test` runs at least 200 kills; SNEPPX_KILLS=5000 runs thousands.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import numpy as np
+
+from SneppX_ALG import CheckpointCoordinator, _native
+
+SAVES_PER_ROUND = 3
+TARGET_KILLS = int(os.environ.get("SNEPPX_KILLS", "200"))
+ALL_SITES = "write,fsync,rename,dirsync"
+
+
+def state_for(step: int) -> dict:
+    rng = np.random.default_rng(step)
+    return {"w": rng.standard_normal((64, 256)).astype(np.float32),
+            "emb": rng.integers(0, 255, (600, 1024), dtype=np.uint8),
+            "opt": {"b": rng.standard_normal(10), "t": np.int64(step)}}
+
+
+def run_child(root: str, first_step: int, fault_at: int | None) -> tuple[int, int]:
+    """Forks a saving child; returns (pid, read end of a pipe that gets its I/O site count on success)."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        code = 3
+        try:
+            os.close(read_fd)
+            coord = CheckpointCoordinator(root, max_to_keep=2, staging_bytes=256 << 10, device="cpu")
+            if fault_at is not None:
+                _native.fault_arm(ALL_SITES, fault_at, "kill")
+            start = _native.fault_sites_passed()
+            for step in range(first_step, first_step + SAVES_PER_ROUND):
+                coord.save(state_for(step), step=step, training_state={"step": step})
+            coord.close()
+            os.write(write_fd, str(_native.fault_sites_passed() - start).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    return pid, read_fd
+
+
+def reap(pid: int, read_fd: int) -> tuple[bool, int | None]:
+    """(killed by SIGKILL?, site count if it finished)."""
+    _, status = os.waitpid(pid, 0)
+    out = os.read(read_fd, 64)
+    os.close(read_fd)
+    if os.WIFSIGNALED(status):
+        assert os.WTERMSIG(status) == signal.SIGKILL, f"child died of signal {os.WTERMSIG(status)}"
+        return True, None
+    assert os.WEXITSTATUS(status) == 0, "the saving child failed without being killed"
+    return False, int(out)
+
+
+class Checker:
+    def __init__(self, root: str):
+        self.root = root
+        self.newest = -1
+        self.kills = 0
+        self.leftovers_cleaned = 0
+
+    def after_round(self) -> None:
+        before = [n for n in os.listdir(self.root) if n.startswith(".")]
+        coord = CheckpointCoordinator(self.root, max_to_keep=2, device="cpu")
+        try:
+            after = [n for n in os.listdir(self.root) if n.startswith(".")]
+            assert after == [], f"leftovers not cleaned at start: {after}"
+            self.leftovers_cleaned += len(before)
+            steps = coord.committed_steps()
+            for step in steps:
+                assert coord.validate(step) == [], f"committed step {step} is partial or corrupt"
+            if not steps:
+                assert self.newest == -1, "every committed checkpoint vanished"
+                return
+            assert max(steps) >= self.newest, f"newest committed step went back from {self.newest} to {max(steps)}"
+            self.newest = max(steps)
+            got = {"w": np.zeros((64, 256), np.float32), "emb": None, "opt": {}}
+            info = coord.restore(got)
+            assert info is not None and info.step == self.newest
+            assert info.training_state == {"step": info.step}
+            want = state_for(info.step)
+            assert got["w"].tobytes() == want["w"].tobytes()
+            assert got["emb"].tobytes() == want["emb"].tobytes()
+            assert got["opt"]["b"].tobytes() == want["opt"]["b"].tobytes() and got["opt"]["t"] == info.step
+        finally:
+            coord.close()
+
+
+def test_sigkill_at_every_io_site_and_at_random_times_never_exposes_a_partial_checkpoint(tmp_path) -> None:
+    root = str(tmp_path / "ckpts")
+    checker = Checker(root)
+    step = 1
+
+    # Calibrate: how many I/O sites does one round pass, and how long does it take?
+    started = time.monotonic()
+    pid, fd = run_child(root, step, None)
+    killed, sites = reap(pid, fd)
+    child_seconds = time.monotonic() - started
+    assert not killed and sites is not None and sites > 20
+    step += SAVES_PER_ROUND
+    checker.after_round()
+
+    # Every site in turn (retention deletes vary a little between rounds, so go a few past the count).
+    for k in range(1, sites + 6):
+        pid, fd = run_child(root, step, k)
+        killed, _ = reap(pid, fd)
+        checker.kills += killed
+        step += SAVES_PER_ROUND
+        checker.after_round()
+    site_kills = checker.kills
+    assert site_kills >= sites - 2
+
+    # Random timings, seeded, spread over a child's lifetime, until the target count of kills.
+    rng = random.Random(1234)
+    rounds = 0
+    while checker.kills < TARGET_KILLS and rounds < 4 * TARGET_KILLS:
+        rounds += 1
+        pid, fd = run_child(root, step, None)
+        time.sleep(rng.uniform(0, child_seconds))
+        os.kill(pid, signal.SIGKILL)  # may land after the child finished: then it isn't counted
+        killed, _ = reap(pid, fd)
+        checker.kills += killed
+        step += SAVES_PER_ROUND
+        checker.after_round()
+
+    assert checker.kills >= TARGET_KILLS, f"only {checker.kills} kills in {rounds} random rounds"
+    assert checker.newest > 0
+    assert checker.leftovers_cleaned > 0, "no kill ever left anything behind: the sweep missed the write path"
+    print(f"{checker.kills} kills ({site_kills} at the {sites} I/O sites of a round, {checker.kills - site_kills} "
+          f"at random times in {rounds} rounds), {checker.leftovers_cleaned} leftovers cleaned, "
+          f"newest step {checker.newest}")
