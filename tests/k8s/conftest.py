@@ -17,6 +17,11 @@ import kubernetes
 import pytest
 
 import k8s_cluster
+import k8s_helpers
+
+# The operator's periodic resync carries pod readiness into job status; short in tests so they finish fast.
+# Set before anything imports sneppx_operator.handlers (its timer reads it at import).
+os.environ.setdefault("SNEPPX_RESYNC_SECONDS", "1")
 
 RESTRICTED = {
     "pod-security.kubernetes.io/enforce": "restricted",
@@ -30,16 +35,10 @@ RESTRICTED = {
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[k8s_cluster.Cluster]:
     bin_dir = k8s_cluster.build_tools()
     running = k8s_cluster.start_cluster(bin_dir, tmp_path_factory.mktemp("k8s"))
-    # kopf and the `kubernetes` package find the cluster through KUBECONFIG.
-    previous = os.environ.get("KUBECONFIG")
-    os.environ["KUBECONFIG"] = str(running.kubeconfig)
     try:
-        yield running
+        with k8s_helpers.using_kubeconfig(running.kubeconfig):
+            yield running
     finally:
-        if previous is None:
-            os.environ.pop("KUBECONFIG", None)
-        else:
-            os.environ["KUBECONFIG"] = previous
         running.stop()
 
 
@@ -53,15 +52,15 @@ def api(cluster: k8s_cluster.Cluster) -> Iterator[kubernetes.client.ApiClient]:
 
 
 @pytest.fixture
-def namespace(api: kubernetes.client.ApiClient, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A fresh namespace for one test. Deleted afterwards but never waited on: without the
-    controller-manager a deleted namespace stays Terminating forever."""
+def namespace(api: kubernetes.client.ApiClient, request: pytest.FixtureRequest) -> str:
+    """A fresh namespace for one test, kept until the cluster goes at the end of the session: without the
+    controller-manager a deleted namespace would only sit in Terminating, refusing the events and status
+    the operator still writes for what is left in it."""
     slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
     name = f"t-{slug}-{secrets.token_hex(3)}"
     core = kubernetes.client.CoreV1Api(api)
     core.create_namespace({"metadata": {"name": name, "labels": RESTRICTED}})
-    yield name
-    core.delete_namespace(name)
+    return name
 
 
 @pytest.fixture(scope="session")

@@ -364,5 +364,12 @@ def start_cluster(bin_dir: pathlib.Path, workdir: pathlib.Path) -> Cluster:
 def install_crds(cluster: Cluster) -> None:
     cluster.kubectl("apply", "--server-side", "-f", str(CRD_DIR))
     for path in sorted(CRD_DIR.glob("*.yaml")):
-        name = yaml.safe_load(path.read_text())["metadata"]["name"]
-        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{name}")
+        crd = yaml.safe_load(path.read_text())
+        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd['metadata']['name']}")
+        # Established comes before the watch cache is ready; until then lists answer 429.
+        resource = f"{crd['spec']['names']['plural']}.{crd['spec']['group']}"
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while cluster.kubectl("get", resource, "--all-namespaces", check=False).returncode != 0:
+            if time.monotonic() > deadline:
+                cluster.kubectl("get", resource, "--all-namespaces")  # raises with the error text
+            time.sleep(0.25)

@@ -12,26 +12,11 @@ import pytest
 import yaml
 
 import k8s_cluster
+import k8s_helpers
 
 pytestmark = pytest.mark.k8s
 
-GROUP, VERSION, PLURAL = "sneppx.io", "v1alpha1", "elastictrainingjobs"
 EXAMPLES = sorted((k8s_cluster.REPO / "examples").glob("*.yaml"))
-
-
-def valid_job(name: str = "job") -> dict:
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "ElasticTrainingJob",
-        "metadata": {"name": name},
-        "spec": {
-            "template": {
-                "spec": {"containers": [{"name": "trainer", "image": "example.org/train:1", "command": ["python"]}]}
-            },
-            "elastic": {"minNodes": 1, "maxNodes": 2},
-            "checkpoint": {"storage": {"pvc": {"claimName": "ckpt"}}},
-        },
-    }
 
 
 def _set(path: str, value: object) -> Callable[[dict], None]:
@@ -117,7 +102,7 @@ INVALID = [
 def _create(api: kubernetes.client.ApiClient, namespace: str, body: dict, dry_run: bool = False) -> dict:
     custom = kubernetes.client.CustomObjectsApi(api)
     kwargs = {"dry_run": "All"} if dry_run else {}
-    return custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body, **kwargs)
+    return custom.create_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, body, **kwargs)
 
 
 def _rejection(call: Callable[[], object]) -> str:
@@ -128,7 +113,7 @@ def _rejection(call: Callable[[], object]) -> str:
 
 
 def test_valid_job_is_accepted_and_defaulted(api: kubernetes.client.ApiClient, namespace: str) -> None:
-    created = _create(api, namespace, valid_job())
+    created = _create(api, namespace, k8s_helpers.valid_job())
     spec = created["spec"]
     assert spec["quorum"] == {"minHealthyPercent": 51, "actionOnLoss": "Pause"}
     assert spec["failurePolicy"]["maxRestarts"] == 3
@@ -142,7 +127,7 @@ def test_valid_job_is_accepted_and_defaulted(api: kubernetes.client.ApiClient, n
 def test_invalid_job_is_rejected_with_a_clear_message(
     api: kubernetes.client.ApiClient, namespace: str, mutate: Callable[[dict], None], expected: str
 ) -> None:
-    job = valid_job()
+    job = k8s_helpers.valid_job()
     mutate(job)
     message = _rejection(lambda: _create(api, namespace, job, dry_run=True))
     assert expected in message, f"expected {expected!r} in the API server's message:\n{message}"
@@ -160,17 +145,17 @@ def test_invalid_job_is_rejected_with_a_clear_message(
 def test_immutable_fields_cannot_change_mid_run(
     api: kubernetes.client.ApiClient, namespace: str, patch: dict, expected: str
 ) -> None:
-    _create(api, namespace, valid_job())
+    _create(api, namespace, k8s_helpers.valid_job())
     custom = kubernetes.client.CustomObjectsApi(api)
-    message = _rejection(lambda: custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "job", patch))
+    message = _rejection(lambda: custom.patch_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, "job", patch))
     assert expected in message, message
 
 
 def test_mutable_fields_can_change(api: kubernetes.client.ApiClient, namespace: str) -> None:
-    _create(api, namespace, valid_job())
+    _create(api, namespace, k8s_helpers.valid_job())
     custom = kubernetes.client.CustomObjectsApi(api)
     patched = custom.patch_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, "job",
+        k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, "job",
         {"spec": {"suspend": True, "elastic": {"maxNodes": 4}, "checkpoint": {"maxToKeep": 5}}},
     )
     assert patched["spec"]["suspend"] is True
@@ -179,7 +164,7 @@ def test_mutable_fields_can_change(api: kubernetes.client.ApiClient, namespace: 
 
 
 def test_unknown_fields_are_refused_by_strict_apply(cluster: k8s_cluster.Cluster, namespace: str) -> None:
-    job = valid_job()
+    job = k8s_helpers.valid_job()
     job["spec"]["elastic"]["minNodez"] = 1
     result = cluster.kubectl("apply", "--server-side", "-n", namespace, "-f", "-",
                              input_text=yaml.safe_dump(job), check=False)

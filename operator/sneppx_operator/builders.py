@@ -1,0 +1,282 @@
+"""Pure manifest builders: an ElasticTrainingJob in, plain Kubernetes manifests (dicts) out.
+
+Kept free of I/O so every manifest can be checked by unit tests without a cluster, and so what the
+operator creates is decided in one place. Nothing here talks to the API (that is k8s.py).
+
+The environment each rank's containers get (the contract with the in-pod runtime):
+
+    SNEPPX_JOB, SNEPPX_NAMESPACE        the job
+    RANK, WORLD_SIZE                    this node's rank and the number of nodes (pods) in the generation;
+                                        the in-pod agent derives per-process ranks from SNEPPX_PROCS_PER_NODE
+                                        like torchrun does (NODE_RANK is RANK)
+    NODE_RANK, SNEPPX_PROCS_PER_NODE
+    SNEPPX_GENERATION                   membership generation; ranks of older generations must stop
+    MASTER_ADDR, MASTER_PORT            rank 0's stable DNS name through the headless Service
+    SNEPPX_HEARTBEAT_KEY_FILE           the per-job HMAC key for heartbeats (a mounted Secret)
+    SNEPPX_CHECKPOINT_URI               file:///var/lib/sneppx/checkpoints or s3://bucket/prefix
+    SNEPPX_SAVE_EVERY_N_STEPS, SNEPPX_MAX_TO_KEEP, SNEPPX_CHECKPOINT_VALIDATION, SNEPPX_ROLLBACK_DEPTH
+    AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL   (S3 storage only)
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from SneppX_ALG import errors
+
+GROUP = "sneppx.io"
+VERSION = "v1alpha1"
+PLURAL = "elastictrainingjobs"
+KIND = "ElasticTrainingJob"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+LABEL_JOB = "sneppx.io/job"
+LABEL_RANK = "sneppx.io/rank"
+LABEL_GENERATION = "sneppx.io/membership-generation"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "sneppx-operator"
+
+HEARTBEAT_KEY = "heartbeat-key"
+HEARTBEAT_DIR = "/var/run/sneppx/heartbeat"
+CHECKPOINT_DIR = "/var/lib/sneppx/checkpoints"
+TMP_DIR = "/tmp"
+# The operator's own volumes; a template that uses these names is refused rather than silently changed.
+VOLUME_HEARTBEAT = "sneppx-heartbeat"
+VOLUME_CHECKPOINTS = "sneppx-checkpoints"
+VOLUME_TMP = "sneppx-tmp"
+RESERVED_VOLUMES = frozenset({VOLUME_HEARTBEAT, VOLUME_CHECKPOINTS, VOLUME_TMP})
+# Env the operator owns; template values for these names are replaced (SNEPPX_* is refused by the CRD).
+OPERATOR_ENV_NAMES = frozenset(
+    {"RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "AWS_ACCESS_KEY_ID",
+     "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ENDPOINT_URL"}
+)
+
+# The restricted Pod Security profile (https://kubernetes.io/docs/concepts/security/pod-security-standards/),
+# enforced on every container whatever the template says: training code should never need more.
+SECCOMP_RUNTIME_DEFAULT = {"type": "RuntimeDefault"}
+RESTRICTED_CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "privileged": False,
+    "capabilities": {"drop": ["ALL"]},
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "seccompProfile": SECCOMP_RUNTIME_DEFAULT,
+}
+
+
+def service_name(job_name: str) -> str:
+    return job_name
+
+
+def secret_name(job_name: str) -> str:
+    return f"{job_name}-heartbeat"
+
+
+def pod_name(job_name: str, rank: int) -> str:
+    return f"{job_name}-{rank}"
+
+
+def master_addr(job_name: str, namespace: str) -> str:
+    """Rank 0's DNS name: <hostname>.<headless service>.<namespace>.svc, stable across pod restarts."""
+    return f"{pod_name(job_name, 0)}.{service_name(job_name)}.{namespace}.svc"
+
+
+def job_labels(job_name: str) -> dict[str, str]:
+    return {LABEL_JOB: job_name, LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def owner_reference(job_name: str, job_uid: str) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": job_name,
+        "uid": job_uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(name: str, namespace: str, job_name: str, job_uid: str, labels: Mapping[str, str] | None = None
+              ) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": namespace,
+        "labels": {**(labels or {}), **job_labels(job_name)},
+        "ownerReferences": [owner_reference(job_name, job_uid)],
+    }
+
+
+def build_service(job_name: str, namespace: str, job_uid: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The headless Service that gives each rank a stable DNS name (pods set hostname + subdomain).
+
+    publishNotReadyAddresses: ranks must find rank 0 during rendezvous, before any of them is Ready.
+    """
+    port = int(spec["elastic"].get("port", 29500))
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(service_name(job_name), namespace, job_name, job_uid),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_JOB: job_name},
+            "ports": [{"name": "rendezvous", "port": port, "targetPort": port, "protocol": "TCP"}],
+        },
+    }
+
+
+def build_secret(job_name: str, namespace: str, job_uid: str, heartbeat_key: bytes) -> dict[str, Any]:
+    """The job's heartbeat HMAC key. The caller supplies the random bytes so this stays pure."""
+    if len(heartbeat_key) < 32:
+        raise errors.JobSpecError(f"heartbeat key must be at least 32 bytes, got {len(heartbeat_key)}")
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _metadata(secret_name(job_name), namespace, job_name, job_uid),
+        "data": {HEARTBEAT_KEY: base64.b64encode(heartbeat_key).decode("ascii")},
+    }
+
+
+def checkpoint_uri(spec: Mapping[str, Any]) -> str:
+    storage = spec["checkpoint"]["storage"]
+    if "s3" in storage:
+        s3 = storage["s3"]
+        return f"s3://{s3['bucket']}/{s3.get('prefix', '')}"
+    return f"file://{CHECKPOINT_DIR}"
+
+
+def _env(name: str, value: object) -> dict[str, Any]:
+    return {"name": name, "value": str(value)}
+
+
+def rank_env(job_name: str, namespace: str, spec: Mapping[str, Any], rank: int, world_size: int,
+             generation: int) -> list[dict[str, Any]]:
+    elastic, checkpoint = spec["elastic"], spec["checkpoint"]
+    env = [
+        _env("SNEPPX_JOB", job_name),
+        _env("SNEPPX_NAMESPACE", namespace),
+        _env("RANK", rank),
+        _env("NODE_RANK", rank),
+        _env("WORLD_SIZE", world_size),
+        _env("SNEPPX_PROCS_PER_NODE", elastic.get("procsPerNode", 1)),
+        _env("SNEPPX_GENERATION", generation),
+        _env("MASTER_ADDR", master_addr(job_name, namespace)),
+        _env("MASTER_PORT", elastic.get("port", 29500)),
+        _env("SNEPPX_HEARTBEAT_KEY_FILE", f"{HEARTBEAT_DIR}/{HEARTBEAT_KEY}"),
+        _env("SNEPPX_CHECKPOINT_URI", checkpoint_uri(spec)),
+        _env("SNEPPX_SAVE_EVERY_N_STEPS", checkpoint.get("saveEveryNSteps", 1000)),
+        _env("SNEPPX_MAX_TO_KEEP", checkpoint.get("maxToKeep", 3)),
+        _env("SNEPPX_CHECKPOINT_VALIDATION", checkpoint.get("validation", "Full")),
+        _env("SNEPPX_ROLLBACK_DEPTH", checkpoint.get("rollbackDepth", 2)),
+    ]
+    s3 = checkpoint["storage"].get("s3")
+    if s3 is not None:
+        secret = s3["credentialsSecretRef"]["name"]
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
+        if s3.get("region"):
+            env.append(_env("AWS_REGION", s3["region"]))
+        if s3.get("endpoint"):
+            env.append(_env("AWS_ENDPOINT_URL", s3["endpoint"]))
+    return env
+
+
+def _volumes(job_name: str, spec: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(pod volumes, container mounts) the operator adds: heartbeat key, a writable /tmp, checkpoints."""
+    volumes: list[dict[str, Any]] = [
+        {"name": VOLUME_HEARTBEAT, "secret": {"secretName": secret_name(job_name), "defaultMode": 0o440}},
+        # readOnlyRootFilesystem leaves no writable scratch space otherwise.
+        {"name": VOLUME_TMP, "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": VOLUME_HEARTBEAT, "mountPath": HEARTBEAT_DIR, "readOnly": True},
+        {"name": VOLUME_TMP, "mountPath": TMP_DIR},
+    ]
+    pvc = spec["checkpoint"]["storage"].get("pvc")
+    if pvc is not None:
+        volumes.append({"name": VOLUME_CHECKPOINTS, "persistentVolumeClaim": {"claimName": pvc["claimName"]}})
+        mount = {"name": VOLUME_CHECKPOINTS, "mountPath": CHECKPOINT_DIR}
+        if pvc.get("subPath"):
+            mount["subPath"] = pvc["subPath"]
+        mounts.append(mount)
+    return volumes, mounts
+
+
+def restrict_container(container: Mapping[str, Any]) -> dict[str, Any]:
+    """The container with the restricted profile forced on; user/group ids the template chose are kept."""
+    restricted = copy.deepcopy(dict(container))
+    security = dict(restricted.get("securityContext") or {})
+    security.update(copy.deepcopy(RESTRICTED_CONTAINER_SECURITY))
+    restricted["securityContext"] = security
+    return restricted
+
+
+def _check_template(pod_spec: Mapping[str, Any]) -> None:
+    """Refuse what the restricted profile forbids and the operator can't fix without changing its meaning."""
+    for host_namespace in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod_spec.get(host_namespace):
+            raise errors.JobSpecError(f"spec.template.spec.{host_namespace} is not allowed: ranks run restricted")
+    contexts = [("spec.template.spec.securityContext", pod_spec.get("securityContext") or {})]
+    contexts += [(f"container {c.get('name')!r}", c.get("securityContext") or {})
+                 for c in [*(pod_spec.get("initContainers") or []), *pod_spec["containers"]]]
+    for where, context in contexts:
+        if context.get("runAsUser") == 0:
+            raise errors.JobSpecError(f"{where} sets runAsUser: 0; ranks must run as a non-root user")
+    taken = {volume.get("name") for volume in pod_spec.get("volumes") or []} & RESERVED_VOLUMES
+    if taken:
+        raise errors.JobSpecError(
+            f"spec.template.spec.volumes uses {sorted(taken)}: these names are reserved for the operator's own volumes"
+        )
+    reserved_paths = {HEARTBEAT_DIR, CHECKPOINT_DIR, TMP_DIR}
+    for container in [*(pod_spec.get("initContainers") or []), *pod_spec["containers"]]:
+        clash = {m.get("mountPath") for m in container.get("volumeMounts") or []} & reserved_paths
+        if clash:
+            raise errors.JobSpecError(
+                f"container {container.get('name')!r} mounts {sorted(clash)}: the operator mounts its own volumes there"
+            )
+
+
+def build_pod(job_name: str, namespace: str, job_uid: str, spec: Mapping[str, Any], rank: int,
+              world_size: int, generation: int) -> dict[str, Any]:
+    """One rank's pod: the user's template plus rank env, operator volumes and the restricted profile.
+
+    restartPolicy is Never because restarts are the operator's decision (a group restart with backoff
+    and a budget), not the kubelet's.
+    """
+    template = spec["template"]
+    pod_spec = copy.deepcopy(dict(template["spec"]))
+    _check_template(pod_spec)
+    template_meta = template.get("metadata") or {}
+    labels = {**(template_meta.get("labels") or {}), LABEL_RANK: str(rank), LABEL_GENERATION: str(generation)}
+    metadata = _metadata(pod_name(job_name, rank), namespace, job_name, job_uid, labels)
+    if template_meta.get("annotations"):
+        metadata["annotations"] = dict(template_meta["annotations"])
+
+    volumes, mounts = _volumes(job_name, spec)
+    env = rank_env(job_name, namespace, spec, rank, world_size, generation)
+    env_names = {item["name"] for item in env}
+
+    def with_rank_env(container: Mapping[str, Any]) -> dict[str, Any]:
+        built = restrict_container(container)
+        kept = [item for item in built.get("env") or [] if item["name"] not in env_names | OPERATOR_ENV_NAMES]
+        built["env"] = [*env, *kept]
+        built["volumeMounts"] = [*mounts, *(built.get("volumeMounts") or [])]
+        return built
+
+    pod_spec["containers"] = [with_rank_env(c) for c in pod_spec["containers"]]
+    if pod_spec.get("initContainers"):
+        pod_spec["initContainers"] = [restrict_container(c) for c in pod_spec["initContainers"]]
+    pod_spec["volumes"] = [*volumes, *(pod_spec.get("volumes") or [])]
+    pod_security = dict(pod_spec.get("securityContext") or {})
+    pod_security.update({"runAsNonRoot": True, "seccompProfile": SECCOMP_RUNTIME_DEFAULT})
+    pod_spec["securityContext"] = pod_security
+    pod_spec["hostname"] = pod_name(job_name, rank)
+    pod_spec["subdomain"] = service_name(job_name)
+    pod_spec["restartPolicy"] = "Never"
+    # Ranks don't call the Kubernetes API unless the template asks for a token explicitly.
+    pod_spec.setdefault("automountServiceAccountToken", False)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}

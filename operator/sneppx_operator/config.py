@@ -1,0 +1,51 @@
+"""The operator's kopf settings and environment knobs, set in code so every way of running it
+(`python -m sneppx_operator`, `kopf run`, tests' KopfRunner) behaves the same.
+
+Why each setting:
+- finalizer and annotations under `sneppx.io/`: the objects say who touched them, and kopf's progress
+  never goes into `.status` (our status schema is closed and bounded, so kopf's fields would be pruned).
+- peering off unless a peering name is given: the chart runs exactly one replica (Recreate), and peering
+  would need cluster-wide CRDs and RBAC for no benefit.
+- kopf's own log lines become Kubernetes events only at WARNING and above; the operator posts its
+  own events for what it did (reconcile.events_for).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+import kopf
+
+from SneppX_ALG import errors
+
+FINALIZER = "sneppx.io/finalizer"
+ANNOTATION_PREFIX = "sneppx.io"
+RESYNC_ENV = "SNEPPX_RESYNC_SECONDS"
+DEFAULT_RESYNC_SECONDS = 10.0
+
+
+def resync_seconds(environ: Mapping[str, str] = os.environ) -> float:
+    """How often each job is reconciled even without a change (pods becoming ready, lost events)."""
+    raw = environ.get(RESYNC_ENV, "")
+    if not raw:
+        return DEFAULT_RESYNC_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        raise errors.OperatorConfigError(f"{RESYNC_ENV}={raw!r} is not a number of seconds") from None
+    if not 0.1 <= value <= 3600:
+        raise errors.OperatorConfigError(f"{RESYNC_ENV}={raw!r} must be between 0.1 and 3600 seconds")
+    return value
+
+
+def apply(settings: kopf.OperatorSettings) -> None:
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING
+    if not settings.peering.mandatory:
+        settings.peering.standalone = True
