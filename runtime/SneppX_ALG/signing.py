@@ -52,6 +52,7 @@ _HASHERS: dict[str, Any] = {
 _DIGEST_HEX_LENGTH = {"blake3": 64, "sha256": 64}
 _DIGEST_RE = re.compile(r"^([a-z0-9]+):([0-9a-f]+)$")
 
+ALL_THREADS = blake3.blake3.AUTO
 # Buffers below this are hashed inline: handing them to the worker costs more than hashing them.
 _INLINE_BYTES = 1 << 20
 # Large buffers are fed to the hasher in pieces of this size, so hashing starts before the copy ends.
@@ -83,11 +84,11 @@ class StreamingDigest:
     Hashing releases the GIL, so a write and its digest really run on two cores.
     """
 
-    def __init__(self, name: str = DIGEST_ALGORITHM):
+    def __init__(self, name: str = DIGEST_ALGORITHM, *, threads: int = 1):
         if name not in _HASHERS:
             raise ValueError(f"unsupported digest algorithm {name!r}; supported: {', '.join(_HASHERS)}")
         self.name = name
-        self._hasher = _HASHERS[name]()
+        self._hasher = blake3.blake3(max_threads=threads) if name == "blake3" else _HASHERS[name]()
         self._queued: collections.deque[concurrent.futures.Future[None]] = collections.deque()
 
     def update(self, data: Any) -> None:
@@ -109,9 +110,13 @@ class StreamingDigest:
         return str(self._hasher.hexdigest())
 
 
-def new_digest(name: str = DIGEST_ALGORITHM) -> StreamingDigest:
-    """The digest the writer feeds every tensor's bytes to; store as f"{d.name}:{d.hexdigest()}"."""
-    return StreamingDigest(name)
+def new_digest(name: str = DIGEST_ALGORITHM, *, threads: int = 1) -> StreamingDigest:
+    """The digest the writer feeds every tensor's bytes to; store as f"{d.name}:{d.hexdigest()}".
+
+    One hashing thread by default: while writing, the other cores copy, CRC and write. Checks that only read
+    pass `threads=ALL_THREADS` (BLAKE3 then splits each large piece across every core).
+    """
+    return StreamingDigest(name, threads=threads)
 
 
 def parse_digest(value: str) -> tuple[str, str]:
@@ -148,7 +153,7 @@ def start_digest_check(data: Any, expected: str) -> Callable[[], str | None]:
     except errors.DigestMismatchError as e:
         reason = e.reason
         return lambda: reason
-    digest = new_digest(alg)
+    digest = new_digest(alg, threads=ALL_THREADS)
     view = memoryview(data)
     for start in range(0, len(view), _PIECE):
         digest.update(view[start:start + _PIECE])
