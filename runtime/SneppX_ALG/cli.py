@@ -2,6 +2,9 @@
 
     sneppx validate PATH... [--json]   exit 0 if every file is valid, 1 otherwise
     sneppx inspect PATH [--json]       tensors, dtypes, shapes, sizes and metadata
+    sneppx keygen KEY.pem [--public P]  new Ed25519 key pair (KEY.pem.pub by default); exit 2 if KEY exists
+    sneppx sign PATH --key KEY.pem     sign a checkpoint file or directory; exit 1 if it is invalid
+    sneppx verify PATH... -k PUB.pem   signature and every byte; exit 0 if all valid, 1 if not, 2 bad key
 
 Each subcommand is a small function over the library API; the library does the work.
 """
@@ -15,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from SneppX_ALG import checkpoint, errors
+from SneppX_ALG import checkpoint, errors, signing
 
 # Files smaller than this validate in well under a second: no progress bar.
 _PROGRESS_MIN_BYTES = 256 << 20
@@ -125,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", metavar="PATH")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)
+
+    signing.add_cli_commands(sub)  # keygen, sign, verify
     return parser
 
 

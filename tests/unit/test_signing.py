@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import pathlib
 import stat
+import subprocess
+import sys
 
 import blake3
 import numpy as np
@@ -17,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from SneppX_ALG import checkpoint, errors, format, signing
+from SneppX_ALG import checkpoint, cli, errors, format, signing
 
 
 def write_checkpoint(path: pathlib.Path, key=None, metadata=None, tensors=None) -> pathlib.Path:
@@ -391,10 +392,7 @@ def test_manifest_symlink_escaping_the_directory_is_refused(tmp_path: pathlib.Pa
 
 
 def run_cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="sneppx")
-    signing.add_cli_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    return cli.main(argv)
 
 
 def test_cli_keygen_sign_verify_exit_codes(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -412,3 +410,16 @@ def test_cli_keygen_sign_verify_exit_codes(tmp_path: pathlib.Path, capsys: pytes
     assert run_cli(["verify", path, "-k", str(tmp_path / "nope.pub")]) == 2
     assert run_cli(["sign", path, "--key", str(tmp_path / "nope.pem")]) == 2
     assert run_cli(["sign", str(tmp_path / "missing.snpx"), "--key", key]) == 1
+
+
+def test_cli_verify_in_a_fresh_process(tmp_path: pathlib.Path) -> None:
+    priv, pub = signing.generate_keypair()
+    signing.save_public_key(tmp_path / "k.pub", pub)
+    path = write_checkpoint(tmp_path / "c.snpx", priv)
+    command = [sys.executable, "-m", "SneppX_ALG.cli", "verify", str(path), "-k", str(tmp_path / "k.pub")]
+    good = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert good.returncode == 0 and good.stdout.startswith("OK"), good.stderr
+    with open(path, "ab") as f:
+        f.write(b"x")
+    bad = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "trailing bytes" in bad.stdout
