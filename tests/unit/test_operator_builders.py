@@ -1,0 +1,185 @@
+"""Manifests the operator builds, checked without a cluster (the same pods also go through the real
+API server's restricted Pod Security admission in tests/k8s/test_operator.py)."""
+
+from __future__ import annotations
+
+import base64
+import copy
+from typing import Any
+
+import pytest
+
+from SneppX_ALG import errors
+from sneppx_operator import builders
+
+
+def spec(**overrides: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "template": {
+            "metadata": {"labels": {"team": "a"}, "annotations": {"note": "x"}},
+            "spec": {"containers": [{"name": "trainer", "image": "example.org/t:1"}]},
+        },
+        "elastic": {"minNodes": 1, "maxNodes": 4, "procsPerNode": 8, "port": 29600},
+        "checkpoint": {"storage": {"pvc": {"claimName": "ckpt", "subPath": "runs/a"}}, "saveEveryNSteps": 50,
+                       "maxToKeep": 4, "validation": "Quick", "rollbackDepth": 1},
+    }
+    base.update(overrides)
+    return base
+
+
+def pod(job_spec: dict[str, Any] | None = None, rank: int = 1, world: int = 4, generation: int = 3
+        ) -> dict[str, Any]:
+    return builders.build_pod("train", "ns", "uid-1", job_spec or spec(), rank, world, generation)
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_pod_carries_the_rank_environment() -> None:
+    env = env_of(pod()["spec"]["containers"][0])
+    assert env["SNEPPX_JOB"] == "train" and env["SNEPPX_NAMESPACE"] == "ns"
+    assert env["RANK"] == "1" and env["NODE_RANK"] == "1" and env["WORLD_SIZE"] == "4"
+    assert env["SNEPPX_PROCS_PER_NODE"] == "8"
+    assert env["SNEPPX_GENERATION"] == "3"
+    assert env["MASTER_ADDR"] == "train-0.train.ns.svc"
+    assert env["MASTER_PORT"] == "29600"
+    assert env["SNEPPX_CHECKPOINT_URI"] == "file:///var/lib/sneppx/checkpoints"
+    assert env["SNEPPX_SAVE_EVERY_N_STEPS"] == "50" and env["SNEPPX_MAX_TO_KEEP"] == "4"
+    assert env["SNEPPX_CHECKPOINT_VALIDATION"] == "Quick" and env["SNEPPX_ROLLBACK_DEPTH"] == "1"
+    assert env["SNEPPX_HEARTBEAT_KEY_FILE"] == "/var/run/sneppx/heartbeat/heartbeat-key"
+
+
+def test_pod_identity_owner_and_labels() -> None:
+    built = pod()
+    meta = built["metadata"]
+    assert meta["name"] == "train-1" and meta["namespace"] == "ns"
+    assert meta["ownerReferences"] == [{
+        "apiVersion": "sneppx.io/v1alpha1", "kind": "ElasticTrainingJob", "name": "train", "uid": "uid-1",
+        "controller": True, "blockOwnerDeletion": True,
+    }]
+    assert meta["labels"] == {"team": "a", "sneppx.io/job": "train", "sneppx.io/rank": "1",
+                              "sneppx.io/membership-generation": "3",
+                              "app.kubernetes.io/managed-by": "sneppx-operator"}
+    assert meta["annotations"] == {"note": "x"}
+    assert built["spec"]["hostname"] == "train-1" and built["spec"]["subdomain"] == "train"
+    assert built["spec"]["restartPolicy"] == "Never"
+    assert built["spec"]["automountServiceAccountToken"] is False
+
+
+def test_restricted_profile_is_forced_over_a_permissive_template() -> None:
+    job = spec()
+    job["template"]["spec"]["securityContext"] = {"runAsUser": 1000, "seccompProfile": {"type": "Unconfined"}}
+    job["template"]["spec"]["initContainers"] = [{"name": "init", "image": "x", "securityContext": {
+        "privileged": True}}]
+    job["template"]["spec"]["containers"][0]["securityContext"] = {
+        "allowPrivilegeEscalation": True, "privileged": True, "capabilities": {"add": ["SYS_ADMIN"]},
+        "readOnlyRootFilesystem": False, "runAsGroup": 2000,
+    }
+    built = pod(job)["spec"]
+    assert built["securityContext"] == {"runAsUser": 1000, "runAsNonRoot": True,
+                                        "seccompProfile": {"type": "RuntimeDefault"}}
+    for container in [*built["containers"], *built["initContainers"]]:
+        security = container["securityContext"]
+        assert security["allowPrivilegeEscalation"] is False
+        assert security["privileged"] is False
+        assert security["capabilities"] == {"drop": ["ALL"]}
+        assert security["readOnlyRootFilesystem"] is True
+        assert security["runAsNonRoot"] is True
+        assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert built["containers"][0]["securityContext"]["runAsGroup"] == 2000, "ids the template chose are kept"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda s: s["template"]["spec"].update(hostNetwork=True), "hostNetwork is not allowed"),
+        (lambda s: s["template"]["spec"].update(hostPID=True), "hostPID is not allowed"),
+        (lambda s: s["template"]["spec"].update(securityContext={"runAsUser": 0}), "runAsUser: 0"),
+        (lambda s: s["template"]["spec"]["containers"][0].update(securityContext={"runAsUser": 0}),
+         "container 'trainer' sets runAsUser: 0"),
+        (lambda s: s["template"]["spec"].update(volumes=[{"name": "sneppx-heartbeat", "emptyDir": {}}]),
+         "reserved for the operator"),
+        (lambda s: s["template"]["spec"]["containers"][0].update(
+            volumeMounts=[{"name": "data", "mountPath": "/tmp"}]), "the operator mounts its own volumes there"),
+    ],
+    ids=["host-network", "host-pid", "pod-root", "container-root", "reserved-volume", "reserved-mount"],
+)
+def test_template_the_operator_cannot_build_is_refused(mutate: Any, message: str) -> None:
+    job = spec()
+    mutate(job)
+    with pytest.raises(errors.JobSpecError, match=message):
+        pod(job)
+
+
+def test_operator_env_wins_over_the_template_and_other_env_is_kept() -> None:
+    job = spec()
+    job["template"]["spec"]["containers"][0]["env"] = [
+        {"name": "RANK", "value": "99"}, {"name": "MASTER_ADDR", "value": "elsewhere"},
+        {"name": "NCCL_DEBUG", "value": "WARN"},
+    ]
+    env = pod(job)["spec"]["containers"][0]["env"]
+    names = [e["name"] for e in env]
+    assert names.count("RANK") == 1 and names.count("MASTER_ADDR") == 1
+    assert env_of({"env": env})["RANK"] == "1"
+    assert {"name": "NCCL_DEBUG", "value": "WARN"} in env
+
+
+def test_every_container_gets_env_and_mounts_and_template_volumes_are_kept() -> None:
+    job = spec()
+    job["template"]["spec"]["containers"].append({"name": "sidecar", "image": "example.org/s:1"})
+    job["template"]["spec"]["volumes"] = [{"name": "data", "emptyDir": {}}]
+    built = pod(job)["spec"]
+    assert [v["name"] for v in built["volumes"]] == ["sneppx-heartbeat", "sneppx-tmp", "sneppx-checkpoints", "data"]
+    assert built["volumes"][0]["secret"] == {"secretName": "train-heartbeat", "defaultMode": 0o440}
+    assert built["volumes"][2]["persistentVolumeClaim"] == {"claimName": "ckpt"}
+    for container in built["containers"]:
+        assert env_of(container)["RANK"] == "1"
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        assert mounts["/var/run/sneppx/heartbeat"]["readOnly"] is True
+        assert mounts["/var/lib/sneppx/checkpoints"]["subPath"] == "runs/a"
+        assert "/tmp" in mounts, "a read-only root filesystem needs a writable /tmp"
+
+
+def test_s3_storage_env_takes_credentials_from_the_secret() -> None:
+    job = spec(checkpoint={"storage": {"s3": {
+        "bucket": "b", "prefix": "runs/x/", "region": "eu-west-1", "endpoint": "http://127.0.0.1:9000",
+        "credentialsSecretRef": {"name": "creds"}}}})
+    built = pod(job)["spec"]
+    env = env_of(built["containers"][0])
+    assert env["SNEPPX_CHECKPOINT_URI"] == "s3://b/runs/x/"
+    assert env["AWS_REGION"] == "eu-west-1" and env["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9000"
+    assert env["AWS_ACCESS_KEY_ID"] == {"secretKeyRef": {"name": "creds", "key": "AWS_ACCESS_KEY_ID"}}
+    assert env["AWS_SECRET_ACCESS_KEY"] == {"secretKeyRef": {"name": "creds", "key": "AWS_SECRET_ACCESS_KEY"}}
+    assert "sneppx-checkpoints" not in [v["name"] for v in built["volumes"]]
+
+
+def test_building_a_pod_does_not_change_the_spec() -> None:
+    job = spec()
+    before = copy.deepcopy(job)
+    pod(job)
+    assert job == before
+
+
+def test_headless_service_selects_the_job_and_publishes_unready_ranks() -> None:
+    service = builders.build_service("train", "ns", "uid-1", spec())
+    assert service["metadata"]["name"] == "train"
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {"sneppx.io/job": "train"}
+    assert service["spec"]["ports"] == [{"name": "rendezvous", "port": 29600, "targetPort": 29600,
+                                         "protocol": "TCP"}]
+    assert service["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+
+
+def test_secret_holds_the_heartbeat_key() -> None:
+    key = bytes(range(32))
+    secret = builders.build_secret("train", "ns", "uid-1", key)
+    assert secret["metadata"]["name"] == "train-heartbeat"
+    assert base64.b64decode(secret["data"]["heartbeat-key"]) == key
+    assert secret["metadata"]["ownerReferences"][0]["kind"] == "ElasticTrainingJob"
+
+
+def test_short_heartbeat_key_is_refused() -> None:
+    with pytest.raises(errors.JobSpecError, match="at least 32 bytes"):
+        builders.build_secret("train", "ns", "uid-1", b"short")
