@@ -132,62 +132,97 @@ def init_params(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     return params
 
 
-# --- the pieces of the forward and backward passes (pure functions on arrays) -----------------------------------
+# --- the pieces of the forward and backward passes ----------------------------------------------------------------
 
 
-def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-    """LayerNorm over the last axis; returns (y, cache for layer_norm_backward)."""
-    mean = x.mean(axis=-1, keepdims=True)
-    xc = x - mean
-    var = np.mean(xc * xc, axis=-1, keepdims=True)
-    rstd = 1.0 / np.sqrt(var + LAYERNORM_EPS)
-    xhat = xc
+class Workspace:
+    """Batch-sized buffers kept from one training step to the next, by name.
+
+    Why: one step of the recipe-1 model at batch 16 makes ~40 MB of temporaries. Freed, glibc returns them to the
+    kernel, and the next step pays a page fault per 4 KiB to touch them again: measured at half of the step time
+    on these VMs. Writing every batch-sized result into a named buffer (`out=`) makes a step allocation-free
+    except for the gradients it returns. Not thread-safe: one forward/backward at a time per model.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, np.ndarray] = {}
+
+    def __call__(self, key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+            buffer = self._buffers[key] = np.empty(shape, dtype)
+        return buffer
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers.values())
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, ws: Workspace,
+               key: str) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """LayerNorm over the last axis of a 2-D array; returns (y, cache for layer_norm_backward)."""
+    xhat = ws(key + ".xhat", x.shape, x.dtype)
+    np.subtract(x, x.mean(axis=-1, keepdims=True), out=xhat)
+    square = ws("ln.scratch", x.shape, x.dtype)
+    np.multiply(xhat, xhat, out=square)
+    rstd = square.mean(axis=-1, keepdims=True)
+    rstd += LAYERNORM_EPS
+    np.sqrt(rstd, out=rstd)
+    np.reciprocal(rstd, out=rstd)
     xhat *= rstd
-    return xhat * weight + bias, (xhat, rstd, weight)
+    y = ws(key + ".y", x.shape, x.dtype)
+    np.multiply(xhat, weight, out=y)
+    y += bias
+    return y, (xhat, rstd, weight)
 
 
-def layer_norm_backward(dy: np.ndarray, cache: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Returns (dx, dweight, dbias) for a 2-D (rows, features) input."""
+def layer_norm_backward(dy: np.ndarray, cache: tuple[np.ndarray, ...],
+                        ws: Workspace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Returns (dx, dweight, dbias); dx is computed in place in dy's memory."""
     xhat, rstd, weight = cache
-    dweight = np.sum(dy * xhat, axis=0)
+    scratch = ws("ln.scratch", dy.shape, dy.dtype)
+    dweight = np.multiply(dy, xhat, out=scratch).sum(axis=0)
     dbias = dy.sum(axis=0)
-    dxhat = dy * weight
-    dx = dxhat - dxhat.mean(axis=-1, keepdims=True)
-    dx -= xhat * np.mean(dxhat * xhat, axis=-1, keepdims=True)
+    dxhat = np.multiply(dy, weight, out=dy)
+    mean_dxhat = dxhat.mean(axis=-1, keepdims=True)
+    mean_dxhat_xhat = np.multiply(dxhat, xhat, out=scratch).mean(axis=-1, keepdims=True)
+    dx = dxhat
+    dx -= mean_dxhat
+    dx -= np.multiply(xhat, mean_dxhat_xhat, out=scratch)
     dx *= rstd
     return dx, dweight, dbias
 
 
-def gelu(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """tanh-approximate GELU (as in GPT-2); returns (gelu(u), tanh term kept for the backward pass)."""
-    t = u * u
+def gelu(u: np.ndarray, out: np.ndarray, tanh_out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """tanh-approximate GELU (as in GPT-2) into `out`; the tanh term goes to `tanh_out` for the backward pass."""
+    t = np.multiply(u, u, out=tanh_out)
     t *= 0.044715
     t += 1.0
     t *= u
     t *= _GELU_C
     np.tanh(t, out=t)
-    out = t + 1.0
+    np.add(t, 1.0, out=out)
     out *= u
     out *= 0.5
     return out, t
 
 
-def gelu_backward(dout: np.ndarray, u: np.ndarray, tanh_term: np.ndarray) -> np.ndarray:
-    """d gelu(u) / du times dout, from the forward's tanh term."""
+def gelu_backward(dout: np.ndarray, u: np.ndarray, tanh_term: np.ndarray, ws: Workspace) -> np.ndarray:
+    """d gelu(u) / du times dout, from the forward's tanh term; computed in place in dout's memory."""
     # d/du [0.5 u (1 + t)] = 0.5 (1 + t) + 0.5 u (1 - t^2) c (1 + 3 * 0.044715 u^2)
-    inner = u * u
+    inner = np.multiply(u, u, out=ws("gelu.scratch1", u.shape, u.dtype))
     inner *= 3 * 0.044715
     inner += 1.0
     inner *= _GELU_C
-    sech2 = tanh_term * tanh_term
+    sech2 = np.multiply(tanh_term, tanh_term, out=ws("gelu.scratch2", u.shape, u.dtype))
     np.subtract(1.0, sech2, out=sech2)
     inner *= sech2
     inner *= u
     inner += tanh_term
     inner += 1.0
     inner *= 0.5
-    inner *= dout
-    return inner
+    dout *= inner
+    return dout
 
 
 def causal_mask(seq_len: int, dtype: np.dtype) -> np.ndarray:
@@ -198,17 +233,17 @@ def causal_mask(seq_len: int, dtype: np.dtype) -> np.ndarray:
 
 
 def softmax_cross_entropy(logits: np.ndarray, targets: np.ndarray) -> tuple[float, np.ndarray]:
-    """Mean next-token cross-entropy of (N, V) logits; returns (loss, dloss/dlogits)."""
+    """Mean next-token cross-entropy of (N, V) logits; returns (loss, dloss/dlogits), the latter in logits' memory."""
     n = logits.shape[0]
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    probs = np.exp(shifted)
-    sums = probs.sum(axis=-1, keepdims=True)
     rows = np.arange(n)
-    log_likelihood = shifted[rows, targets] - np.log(sums[:, 0])
-    loss = -float(np.mean(log_likelihood, dtype=np.float64))
-    probs /= sums
-    probs[rows, targets] -= 1.0
-    probs *= probs.dtype.type(1.0 / n)
+    logits -= logits.max(axis=-1, keepdims=True)
+    target_logits = logits[rows, targets]
+    probs = np.exp(logits, out=logits)
+    sums = probs.sum(axis=-1, keepdims=True)
+    loss = -float(np.mean(target_logits - np.log(sums[:, 0]), dtype=np.float64))
+    sums *= n
+    probs /= sums  # softmax / n
+    probs[rows, targets] -= probs.dtype.type(1.0 / n)
     return loss, probs
 
 
@@ -245,6 +280,7 @@ class Transformer:
         # Set by training.Trainer: with it, checkpoints can carry optimizer, data position and RNG too.
         self.trainer: TrainingStateOwner | None = None
         self._mask = causal_mask(self.config.max_seq_len, np.dtype(self.config.dtype))
+        self._workspace = Workspace()
 
     @classmethod
     def from_config(cls, config: ModelConfig, *, seed: int = 0) -> Transformer:
@@ -277,53 +313,56 @@ class Transformer:
                 f"(min {array.min()}, max {array.max()})")
         return array
 
-    def _forward(self, tokens: np.ndarray, keep_cache: bool) -> tuple[np.ndarray, list[Any]]:
-        """(B, T) ids -> (B*T, V) logits, and the activations the backward pass needs (when keep_cache)."""
-        c, p = self.config, self.params
+    def _forward(self, tokens: np.ndarray) -> tuple[np.ndarray, list[Any]]:
+        """(B, T) ids -> (B*T, V) logits and the activations the backward pass needs, all in workspace buffers."""
+        c, p, ws = self.config, self.params, self._workspace
+        dtype = np.dtype(c.dtype)
         batch, seq = tokens.shape
         n, h, hd = batch * seq, c.num_heads, c.head_dim
-        scale = np.dtype(c.dtype).type(1.0 / math.sqrt(hd))
+        scale = dtype.type(1.0 / math.sqrt(hd))
         mask = self._mask[:seq, :seq]
-        x = p["tok_emb"][tokens.reshape(-1)]
-        x += np.tile(p["pos_emb"][:seq], (batch, 1))
+        x = ws("residual", (n, c.dim), dtype)  # the residual stream, updated in place block after block
+        np.take(p["tok_emb"], tokens.reshape(-1), axis=0, out=x)
+        x.reshape(batch, seq, c.dim)[...] += p["pos_emb"][:seq]
+        projected = ws("projected", (n, c.dim), dtype)
         cache: list[Any] = []
         for i in range(c.num_layers):
             b = f"blocks.{i}."
-            a, ln1 = layer_norm(x, p[b + "ln1.weight"], p[b + "ln1.bias"])
-            qkv = a @ p[b + "attn.qkv.weight"]
+            a, ln1 = layer_norm(x, p[b + "ln1.weight"], p[b + "ln1.bias"], ws, b + "ln1")
+            qkv = np.matmul(a, p[b + "attn.qkv.weight"], out=ws("qkv", (n, 3 * c.dim), dtype))
             qkv += p[b + "attn.qkv.bias"]
             # (B, T, 3, H, hd) -> (3, B, H, T, hd): heads become a batch axis of one stacked matmul.
-            qkv_heads = np.ascontiguousarray(qkv.reshape(batch, seq, 3, h, hd).transpose(2, 0, 3, 1, 4))
+            qkv_heads = ws(b + "qkv_heads", (3, batch, h, seq, hd), dtype)
+            np.copyto(qkv_heads, qkv.reshape(batch, seq, 3, h, hd).transpose(2, 0, 3, 1, 4))
             q, k, v = qkv_heads[0], qkv_heads[1], qkv_heads[2]
-            scores = np.matmul(q, k.transpose(0, 1, 3, 2))
-            scores *= scale
-            scores += mask
-            scores -= scores.max(axis=-1, keepdims=True)
-            probs = np.exp(scores, out=scores)
+            probs = np.matmul(q, k.transpose(0, 1, 3, 2), out=ws(b + "probs", (batch, h, seq, seq), dtype))
+            probs *= scale
+            probs += mask
+            probs -= probs.max(axis=-1, keepdims=True)
+            np.exp(probs, out=probs)
             probs /= probs.sum(axis=-1, keepdims=True)
-            heads_out = np.matmul(probs, v)
-            attn = heads_out.transpose(0, 2, 1, 3).reshape(n, c.dim)
-            x = x + attn @ p[b + "attn.out.weight"]
+            heads_out = np.matmul(probs, v, out=ws("heads_out", (batch, h, seq, hd), dtype))
+            attn = ws(b + "attn", (n, c.dim), dtype)
+            np.copyto(attn.reshape(batch, seq, h, hd), heads_out.transpose(0, 2, 1, 3))
+            x += np.matmul(attn, p[b + "attn.out.weight"], out=projected)
             x += p[b + "attn.out.bias"]
-            a2, ln2 = layer_norm(x, p[b + "ln2.weight"], p[b + "ln2.bias"])
-            u = a2 @ p[b + "ffn.in.weight"]
+            a2, ln2 = layer_norm(x, p[b + "ln2.weight"], p[b + "ln2.bias"], ws, b + "ln2")
+            u = np.matmul(a2, p[b + "ffn.in.weight"], out=ws(b + "ffn.u", (n, c.ffn_dim), dtype))
             u += p[b + "ffn.in.bias"]
-            g, tanh_term = gelu(u)
-            x = x + g @ p[b + "ffn.out.weight"]
+            g, tanh_term = gelu(u, ws(b + "ffn.g", u.shape, dtype), ws(b + "ffn.tanh", u.shape, dtype))
+            x += np.matmul(g, p[b + "ffn.out.weight"], out=projected)
             x += p[b + "ffn.out.bias"]
-            if keep_cache:
-                cache.append((a, ln1, qkv_heads, probs, attn, a2, ln2, u, tanh_term, g))
-        xf, lnf = layer_norm(x, p["ln_f.weight"], p["ln_f.bias"])
-        logits = xf @ p["head.weight"]
-        if keep_cache:
-            cache.append((xf, lnf))
+            cache.append((a, ln1, qkv_heads, probs, attn, a2, ln2, u, tanh_term, g))
+        xf, lnf = layer_norm(x, p["ln_f.weight"], p["ln_f.bias"], ws, "ln_f")
+        logits = np.matmul(xf, p["head.weight"], out=ws("logits", (n, c.vocab_size), dtype))
+        cache.append((xf, lnf))
         return logits, cache
 
     def forward(self, tokens: Any) -> np.ndarray:
         """Logits of shape (batch, seq, vocab) for integer ids of shape (batch, seq) or (seq,)."""
         ids = self._check_tokens(tokens, "tokens", self.config.max_seq_len)
-        logits, _ = self._forward(ids, keep_cache=False)
-        return logits.reshape(ids.shape[0], ids.shape[1], self.config.vocab_size)
+        logits, _ = self._forward(ids)
+        return logits.reshape(ids.shape[0], ids.shape[1], self.config.vocab_size).copy()  # not the workspace
 
     def _split_targets(self, tokens: Any, targets: Any) -> tuple[np.ndarray, np.ndarray]:
         if targets is None:
@@ -341,26 +380,32 @@ class Transformer:
     def loss(self, tokens: Any, targets: Any = None) -> float:
         """Mean cross-entropy (nats/token). Without targets, predicts tokens[:, 1:] from tokens[:, :-1]."""
         ids, tgt = self._split_targets(tokens, targets)
-        logits, _ = self._forward(ids, keep_cache=False)
+        logits, _ = self._forward(ids)
         loss, _ = softmax_cross_entropy(logits, tgt.reshape(-1))
         return loss
 
     def loss_and_grads(self, tokens: Any, targets: Any = None) -> tuple[float, dict[str, np.ndarray]]:
-        """The loss (as `loss`) and d loss / d param for every parameter, by a hand-written backward pass."""
+        """The loss (as `loss`) and d loss / d param for every parameter, by a hand-written backward pass.
+
+        The returned gradients are new arrays the caller owns; activations live in the model's workspace.
+        """
         ids, tgt = self._split_targets(tokens, targets)
-        c, p = self.config, self.params
+        c, p, ws = self.config, self.params, self._workspace
+        dtype = np.dtype(c.dtype)
         batch, seq = ids.shape
         n, h, hd = batch * seq, c.num_heads, c.head_dim
-        scale = np.dtype(c.dtype).type(1.0 / math.sqrt(hd))
-        logits, cache = self._forward(ids, keep_cache=True)
+        scale = dtype.type(1.0 / math.sqrt(hd))
+        logits, cache = self._forward(ids)
         loss, dlogits = softmax_cross_entropy(logits, tgt.reshape(-1))
-        del logits
         grads: dict[str, np.ndarray] = {}
+        d_ln_in = ws("d_ln_in", (n, c.dim), dtype)  # the gradient arriving at a LayerNorm's output
 
         xf, lnf = cache.pop()
         grads["head.weight"] = xf.T @ dlogits
-        dx, grads["ln_f.weight"], grads["ln_f.bias"] = layer_norm_backward(dlogits @ p["head.weight"].T, lnf)
-        del dlogits
+        np.matmul(dlogits, p["head.weight"].T, out=d_ln_in)
+        dx_ln, grads["ln_f.weight"], grads["ln_f.bias"] = layer_norm_backward(d_ln_in, lnf, ws)
+        dx = ws("d_residual", (n, c.dim), dtype)  # gradient of the residual stream, accumulated in place
+        np.copyto(dx, dx_ln)
 
         for i in reversed(range(c.num_layers)):
             b = f"blocks.{i}."
@@ -368,33 +413,37 @@ class Transformer:
             # Feed-forward: x_out = x_mid + gelu(ln2(x_mid) W1 + b1) W2 + b2
             grads[b + "ffn.out.weight"] = g.T @ dx
             grads[b + "ffn.out.bias"] = dx.sum(axis=0)
-            du = gelu_backward(dx @ p[b + "ffn.out.weight"].T, u, tanh_term)
+            du = np.matmul(dx, p[b + "ffn.out.weight"].T, out=ws("d_ffn", (n, c.ffn_dim), dtype))
+            gelu_backward(du, u, tanh_term, ws)
             grads[b + "ffn.in.weight"] = a2.T @ du
             grads[b + "ffn.in.bias"] = du.sum(axis=0)
-            da2, grads[b + "ln2.weight"], grads[b + "ln2.bias"] = layer_norm_backward(
-                du @ p[b + "ffn.in.weight"].T, ln2)
-            dx += da2
+            np.matmul(du, p[b + "ffn.in.weight"].T, out=d_ln_in)
+            dx_ln, grads[b + "ln2.weight"], grads[b + "ln2.bias"] = layer_norm_backward(d_ln_in, ln2, ws)
+            dx += dx_ln
             # Attention: x_mid = x_in + concat_heads(softmax(q k^T * scale + mask) v) Wo + bo
             grads[b + "attn.out.weight"] = attn.T @ dx
             grads[b + "attn.out.bias"] = dx.sum(axis=0)
-            dheads = (dx @ p[b + "attn.out.weight"].T).reshape(batch, seq, h, hd).transpose(0, 2, 1, 3)
+            dattn = np.matmul(dx, p[b + "attn.out.weight"].T, out=ws("d_attn", (n, c.dim), dtype))
+            dheads = dattn.reshape(batch, seq, h, hd).transpose(0, 2, 1, 3)
             q, k, v = qkv_heads[0], qkv_heads[1], qkv_heads[2]
-            dqkv = np.empty_like(qkv_heads)
+            dqkv = ws("d_qkv_heads", qkv_heads.shape, dtype)
             np.matmul(probs.transpose(0, 1, 3, 2), dheads, out=dqkv[2])
-            dprobs = np.matmul(dheads, v.transpose(0, 1, 3, 2))
+            dscores = np.matmul(dheads, v.transpose(0, 1, 3, 2), out=ws("d_scores", probs.shape, dtype))
             # softmax backward; masked entries have probs == 0 and so get no gradient.
-            dscores = dprobs
-            dscores -= np.sum(dprobs * probs, axis=-1, keepdims=True)
+            row_dot = np.multiply(dscores, probs, out=ws("scores.scratch", probs.shape, dtype)).sum(
+                axis=-1, keepdims=True)
+            dscores -= row_dot
             dscores *= probs
             dscores *= scale
             np.matmul(dscores, k, out=dqkv[0])
             np.matmul(dscores.transpose(0, 1, 3, 2), q, out=dqkv[1])
-            dqkv_rows = dqkv.transpose(1, 3, 0, 2, 4).reshape(n, 3 * c.dim)
+            dqkv_rows = ws("d_qkv", (n, 3 * c.dim), dtype)
+            np.copyto(dqkv_rows.reshape(batch, seq, 3, h, hd), dqkv.transpose(1, 3, 0, 2, 4))
             grads[b + "attn.qkv.weight"] = a.T @ dqkv_rows
             grads[b + "attn.qkv.bias"] = dqkv_rows.sum(axis=0)
-            da, grads[b + "ln1.weight"], grads[b + "ln1.bias"] = layer_norm_backward(
-                dqkv_rows @ p[b + "attn.qkv.weight"].T, ln1)
-            dx += da
+            np.matmul(dqkv_rows, p[b + "attn.qkv.weight"].T, out=d_ln_in)
+            dx_ln, grads[b + "ln1.weight"], grads[b + "ln1.bias"] = layer_norm_backward(d_ln_in, ln1, ws)
+            dx += dx_ln
 
         grads["pos_emb"] = np.zeros_like(p["pos_emb"])
         grads["pos_emb"][:seq] = dx.reshape(batch, seq, c.dim).sum(axis=0)
