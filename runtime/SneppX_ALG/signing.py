@@ -67,7 +67,7 @@ _worker_pid = 0
 
 
 def _hash_worker() -> concurrent.futures.ThreadPoolExecutor:
-    """One process-wide hashing thread (recreated after fork). One thread keeps each digest's updates in order."""
+    """One hashing thread per process (new after fork): it keeps each digest's updates in order."""
     global _worker, _worker_pid
     with _worker_lock:
         if _worker is None or _worker_pid != os.getpid():
@@ -241,7 +241,8 @@ def _read_key_file(path: str | os.PathLike[str]) -> bytes:
     return data
 
 
-def load_private_key(path: str | os.PathLike[str], password: bytes | None = None) -> ed25519.Ed25519PrivateKey:
+def load_private_key(path: str | os.PathLike[str],
+                     password: bytes | None = None) -> ed25519.Ed25519PrivateKey:
     """An Ed25519 private key from a PEM file; KeyFormatError for anything else."""
     try:
         key = serialization.load_pem_private_key(_read_key_file(path), password=password)
@@ -274,11 +275,12 @@ def load_public_key(path: str | os.PathLike[str]) -> ed25519.Ed25519PublicKey:
 
 
 def trusted_key_set(trusted_keys: Any) -> dict[bytes, ed25519.Ed25519PublicKey]:
-    """key id -> public key from one key or an iterable of: public or private keys, PEM paths, PEM or raw bytes."""
+    """key id -> public key: from keys, PEM paths, PEM or raw bytes (one or an iterable)."""
     if trusted_keys is None:
         return {}
     items: Iterable[Any]
-    if isinstance(trusted_keys, (ed25519.Ed25519PublicKey, ed25519.Ed25519PrivateKey, str, bytes, os.PathLike)):
+    single = (ed25519.Ed25519PublicKey, ed25519.Ed25519PrivateKey, str, bytes, os.PathLike)
+    if isinstance(trusted_keys, single):
         items = [trusted_keys]
     elif isinstance(trusted_keys, dict):
         items = trusted_keys.values()
@@ -342,8 +344,8 @@ def decode_block(raw: bytes, *, path: str | None = None) -> list[SignatureEntry]
         raise errors.BadSignatureError(f"signature block version {version} is not supported (expected "
                                        f"{BLOCK_VERSION}); upgrade SneppX", path=path)
     if not 1 <= count <= MAX_SIGNATURES or reserved:
-        raise errors.BadSignatureError(f"signature block head is malformed (count {count}, reserved {reserved})",
-                                       path=path)
+        raise errors.BadSignatureError(
+            f"signature block head is malformed (count {count}, reserved {reserved})", path=path)
     if len(raw) != _BLOCK_HEAD.size + count * _BLOCK_ENTRY.size:
         raise errors.BadSignatureError(
             f"signature block is {len(raw)} bytes, expected {_BLOCK_HEAD.size + count * _BLOCK_ENTRY.size} "
@@ -352,8 +354,8 @@ def decode_block(raw: bytes, *, path: str | None = None) -> list[SignatureEntry]
     for i in range(count):
         alg, r1, r2, kid, sig = _BLOCK_ENTRY.unpack_from(raw, _BLOCK_HEAD.size + i * _BLOCK_ENTRY.size)
         if alg != ALG_ED25519 or r1 or r2:
-            raise errors.BadSignatureError(f"signature #{i}: unknown algorithm {alg} or non-zero reserved field",
-                                           path=path)
+            raise errors.BadSignatureError(
+                f"signature #{i}: unknown algorithm {alg} or non-zero reserved field", path=path)
         entries.append(SignatureEntry(alg, kid, sig))
     if len({e.key_id for e in entries}) != len(entries):
         raise errors.BadSignatureError("signature block names the same key twice", path=path)
@@ -382,22 +384,25 @@ def check_signature(domain: bytes, body: bytes, block: bytes, trusted_keys: Any,
     """
     keys = trusted_keys if isinstance(trusted_keys, dict) else trusted_key_set(trusted_keys)
     if not block:
-        raise errors.MissingSignatureError(f"the {what} is not signed, and a signature is required", path=path)
+        raise errors.MissingSignatureError(f"the {what} is not signed, and a signature is required",
+                                           path=path)
     entries = decode_block(block, path=path)
     if not keys:
-        raise errors.UntrustedKeyError("no trusted keys were given, so no signature can be accepted", path=path)
+        raise errors.UntrustedKeyError("no trusted keys were given, so no signature can be accepted",
+                                       path=path)
     trusted = [e for e in entries if e.key_id in keys]
     if not trusted:
         ids = ", ".join(e.key_id.hex()[:16] for e in entries)
         raise errors.UntrustedKeyError(
-            f"the {what} is signed by key {ids}, which is not among the {len(keys)} trusted key(s)", path=path)
+            f"the {what} is signed by key {ids}, which is not among the {len(keys)} trusted key(s)",
+            path=path)
     for e in trusted:
         try:
             keys[e.key_id].verify(e.signature, signed_message(domain, body, e.key_id))
         except InvalidSignature:
             raise errors.BadSignatureError(
-                f"the Ed25519 signature by key {e.key_id.hex()[:16]} does not verify: the {what} changed after "
-                "it was signed, or the signature belongs to another checkpoint", path=path) from None
+                f"the Ed25519 signature by key {e.key_id.hex()[:16]} does not verify: the {what} changed "
+                "after it was signed, or the signature belongs to another checkpoint", path=path) from None
     return trusted[0].key_id
 
 
@@ -433,7 +438,7 @@ def _check_digest_coverage(tensors: Iterable[Any], path: str | None = None) -> N
 
 
 def verify_table(table_bytes: bytes, signature_block: bytes, trusted_keys: Any) -> list[str]:
-    """For validate_checkpoint: [] when a trusted key signed these table bytes and every tensor has a digest."""
+    """For validate_checkpoint: [] if a trusted key signed these table bytes and every tensor has a digest."""
     try:
         check_signature(TABLE_DOMAIN, table_bytes, signature_block, trusted_keys)
         _check_digest_coverage(_tensor_entries(table_bytes))
@@ -475,7 +480,7 @@ def _check_tensor(reader: checkpoint.CheckpointReader, entry: format.TensorEntry
 
 
 def check_checkpoint(path: str | os.PathLike[str], trusted_keys: Any) -> Verified:
-    """Verifies a checkpoint file or a signed checkpoint directory; raises the typed error of the first failed check.
+    """Verifies a checkpoint file or signed directory; raises the typed error of the first failed check.
 
     File: header, table and signature CRCs and layout (CheckpointReader), then the signature over the table
     (before reading any data, so a forged file costs nothing), then every tensor's CRC32C, padding and digest.
@@ -546,8 +551,8 @@ def sign_checkpoint(path: str | os.PathLike[str], private_key: ed25519.Ed25519Pr
                 value = f"{alg}:{digest.hexdigest()}"
                 if entry.digest is not None and entry.digest != value:
                     raise errors.DigestMismatchError(
-                        f"tensor {entry.name!r} does not match the digest already in its table; refusing to sign",
-                        path=path)
+                        f"tensor {entry.name!r} does not match the digest already in its table; "
+                        "refusing to sign", path=path)
                 entries.append(format.TensorEntry(
                     entry.name, entry.dtype, entry.shape, entry.offset, entry.length, entry.crc32c,
                     entry.global_shape, entry.global_offset, value))
@@ -621,7 +626,8 @@ def _manifest_files(manifest_bytes: bytes, path: str | None = None) -> dict[str,
 def check_manifest_signature(manifest_bytes: bytes, signature: bytes, trusted_keys: Any, *,
                              path: str | None = None) -> bytes:
     """Checks a detached manifest signature; returns the signer's key id (typed error otherwise)."""
-    return check_signature(MANIFEST_DOMAIN, manifest_bytes, signature, trusted_keys, what="manifest", path=path)
+    return check_signature(MANIFEST_DOMAIN, manifest_bytes, signature, trusted_keys, what="manifest",
+                           path=path)
 
 
 def _read_bounded(path: str, limit: int) -> bytes | None:
@@ -644,7 +650,8 @@ def sign_manifest(directory: str | os.PathLike[str], private_key: ed25519.Ed2551
     manifest_path = os.path.join(directory, MANIFEST_NAME)
     manifest = _read_bounded(manifest_path, MAX_MANIFEST_BYTES)
     if manifest is None:
-        raise errors.CheckpointNotFoundError(f"{manifest_path} not found: nothing to sign", path=manifest_path)
+        raise errors.CheckpointNotFoundError(f"{manifest_path} not found: nothing to sign",
+                                             path=manifest_path)
     _check_manifest_files(directory, _manifest_files(manifest, manifest_path))
     block = manifest_signature(manifest, private_key)
     tmp = os.path.join(directory, f".{SIGNATURE_NAME}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
@@ -664,7 +671,8 @@ def _check_manifest_files(directory: str, files: dict[str, dict[str, Any]]) -> N
     for name, info in files.items():
         target = os.path.realpath(os.path.join(root, name))
         if os.path.commonpath([root, target]) != root:
-            raise errors.CorruptTableError(f"manifest entry {name!r} resolves outside the checkpoint", path=directory)
+            raise errors.CorruptTableError(f"manifest entry {name!r} resolves outside the checkpoint",
+                                           path=directory)
         try:
             size = os.stat(target).st_size
         except FileNotFoundError:
@@ -680,7 +688,7 @@ def _check_manifest_files(directory: str, files: dict[str, dict[str, Any]]) -> N
 
 
 def check_manifest(directory: str | os.PathLike[str], trusted_keys: Any) -> Verified:
-    """Verifies a signed checkpoint directory: manifest.sig over manifest.json, then every listed file's digest."""
+    """Verifies a signed checkpoint directory: manifest.sig over manifest.json, then each listed file."""
     directory = os.fspath(directory)
     manifest_path = os.path.join(directory, MANIFEST_NAME)
     manifest = _read_bounded(manifest_path, MAX_MANIFEST_BYTES)
@@ -710,7 +718,8 @@ def add_cli_commands(subparsers: Any) -> None:
     p.set_defaults(func=cli_sign)
     p = subparsers.add_parser("verify", help="check a checkpoint's signature and every byte; exit 0 if valid")
     p.add_argument("paths", nargs="+")
-    p.add_argument("--trusted-key", "-k", action="append", required=True, help="trusted public key PEM (repeat)")
+    p.add_argument("--trusted-key", "-k", action="append", required=True,
+                   help="trusted public key PEM (repeatable)")
     p.set_defaults(func=cli_verify)
 
 

@@ -58,7 +58,8 @@ def parse_version(value: Any) -> tuple[int, ...]:
     """'1.10.2' -> (1, 10, 2) with trailing zeros dropped, so '2' and '2.0' are the same version."""
     if not isinstance(value, str) or not _VERSION_RE.match(value):
         raise errors.UpdateRejectedError(
-            f"signed version {value!r} is not a dotted number like '3' or '1.10.2' (metadata {VERSION_KEY!r})")
+            f"signed version {value!r} is not a dotted number like '3' or '1.10.2' "
+            f"(metadata {VERSION_KEY!r})")
     parts = [int(p) for p in value.split(".")]
     while len(parts) > 1 and parts[-1] == 0:
         parts.pop()
@@ -66,7 +67,7 @@ def parse_version(value: Any) -> tuple[int, ...]:
 
 
 def parse_expiry(value: str) -> dt.datetime:
-    """An RFC 3339 time with a zone ('2027-01-31T00:00:00Z'); a time without a zone is ambiguous and refused."""
+    """An RFC 3339 time with a zone ('2027-01-31T00:00:00Z'); without a zone it is ambiguous: refused."""
     try:
         when = dt.datetime.fromisoformat(value)
     except (TypeError, ValueError):
@@ -90,8 +91,8 @@ def check_update_policy(metadata: dict[str, str], *, high_water: str | None, now
     new = parse_version(version)
     expires = metadata.get(EXPIRES_KEY)
     if expires is None and require_expiry:
-        raise errors.UpdateRejectedError(f"the update has no signed expiry (metadata {EXPIRES_KEY!r}), and this "
-                                         "manager requires one")
+        raise errors.UpdateRejectedError(
+            f"the update has no signed expiry (metadata {EXPIRES_KEY!r}), and this manager requires one")
     if expires is not None:
         when = parse_expiry(expires)
         if now >= when.timestamp():
@@ -105,7 +106,7 @@ def check_update_policy(metadata: dict[str, str], *, high_water: str | None, now
 
 
 def _iso(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 # --- state ---------------------------------------------------------------------------------------------
@@ -172,8 +173,8 @@ class SignedUpdateManager:
     refuse updates without a signed `sneppx.expires`. `clock` returns the current time in seconds (tests).
     """
 
-    def __init__(self, trusted_keys: Any, install_dir: str | os.PathLike[str], *, require_expiry: bool = False,
-                 clock: Callable[[], float] = time.time):
+    def __init__(self, trusted_keys: Any, install_dir: str | os.PathLike[str], *,
+                 require_expiry: bool = False, clock: Callable[[], float] = time.time):
         self.trusted_keys = signing.trusted_key_set(trusted_keys)
         if not self.trusted_keys:
             raise errors.KeyFormatError("SignedUpdateManager needs at least one trusted key")

@@ -19,7 +19,6 @@ import textwrap
 
 import numpy as np
 import pytest
-
 from SneppX_ALG import checkpoint, errors, signing, updates
 
 NOW = 1_800_000_000.0  # a fixed clock: 2027-01-15

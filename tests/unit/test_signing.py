@@ -17,7 +17,6 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from SneppX_ALG import checkpoint, cli, errors, format, signing
 
 
