@@ -59,20 +59,27 @@ _INLINE_BYTES = 1 << 20
 _PIECE = 64 << 20
 # At most this many buffers per digest wait for the worker, so a caller feeding fresh buffers faster
 # than they can be hashed keeps bounded memory.
-_MAX_QUEUED = 4
+_MAX_QUEUED = 2
 
 _worker_lock = threading.Lock()
 _worker: concurrent.futures.ThreadPoolExecutor | None = None
-_worker_pid = 0
+
+
+def _forget_worker_after_fork() -> None:
+    # A forked child has no worker thread (only the forking thread survives) and maybe a held lock.
+    global _worker, _worker_lock
+    _worker, _worker_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_worker_after_fork)
 
 
 def _hash_worker() -> concurrent.futures.ThreadPoolExecutor:
-    """One hashing thread per process (new after fork): it keeps each digest's updates in order."""
-    global _worker, _worker_pid
+    """One hashing thread per process: being one, it keeps each digest's updates in order."""
+    global _worker
     with _worker_lock:
-        if _worker is None or _worker_pid != os.getpid():
+        if _worker is None:
             _worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sneppx-digest")
-            _worker_pid = os.getpid()
         return _worker
 
 

@@ -55,6 +55,17 @@ def test_large_updates_go_through_the_worker_in_order(monkeypatch: pytest.Monkey
     assert d.hexdigest() == blake3.blake3(b"".join(p.tobytes() for p in pieces)).hexdigest()
 
 
+def test_digests_work_in_a_forked_child_after_the_parent_used_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(signing, "_INLINE_BYTES", 16)
+    data = bytes(range(256)) * 1000
+    assert signing.digest_of(data) == "blake3:" + blake3.blake3(data).hexdigest()  # starts the worker
+    pid = os.fork()
+    if pid == 0:  # child: exit code 0 only if the digest is right
+        os._exit(0 if signing.digest_of(data) == "blake3:" + blake3.blake3(data).hexdigest() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
 def test_digest_accepts_typed_arrays_as_their_bytes() -> None:
     a = np.arange(10, dtype=np.float64)
     assert signing.digest_of(a) == "blake3:" + blake3.blake3(a.tobytes()).hexdigest()
