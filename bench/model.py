@@ -37,9 +37,9 @@ from SneppX_ALG import model as model_lib
 from SneppX_ALG import training
 
 OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-RECIPE = dict(vocab_size=1000, dim=128, num_heads=4, num_layers=2, ffn_dim=512, max_seq_len=64)
-MEDIUM = dict(vocab_size=8192, dim=512, num_heads=8, num_layers=4, ffn_dim=2048, max_seq_len=256)
-LARGE = dict(vocab_size=32000, dim=1024, num_heads=16, num_layers=6, ffn_dim=4096, max_seq_len=512)
+RECIPE = {"vocab_size": 1000, "dim": 128, "num_heads": 4, "num_layers": 2, "ffn_dim": 512, "max_seq_len": 64}
+MEDIUM = {"vocab_size": 8192, "dim": 512, "num_heads": 8, "num_layers": 4, "ffn_dim": 2048, "max_seq_len": 256}
+LARGE = {"vocab_size": 32000, "dim": 1024, "num_heads": 16, "num_layers": 6, "ffn_dim": 4096, "max_seq_len": 512}
 
 
 def cpu_model() -> str:

@@ -33,8 +33,8 @@ _CHECKPOINT_RE = re.compile(r"^model-step-(\d{6,})\.snpx$")
 
 # The recipe-1 model, and a tiny one for quick runs (tests).
 MODEL_SIZES: dict[str, dict[str, int]] = {
-    "recipe": dict(vocab_size=1000, dim=128, num_heads=4, num_layers=2, ffn_dim=512, max_seq_len=64),
-    "small": dict(vocab_size=64, dim=32, num_heads=4, num_layers=2, ffn_dim=64, max_seq_len=16),
+    "recipe": {"vocab_size": 1000, "dim": 128, "num_heads": 4, "num_layers": 2, "ffn_dim": 512, "max_seq_len": 64},
+    "small": {"vocab_size": 64, "dim": 32, "num_heads": 4, "num_layers": 2, "ffn_dim": 64, "max_seq_len": 16},
 }
 
 

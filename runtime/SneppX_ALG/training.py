@@ -19,7 +19,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -304,11 +304,11 @@ class ProgressBar:
         self._tokens = 0
         self._seconds = 0.0
 
-    def __enter__(self) -> ProgressBar:
+    def __enter__(self) -> Self:
         self._progress.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._progress.stop()
 
     def __call__(self, result: StepResult) -> None:

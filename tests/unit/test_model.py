@@ -10,7 +10,7 @@ import pytest
 from SneppX_ALG import errors
 from SneppX_ALG import model as model_lib
 
-TINY = dict(vocab_size=11, dim=8, num_heads=2, num_layers=2, ffn_dim=12, max_seq_len=6)
+TINY = {"vocab_size": 11, "dim": 8, "num_heads": 2, "num_layers": 2, "ffn_dim": 12, "max_seq_len": 6}
 
 
 def perturbed_tiny_model(dtype: str = "float64") -> model_lib.Transformer:
@@ -115,9 +115,9 @@ def test_bad_tokens_raise_a_typed_error_that_says_what_is_wrong(tokens, message)
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(dim=10, num_heads=4), "divisible"),
-    (dict(num_layers=0), "num_layers must be a positive int"),
-    (dict(dtype="float16"), "dtype"),
+    ({"dim": 10, "num_heads": 4}, "divisible"),
+    ({"num_layers": 0}, "num_layers must be a positive int"),
+    ({"dtype": "float16"}, "dtype"),
 ])
 def test_bad_config_raises_model_config_error(kwargs, message):
     with pytest.raises(errors.ModelConfigError, match=message):
@@ -129,16 +129,16 @@ def test_adamw_first_step_matches_the_published_update_rule():
     grads = {"w": np.array([[0.1, -0.3]]), "b": np.array([2.0])}
     opt = model_lib.AdamW(params, lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
     expected = {}
-    for name in params:
+    for name, value in params.items():
         g = grads[name]
         m, v = 0.1 * g, 0.001 * g * g
         mhat, vhat = m / 0.1, v / 0.001
-        decay = 1 - 0.01 * 0.1 if params[name].ndim >= 2 else 1.0
-        expected[name] = params[name] * decay - 0.01 * mhat / (np.sqrt(vhat) + 1e-8)
+        decay = 1 - 0.01 * 0.1 if value.ndim >= 2 else 1.0
+        expected[name] = value * decay - 0.01 * mhat / (np.sqrt(vhat) + 1e-8)
     opt.step(params, {k: g.copy() for k, g in grads.items()})
     assert opt.step_count == 1
-    for name in params:
-        np.testing.assert_allclose(params[name], expected[name], rtol=1e-12)
+    for name, value in params.items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-12)
     np.testing.assert_allclose(opt.m["w"], 0.1 * grads["w"])
 
 
