@@ -363,8 +363,11 @@ class _StagingPool:
         self._count = 0
         self._cond = threading.Condition()
 
-    def acquire(self) -> Any:
+    def acquire(self, on_wait: Any = None) -> Any:
+        """A free buffer; blocks while all `limit` are in use (calling on_wait() first)."""
         with self._cond:
+            if not self._free and self._count >= self.limit and on_wait is not None:
+                on_wait()
             while not self._free and self._count >= self.limit:
                 self._cond.wait()
             if self._free:
@@ -405,6 +408,9 @@ class _Job:
     kind: str
     training_state: Any
     failed: bool = False
+    # Set when the snapshot is done, or when it waits for a buffer: until then the writer stays idle, so on
+    # a small machine it doesn't compete with the copy that save() is blocked on.
+    may_write: threading.Event = dataclasses.field(default_factory=threading.Event)
     pending: storage.PendingStep | None = None
     writer: checkpoint.CheckpointWriter | None = None
     crcs: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -485,7 +491,9 @@ class _Engine:
                 metadata={"sneppx.step": str(job.step), "sneppx.shard": "0"})
             job.writer.open()
         elif kind == "data":
-            self._write_buffer(job, item[2], item[3])
+            job.may_write.wait()
+            if not job.failed:
+                self._write_buffer(job, item[2], item[3])
         elif kind == "end":
             self._commit(job)
         elif kind == "abort":
@@ -691,7 +699,7 @@ class CheckpointCoordinator:
             engine.submit("begin", job)
             try:
                 for pieces in plan:
-                    buffer = engine.pool.acquire()
+                    buffer = engine.pool.acquire(on_wait=job.may_write.set)
                     try:
                         self._snapshot(job, leaves, buffer, pieces)
                     except BaseException:
@@ -699,10 +707,13 @@ class CheckpointCoordinator:
                         raise
                     engine.submit("data", job, buffer, pieces)
             except BaseException:
+                job.failed = True
+                job.may_write.set()
                 engine.submit("abort", job)
                 with engine._idle:
                     engine.steps.discard(step)
                 raise
+            job.may_write.set()
             engine.submit("end", job)
             self.last_saved_step = step
         if not self.async_save:

@@ -92,7 +92,7 @@ class Storage(Protocol):
 
 
 def open_storage(root: str, *, s3_client: Any = None, staging_dir: str | None = None,
-                 upload_part_bytes: int = 32 << 20, upload_threads: int = 8) -> Storage:
+                 upload_part_bytes: int = 16 << 20, upload_threads: int = 4) -> Storage:
     """A backend for `root`: `s3://bucket/prefix` or a local directory (created if missing)."""
     if root.startswith("s3://"):
         return S3Storage(root, client=s3_client, staging_dir=staging_dir, part_bytes=upload_part_bytes,
@@ -264,8 +264,8 @@ class S3Storage:
     straight from the page cache, each with its CRC32C for the server to check.
     """
 
-    def __init__(self, uri: str, *, client: Any = None, staging_dir: str | None = None, part_bytes: int = 32 << 20,
-                 threads: int = 8):
+    def __init__(self, uri: str, *, client: Any = None, staging_dir: str | None = None, part_bytes: int = 16 << 20,
+                 threads: int = 4):
         self.uri = uri.rstrip("/")
         self.bucket, self.prefix = parse_s3_uri(self.uri)
         self.client = client if client is not None else make_s3_client(max_connections=max(16, 2 * threads))
