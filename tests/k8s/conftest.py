@@ -23,14 +23,6 @@ import k8s_helpers
 # Set before anything imports sneppx_operator.handlers (its timer reads it at import).
 os.environ.setdefault("SNEPPX_RESYNC_SECONDS", "1")
 
-RESTRICTED = {
-    "pod-security.kubernetes.io/enforce": "restricted",
-    "pod-security.kubernetes.io/enforce-version": "latest",
-    "pod-security.kubernetes.io/warn": "restricted",
-    "pod-security.kubernetes.io/warn-version": "latest",
-}
-
-
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[k8s_cluster.Cluster]:
     bin_dir = k8s_cluster.build_tools()
@@ -58,9 +50,7 @@ def namespace(api: kubernetes.client.ApiClient, request: pytest.FixtureRequest) 
     the operator still writes for what is left in it."""
     slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
     name = f"t-{slug}-{secrets.token_hex(3)}"
-    core = kubernetes.client.CoreV1Api(api)
-    core.create_namespace({"metadata": {"name": name, "labels": RESTRICTED}})
-    return name
+    return k8s_helpers.create_namespace(api, name)
 
 
 @pytest.fixture(scope="session")

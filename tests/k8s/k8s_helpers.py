@@ -16,6 +16,22 @@ GROUP, VERSION, PLURAL = "sneppx.io", "v1alpha1", "elastictrainingjobs"
 T = TypeVar("T")
 
 
+RESTRICTED_NAMESPACE_LABELS = {
+    "pod-security.kubernetes.io/enforce": "restricted",
+    "pod-security.kubernetes.io/enforce-version": "latest",
+    "pod-security.kubernetes.io/warn": "restricted",
+    "pod-security.kubernetes.io/warn-version": "latest",
+}
+
+
+def create_namespace(api: kubernetes.client.ApiClient, name: str) -> str:
+    """A namespace that enforces (and warns on) the restricted Pod Security profile."""
+    kubernetes.client.CoreV1Api(api).create_namespace(
+        {"metadata": {"name": name, "labels": RESTRICTED_NAMESPACE_LABELS}}
+    )
+    return name
+
+
 def valid_job(name: str = "job", max_nodes: int = 2, min_nodes: int = 1) -> dict[str, Any]:
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
@@ -72,3 +88,41 @@ def using_kubeconfig(path: pathlib.Path) -> Iterator[None]:
             os.environ.pop("KUBECONFIG", None)
         else:
             os.environ["KUBECONFIG"] = previous_env
+
+
+def restricted_violations(pod_spec: dict[str, Any]) -> list[str]:
+    """Where a pod spec breaks the restricted Pod Security profile (plus our read-only root rule).
+
+    A readable list for rendered manifests; pods the cluster creates are also checked by the API
+    server itself (test namespaces enforce the profile).
+    """
+    problems: list[str] = []
+    pod_security = pod_spec.get("securityContext") or {}
+    for host in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod_spec.get(host):
+            problems.append(f"{host} is set")
+    for volume in pod_spec.get("volumes") or []:
+        if "hostPath" in volume:
+            problems.append(f"volume {volume['name']} is a hostPath")
+    for container in [*(pod_spec.get("initContainers") or []), *pod_spec.get("containers", [])]:
+        name = container.get("name")
+        security = container.get("securityContext") or {}
+        if security.get("privileged"):
+            problems.append(f"{name}: privileged")
+        if security.get("allowPrivilegeEscalation") is not False:
+            problems.append(f"{name}: allowPrivilegeEscalation is not false")
+        capabilities = security.get("capabilities") or {}
+        if "ALL" not in (capabilities.get("drop") or []):
+            problems.append(f"{name}: capabilities do not drop ALL")
+        if set(capabilities.get("add") or []) - {"NET_BIND_SERVICE"}:
+            problems.append(f"{name}: adds capabilities {capabilities['add']}")
+        if security.get("runAsNonRoot", pod_security.get("runAsNonRoot")) is not True:
+            problems.append(f"{name}: runAsNonRoot is not true")
+        if security.get("runAsUser", pod_security.get("runAsUser")) == 0:
+            problems.append(f"{name}: runs as user 0")
+        seccomp = (security.get("seccompProfile") or pod_security.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            problems.append(f"{name}: seccompProfile is {seccomp!r}")
+        if security.get("readOnlyRootFilesystem") is not True:
+            problems.append(f"{name}: root filesystem is writable")
+    return problems

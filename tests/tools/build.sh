@@ -30,6 +30,13 @@ build kube k8s.io/kubernetes/cmd/kube-apiserver kube-apiserver "$kube" "$kv"
 build kube k8s.io/kubernetes/cmd/kubectl kubectl "$kube" "$kv"
 build etcd go.etcd.io/etcd/server/v3 etcd "$(version_of etcd go.etcd.io/etcd/server/v3)"
 helm_v=$(version_of helm helm.sh/helm/v3)
-# helm's source says only "v3.20"; stamp the exact version so `helm version` is precise.
-build helm helm.sh/helm/v3/cmd/helm helm "$helm_v" "-X helm.sh/helm/v3/internal/version.version=$helm_v"
+# Stamped like helm's Makefile does: the exact version (the source says only "v3.20"), and the
+# Kubernetes version `helm template`/`lint` assume, from client-go v0.X.Y -> 1.X (the default is 1.20).
+client_go=$(version_of helm k8s.io/client-go)
+k8s_minor=$(echo "$client_go" | cut -d. -f2)
+helm_flags="-X helm.sh/helm/v3/internal/version.version=$helm_v"
+for pkg in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
+  helm_flags="$helm_flags -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$k8s_minor"
+done
+build helm helm.sh/helm/v3/cmd/helm helm "$helm_v" "$helm_flags"
 echo "$cache"

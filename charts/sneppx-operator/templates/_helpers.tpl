@@ -1,0 +1,90 @@
+{{/* Names and labels shared by every template, so one place decides how objects are named. */}}
+
+{{- define "sneppx-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* "<release>-<chart>", or just the release name when it already contains the chart name. */}}
+{{- define "sneppx-operator.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "sneppx-operator.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "sneppx-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "sneppx-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "sneppx-operator.labels" -}}
+helm.sh/chart: {{ include "sneppx-operator.chart" . }}
+{{ include "sneppx-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: sneppx
+{{- end }}
+
+{{- define "sneppx-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "sneppx-operator.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "sneppx-operator.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/*
+What the operator does inside a namespace it watches. No wildcards; Secrets and Services are only
+created and deleted (names are derived from the job, so nothing is listed or read); pods are
+watched through one label-selected watch.
+*/}}
+{{- define "sneppx-operator.namespacedRules" -}}
+- apiGroups: ["sneppx.io"]
+  resources: ["elastictrainingjobs"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["sneppx.io"]
+  resources: ["elastictrainingjobs/status"]
+  verbs: ["get", "patch"]
+# Setting blockOwnerDeletion on owned objects needs this where OwnerReferencesPermissionEnforcement is on.
+- apiGroups: ["sneppx.io"]
+  resources: ["elastictrainingjobs/finalizers"]
+  verbs: ["update"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch", "create", "delete"]
+- apiGroups: [""]
+  resources: ["services", "secrets"]
+  verbs: ["create", "delete"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}
+
+{{/*
+Cluster-level reads kopf needs: the CRDs (to notice the ElasticTrainingJob resource come and go) and,
+only when watching a list of namespaces (which may be globs), the namespaces themselves.
+*/}}
+{{- define "sneppx-operator.clusterRules" -}}
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- if .Values.watchNamespaces }}
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+{{- end }}
+{{- end }}
