@@ -453,12 +453,16 @@ class Transformer:
 
     # --- state as flat dicts of arrays (what checkpoints hold) ---
 
-    def state_dict(self, include_optimizer: bool = False) -> dict[str, np.ndarray]:
-        """`params/<name> -> array` (live arrays, not copies), plus the trainer's tensors when include_optimizer.
+    def state_dict(self, include_optimizer: bool | None = None) -> dict[str, np.ndarray]:
+        """`params/<name> -> array` (live arrays, not copies), plus the trainer's optimizer, data-position and RNG
+        tensors: with include_optimizer=True, or by default (None) whenever a trainer is attached, so that
+        `CheckpointCoordinator.save(model, step)` captures everything a resume needs.
 
         Callers that keep the result while training goes on must copy it (the async coordinator snapshots it).
         """
         state = {PARAM_PREFIX + name: value for name, value in self.params.items()}
+        if include_optimizer is None:
+            include_optimizer = self.trainer is not None
         if include_optimizer:
             if self.trainer is None:
                 raise errors.TrainingStateError(

@@ -124,3 +124,12 @@ def test_trainer_state_round_trip_continues_bitwise_in_process():
     second.train(6)
     for name, value in straight.model.params.items():
         assert value.tobytes() == second.model.params[name].tobytes(), name
+
+
+def test_state_dict_carries_the_training_state_by_default_once_a_trainer_is_attached():
+    model = model_lib.Transformer(vocab_size=30, dim=16, num_heads=2, num_layers=1, ffn_dim=32, max_seq_len=8)
+    assert all(name.startswith("params/") for name in model.state_dict())
+    training.Trainer(model, training.SyntheticLanguage(30, 8, 40), batch_size=8).train(1)
+    names = set(model.state_dict())
+    assert {"optim/step", "optim/m/tok_emb", "data/order", "data/cursor", "rng/pcg64"} <= names
+    assert all(name.startswith("params/") for name in model.state_dict(include_optimizer=False))
