@@ -104,23 +104,30 @@ def choose_buffer_bytes(state_bytes: int, staging_bytes: int) -> int:
     return _align(size, 4096)
 
 
-def split_tensor(spec: TensorSpec, max_bytes: int) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...] | None]]:
-    """(start byte, nbytes, stored shape, global offset) of each piece of a tensor, each at most max_bytes:
-    the whole tensor when it fits, else blocks of rows (dimension 0) when a row fits, else flat ranges."""
+def split_tensor(spec: TensorSpec, max_bytes: int,
+                 first_bytes: int | None = None) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...] | None]]:
+    """(start byte, nbytes, stored shape, global offset) of each piece of a tensor: the first piece at most
+    first_bytes (to fill what is left of a buffer; skipped when not even one unit fits), the others at most
+    max_bytes. Pieces are blocks of rows (dimension 0) when a row fits in max_bytes, else flat ranges."""
     total = spec.nbytes
-    if total <= max_bytes:
+    first = max_bytes if first_bytes is None else min(first_bytes, max_bytes)
+    if total <= first:
         return [(0, total, spec.shape, None)]
-    if len(spec.shape) >= 1 and spec.shape[0] > 1 and total // spec.shape[0] <= max_bytes:
-        row = total // spec.shape[0]
-        rows = max_bytes // row
-        out = []
-        for first in range(0, spec.shape[0], rows):
-            n = min(rows, spec.shape[0] - first)
-            out.append((first * row, n * row, (n, *spec.shape[1:]), (first,) + (0,) * (len(spec.shape) - 1)))
-        return out
-    per = max(1, max_bytes // spec.itemsize) * spec.itemsize
-    return [(start, min(per, total - start), (min(per, total - start) // spec.itemsize,), None)
-            for start in range(0, total, per)]
+    shape = spec.shape
+    by_rows = len(shape) >= 1 and shape[0] > 1 and total // shape[0] <= max_bytes
+    unit = total // shape[0] if by_rows else spec.itemsize
+    out: list[tuple[int, int, tuple[int, ...], tuple[int, ...] | None]] = []
+    start, budget = 0, first
+    while start < total:
+        n = min(budget // unit * unit, total - start)
+        if n > 0:
+            if by_rows:
+                out.append((start, n, (n // unit, *shape[1:]), (start // unit,) + (0,) * (len(shape) - 1)))
+            else:
+                out.append((start, n, (n // unit,), None))
+            start += n
+        budget = max_bytes
+    return out
 
 
 def plan_pieces(specs: list[TensorSpec], buffer_bytes: int) -> list[list[Piece]]:
@@ -144,7 +151,10 @@ def plan_pieces(specs: list[TensorSpec], buffer_bytes: int) -> list[list[Piece]]
     buffers: list[list[Piece]] = [[]]
     fill = 0
     for index, spec in enumerate(specs):
-        parts = split_tensor(spec, buffer_bytes)
+        # A tensor that fits in a buffer moves whole to the next one when it doesn't fit here; a larger one
+        # starts by filling this buffer, so buffers are full and the staging area holds as much as it can.
+        room = buffer_bytes - _align(fill, _PIECE_ALIGN)
+        parts = split_tensor(spec, buffer_bytes, room if spec.nbytes > buffer_bytes else None)
         for i, (start, nbytes, shape, global_offset) in enumerate(parts):
             if index in own_name:
                 entry = own_name[index]

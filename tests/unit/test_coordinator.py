@@ -36,15 +36,18 @@ def test_buffers_are_at_most_half_the_staging_area_so_there_are_always_two() -> 
 shapes = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)
 
 
-@given(shape=shapes, itemsize=st.sampled_from([1, 2, 4, 8]), limit=st.integers(64, 2000))
+@given(shape=shapes, itemsize=st.sampled_from([1, 2, 4, 8]), limit=st.integers(64, 2000),
+       first=st.one_of(st.none(), st.integers(0, 2000)))
 @settings(deadline=None)
-def test_split_pieces_tile_the_tensor_exactly_and_fit_the_limit(shape, itemsize, limit) -> None:
+def test_split_pieces_tile_the_tensor_exactly_and_fit_the_limit(shape, itemsize, limit, first) -> None:
     s = spec("t", shape, itemsize)
-    pieces = coordinator.split_tensor(s, limit)
+    pieces = coordinator.split_tensor(s, limit, first)
     position = 0
-    for start, nbytes, piece_shape, global_offset in pieces:
+    for i, (start, nbytes, piece_shape, global_offset) in enumerate(pieces):
         assert start == position
         assert nbytes <= limit
+        if i == 0 and first is not None and len(pieces) > 1 and first >= s.nbytes // max(1, shape[0] if shape else 1):
+            assert nbytes <= first, "the first piece must fit in what is left of the buffer"
         assert int(np.prod(piece_shape, dtype=np.int64)) * itemsize == nbytes
         if global_offset is not None:  # row blocks keep every dimension but the first
             assert piece_shape[1:] == shape[1:] and global_offset[0] * (s.nbytes // shape[0]) == start
@@ -77,6 +80,14 @@ def test_packing_never_overlaps_or_overflows_a_buffer_and_names_are_unique(sizes
             end = p.offset + p.nbytes
     for i, s in enumerate(specs):
         assert sum(p.nbytes for b in plan for p in b if p.tensor == i) == s.nbytes
+
+
+def test_a_large_tensor_first_fills_what_is_left_of_a_buffer() -> None:
+    specs = [spec("small", (48,)), spec("big", (100, 4))]  # 192 bytes, then 1600 bytes in 16-byte rows
+    plan = coordinator.plan_pieces(specs, 1024)
+    assert [[(p.entry, p.offset, p.nbytes) for p in b] for b in plan] == [
+        [("small", 0, 192), ("big@0", 192, 832)], [("big@1", 0, 768)]]
+    assert plan[0][1].global_offset == (0, 0) and plan[1][0].global_offset == (52, 0)
 
 
 def test_piece_names_never_collide_with_real_tensor_names() -> None:
