@@ -149,9 +149,9 @@ def parse_digest(value: str) -> tuple[str, str]:
     return alg, hexdigest
 
 
-def digest_of(data: Any, name: str = DIGEST_ALGORITHM) -> str:
+def digest_of(data: Any, name: str = DIGEST_ALGORITHM, *, threads: int | None = None) -> str:
     """'<alg>:<hex>' of a buffer (large buffers are hashed in pieces on the worker thread)."""
-    digest = new_digest(name)
+    digest = new_digest(name, threads=threads)
     view = memoryview(data).cast("B") if memoryview(data).format != "B" else memoryview(data)
     for start in range(0, len(view), _PIECE):
         digest.update(view[start:start + _PIECE])
@@ -189,7 +189,7 @@ def file_digest(path: str | os.PathLike[str], name: str = DIGEST_ALGORITHM) -> s
         with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
             view = memoryview(mapped)
             try:
-                return digest_of(view, name)
+                return digest_of(view, name, threads=ALL_THREADS)
             finally:
                 view.release()
 
