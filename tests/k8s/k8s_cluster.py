@@ -373,3 +373,23 @@ def install_crds(cluster: Cluster) -> None:
             if time.monotonic() > deadline:
                 cluster.kubectl("get", resource, "--all-namespaces")  # raises with the error text
             time.sleep(0.25)
+
+
+def main() -> None:
+    """Start a cluster by hand: `python tests/k8s/k8s_cluster.py`, then use the printed KUBECONFIG."""
+    import tempfile
+
+    bin_dir = build_tools()
+    cluster = start_cluster(bin_dir, pathlib.Path(tempfile.mkdtemp(prefix="sneppx-k8s-")))
+    print(f"export KUBECONFIG={cluster.kubeconfig}\nexport PATH={bin_dir}:$PATH\n"
+          f"# API server {cluster.server}; Ctrl-C stops etcd and kube-apiserver", flush=True)
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # so sigwait, not a handler, receives them
+    try:
+        signal.sigwait(stop_signals)
+    finally:
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    main()
