@@ -245,6 +245,9 @@ class SignedUpdateManager:
                 final = os.path.join(self.install_dir, VERSIONS_DIR,
                                      f"{version}-{verified.key_id.hex()[:8]}-{secrets.token_hex(4)}.snpx")
                 _native.rename_durable(staged, final)
+            except errors.CheckpointFormatError as e:
+                _unlink_quietly(staged)
+                raise type(e)(e.reason, path=path) from None  # name the update, not the staged copy
             except BaseException:
                 _unlink_quietly(staged)
                 raise
@@ -278,11 +281,9 @@ class SignedUpdateManager:
             with open(source, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size:
-                    with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
-                        view = memoryview(mapped)
+                    with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
                         for start in range(0, size, 64 << 20):
                             out.append(view[start:start + (64 << 20)])
-                        view.release()
             out.finish()
         except BaseException:
             out.abort()

@@ -52,6 +52,8 @@ def assert_refused(manager: updates.SignedUpdateManager, path: pathlib.Path, err
         manager.install_update(path, **kwargs)
     assert type(caught.value) is error, f"expected {error.__name__}, got {caught.value!r}"
     assert match.lower() in str(caught.value).lower(), str(caught.value)
+    if isinstance(caught.value, errors.CheckpointFormatError):  # names the update, not an internal copy
+        assert caught.value.path == str(path), caught.value.path
     assert manager.current() == before and before is not None and before.version == "1"
     assert sorted(os.listdir(os.path.join(manager.install_dir, updates.VERSIONS_DIR))) == files
     assert signing.verify_checkpoint(before.path, manager.trusted_keys) == (True, [])
