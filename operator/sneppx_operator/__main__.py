@@ -14,14 +14,29 @@ from sneppx_operator import handlers  # noqa: F401  (importing registers the han
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m sneppx_operator",
-                                     description="SneppX operator: runs ElasticTrainingJob resources.")
-    parser.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
-                        help="watch only this namespace (repeatable; globs allowed); default: all namespaces")
-    parser.add_argument("--peering", metavar="NAME", default=None,
-                        help="enable kopf peering under this name (off by default: one replica runs)")
-    parser.add_argument("--liveness", metavar="URL", default=None,
-                        help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    parser = argparse.ArgumentParser(
+        prog="python -m sneppx_operator", description="SneppX operator: runs ElasticTrainingJob resources."
+    )
+    parser.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="watch only this namespace (repeatable; globs allowed); default: all namespaces",
+    )
+    parser.add_argument(
+        "--peering",
+        metavar="NAME",
+        default=None,
+        help="enable kopf peering under this name (off by default: one replica runs)",
+    )
+    parser.add_argument(
+        "--liveness",
+        metavar="URL",
+        default=None,
+        help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
     parser.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
     return parser.parse_args(argv)

@@ -50,8 +50,17 @@ VOLUME_TMP = "sneppx-tmp"
 RESERVED_VOLUMES = frozenset({VOLUME_HEARTBEAT, VOLUME_CHECKPOINTS, VOLUME_TMP})
 # Env the operator owns; template values for these names are replaced (SNEPPX_* is refused by the CRD).
 OPERATOR_ENV_NAMES = frozenset(
-    {"RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "AWS_ACCESS_KEY_ID",
-     "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ENDPOINT_URL"}
+    {
+        "RANK",
+        "WORLD_SIZE",
+        "NODE_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_REGION",
+        "AWS_ENDPOINT_URL",
+    }
 )
 
 # The restricted Pod Security profile (https://kubernetes.io/docs/concepts/security/pod-security-standards/),
@@ -99,8 +108,9 @@ def owner_reference(job_name: str, job_uid: str) -> dict[str, Any]:
     }
 
 
-def _metadata(name: str, namespace: str, job_name: str, job_uid: str, labels: Mapping[str, str] | None = None
-              ) -> dict[str, Any]:
+def _metadata(
+    name: str, namespace: str, job_name: str, job_uid: str, labels: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": namespace,
@@ -153,8 +163,9 @@ def _env(name: str, value: object) -> dict[str, Any]:
     return {"name": name, "value": str(value)}
 
 
-def rank_env(job_name: str, namespace: str, spec: Mapping[str, Any], rank: int, world_size: int,
-             generation: int) -> list[dict[str, Any]]:
+def rank_env(
+    job_name: str, namespace: str, spec: Mapping[str, Any], rank: int, world_size: int, generation: int
+) -> list[dict[str, Any]]:
     elastic, checkpoint = spec["elastic"], spec["checkpoint"]
     env = [
         _env("SNEPPX_JOB", job_name),
@@ -219,10 +230,14 @@ def _check_template(pod_spec: Mapping[str, Any]) -> None:
     """Refuse what the restricted profile forbids and the operator can't fix without changing its meaning."""
     for host_namespace in ("hostNetwork", "hostPID", "hostIPC"):
         if pod_spec.get(host_namespace):
-            raise errors.JobSpecError(f"spec.template.spec.{host_namespace} is not allowed: ranks run restricted")
+            raise errors.JobSpecError(
+                f"spec.template.spec.{host_namespace} is not allowed: ranks run restricted"
+            )
     contexts = [("spec.template.spec.securityContext", pod_spec.get("securityContext") or {})]
-    contexts += [(f"container {c.get('name')!r}", c.get("securityContext") or {})
-                 for c in [*(pod_spec.get("initContainers") or []), *pod_spec["containers"]]]
+    contexts += [
+        (f"container {c.get('name')!r}", c.get("securityContext") or {})
+        for c in [*(pod_spec.get("initContainers") or []), *pod_spec["containers"]]
+    ]
     for where, context in contexts:
         if context.get("runAsUser") == 0:
             raise errors.JobSpecError(f"{where} sets runAsUser: 0; ranks must run as a non-root user")
@@ -240,8 +255,15 @@ def _check_template(pod_spec: Mapping[str, Any]) -> None:
             )
 
 
-def build_pod(job_name: str, namespace: str, job_uid: str, spec: Mapping[str, Any], rank: int,
-              world_size: int, generation: int) -> dict[str, Any]:
+def build_pod(
+    job_name: str,
+    namespace: str,
+    job_uid: str,
+    spec: Mapping[str, Any],
+    rank: int,
+    world_size: int,
+    generation: int,
+) -> dict[str, Any]:
     """One rank's pod: the user's template plus rank env, operator volumes and the restricted profile.
 
     restartPolicy is Never because restarts are the operator's decision (a group restart with backoff

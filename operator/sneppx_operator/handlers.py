@@ -25,8 +25,9 @@ def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 @kopf.index("pods", labels={builders.LABEL_JOB: kopf.PRESENT})
-def job_pods(name: str, namespace: str, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, **_: Any
-             ) -> dict[tuple[str, str], reconcile.ObservedPod]:
+def job_pods(
+    name: str, namespace: str, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, **_: Any
+) -> dict[tuple[str, str], reconcile.ObservedPod]:
     pod = reconcile.observe_pod(name, meta, spec, status)
     return {} if pod is None else {(namespace, meta["labels"][builders.LABEL_JOB]): pod}
 
@@ -51,8 +52,9 @@ def delete_job(name: str, namespace: str, **_: Any) -> None:
 def _reconcile(body: kopf.Body, job_pods: kopf.Index, patch: kopf.Patch) -> None:
     job = reconcile.Job.from_body(body)
     observed = list(job_pods.get((job.namespace, job.name), []))
-    plan = reconcile.plan(job, observed, now=datetime.datetime.now(datetime.timezone.utc),
-                          heartbeat_key=secrets.token_bytes(32))
+    plan = reconcile.plan(
+        job, observed, now=datetime.datetime.now(datetime.UTC), heartbeat_key=secrets.token_bytes(32)
+    )
     done = k8s.apply(job.namespace, plan.actions)
     k8s.post_events(body, reconcile.events_for(done, job.status.get("phase"), plan.status))
     patch.status.update(reconcile.status_patch(job.status, plan.status))

@@ -33,8 +33,9 @@ def connect() -> None:
         kubernetes.config.load_incluster_config(client_configuration=configuration)
     except kubernetes.config.ConfigException:
         # The package reads KUBECONFIG once, at import; read it now so a changed environment counts.
-        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None,
-                                           client_configuration=configuration)
+        kubernetes.config.load_kube_config(
+            config_file=os.environ.get("KUBECONFIG") or None, client_configuration=configuration
+        )
     with _lock:
         previous, _api = _api, kubernetes.client.ApiClient(configuration)
     if previous is not None:

@@ -57,8 +57,9 @@ class ObservedPod:
     node: str | None = None
 
 
-def observe_pod(name: str, meta: Mapping[str, Any], spec: Mapping[str, Any], status: Mapping[str, Any]
-                ) -> ObservedPod | None:
+def observe_pod(
+    name: str, meta: Mapping[str, Any], spec: Mapping[str, Any], status: Mapping[str, Any]
+) -> ObservedPod | None:
     """Summarise a pod; None for pods not made by this operator (labels missing or not numbers)."""
     labels = meta.get("labels") or {}
     try:
@@ -116,11 +117,18 @@ class Plan:
 
 
 def timestamp(now: datetime.datetime) -> str:
-    return now.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return now.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def condition(previous: Iterable[Mapping[str, Any]], type_: str, status: bool, reason: str, message: str,
-              generation: int, now: datetime.datetime) -> dict[str, Any]:
+def condition(
+    previous: Iterable[Mapping[str, Any]],
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    generation: int,
+    now: datetime.datetime,
+) -> dict[str, Any]:
     """A metav1.Condition; lastTransitionTime only moves when the status flips."""
     value = "True" if status else "False"
     old = next((c for c in previous if c.get("type") == type_), None)
@@ -176,8 +184,10 @@ def plan(job: Job, pods: Sequence[ObservedPod], *, now: datetime.datetime, heart
     invalid: errors.JobSpecError | None = None
     if missing:
         try:
-            new_pods = [builders.build_pod(job.name, job.namespace, job.uid, spec, rank, desired, membership)
-                        for rank in missing]
+            new_pods = [
+                builders.build_pod(job.name, job.namespace, job.uid, spec, rank, desired, membership)
+                for rank in missing
+            ]
         except errors.JobSpecError as exc:
             invalid = exc
         else:
@@ -204,20 +214,39 @@ def plan(job: Job, pods: Sequence[ObservedPod], *, now: datetime.datetime, heart
         phase, ready_reason, ready_message = "Running", "Running", f"{ready} of {desired} nodes ready"
     else:
         phase, ready_reason, ready_message = (
-            "Pending", "WaitingForPods", f"{ready} of {desired} nodes ready, need {min_nodes} and quorum",
+            "Pending",
+            "WaitingForPods",
+            f"{ready} of {desired} nodes ready, need {min_nodes} and quorum",
         )
 
     quorum_message = f"{ready} of {desired} nodes healthy ({healthy_percent}%), quorum needs {min_healthy}%"
     conditions = [
-        condition(conditions_before, "Ready", phase == "Running", ready_reason, ready_message, job.generation, now),
-        condition(conditions_before, "QuorumMet", quorum_met, "QuorumMet" if quorum_met else "NotEnoughHealthyNodes",
-                  quorum_message, job.generation, now),
-        condition(conditions_before, "Suspended", suspended, "Suspended" if suspended else "NotSuspended",
-                  "spec.suspend is true" if suspended else "spec.suspend is false", job.generation, now),
+        condition(
+            conditions_before, "Ready", phase == "Running", ready_reason, ready_message, job.generation, now
+        ),
+        condition(
+            conditions_before,
+            "QuorumMet",
+            quorum_met,
+            "QuorumMet" if quorum_met else "NotEnoughHealthyNodes",
+            quorum_message,
+            job.generation,
+            now,
+        ),
+        condition(
+            conditions_before,
+            "Suspended",
+            suspended,
+            "Suspended" if suspended else "NotSuspended",
+            "spec.suspend is true" if suspended else "spec.suspend is false",
+            job.generation,
+            now,
+        ),
     ]
     if phase == "Succeeded":
-        conditions.append(condition(conditions_before, "Succeeded", True, "Succeeded", ready_message,
-                                    job.generation, now))
+        conditions.append(
+            condition(conditions_before, "Succeeded", True, "Succeeded", ready_message, job.generation, now)
+        )
 
     status: dict[str, Any] = {
         "phase": phase,
@@ -264,14 +293,22 @@ def cleanup_actions(job_name: str, pod_names: Iterable[str]) -> tuple[Action, ..
 def events_for(done: Sequence[Action], previous_phase: str | None, status: Mapping[str, Any]) -> list[Event]:
     """Events for what actually happened (actions that took effect) and for a phase change."""
     events: list[Event] = []
-    created_ranks = sorted(int(a.body["metadata"]["labels"][builders.LABEL_RANK])
-                           for a in done if isinstance(a, Create) and a.kind == "Pod")
+    created_ranks = sorted(
+        int(a.body["metadata"]["labels"][builders.LABEL_RANK])
+        for a in done
+        if isinstance(a, Create) and a.kind == "Pod"
+    )
     deleted_pods = sorted(a.name for a in done if isinstance(a, Delete) and a.kind == "Pod")
     phase = status.get("phase")
     if created_ranks:
-        events.append(Event("Normal", "CreatedPods",
-                            f"created pods for ranks {created_ranks} (membership generation "
-                            f"{status.get('membershipGeneration')}, world size {status.get('worldSize')})"))
+        events.append(
+            Event(
+                "Normal",
+                "CreatedPods",
+                f"created pods for ranks {created_ranks} (membership generation "
+                f"{status.get('membershipGeneration')}, world size {status.get('worldSize')})",
+            )
+        )
     if deleted_pods:
         reason = "Suspended" if phase == "Suspended" else "DeletedPods"
         events.append(Event("Normal", reason, f"deleted pods {deleted_pods}"))

@@ -13,15 +13,15 @@ import re
 import secrets
 from collections.abc import Iterator
 
-import kubernetes
-import pytest
-
 import k8s_cluster
 import k8s_helpers
+import kubernetes
+import pytest
 
 # The operator's periodic resync carries pod readiness into job status; short in tests so they finish fast.
 # Set before anything imports sneppx_operator.handlers (its timer reads it at import).
 os.environ.setdefault("SNEPPX_RESYNC_SECONDS", "1")
+
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[k8s_cluster.Cluster]:

@@ -50,7 +50,9 @@ def build_tools() -> pathlib.Path:
     """Build (or reuse) the pinned binaries and return their directory. Never skips: a failure raises."""
     result = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, check=False)
     if result.returncode != 0:
-        raise ClusterStartError(f"tests/tools/build.sh failed ({result.returncode}):\n{result.stderr[-4000:]}")
+        raise ClusterStartError(
+            f"tests/tools/build.sh failed ({result.returncode}):\n{result.stderr[-4000:]}"
+        )
     bin_dir = pathlib.Path(result.stdout.strip().splitlines()[-1])
     for tool in ("etcd", "kube-apiserver", "kubectl", "helm"):
         if not os.access(bin_dir / tool, os.X_OK):
@@ -80,7 +82,7 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def _validity(builder: x509.CertificateBuilder) -> x509.CertificateBuilder:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     return builder.not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(
         now + datetime.timedelta(days=2)
     )
@@ -101,9 +103,15 @@ class CertificateAuthority:
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .add_extension(
                 x509.KeyUsage(
-                    digital_signature=True, content_commitment=False, key_encipherment=False,
-                    data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                    encipher_only=False, decipher_only=False,
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
                 ),
                 critical=True,
             )
@@ -204,8 +212,13 @@ class Cluster:
         return str(self.bin_dir / name)
 
     def run(
-        self, tool: str, *args: str, check: bool = True, input_text: str | None = None,
-        kubeconfig: pathlib.Path | None = None, timeout: float = 120.0,
+        self,
+        tool: str,
+        *args: str,
+        check: bool = True,
+        input_text: str | None = None,
+        kubeconfig: pathlib.Path | None = None,
+        timeout: float = 120.0,
     ) -> subprocess.CompletedProcess[str]:
         """Run kubectl or helm against this cluster; a failure raises with both output streams."""
         env = dict(os.environ, KUBECONFIG=str(kubeconfig or self.kubeconfig), HOME=str(self.workdir))
@@ -213,8 +226,13 @@ class Cluster:
         env.setdefault("HELM_CONFIG_HOME", str(self.workdir / "helm-config"))
         env.setdefault("HELM_DATA_HOME", str(self.workdir / "helm-data"))
         result = subprocess.run(
-            [self.tool(tool), *args], capture_output=True, text=True, input=input_text, env=env,
-            timeout=timeout, check=False,
+            [self.tool(tool), *args],
+            capture_output=True,
+            text=True,
+            input=input_text,
+            env=env,
+            timeout=timeout,
+            check=False,
         )
         if check and result.returncode != 0:
             raise AssertionError(
@@ -310,12 +328,16 @@ def start_cluster(bin_dir: pathlib.Path, workdir: pathlib.Path) -> Cluster:
                 "--unsafe-no-fsync",
                 "--log-level=warn",
             ],
-            stdout=etcd_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=etcd_log.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         processes.append(etcd)
         _wait_until(
             lambda: b'"health":"true"' in urllib.request.urlopen(f"{etcd_url}/health", timeout=2).read(),
-            etcd, "etcd", etcd_log,
+            etcd,
+            "etcd",
+            etcd_log,
         )
 
         server = f"https://127.0.0.1:{api_port}"
@@ -340,7 +362,9 @@ def start_cluster(bin_dir: pathlib.Path, workdir: pathlib.Path) -> Cluster:
                 f"--service-account-signing-key-file={certs / 'sa.key'}",
                 "--v=1",
             ],
-            stdout=api_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=api_log.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         processes.append(apiserver)
         tls = ssl.create_default_context(cafile=str(certs / "ca.crt"))
@@ -365,7 +389,9 @@ def install_crds(cluster: Cluster) -> None:
     cluster.kubectl("apply", "--server-side", "-f", str(CRD_DIR))
     for path in sorted(CRD_DIR.glob("*.yaml")):
         crd = yaml.safe_load(path.read_text())
-        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd['metadata']['name']}")
+        cluster.kubectl(
+            "wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd['metadata']['name']}"
+        )
         # Established comes before the watch cache is ready; until then lists answer 429.
         resource = f"{crd['spec']['names']['plural']}.{crd['spec']['group']}"
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -381,8 +407,11 @@ def main() -> None:
 
     bin_dir = build_tools()
     cluster = start_cluster(bin_dir, pathlib.Path(tempfile.mkdtemp(prefix="sneppx-k8s-")))
-    print(f"export KUBECONFIG={cluster.kubeconfig}\nexport PATH={bin_dir}:$PATH\n"
-          f"# API server {cluster.server}; Ctrl-C stops etcd and kube-apiserver", flush=True)
+    print(
+        f"export KUBECONFIG={cluster.kubeconfig}\nexport PATH={bin_dir}:$PATH\n"
+        f"# API server {cluster.server}; Ctrl-C stops etcd and kube-apiserver",
+        flush=True,
+    )
     stop_signals = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # so sigwait, not a handler, receives them
     try:

@@ -39,7 +39,9 @@ def valid_job(name: str = "job", max_nodes: int = 2, min_nodes: int = 1) -> dict
         "metadata": {"name": name},
         "spec": {
             "template": {
-                "spec": {"containers": [{"name": "trainer", "image": "example.org/train:1", "command": ["python"]}]}
+                "spec": {
+                    "containers": [{"name": "trainer", "image": "example.org/train:1", "command": ["python"]}]
+                }
             },
             "elastic": {"minNodes": min_nodes, "maxNodes": max_nodes},
             "checkpoint": {"storage": {"pvc": {"claimName": "ckpt"}}},
@@ -63,10 +65,16 @@ def mark_pod_ready(core: kubernetes.client.CoreV1Api, namespace: str, name: str)
     """Play kubelet: report the pod Running and Ready through the status subresource."""
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     core.patch_namespaced_pod_status(
-        name, namespace,
-        {"status": {"phase": "Running", "conditions": [
-            {"type": "Ready", "status": "True", "lastTransitionTime": now},
-        ]}},
+        name,
+        namespace,
+        {
+            "status": {
+                "phase": "Running",
+                "conditions": [
+                    {"type": "Ready", "status": "True", "lastTransitionTime": now},
+                ],
+            }
+        },
     )
 
 

@@ -7,12 +7,11 @@ import json
 import pathlib
 from collections.abc import Callable
 
+import k8s_cluster
+import k8s_helpers
 import kubernetes
 import pytest
 import yaml
-
-import k8s_cluster
-import k8s_helpers
 
 pytestmark = pytest.mark.k8s
 
@@ -48,50 +47,114 @@ CONTAINER = {"name": "c", "image": "example.org/x:1"}
 
 # (test id, mutation, text the API server's error must contain)
 INVALID = [
-    ("min-greater-than-max", _set("spec.elastic", {"minNodes": 3, "maxNodes": 2}),
-     "elastic.minNodes must be less than or equal to elastic.maxNodes"),
+    (
+        "min-greater-than-max",
+        _set("spec.elastic", {"minNodes": 3, "maxNodes": 2}),
+        "elastic.minNodes must be less than or equal to elastic.maxNodes",
+    ),
     ("min-nodes-zero", _set("spec.elastic.minNodes", 0), "should be greater than or equal to 1"),
     ("max-nodes-over-limit", _set("spec.elastic.maxNodes", 5000), "should be less than or equal to 1024"),
-    ("quorum-50", _set("spec.quorum", {"minHealthyPercent": 50}),
-     "quorum.minHealthyPercent must be between 51 and 100"),
-    ("quorum-101", _set("spec.quorum", {"minHealthyPercent": 101}),
-     "quorum.minHealthyPercent must be between 51 and 100"),
-    ("quorum-bad-action", _set("spec.quorum", {"actionOnLoss": "Explode"}),
-     'Unsupported value: "Explode"'),
-    ("two-storages", _set("spec.checkpoint.storage.s3", S3), "checkpoint.storage needs exactly one of pvc or s3"),
+    (
+        "quorum-50",
+        _set("spec.quorum", {"minHealthyPercent": 50}),
+        "quorum.minHealthyPercent must be between 51 and 100",
+    ),
+    (
+        "quorum-101",
+        _set("spec.quorum", {"minHealthyPercent": 101}),
+        "quorum.minHealthyPercent must be between 51 and 100",
+    ),
+    ("quorum-bad-action", _set("spec.quorum", {"actionOnLoss": "Explode"}), 'Unsupported value: "Explode"'),
+    (
+        "two-storages",
+        _set("spec.checkpoint.storage.s3", S3),
+        "checkpoint.storage needs exactly one of pvc or s3",
+    ),
     ("no-storage", _set("spec.checkpoint.storage", {}), "checkpoint.storage needs exactly one of pvc or s3"),
-    ("s3-without-secret", _set("spec.checkpoint.storage", {"s3": {"bucket": "bucket"}}),
-     "spec.checkpoint.storage.s3.credentialsSecretRef: Required value"),
-    ("s3-bad-endpoint", _set("spec.checkpoint.storage", {"s3": {**S3, "endpoint": "ftp://example.org"}}),
-     "checkpoint.storage.s3.endpoint must be an http:// or https:// URL"),
-    ("pvc-subpath-escapes", _set("spec.checkpoint.storage.pvc.subPath", "runs/../../etc"),
-     "subPath must be relative and must not contain '..'"),
-    ("pvc-subpath-absolute", _set("spec.checkpoint.storage.pvc.subPath", "/etc"),
-     "subPath must be relative and must not contain '..'"),
-    ("rollback-deeper-than-kept", _set("spec.checkpoint", {"storage": {"pvc": {"claimName": "c"}},
-                                                           "maxToKeep": 2, "rollbackDepth": 2}),
-     "checkpoint.rollbackDepth must be less than checkpoint.maxToKeep"),
+    (
+        "s3-without-secret",
+        _set("spec.checkpoint.storage", {"s3": {"bucket": "bucket"}}),
+        "spec.checkpoint.storage.s3.credentialsSecretRef: Required value",
+    ),
+    (
+        "s3-bad-endpoint",
+        _set("spec.checkpoint.storage", {"s3": {**S3, "endpoint": "ftp://example.org"}}),
+        "checkpoint.storage.s3.endpoint must be an http:// or https:// URL",
+    ),
+    (
+        "pvc-subpath-escapes",
+        _set("spec.checkpoint.storage.pvc.subPath", "runs/../../etc"),
+        "subPath must be relative and must not contain '..'",
+    ),
+    (
+        "pvc-subpath-absolute",
+        _set("spec.checkpoint.storage.pvc.subPath", "/etc"),
+        "subPath must be relative and must not contain '..'",
+    ),
+    (
+        "rollback-deeper-than-kept",
+        _set("spec.checkpoint", {"storage": {"pvc": {"claimName": "c"}}, "maxToKeep": 2, "rollbackDepth": 2}),
+        "checkpoint.rollbackDepth must be less than checkpoint.maxToKeep",
+    ),
     ("bad-validation-enum", _set("spec.checkpoint.validation", "Paranoid"), 'Unsupported value: "Paranoid"'),
-    ("restart-delay-inverted", _set("spec.failurePolicy", {"restartDelay": {"initialSeconds": 600,
-                                                                            "maxSeconds": 60}}),
-     "failurePolicy.restartDelay.initialSeconds must be less than or equal to maxSeconds"),
-    ("exit-code-zero-in", _set("spec.failurePolicy", {"rules": [{"action": "Restart", "onExitCodes": {
-        "operator": "In", "values": [0, 1]}}]}), "exit code 0 means success"),
-    ("bad-rule-action", _set("spec.failurePolicy", {"rules": [{"action": "Retry", "onExitCodes": {
-        "operator": "In", "values": [1]}}]}), 'Unsupported value: "Retry"'),
-    ("exit-code-over-255", _set("spec.failurePolicy", {"rules": [{"action": "FailJob", "onExitCodes": {
-        "operator": "In", "values": [256]}}]}), "should be less than or equal to 255"),
-    ("unbounded-image", _set("spec.template.spec.containers.0.image", "x" * 2000),
-     "spec.template.spec.containers[0].image: Too long"),
-    ("unbounded-arg", _set("spec.template.spec.containers.0.args", ["y" * 5000]),
-     "spec.template.spec.containers[0].args[0]: Too long"),
-    ("too-many-containers", _set("spec.template.spec.containers", [dict(CONTAINER, name=f"c{i}") for i in range(9)]),
-     "spec.template.spec.containers: Too many"),
-    ("too-many-rules", _set("spec.failurePolicy", {"rules": [{"action": "FailJob", "onExitCodes": {
-        "operator": "In", "values": [1]}}] * 17}), "spec.failurePolicy.rules: Too many"),
+    (
+        "restart-delay-inverted",
+        _set("spec.failurePolicy", {"restartDelay": {"initialSeconds": 600, "maxSeconds": 60}}),
+        "failurePolicy.restartDelay.initialSeconds must be less than or equal to maxSeconds",
+    ),
+    (
+        "exit-code-zero-in",
+        _set(
+            "spec.failurePolicy",
+            {"rules": [{"action": "Restart", "onExitCodes": {"operator": "In", "values": [0, 1]}}]},
+        ),
+        "exit code 0 means success",
+    ),
+    (
+        "bad-rule-action",
+        _set(
+            "spec.failurePolicy",
+            {"rules": [{"action": "Retry", "onExitCodes": {"operator": "In", "values": [1]}}]},
+        ),
+        'Unsupported value: "Retry"',
+    ),
+    (
+        "exit-code-over-255",
+        _set(
+            "spec.failurePolicy",
+            {"rules": [{"action": "FailJob", "onExitCodes": {"operator": "In", "values": [256]}}]},
+        ),
+        "should be less than or equal to 255",
+    ),
+    (
+        "unbounded-image",
+        _set("spec.template.spec.containers.0.image", "x" * 2000),
+        "spec.template.spec.containers[0].image: Too long",
+    ),
+    (
+        "unbounded-arg",
+        _set("spec.template.spec.containers.0.args", ["y" * 5000]),
+        "spec.template.spec.containers[0].args[0]: Too long",
+    ),
+    (
+        "too-many-containers",
+        _set("spec.template.spec.containers", [dict(CONTAINER, name=f"c{i}") for i in range(9)]),
+        "spec.template.spec.containers: Too many",
+    ),
+    (
+        "too-many-rules",
+        _set(
+            "spec.failurePolicy",
+            {"rules": [{"action": "FailJob", "onExitCodes": {"operator": "In", "values": [1]}}] * 17},
+        ),
+        "spec.failurePolicy.rules: Too many",
+    ),
     ("no-containers", _set("spec.template.spec.containers", []), "should have at least 1 items"),
-    ("reserved-env", _set("spec.template.spec.containers.0.env", [{"name": "SNEPPX_RANK", "value": "0"}]),
-     "env names starting with SNEPPX_ are set by the operator"),
+    (
+        "reserved-env",
+        _set("spec.template.spec.containers.0.env", [{"name": "SNEPPX_RANK", "value": "0"}]),
+        "env names starting with SNEPPX_ are set by the operator",
+    ),
     ("missing-elastic", _delete("spec.elastic"), "spec.elastic: Required value"),
     ("name-too-long", _set("metadata.name", "a" * 51), "metadata.name must be at most 50 characters"),
     ("name-not-dns-label", _set("metadata.name", "my.job"), "metadata.name must be a DNS label"),
@@ -102,7 +165,9 @@ INVALID = [
 def _create(api: kubernetes.client.ApiClient, namespace: str, body: dict, dry_run: bool = False) -> dict:
     custom = kubernetes.client.CustomObjectsApi(api)
     kwargs = {"dry_run": "All"} if dry_run else {}
-    return custom.create_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, body, **kwargs)
+    return custom.create_namespaced_custom_object(
+        k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, body, **kwargs
+    )
 
 
 def _rejection(call: Callable[[], object]) -> str:
@@ -123,7 +188,9 @@ def test_valid_job_is_accepted_and_defaulted(api: kubernetes.client.ApiClient, n
     assert spec["suspend"] is False
 
 
-@pytest.mark.parametrize(("mutate", "expected"), [(m, e) for _, m, e in INVALID], ids=[i for i, _, _ in INVALID])
+@pytest.mark.parametrize(
+    ("mutate", "expected"), [(m, e) for _, m, e in INVALID], ids=[i for i, _, _ in INVALID]
+)
 def test_invalid_job_is_rejected_with_a_clear_message(
     api: kubernetes.client.ApiClient, namespace: str, mutate: Callable[[dict], None], expected: str
 ) -> None:
@@ -136,7 +203,10 @@ def test_invalid_job_is_rejected_with_a_clear_message(
 @pytest.mark.parametrize(
     ("patch", "expected"),
     [
-        ({"spec": {"checkpoint": {"storage": {"pvc": {"claimName": "other"}}}}}, "checkpoint.storage is immutable"),
+        (
+            {"spec": {"checkpoint": {"storage": {"pvc": {"claimName": "other"}}}}},
+            "checkpoint.storage is immutable",
+        ),
         ({"spec": {"elastic": {"procsPerNode": 8}}}, "elastic.procsPerNode is immutable"),
         ({"spec": {"elastic": {"port": 30000}}}, "elastic.port is immutable"),
     ],
@@ -147,7 +217,11 @@ def test_immutable_fields_cannot_change_mid_run(
 ) -> None:
     _create(api, namespace, k8s_helpers.valid_job())
     custom = kubernetes.client.CustomObjectsApi(api)
-    message = _rejection(lambda: custom.patch_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, "job", patch))
+    message = _rejection(
+        lambda: custom.patch_namespaced_custom_object(
+            k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, "job", patch
+        )
+    )
     assert expected in message, message
 
 
@@ -155,7 +229,11 @@ def test_mutable_fields_can_change(api: kubernetes.client.ApiClient, namespace: 
     _create(api, namespace, k8s_helpers.valid_job())
     custom = kubernetes.client.CustomObjectsApi(api)
     patched = custom.patch_namespaced_custom_object(
-        k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, "job",
+        k8s_helpers.GROUP,
+        k8s_helpers.VERSION,
+        namespace,
+        k8s_helpers.PLURAL,
+        "job",
         {"spec": {"suspend": True, "elastic": {"maxNodes": 4}, "checkpoint": {"maxToKeep": 5}}},
     )
     assert patched["spec"]["suspend"] is True
@@ -166,8 +244,9 @@ def test_mutable_fields_can_change(api: kubernetes.client.ApiClient, namespace: 
 def test_unknown_fields_are_refused_by_strict_apply(cluster: k8s_cluster.Cluster, namespace: str) -> None:
     job = k8s_helpers.valid_job()
     job["spec"]["elastic"]["minNodez"] = 1
-    result = cluster.kubectl("apply", "--server-side", "-n", namespace, "-f", "-",
-                             input_text=yaml.safe_dump(job), check=False)
+    result = cluster.kubectl(
+        "apply", "--server-side", "-n", namespace, "-f", "-", input_text=yaml.safe_dump(job), check=False
+    )
     assert result.returncode != 0
     assert ".spec.elastic.minNodez: field not declared in schema" in result.stderr
 
@@ -175,7 +254,9 @@ def test_unknown_fields_are_refused_by_strict_apply(cluster: k8s_cluster.Cluster
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_example_is_accepted(cluster: k8s_cluster.Cluster, namespace: str, example: pathlib.Path) -> None:
     result = cluster.kubectl("apply", "--server-side", "-n", namespace, "-f", str(example))
-    jobs = [doc for doc in yaml.safe_load_all(example.read_text()) if doc and doc["kind"] == "ElasticTrainingJob"]
+    jobs = [
+        doc for doc in yaml.safe_load_all(example.read_text()) if doc and doc["kind"] == "ElasticTrainingJob"
+    ]
     assert jobs, f"{example.name} holds no ElasticTrainingJob"
     for job in jobs:
         name = job["metadata"]["name"]
@@ -201,4 +282,3 @@ def test_crd_is_established_with_short_name_and_printer_columns(cluster: k8s_clu
     assert columns == ["Phase", "Ready", "Restarts", "Last-Valid-Step", "Age"]
     established = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
     assert established["Established"] == "True" and established["NamesAccepted"] == "True"
-

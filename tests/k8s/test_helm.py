@@ -12,13 +12,12 @@ import re
 import secrets
 from typing import Any
 
+import k8s_cluster
+import k8s_helpers
 import kopf.testing
 import kubernetes
 import pytest
 import yaml
-
-import k8s_cluster
-import k8s_helpers
 
 pytestmark = pytest.mark.k8s
 
@@ -26,7 +25,9 @@ CHART = k8s_cluster.REPO / "charts" / "sneppx-operator"
 NAMESPACED_MODE = ("--set", "watchNamespaces={team-a,team-b}")
 
 
-def render(cluster: k8s_cluster.Cluster, *args: str, namespace: str = "sneppx-system") -> list[dict[str, Any]]:
+def render(
+    cluster: k8s_cluster.Cluster, *args: str, namespace: str = "sneppx-system"
+) -> list[dict[str, Any]]:
     out = cluster.helm("template", "rel", str(CHART), "--namespace", namespace, *args).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
@@ -39,7 +40,9 @@ def test_chart_crds_are_byte_identical_to_top_level_crds() -> None:
     top = {p.name: p.read_bytes() for p in (k8s_cluster.REPO / "crds").glob("*.yaml")}
     chart = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*.yaml")}
     assert top, "no CRDs in crds/"
-    assert chart == top, "charts/sneppx-operator/crds/ must be a copy of crds/ (cp crds/*.yaml charts/sneppx-operator/crds/)"
+    assert chart == top, (
+        "charts/sneppx-operator/crds/ must be a copy of crds/ (cp crds/*.yaml charts/sneppx-operator/crds/)"
+    )
 
 
 def test_helm_lint_is_clean(cluster: k8s_cluster.Cluster) -> None:
@@ -83,7 +86,9 @@ def test_every_value_is_documented_and_typed() -> None:
     for number, line in enumerate(lines):
         if re.match(r"^\s*[A-Za-z][\w-]*:", line):
             previous = next(l for l in reversed(lines[:number]) if l.strip())
-            assert previous.strip().startswith("#"), f"values.yaml line {number + 1} is undocumented: {line!r}"
+            assert previous.strip().startswith("#"), (
+                f"values.yaml line {number + 1} is undocumented: {line!r}"
+            )
 
 
 @pytest.mark.parametrize(
@@ -113,11 +118,17 @@ def test_rendered_rbac_is_least_privilege(cluster: k8s_cluster.Cluster, mode: tu
                 assert "*" not in rule.get(field, []), f"wildcard {field} in {role['kind']} {rule}"
             assert not set(rule["verbs"]) & {"escalate", "bind", "impersonate"}, rule
             if "secrets" in rule["resources"]:
-                assert not set(rule["verbs"]) & {"list", "watch", "get"}, f"Secrets must not be readable: {rule}"
+                assert not set(rule["verbs"]) & {"list", "watch", "get"}, (
+                    f"Secrets must not be readable: {rule}"
+                )
     if mode:
         namespaced = {(r["metadata"]["namespace"], r["kind"]) for r in of_kind(docs, "Role", "RoleBinding")}
-        assert namespaced == {("team-a", "Role"), ("team-a", "RoleBinding"),
-                              ("team-b", "Role"), ("team-b", "RoleBinding")}
+        assert namespaced == {
+            ("team-a", "Role"),
+            ("team-a", "RoleBinding"),
+            ("team-b", "Role"),
+            ("team-b", "RoleBinding"),
+        }
         cluster_rules = of_kind(docs, "ClusterRole")[0]["rules"]
         assert all(set(r["verbs"]) <= {"list", "watch"} for r in cluster_rules), "namespaced mode reads only"
         args = of_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -125,7 +136,9 @@ def test_rendered_rbac_is_least_privilege(cluster: k8s_cluster.Cluster, mode: tu
 
 
 @pytest.mark.parametrize("mode", [(), NAMESPACED_MODE], ids=["all-namespaces", "watch-namespaces"])
-def test_rendered_deployment_runs_one_restricted_replica(cluster: k8s_cluster.Cluster, mode: tuple[str, ...]) -> None:
+def test_rendered_deployment_runs_one_restricted_replica(
+    cluster: k8s_cluster.Cluster, mode: tuple[str, ...]
+) -> None:
     docs = render(cluster, *mode)
     (deployment,) = of_kind(docs, "Deployment")
     assert deployment["spec"]["replicas"] == 1
@@ -143,11 +156,15 @@ def test_helm_template_passes_a_server_side_dry_run_without_warnings(
     cluster: k8s_cluster.Cluster, namespace: str
 ) -> None:
     manifests = cluster.helm("template", "rel", str(CHART), "--namespace", namespace, "--include-crds").stdout
-    result = cluster.kubectl("apply", "--server-side", "--dry-run=server", "-n", namespace, "-f", "-",
-                             input_text=manifests)
-    for applied in ("deployment.apps/rel-sneppx-operator", "clusterrole.rbac.authorization.k8s.io/rel-sneppx-operator",
-                    "serviceaccount/rel-sneppx-operator",
-                    "customresourcedefinition.apiextensions.k8s.io/elastictrainingjobs.sneppx.io"):
+    result = cluster.kubectl(
+        "apply", "--server-side", "--dry-run=server", "-n", namespace, "-f", "-", input_text=manifests
+    )
+    for applied in (
+        "deployment.apps/rel-sneppx-operator",
+        "clusterrole.rbac.authorization.k8s.io/rel-sneppx-operator",
+        "serviceaccount/rel-sneppx-operator",
+        "customresourcedefinition.apiextensions.k8s.io/elastictrainingjobs.sneppx.io",
+    ):
         assert f"{applied} serverside-applied (server dry run)" in result.stdout, result.stdout
     # The namespace warns on the restricted profile, so a non-restricted pod template would print a warning.
     assert "Warning" not in result.stderr, result.stderr
@@ -158,9 +175,16 @@ def test_operator_pod_passes_restricted_admission(
 ) -> None:
     (deployment,) = of_kind(render(cluster, namespace=namespace), "Deployment")
     template = deployment["spec"]["template"]
-    pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": "operator-probe", "namespace": namespace, "labels": template["metadata"]["labels"]},
-           "spec": template["spec"]}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "operator-probe",
+            "namespace": namespace,
+            "labels": template["metadata"]["labels"],
+        },
+        "spec": template["spec"],
+    }
     created = kubernetes.client.CoreV1Api(api).create_namespaced_pod(namespace, pod, dry_run="All")
     assert created.metadata.name == "operator-probe"
 
@@ -180,8 +204,11 @@ def test_helm_install_into_the_test_apiserver(cluster: k8s_cluster.Cluster, name
     assert "kubectl apply -f examples/minimal-pvc.yaml" in result.stdout, "NOTES.txt must tell the next step"
     status = json.loads(cluster.helm("status", release, "--namespace", namespace, "-o", "json").stdout)
     assert status["info"]["status"] == "deployed"
-    deployment = json.loads(cluster.kubectl("get", "deployment", f"{release}-sneppx-operator", "-n", namespace,
-                                            "-o", "json").stdout)
+    deployment = json.loads(
+        cluster.kubectl(
+            "get", "deployment", f"{release}-sneppx-operator", "-n", namespace, "-o", "json"
+        ).stdout
+    )
     assert deployment["spec"]["replicas"] == 1
     cluster.kubectl("get", "serviceaccount", f"{release}-sneppx-operator", "-n", namespace)
     cluster.kubectl("get", "clusterrole", f"{release}-sneppx-operator")
@@ -192,7 +219,10 @@ def test_helm_install_into_the_test_apiserver(cluster: k8s_cluster.Cluster, name
 
 @pytest.mark.parametrize("watch_namespace", [False, True], ids=["all-namespaces", "watch-namespaces"])
 def test_operator_works_with_exactly_the_charts_rbac(
-    cluster: k8s_cluster.Cluster, api: kubernetes.client.ApiClient, tmp_path: pathlib.Path, watch_namespace: bool
+    cluster: k8s_cluster.Cluster,
+    api: kubernetes.client.ApiClient,
+    tmp_path: pathlib.Path,
+    watch_namespace: bool,
 ) -> None:
     # Short names: the user name system:serviceaccount:NS:NAME goes in a certificate CN (64 bytes at most).
     namespace = k8s_helpers.create_namespace(api, f"rbac-{secrets.token_hex(3)}")
@@ -207,13 +237,18 @@ def test_operator_works_with_exactly_the_charts_rbac(
         out = cluster.kubectl("auth", "can-i", *args, f"--as={user}", check=False).stdout.strip()
         return out == "yes"
 
-    assert can("create", "pods", "-n", namespace) and can("watch", "elastictrainingjobs.sneppx.io", "-n", namespace)
-    assert can("create", "pods", "-n", "default") is not watch_namespace, "namespaced mode stays in its namespaces"
+    assert can("create", "pods", "-n", namespace) and can(
+        "watch", "elastictrainingjobs.sneppx.io", "-n", namespace
+    )
+    assert can("create", "pods", "-n", "default") is not watch_namespace, (
+        "namespaced mode stays in its namespaces"
+    )
     assert not can("list", "secrets", "-A") and not can("get", "secrets", "-n", namespace)
     assert not can("create", "deployments", "-n", namespace) and not can("delete", "nodes")
 
     kubeconfig = cluster.write_kubeconfig(
-        tmp_path / "operator.kubeconfig", user,
+        tmp_path / "operator.kubeconfig",
+        user,
         ("system:serviceaccounts", f"system:serviceaccounts:{namespace}"),
     )
     custom = kubernetes.client.CustomObjectsApi(api)
@@ -223,20 +258,34 @@ def test_operator_works_with_exactly_the_charts_rbac(
             ["run", "--standalone", *scope, "-m", "sneppx_operator.handlers"], timeout=60
         )
         with runner:
-            custom.create_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace,
-                                                   k8s_helpers.PLURAL, k8s_helpers.valid_job("rbac", max_nodes=2))
+            custom.create_namespaced_custom_object(
+                k8s_helpers.GROUP,
+                k8s_helpers.VERSION,
+                namespace,
+                k8s_helpers.PLURAL,
+                k8s_helpers.valid_job("rbac", max_nodes=2),
+            )
             k8s_helpers.wait_for(
-                lambda: len(core.list_namespaced_pod(namespace, label_selector="sneppx.io/job=rbac").items) == 2,
+                lambda: (
+                    len(core.list_namespaced_pod(namespace, label_selector="sneppx.io/job=rbac").items) == 2
+                ),
                 "pods created under the chart's RBAC",
             )
             k8s_helpers.wait_for(
-                lambda: (custom.get_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace,
-                                                              k8s_helpers.PLURAL, "rbac").get("status") or {}
-                         ).get("phase") == "Pending",
+                lambda: (
+                    (
+                        custom.get_namespaced_custom_object(
+                            k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, "rbac"
+                        ).get("status")
+                        or {}
+                    ).get("phase")
+                    == "Pending"
+                ),
                 "status written under the chart's RBAC",
             )
-            custom.delete_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace,
-                                                   k8s_helpers.PLURAL, "rbac")
+            custom.delete_namespaced_custom_object(
+                k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, "rbac"
+            )
             k8s_helpers.wait_for(
                 lambda: not core.list_namespaced_pod(namespace, label_selector="sneppx.io/job=rbac").items,
                 "cleanup under the chart's RBAC",

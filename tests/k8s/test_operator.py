@@ -11,12 +11,11 @@ import base64
 from collections.abc import Iterator
 from typing import Any
 
+import k8s_cluster
+import k8s_helpers
 import kopf.testing
 import kubernetes
 import pytest
-
-import k8s_cluster
-import k8s_helpers
 
 pytestmark = pytest.mark.k8s
 
@@ -58,7 +57,9 @@ def _patch_job(api: kubernetes.client.ApiClient, namespace: str, name: str, patc
 
 
 def _pods(api: kubernetes.client.ApiClient, namespace: str, job: str) -> list[Any]:
-    pods = kubernetes.client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=f"{JOB_LABEL}={job}")
+    pods = kubernetes.client.CoreV1Api(api).list_namespaced_pod(
+        namespace, label_selector=f"{JOB_LABEL}={job}"
+    )
     return sorted(pods.items, key=lambda p: p.metadata.name)
 
 
@@ -92,7 +93,9 @@ def test_new_job_gets_service_secret_and_restricted_pods(
 ) -> None:
     job = _create_job(api, namespace, k8s_helpers.valid_job("train", max_nodes=2))
     uid = job["metadata"]["uid"]
-    pods = k8s_helpers.wait_for(lambda: (p := _pods(api, namespace, "train")) and len(p) == 2 and p, "2 rank pods")
+    pods = k8s_helpers.wait_for(
+        lambda: (p := _pods(api, namespace, "train")) and len(p) == 2 and p, "2 rank pods"
+    )
     core = kubernetes.client.CoreV1Api(api)
 
     service = core.read_namespaced_service("train", namespace)
@@ -103,7 +106,9 @@ def test_new_job_gets_service_secret_and_restricted_pods(
     assert len(base64.b64decode(secret.data["heartbeat-key"])) == 32
     for owned in (service, secret, *pods):
         refs = owned.metadata.owner_references
-        assert [(r.kind, r.name, r.uid, r.controller) for r in refs] == [("ElasticTrainingJob", "train", uid, True)]
+        assert [(r.kind, r.name, r.uid, r.controller) for r in refs] == [
+            ("ElasticTrainingJob", "train", uid, True)
+        ]
 
     for rank, pod in enumerate(pods):
         assert pod.metadata.name == f"train-{rank}"
@@ -127,13 +132,16 @@ def test_new_job_gets_service_secret_and_restricted_pods(
 
     stored = _get_job(api, namespace, "train")
     assert "sneppx.io/finalizer" in stored["metadata"]["finalizers"]
-    events = k8s_helpers.wait_for(lambda: [e for e in _events(api, namespace, "train") if e[1] == "CreatedPods"],
-                                  "a CreatedPods event")
+    events = k8s_helpers.wait_for(
+        lambda: [e for e in _events(api, namespace, "train") if e[1] == "CreatedPods"], "a CreatedPods event"
+    )
     assert "ranks [0, 1]" in events[0][2]
 
 
 def test_status_and_printer_columns_fill_in(
-    api: kubernetes.client.ApiClient, cluster: k8s_cluster.Cluster, namespace: str,
+    api: kubernetes.client.ApiClient,
+    cluster: k8s_cluster.Cluster,
+    namespace: str,
     operator: kopf.testing.KopfRunner,
 ) -> None:
     _create_job(api, namespace, k8s_helpers.valid_job("cols", max_nodes=2, min_nodes=2))
@@ -163,7 +171,11 @@ def test_status_and_printer_columns_fill_in(
 
     # The runtime reports the last valid checkpoint; the operator's status writes must keep it.
     _custom(api).patch_namespaced_custom_object_status(
-        k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, "cols",
+        k8s_helpers.GROUP,
+        k8s_helpers.VERSION,
+        namespace,
+        k8s_helpers.PLURAL,
+        "cols",
         {"status": {"lastValidCheckpoint": {"step": 1200, "location": "file:///ckpt/step-000001200"}}},
     )
     table = k8s_helpers.wait_for(
@@ -184,15 +196,17 @@ def test_suspend_deletes_pods_keeps_job_and_resume_recreates_them(
     _patch_job(api, namespace, "pause", {"spec": {"suspend": True}})
     k8s_helpers.wait_for(lambda: not _pods(api, namespace, "pause"), "pods deleted on suspend")
     status = k8s_helpers.wait_for(
-        lambda: (s := _status_of(api, namespace, "pause")).get("phase") == "Suspended" and s, "phase Suspended"
+        lambda: (s := _status_of(api, namespace, "pause")).get("phase") == "Suspended" and s,
+        "phase Suspended",
     )
     assert status["readyDesired"] == "0/0"
     assert {c["type"]: c["status"] for c in status["conditions"]}["Suspended"] == "True"
     core = kubernetes.client.CoreV1Api(api)
     assert _exists(core.read_namespaced_service, "pause", namespace), "suspend must keep the Service"
     assert _exists(core.read_namespaced_secret, "pause-heartbeat", namespace), "suspend must keep the Secret"
-    k8s_helpers.wait_for(lambda: any(e[1] == "Suspended" for e in _events(api, namespace, "pause")),
-                         "a Suspended event")
+    k8s_helpers.wait_for(
+        lambda: any(e[1] == "Suspended" for e in _events(api, namespace, "pause")), "a Suspended event"
+    )
 
     _patch_job(api, namespace, "pause", {"spec": {"suspend": False}})
     k8s_helpers.wait_for(lambda: len(_pods(api, namespace, "pause")) == 2, "pods recreated on resume")
@@ -217,7 +231,9 @@ def test_delete_removes_pods_service_and_secret(
     _create_job(api, namespace, k8s_helpers.valid_job("gone", max_nodes=2))
     k8s_helpers.wait_for(lambda: len(_pods(api, namespace, "gone")) == 2, "2 rank pods")
     core = kubernetes.client.CoreV1Api(api)
-    k8s_helpers.wait_for(lambda: _exists(core.read_namespaced_secret, "gone-heartbeat", namespace), "the Secret")
+    k8s_helpers.wait_for(
+        lambda: _exists(core.read_namespaced_secret, "gone-heartbeat", namespace), "the Secret"
+    )
 
     _custom(api).delete_namespaced_custom_object(
         k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, "gone"
@@ -250,4 +266,3 @@ def test_invalid_template_fails_the_job_with_a_warning_and_recovers_when_fixed(
 
     _patch_job(api, namespace, "bad", {"spec": {"template": {"spec": {"volumes": []}}}})
     k8s_helpers.wait_for(lambda: len(_pods(api, namespace, "bad")) == 1, "the pod once the spec is fixed")
-

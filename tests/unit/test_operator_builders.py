@@ -20,15 +20,21 @@ def spec(**overrides: Any) -> dict[str, Any]:
             "spec": {"containers": [{"name": "trainer", "image": "example.org/t:1"}]},
         },
         "elastic": {"minNodes": 1, "maxNodes": 4, "procsPerNode": 8, "port": 29600},
-        "checkpoint": {"storage": {"pvc": {"claimName": "ckpt", "subPath": "runs/a"}}, "saveEveryNSteps": 50,
-                       "maxToKeep": 4, "validation": "Quick", "rollbackDepth": 1},
+        "checkpoint": {
+            "storage": {"pvc": {"claimName": "ckpt", "subPath": "runs/a"}},
+            "saveEveryNSteps": 50,
+            "maxToKeep": 4,
+            "validation": "Quick",
+            "rollbackDepth": 1,
+        },
     }
     base.update(overrides)
     return base
 
 
-def pod(job_spec: dict[str, Any] | None = None, rank: int = 1, world: int = 4, generation: int = 3
-        ) -> dict[str, Any]:
+def pod(
+    job_spec: dict[str, Any] | None = None, rank: int = 1, world: int = 4, generation: int = 3
+) -> dict[str, Any]:
     return builders.build_pod("train", "ns", "uid-1", job_spec or spec(), rank, world, generation)
 
 
@@ -54,13 +60,23 @@ def test_pod_identity_owner_and_labels() -> None:
     built = pod()
     meta = built["metadata"]
     assert meta["name"] == "train-1" and meta["namespace"] == "ns"
-    assert meta["ownerReferences"] == [{
-        "apiVersion": "sneppx.io/v1alpha1", "kind": "ElasticTrainingJob", "name": "train", "uid": "uid-1",
-        "controller": True, "blockOwnerDeletion": True,
-    }]
-    assert meta["labels"] == {"team": "a", "sneppx.io/job": "train", "sneppx.io/rank": "1",
-                              "sneppx.io/membership-generation": "3",
-                              "app.kubernetes.io/managed-by": "sneppx-operator"}
+    assert meta["ownerReferences"] == [
+        {
+            "apiVersion": "sneppx.io/v1alpha1",
+            "kind": "ElasticTrainingJob",
+            "name": "train",
+            "uid": "uid-1",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+    assert meta["labels"] == {
+        "team": "a",
+        "sneppx.io/job": "train",
+        "sneppx.io/rank": "1",
+        "sneppx.io/membership-generation": "3",
+        "app.kubernetes.io/managed-by": "sneppx-operator",
+    }
     assert meta["annotations"] == {"note": "x"}
     assert built["spec"]["hostname"] == "train-1" and built["spec"]["subdomain"] == "train"
     assert built["spec"]["restartPolicy"] == "Never"
@@ -70,15 +86,22 @@ def test_pod_identity_owner_and_labels() -> None:
 def test_restricted_profile_is_forced_over_a_permissive_template() -> None:
     job = spec()
     job["template"]["spec"]["securityContext"] = {"runAsUser": 1000, "seccompProfile": {"type": "Unconfined"}}
-    job["template"]["spec"]["initContainers"] = [{"name": "init", "image": "x", "securityContext": {
-        "privileged": True}}]
+    job["template"]["spec"]["initContainers"] = [
+        {"name": "init", "image": "x", "securityContext": {"privileged": True}}
+    ]
     job["template"]["spec"]["containers"][0]["securityContext"] = {
-        "allowPrivilegeEscalation": True, "privileged": True, "capabilities": {"add": ["SYS_ADMIN"]},
-        "readOnlyRootFilesystem": False, "runAsGroup": 2000,
+        "allowPrivilegeEscalation": True,
+        "privileged": True,
+        "capabilities": {"add": ["SYS_ADMIN"]},
+        "readOnlyRootFilesystem": False,
+        "runAsGroup": 2000,
     }
     built = pod(job)["spec"]
-    assert built["securityContext"] == {"runAsUser": 1000, "runAsNonRoot": True,
-                                        "seccompProfile": {"type": "RuntimeDefault"}}
+    assert built["securityContext"] == {
+        "runAsUser": 1000,
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     for container in [*built["containers"], *built["initContainers"]]:
         security = container["securityContext"]
         assert security["allowPrivilegeEscalation"] is False
@@ -96,12 +119,20 @@ def test_restricted_profile_is_forced_over_a_permissive_template() -> None:
         (lambda s: s["template"]["spec"].update(hostNetwork=True), "hostNetwork is not allowed"),
         (lambda s: s["template"]["spec"].update(hostPID=True), "hostPID is not allowed"),
         (lambda s: s["template"]["spec"].update(securityContext={"runAsUser": 0}), "runAsUser: 0"),
-        (lambda s: s["template"]["spec"]["containers"][0].update(securityContext={"runAsUser": 0}),
-         "container 'trainer' sets runAsUser: 0"),
-        (lambda s: s["template"]["spec"].update(volumes=[{"name": "sneppx-heartbeat", "emptyDir": {}}]),
-         "reserved for the operator"),
-        (lambda s: s["template"]["spec"]["containers"][0].update(
-            volumeMounts=[{"name": "data", "mountPath": "/tmp"}]), "the operator mounts its own volumes there"),
+        (
+            lambda s: s["template"]["spec"]["containers"][0].update(securityContext={"runAsUser": 0}),
+            "container 'trainer' sets runAsUser: 0",
+        ),
+        (
+            lambda s: s["template"]["spec"].update(volumes=[{"name": "sneppx-heartbeat", "emptyDir": {}}]),
+            "reserved for the operator",
+        ),
+        (
+            lambda s: s["template"]["spec"]["containers"][0].update(
+                volumeMounts=[{"name": "data", "mountPath": "/tmp"}]
+            ),
+            "the operator mounts its own volumes there",
+        ),
     ],
     ids=["host-network", "host-pid", "pod-root", "container-root", "reserved-volume", "reserved-mount"],
 )
@@ -115,7 +146,8 @@ def test_template_the_operator_cannot_build_is_refused(mutate: Any, message: str
 def test_operator_env_wins_over_the_template_and_other_env_is_kept() -> None:
     job = spec()
     job["template"]["spec"]["containers"][0]["env"] = [
-        {"name": "RANK", "value": "99"}, {"name": "MASTER_ADDR", "value": "elsewhere"},
+        {"name": "RANK", "value": "99"},
+        {"name": "MASTER_ADDR", "value": "elsewhere"},
         {"name": "NCCL_DEBUG", "value": "WARN"},
     ]
     env = pod(job)["spec"]["containers"][0]["env"]
@@ -130,7 +162,12 @@ def test_every_container_gets_env_and_mounts_and_template_volumes_are_kept() -> 
     job["template"]["spec"]["containers"].append({"name": "sidecar", "image": "example.org/s:1"})
     job["template"]["spec"]["volumes"] = [{"name": "data", "emptyDir": {}}]
     built = pod(job)["spec"]
-    assert [v["name"] for v in built["volumes"]] == ["sneppx-heartbeat", "sneppx-tmp", "sneppx-checkpoints", "data"]
+    assert [v["name"] for v in built["volumes"]] == [
+        "sneppx-heartbeat",
+        "sneppx-tmp",
+        "sneppx-checkpoints",
+        "data",
+    ]
     assert built["volumes"][0]["secret"] == {"secretName": "train-heartbeat", "defaultMode": 0o440}
     assert built["volumes"][2]["persistentVolumeClaim"] == {"claimName": "ckpt"}
     for container in built["containers"]:
@@ -142,9 +179,19 @@ def test_every_container_gets_env_and_mounts_and_template_volumes_are_kept() -> 
 
 
 def test_s3_storage_env_takes_credentials_from_the_secret() -> None:
-    job = spec(checkpoint={"storage": {"s3": {
-        "bucket": "b", "prefix": "runs/x/", "region": "eu-west-1", "endpoint": "http://127.0.0.1:9000",
-        "credentialsSecretRef": {"name": "creds"}}}})
+    job = spec(
+        checkpoint={
+            "storage": {
+                "s3": {
+                    "bucket": "b",
+                    "prefix": "runs/x/",
+                    "region": "eu-west-1",
+                    "endpoint": "http://127.0.0.1:9000",
+                    "credentialsSecretRef": {"name": "creds"},
+                }
+            }
+        }
+    )
     built = pod(job)["spec"]
     env = env_of(built["containers"][0])
     assert env["SNEPPX_CHECKPOINT_URI"] == "s3://b/runs/x/"
@@ -167,8 +214,9 @@ def test_headless_service_selects_the_job_and_publishes_unready_ranks() -> None:
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["publishNotReadyAddresses"] is True
     assert service["spec"]["selector"] == {"sneppx.io/job": "train"}
-    assert service["spec"]["ports"] == [{"name": "rendezvous", "port": 29600, "targetPort": 29600,
-                                         "protocol": "TCP"}]
+    assert service["spec"]["ports"] == [
+        {"name": "rendezvous", "port": 29600, "targetPort": 29600, "protocol": "TCP"}
+    ]
     assert service["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
 
 

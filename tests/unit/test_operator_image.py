@@ -13,7 +13,7 @@ DOCKERFILE = (REPO / "Dockerfile").read_text()
 
 
 def stages() -> list[str]:
-    return re.split(r"^FROM\s", DOCKERFILE, flags=re.M)[1:]
+    return re.split(r"^FROM\s", DOCKERFILE, flags=re.MULTILINE)[1:]
 
 
 def instructions(stage: str, name: str) -> list[str]:
@@ -27,7 +27,9 @@ def test_build_and_runtime_stages_are_separate() -> None:
     assert "gcc" in " ".join(instructions(build, "RUN")), "the build stage compiles the native core"
     assert "pip wheel" in " ".join(instructions(build, "RUN"))
     assert "gcc" not in runtime, "no compiler in the runtime image"
-    assert "--no-index" in " ".join(instructions(runtime, "RUN")), "the runtime installs only the built wheels"
+    assert "--no-index" in " ".join(instructions(runtime, "RUN")), (
+        "the runtime installs only the built wheels"
+    )
 
 
 def test_runtime_runs_as_a_numeric_non_root_user() -> None:
@@ -54,8 +56,11 @@ def _ignored(path: str, patterns: list[str]) -> bool:
 
 
 def test_copied_sources_exist_and_pass_dockerignore() -> None:
-    patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
+    patterns = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     copied = [src for copy in instructions(stages()[0], "COPY") for src in copy.split()[:-1]]
     assert {"pyproject.toml", "setup.py", "native/", "runtime/", "operator/"} <= set(copied)
     for source in copied:
@@ -63,5 +68,7 @@ def test_copied_sources_exist_and_pass_dockerignore() -> None:
         assert not _ignored(source.rstrip("/"), patterns), f".dockerignore drops {source}"
     native_sources = [str(p.relative_to(REPO)) for p in (REPO / "native" / "src").glob("*.c")]
     assert native_sources and not any(_ignored(p, patterns) for p in native_sources)
-    assert _ignored("runtime/SneppX_ALG/_sneppx_native.abi3.so", patterns), "a host-built .so must not leak in"
+    assert _ignored("runtime/SneppX_ALG/_sneppx_native.abi3.so", patterns), (
+        "a host-built .so must not leak in"
+    )
     assert _ignored(".venv/bin/python", patterns)
