@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -152,6 +153,30 @@ def test_directory_updates_are_refused_with_a_typed_error(tmp_path: pathlib.Path
 def test_manager_needs_a_trusted_key(tmp_path: pathlib.Path) -> None:
     with pytest.raises(errors.KeyFormatError):
         updates.SignedUpdateManager([], tmp_path / "x")
+
+
+def test_concurrent_installs_are_serialised(tmp_path: pathlib.Path, keys, manager) -> None:
+    """Two installers at once (separate flock descriptions): the newer version ends up current either way."""
+    v2 = make_update(tmp_path / "v2.snpx", keys[0], "2", seed=2, size=2 << 20)
+    v3 = make_update(tmp_path / "v3.snpx", keys[0], "3", seed=3, size=2 << 20)
+    outcomes: dict[str, object] = {}
+
+    def install(path: pathlib.Path) -> None:
+        try:
+            outcomes[path.name] = manager.install_update(path)
+        except errors.RollbackRefusedError as e:
+            outcomes[path.name] = e
+
+    threads = [threading.Thread(target=install, args=(p,)) for p in (v2, v3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcomes["v3.snpx"] == "3"
+    assert outcomes["v2.snpx"] == "2" or isinstance(outcomes["v2.snpx"], errors.RollbackRefusedError)
+    assert manager.current().version == "3"
+    assert signing.verify_checkpoint(manager.current().path, [keys[1]]) == (True, [])
+    assert len(installed_files(manager)) == (2 if outcomes["v2.snpx"] == "2" else 1)
 
 
 def test_corrupt_state_file_is_a_typed_error(tmp_path: pathlib.Path, keys, manager) -> None:
