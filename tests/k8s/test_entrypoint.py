@@ -1,0 +1,59 @@
+"""`python -m sneppx_operator` as a real process against the real API server, stopped with a real SIGTERM.
+
+Kept apart from test_operator.py so the in-process operator there is gone and only this one acts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import kubernetes
+import pytest
+
+import k8s_cluster
+import k8s_helpers
+
+pytestmark = pytest.mark.k8s
+
+
+def test_python_m_sneppx_operator_reconciles_its_namespace_and_stops_on_sigterm(
+    cluster: k8s_cluster.Cluster, api: kubernetes.client.ApiClient, namespace: str
+) -> None:
+    env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig), SNEPPX_RESYNC_SECONDS="1")
+    log = cluster.workdir / f"operator-{namespace}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sneppx_operator", "--namespace", namespace],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        kubernetes.client.CustomObjectsApi(api).create_namespaced_custom_object(
+            k8s_helpers.GROUP,
+            k8s_helpers.VERSION,
+            namespace,
+            k8s_helpers.PLURAL,
+            k8s_helpers.valid_job("cli", max_nodes=2),
+        )
+        core = kubernetes.client.CoreV1Api(api)
+        k8s_helpers.wait_for(
+            lambda: len(core.list_namespaced_pod(namespace, label_selector="sneppx.io/job=cli").items) == 2,
+            "pods from the operator process",
+        )
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
+    finally:
+        k8s_cluster.stop_process(proc)
+    output = log.read_text()
+    assert "Traceback" not in output, output[-4000:]
+    job = kubernetes.client.CustomObjectsApi(api).get_namespaced_custom_object(
+        k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, "cli"
+    )
+    assert job["metadata"]["finalizers"] == ["sneppx.io/finalizer"]
+    assert any(key.startswith("sneppx.io/") for key in job["metadata"].get("annotations", {})), (
+        "kopf's progress and diff-base annotations go under sneppx.io/"
+    )
