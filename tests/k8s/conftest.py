@@ -26,7 +26,7 @@ os.environ.setdefault("SNEPPX_RESYNC_SECONDS", "1")
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[k8s_cluster.Cluster]:
     bin_dir = k8s_cluster.build_tools()
-    running = k8s_cluster.start_cluster(bin_dir, tmp_path_factory.mktemp("k8s"))
+    running = _start_with_retries(bin_dir, tmp_path_factory)
     try:
         with k8s_helpers.using_kubeconfig(running.kubeconfig):
             yield running
@@ -53,6 +53,14 @@ def namespace(api: kubernetes.client.ApiClient, request: pytest.FixtureRequest) 
     return k8s_helpers.create_namespace(api, name)
 
 
-@pytest.fixture(scope="session")
-def repo() -> pathlib.Path:
-    return k8s_cluster.REPO
+def _start_with_retries(
+    bin_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
+) -> k8s_cluster.Cluster:
+    """Free ports are picked before the processes bind them; another process may take one in between."""
+    failures: list[k8s_cluster.ClusterStartError] = []
+    while len(failures) < 3:
+        try:
+            return k8s_cluster.start_cluster(bin_dir, tmp_path_factory.mktemp("k8s"))
+        except k8s_cluster.ClusterStartError as exc:
+            failures.append(exc)
+    raise failures[-1]

@@ -10,11 +10,10 @@ import signal
 import subprocess
 import sys
 
-import kubernetes
-import pytest
-
 import k8s_cluster
 import k8s_helpers
+import kubernetes
+import pytest
 
 pytestmark = pytest.mark.k8s
 
