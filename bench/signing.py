@@ -26,10 +26,10 @@ from collections.abc import Callable
 
 import blake3
 import numpy as np
-from SneppX_ALG import checkpoint, signing
 
 from bench import crc as crc_bench
 from bench import format as format_bench
+from SneppX_ALG import checkpoint, signing
 
 MIB = 1024 * 1024
 

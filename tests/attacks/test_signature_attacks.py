@@ -14,6 +14,7 @@ import pathlib
 
 import numpy as np
 import pytest
+
 from SneppX_ALG import _native, checkpoint, errors, format, signing, updates
 
 NOW = 1_800_000_000.0  # 2027-01-15, a fixed clock

@@ -20,6 +20,7 @@ import threading
 
 import numpy as np
 import pytest
+
 from SneppX_ALG import checkpoint, errors, signing, updates
 
 NOW = 1_800_000_000.0  # a fixed clock: 2027-01-15

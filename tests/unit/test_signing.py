@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import pathlib
@@ -17,6 +18,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from SneppX_ALG import checkpoint, cli, errors, format, signing
 
 
@@ -39,7 +41,7 @@ def test_streaming_digest_equals_one_shot_hash_for_any_split(data: bytes, cuts: 
     bounds = sorted({0, len(data), *(min(c, len(data)) for c in cuts)})
     for name, reference in (("blake3", blake3.blake3), ("sha256", hashlib.sha256)):
         d = signing.new_digest(name)
-        for a, b in zip(bounds, bounds[1:]):
+        for a, b in itertools.pairwise(bounds):
             d.update(data[a:b])
         assert d.name == name
         assert d.hexdigest() == reference(data).hexdigest()
@@ -273,7 +275,7 @@ def test_sign_existing_checkpoint_keeps_data_and_layout(tmp_path: pathlib.Path) 
     with checkpoint.CheckpointReader(path) as r:
         assert bytes(r._mmap[:r.header.table_offset])[4096:] == before_data
         assert r.metadata == before_table.metadata and r.config == before_table.config
-        for old, new in zip(before_table.tensors, r.table.tensors):
+        for old, new in zip(before_table.tensors, r.table.tensors, strict=True):
             assert (old.name, old.dtype, old.shape, old.offset, old.length, old.crc32c, old.global_shape,
                     old.global_offset) == (new.name, new.dtype, new.shape, new.offset, new.length, new.crc32c,
                                            new.global_shape, new.global_offset)
