@@ -304,13 +304,14 @@ class CheckpointReader:
                 raise errors.ChecksumMismatchError(
                     f"tensor {name!r} fails its CRC32C (stored {entry.crc32c:#010x}, computed {crc:#010x}): "
                     "the bytes on disk changed after they were written", path=self.path)
-            if not self._padding_is_zero(entry):
+            if not self.padding_is_zero(entry):
                 raise errors.NonZeroPaddingError(f"padding after tensor {name!r} is not zero", path=self.path)
             self._verified.add(name)
         array = np.frombuffer(data, dtype=format.numpy_dtype(entry.dtype), count=int(np.prod(entry.shape)))
         return array.reshape(entry.shape)
 
-    def _padding_is_zero(self, entry: format.TensorEntry) -> bool:
+    def padding_is_zero(self, entry: format.TensorEntry) -> bool:
+        """True when the padding after the tensor (up to the next 4096 boundary) is all zero."""
         end = entry.offset + entry.length
         return not self._mmap[end:format.align_up(end)].strip(b"\x00")
 
@@ -350,7 +351,7 @@ def validate_checkpoint(path: str | os.PathLike[str], trusted_keys: Any = None, 
                                 f"computed {crc:#010x}): its bytes are corrupt")
             if digest_check is not None:
                 digest_problems[entry.name] = digest_check()
-            if not reader._padding_is_zero(entry):
+            if not reader.padding_is_zero(entry):
                 problems.append(f"{path}: padding after tensor {entry.name!r} is not zero")
             done = entry.offset + entry.length
             if progress is not None:

@@ -486,7 +486,7 @@ def _check_tensor(reader: checkpoint.CheckpointReader, entry: format.TensorEntry
         raise errors.ChecksumMismatchError(
             f"tensor {entry.name!r} fails its CRC32C (stored {entry.crc32c:#010x}, computed {crc:#010x})",
             path=reader.path)
-    if not reader._padding_is_zero(entry):
+    if not reader.padding_is_zero(entry):
         raise errors.NonZeroPaddingError(f"padding after tensor {entry.name!r} is not zero", path=reader.path)
     if problem is not None:
         raise errors.DigestMismatchError(
@@ -549,7 +549,7 @@ def sign_checkpoint(path: str | os.PathLike[str], private_key: ed25519.Ed25519Pr
             for entry in reader.table.tensors:
                 out.pad(format.ALIGN)
                 data = reader.raw(entry.name)
-                if not reader._padding_is_zero(entry):
+                if not reader.padding_is_zero(entry):
                     raise errors.NonZeroPaddingError(f"padding after tensor {entry.name!r} is not zero",
                                                      path=path)
                 alg = parse_digest(entry.digest)[0] if entry.digest is not None else DIGEST_ALGORITHM
