@@ -100,7 +100,7 @@ def bench_size(total_mib: int, root: str) -> dict[str, float]:
     for k in state:
         np.copyto(warm[k], state[k])
     copy_s = min(timed(lambda: [np.copyto(warm[k], v) for k, v in state.items()]) for _ in range(3))
-    del warm
+    warm.clear()
     out: dict[str, float] = {"copy": copy_s}
 
     # async save, staging >= state: first save (cold pool) and steady state
@@ -113,7 +113,7 @@ def bench_size(total_mib: int, root: str) -> dict[str, float]:
     out["peak_first"] = (status_kib("VmHWM") - rss0) * 1024 / total
     blocking = []
     for step in (2, 3, 4):
-        blocking.append(timed(lambda: coord.save(state, step=step)))
+        blocking.append(timed(lambda step=step: coord.save(state, step=step)))
         coord.wait()
     out["save"] = min(blocking)
 
@@ -205,7 +205,7 @@ def bench_s3(size_mib: int, workdir: str) -> dict[str, float]:
         ):
             times = []
             for i in range(2):
-                times.append(timed(lambda: fn(i)))
+                times.append(timed(lambda fn=fn, i=i: fn(i)))
                 client.delete_object(Bucket="bench", Key=f"{'boto' if name == 'boto3' else 'ours'}/{i}")
             results[name] = size_mib * MiB / min(times) / 1e9
         return results

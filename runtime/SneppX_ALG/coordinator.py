@@ -37,9 +37,10 @@ import logging
 import os
 import queue
 import threading
+import types
 import weakref
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -204,7 +205,7 @@ def build_manifest(step: int, specs: list[TensorSpec], pieces: list[Piece], crcs
                         "crc32c": crcs[p.entry]} for p in own]})
     return {
         "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "step": step,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(),
         "world_size": 1, "kind": kind, "shards": shards, "tensors": tensors,
         "values": [{"path": list(path), "value": value} for path, value in values],
         "training_state": training_state,
@@ -472,7 +473,7 @@ class _Engine:
                 return
             try:
                 self._handle(item)
-            except BaseException as e:  # kept for the next call; the thread goes on
+            except BaseException as e:  # noqa: BLE001 - kept and raised by the next call; the thread goes on
                 job = item[1]
                 job.failed = True
                 self._abort(job)
@@ -660,10 +661,11 @@ class CheckpointCoordinator:
 
     # -- context manager --
 
-    def __enter__(self) -> CheckpointCoordinator:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: types.TracebackType | None) -> None:
         if exc_type is None:
             self.close()
             return

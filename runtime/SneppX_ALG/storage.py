@@ -281,7 +281,7 @@ class S3Storage:
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
                 yield from page.get("Contents", [])
-        except Exception as e:
+        except _s3_errors() as e:
             raise _s3_error(e, "list", self.uri) from None
 
     def _steps(self) -> tuple[set[int], set[int]]:
@@ -338,7 +338,7 @@ class S3Storage:
         try:
             self.client.head_object(Bucket=self.bucket, Key=key)
             return True
-        except Exception as e:
+        except _s3_errors() as e:
             if _error_code(e) in ("404", "NoSuchKey", "NotFound"):
                 return False
             raise _s3_error(e, "head", self.uri) from None
@@ -348,7 +348,7 @@ class S3Storage:
         try:
             self.client.put_object(Bucket=self.bucket, Key=key, Body=body, ChecksumCRC32C=_crc32c_b64(body),
                                    **extra)
-        except Exception as e:
+        except _s3_errors() as e:
             if if_none_match and _error_code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
                 raise errors.CheckpointExistsError(f"s3://{self.bucket}/{key} was committed by another writer",
                                                    path=self.uri) from None
@@ -365,7 +365,7 @@ class S3Storage:
         try:
             upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key,
                                                             ChecksumAlgorithm="CRC32C")["UploadId"]
-        except Exception as e:
+        except _s3_errors() as e:
             raise _s3_error(e, f"start upload of {key}", self.uri) from None
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
@@ -384,8 +384,8 @@ class S3Storage:
                 parts = list(pool.map(upload_part, range(1, count + 1)))
             self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id,
                                                   MultipartUpload={"Parts": parts})
-        except BaseException as e:
-            with contextlib.suppress(Exception):
+        except BaseException as e:  # abort on anything, then re-raise
+            with contextlib.suppress(*_s3_errors()):
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
             if isinstance(e, Exception) and not isinstance(e, errors.SneppXError):
                 raise _s3_error(e, f"upload of {key}", self.uri) from None
@@ -409,7 +409,7 @@ class S3Storage:
                     continue
                 try:
                     self.client.download_file(self.bucket, key, os.path.join(local, leaf))
-                except Exception as e:
+                except _s3_errors() as e:
                     raise _s3_error(e, f"download of {key}", self.uri) from None
             yield local
         finally:
@@ -420,7 +420,7 @@ class S3Storage:
             batch = [{"Key": k} for k in keys[start:start + 1000]]
             try:
                 self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
-            except Exception as e:
+            except _s3_errors() as e:
                 raise _s3_error(e, "delete", self.uri) from None
 
     def delete(self, step: int) -> None:
@@ -440,7 +440,7 @@ class S3Storage:
             paginator = self.client.get_paginator("list_multipart_uploads")
             for page in paginator.paginate(Bucket=self.bucket, Prefix=self.key("")):
                 found += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
-        except Exception as e:
+        except _s3_errors() as e:
             raise _s3_error(e, "list uploads", self.uri) from None
         return found
 
@@ -449,7 +449,7 @@ class S3Storage:
         for key, upload_id in self.incomplete_uploads():
             try:
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
-            except Exception as e:
+            except _s3_errors() as e:
                 raise _s3_error(e, f"abort upload of {key}", self.uri) from None
             removed.append(f"upload {upload_id} of s3://{self.bucket}/{key}")
         seen, committed = self._steps()
@@ -463,6 +463,13 @@ class S3Storage:
                 _remove_tree(entry.path)
                 removed.append(entry.path)
         return removed
+
+
+def _s3_errors() -> tuple[type[Exception], ...]:
+    """What boto3 raises (imported late: botocore costs ~0.1 s, and local roots never need it)."""
+    import botocore.exceptions
+
+    return (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError)
 
 
 def _error_code(e: Exception) -> str:

@@ -109,7 +109,7 @@ def test_a_missing_cudart_override_is_reported_and_saves_fall_back_to_cpu(tmp_pa
         print("ok")
     """)
     env = {**os.environ, "SNEPPX_CUDART": str(tmp_path / "no-such-libcudart.so")}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
     assert (tmp_path / "step-000000001" / "manifest.json").exists()
