@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 import pytest
 
@@ -107,9 +109,10 @@ def test_a_corrupt_s3_checkpoint_is_skipped_by_latest(s3_bucket, s3_env) -> None
 def test_an_unreachable_endpoint_is_a_storage_error_raised_on_the_next_call(tmp_path, s3_bucket, s3_env) -> None:
     client = s3_env.client()
     coord = CheckpointCoordinator(f"s3://{s3_bucket}/u", s3_client=client)
-    from conftest import free_port
-
-    coord._storage.client = storage.make_s3_client(endpoint_url=f"http://127.0.0.1:{free_port()}",
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]  # nothing listens there once the socket is closed
+    coord._storage.client = storage.make_s3_client(endpoint_url=f"http://127.0.0.1:{closed_port}",
                                                    max_attempts=1, connect_timeout=1)
     coord.save(state_for(1), step=1)
     with pytest.raises(errors.StorageError, match="S3"):

@@ -13,6 +13,7 @@ import inspect
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -20,7 +21,6 @@ import time
 
 import numpy as np
 import pytest
-from conftest import free_port, stop_process
 
 from SneppX_ALG import CheckpointCoordinator, errors, storage
 
@@ -62,6 +62,18 @@ PROXY = textwrap.dedent("""
         threading.Thread(target=pump, args=(client, upstream, True), daemon=True).start()
         threading.Thread(target=pump, args=(upstream, client, False), daemon=True).start()
 """)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.wait()
 
 
 def start_proxy(port: int, target: str, die_after: int) -> subprocess.Popen[bytes]:
