@@ -1,10 +1,12 @@
 """`make demo`: train the reference model, lose the process, resume from the latest checkpoint, check the files.
 
 Why it exists: it shows the one promise SneppX makes, on real training a person can watch. A first process trains
-the recipe-1 Transformer with a progress bar, saving a checkpoint every K steps, and is then killed with SIGKILL
-(a node failure, so the steps since the last checkpoint are lost). A new process resumes from the latest valid
-checkpoint and retrains the lost steps; their losses match the first run's exactly, because parameters, optimizer
-moments, data position and RNG state all came back bitwise. Finally every checkpoint is validated.
+the recipe-1 Transformer with a progress bar, saving a checkpoint every K steps through the asynchronous
+CheckpointCoordinator (save() returns after a memory copy; a background thread writes and commits), and is then
+killed with SIGKILL (a node failure, so the steps since the last checkpoint are lost, and so is any save still in
+flight). A new process resumes from the latest valid checkpoint and retrains the lost steps; their losses match the
+first run's exactly, because parameters, optimizer moments, data position and RNG state all came back bitwise.
+Finally every committed checkpoint is validated.
 
     python -m SneppX_ALG.demo [--output demo-output] [--steps 125] [--every 25] [--crash-at 85] [--small]
 
@@ -18,7 +20,7 @@ import argparse
 import json
 import math
 import os
-import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,11 +28,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from SneppX_ALG import checkpoint, training
+from SneppX_ALG import coordinator, training
 from SneppX_ALG import model as model_lib
-
-CHECKPOINT_NAME = "model-step-{step:06d}.snpx"
-_CHECKPOINT_RE = re.compile(r"^model-step-(\d{6,})\.snpx$")
 
 # The recipe-1 model, and a tiny one for quick runs (tests).
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -49,7 +48,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--small", action="store_true", help="a tiny model (seconds; for tests)")
     parser.add_argument("--phase", choices=("first", "resume"), help=argparse.SUPPRESS)
-    parser.add_argument("--resume-from", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not 0 < args.every <= args.crash_at < args.steps:
         parser.error("need 0 < --every <= --crash-at < --steps (a checkpoint before the crash, steps after it)")
@@ -68,30 +66,10 @@ def build_trainer(args: argparse.Namespace) -> training.Trainer:
     return training.Trainer(model, language, batch_size=args.batch_size, lr=args.lr, warmup_steps=10, seed=0)
 
 
-def save_checkpoint(model: model_lib.Transformer, directory: str, step: int) -> str:
-    """The demo's one save call: the full training state, atomically, as one SNPX file per step."""
-    path = os.path.join(directory, CHECKPOINT_NAME.format(step=step))
-    model.save_checkpoint(path, include_optimizer=True, metadata={"step": str(step)})
-    return path
-
-
-def checkpoint_steps(directory: str) -> list[tuple[int, str]]:
-    """(step, path) of the demo's checkpoint files in a directory, oldest first."""
-    found = []
-    for name in os.listdir(directory):
-        match = _CHECKPOINT_RE.match(name)
-        if match:
-            found.append((int(match.group(1)), os.path.join(directory, name)))
-    return sorted(found)
-
-
-def latest_valid_checkpoint(directory: str) -> tuple[int, str] | None:
-    """The newest checkpoint that validates; damaged or partial ones are skipped, never loaded."""
-    for step, path in reversed(checkpoint_steps(directory)):
-        ok, _ = checkpoint.validate_checkpoint(path)
-        if ok:
-            return step, path
-    return None
+def open_checkpoints(args: argparse.Namespace) -> coordinator.CheckpointCoordinator:
+    """The demo's one checkpoint store: async saves every K steps into <output>/ckpts, leftovers cleaned."""
+    return coordinator.CheckpointCoordinator(os.path.join(args.output, "ckpts"), save_every_n_steps=args.every,
+                                             max_to_keep=5, async_save=True)
 
 
 def read_losses(path: str) -> dict[int, float]:
@@ -110,9 +88,12 @@ def run_phase(args: argparse.Namespace) -> int:
 
     console = Console()
     trainer = build_trainer(args)
+    checkpoints = open_checkpoints(args)
     if args.phase == "resume":
-        trainer.model.load_checkpoint(args.resume_from, include_optimizer=True)
-        console.print(f"[bold]resumed[/] from {args.resume_from}: step {trainer.step}, optimizer, data position "
+        info = checkpoints.restore(trainer.model)
+        if info is None:
+            raise SystemExit("no valid checkpoint to resume from")
+        console.print(f"[bold]resumed[/] from {info.location}: step {trainer.step}, optimizer, data position "
                       f"(epoch {trainer.stream.epoch}, batch {trainer.stream.cursor // trainer.stream.batch_size})"
                       " and RNG restored")
     stop_at = args.crash_at if args.phase == "first" else args.steps
@@ -123,11 +104,15 @@ def run_phase(args: argparse.Namespace) -> int:
             bar(result)
             log.write(json.dumps({"step": result.step, "loss": result.loss}) + "\n")
             log.flush()
-            if result.step % args.every == 0:
-                path = save_checkpoint(trainer.model, args.output, result.step)
-                bar.log(f"step {result.step}: loss {result.loss:.4f}, checkpoint {path}")
+            if checkpoints.should_save(result.step):
+                began = time.perf_counter()
+                checkpoints.save(trainer.model, step=result.step)
+                bar.log(f"step {result.step}: loss {result.loss:.4f}, async checkpoint saved in "
+                        f"{(time.perf_counter() - began) * 1e3:.1f} ms (training goes on while it is written)")
 
         trainer.train(stop_at - trainer.step, on_step=on_step)
+    if args.phase == "resume":
+        checkpoints.close()  # waits for the last save to commit
     if args.phase == "first":
         console.print(f"[bold red]step {trainer.step}: simulating a node failure (SIGKILL); the steps since the "
                       "last checkpoint are lost[/]")
@@ -161,8 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     console = Console()
     os.makedirs(args.output, exist_ok=True)
-    for _, stale in checkpoint_steps(args.output):  # a previous demo's files would confuse "latest"
-        os.unlink(stale)
+    shutil.rmtree(os.path.join(args.output, "ckpts"), ignore_errors=True)  # a previous demo's steps
     trainer = build_trainer(args)
     config = trainer.model.config
     console.rule("SneppX demo: train, crash, resume, validate")
@@ -178,13 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     first = _child(args, "first")
     console.print(f"first process ended by signal {-first.returncode}" if first.returncode < 0
                   else f"first process exited with status {first.returncode}")
-    latest = latest_valid_checkpoint(args.output)
+    latest = open_checkpoints(args).latest()  # also cleans what the killed save left behind
     if first.returncode != -signal.SIGKILL or latest is None:
         console.print("[bold red]FAILED[/]: the first run should die by SIGKILL after writing a checkpoint")
         return 1
-    resume_step, resume_path = latest
-    console.print(f"\nlatest valid checkpoint: {resume_path} (step {resume_step}); starting a new process\n")
-    second = _child(args, "resume", "--resume-from", resume_path)
+    resume_step = latest.step
+    console.print(f"\nlatest valid checkpoint: {latest.location} (step {resume_step}); starting a new process\n")
+    second = _child(args, "resume")
     if second.returncode != 0:
         console.print(f"[bold red]FAILED[/]: the resumed run exited with status {second.returncode}")
         return 1
@@ -211,14 +195,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"(floor {training.SyntheticLanguage().loss_floor:.3f}); both processes took "
                   f"{time.perf_counter() - started:.1f} s\n")
 
-    results = Table(title="validate_checkpoint on every checkpoint")
-    for column in ("checkpoint", "size", "valid", "errors"):
+    results = Table(title="every committed checkpoint, validated byte by byte")
+    for column in ("step", "location", "size", "valid", "errors"):
         results.add_column(column)
     all_valid = True
-    for _, path in checkpoint_steps(args.output):
-        ok, problems = checkpoint.validate_checkpoint(path)
-        all_valid &= ok
-        results.add_row(os.path.basename(path), f"{os.path.getsize(path) / 2**20:.1f} MiB", "yes" if ok else "NO",
+    checkpoints = open_checkpoints(args)
+    for step in checkpoints.committed_steps():
+        problems = checkpoints.validate(step)
+        all_valid &= not problems
+        location = os.path.relpath(checkpoints.storage.step_path(step))  # the demo's root is local
+        size = sum(os.path.getsize(os.path.join(location, f)) for f in os.listdir(location))
+        results.add_row(str(step), location, f"{size / 2**20:.1f} MiB", "yes" if not problems else "NO",
                         "; ".join(problems))
     console.print(results)
     return 0 if continued and all_valid else 1
