@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 from collections.abc import Callable
 
@@ -24,6 +23,7 @@ import crc32c as crc32c_pypi
 import google_crc32c
 import numpy as np
 
+from bench import common
 from SneppX_ALG import _native
 
 MIB = 1024 * 1024
@@ -33,18 +33,6 @@ RANDOM_BLOCK = 16 * MIB  # random bytes repeated to the buffer size: CRC speed d
 def memory_read(array: np.ndarray) -> int:
     """Reads every byte once with a vectorised reduction: the memory read limit for one core."""
     return int(np.bitwise_xor.reduce(array.view(np.uint64)))
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
 
 def measure(size: int, repeat: int, random: bytes) -> list[tuple[str, float]]:
     """(name, GB/s) for every implementation on one buffer of `size` bytes; checks they agree."""
@@ -105,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = sorted(set(args.sizes + ([2048] if args.big else [])))
 
     kernels = ", ".join(_native.crc32c_kernels())
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs; kernels: {kernels}; "
+    print(f"CPU: {common.cpu_model()}, {os.cpu_count()} logical CPUs; kernels: {kernels}; "
           f"best of {args.repeat} rounds")
     random = np.random.default_rng(0).bytes(RANDOM_BLOCK)
     for size_mib in sizes:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from bench import common
 from SneppX_ALG import _native, checkpoint
 
 TENSORS = 16
@@ -49,15 +50,6 @@ def best(repeat: int, fn: Callable[[], object], before: Callable[[], object] | N
         fn()
         times.append(time.perf_counter() - t0)
     return min(times)
-
-
-def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def raw_direct_write(path: str, state: dict[str, np.ndarray]) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
@@ -96,7 +88,7 @@ def run(size_mib: int, directory: str, repeat: int) -> list[tuple[str, float, st
         from safetensors.numpy import save_file
 
         save_file(state, paths["st"])
-        fsync_file(paths["st"])
+        common.fsync_path(paths["st"])
 
     def save_npz() -> None:
         with open(paths["npz"], "wb") as f:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
-import platform
 import shutil
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from bench import common
 from SneppX_ALG import model as model_lib
 from SneppX_ALG import training
 
@@ -40,18 +40,6 @@ OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 RECIPE = {"vocab_size": 1000, "dim": 128, "num_heads": 4, "num_layers": 2, "ffn_dim": 512, "max_seq_len": 64}
 MEDIUM = {"vocab_size": 8192, "dim": 512, "num_heads": 8, "num_layers": 4, "ffn_dim": 2048, "max_seq_len": 256}
 LARGE = {"vocab_size": 32000, "dim": 1024, "num_heads": 16, "num_layers": 6, "ffn_dim": 4096, "max_seq_len": 512}
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
 
 def blas_description() -> str:
     try:
@@ -176,15 +164,6 @@ def bench_throughput(batch: int, repeat: int, threads: int | None) -> None:
           f"{batch * seq / seconds['train step']:,.0f} tokens/s. Model FLOP/s vs a plain matmul of the FFN's "
           f"shape: **{model_rate / ffn_rate:.2f}x** (target >= 0.5x).", flush=True)
 
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def bench_checkpoint(name: str, sizes: dict[str, int], directory: str, repeat: int) -> None:
     model = model_lib.Transformer(**sizes, seed=1)
     target = model_lib.Transformer(**sizes, seed=2)
@@ -207,7 +186,7 @@ def bench_checkpoint(name: str, sizes: dict[str, int], directory: str, repeat: i
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, pickle_path)
-        fsync_path(directory)
+        common.fsync_path(directory)
 
     def pickle_load() -> None:
         with open(pickle_path, "rb") as f:
@@ -257,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(subprocess.run(child, env=env, check=False).returncode)
 
     env_note = ", ".join(f"{v}={os.environ[v]}" for v in OPENBLAS_VARS if v in os.environ) or "not set"
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs; numpy {np.__version__}; {blas_description()}; "
+    print(f"CPU: {common.cpu_model()}, {os.cpu_count()} logical CPUs; numpy {np.__version__}; {blas_description()}; "
           f"OPENBLAS_CORETYPE/L2_SIZE: {env_note}; fastest of {args.repeat} rounds")
     for threads in args.threads:
         bench_throughput(args.batch, args.repeat, None if threads == 0 else threads)

@@ -1,0 +1,27 @@
+"""Helpers every benchmark area shares: what machine this is, and durable writes for the baselines."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+
+def cpu_model() -> str:
+    """The CPU's model name, for the machine line of each result."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def fsync_path(path: str) -> None:
+    """fsync of a written file, so a baseline that writes through Python pays for durability as SNPX does."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
