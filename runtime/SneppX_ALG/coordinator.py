@@ -43,8 +43,9 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any, Self
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from SneppX_ALG import _native, checkpoint, errors, format, storage
+from SneppX_ALG import _native, checkpoint, errors, format, signing, storage
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +196,9 @@ def steps_to_delete(committed: list[int], *, new_step: int, max_to_keep: int | N
 
 def build_manifest(step: int, specs: list[TensorSpec], pieces: list[Piece], crcs: dict[str, int],
                    values: list[tuple[tuple[str, ...], Any]], kind: str, training_state: Any,
-                   shards: list[str]) -> dict[str, Any]:
+                   shards: list[str], files: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The step's manifest. `files`: {shard name: {"size", "digest"}}, what a signature over the manifest
+    vouches for (docs/FORMAT.md, "Multi-file checkpoints")."""
     tensors = []
     for index, spec in enumerate(specs):
         own = [p for p in pieces if p.tensor == index]
@@ -209,6 +212,7 @@ def build_manifest(step: int, specs: list[TensorSpec], pieces: list[Piece], crcs
         "world_size": 1, "kind": kind, "shards": shards, "tensors": tensors,
         "values": [{"path": list(path), "value": value} for path, value in values],
         "training_state": training_state,
+        **({"files": files} if files is not None else {}),
     }
 
 
@@ -426,6 +430,7 @@ class _Job:
     writer: checkpoint.CheckpointWriter | None = None
     crcs: dict[str, int] = dataclasses.field(default_factory=dict)
     snapshot_crcs: dict[str, int] = dataclasses.field(default_factory=dict)
+    files: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 class _Engine:
@@ -435,6 +440,8 @@ class _Engine:
     def __init__(self, coordinator: CheckpointCoordinator):
         self.store = coordinator._storage
         self.retention = (coordinator.max_to_keep, coordinator.keep_every_n_steps)
+        self.signing_key = coordinator._signing_key
+        self.trusted_keys = coordinator._trusted_keys
         self.protected: set[int] = set()
         self.queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.error: BaseException | None = None
@@ -534,11 +541,16 @@ class _Engine:
         assert job.writer is not None and job.pending is not None
         job.writer.commit()
         job.writer = None
+        shard = SHARD_FILE.format(0)
+        self._record_file(job, shard)
         if job.step in self.store.committed_steps():
             self._set_aside_if_invalid(job.step)
-        manifest = build_manifest(job.step, job.specs, job.pieces, job.crcs, job.values, job.kind,
-                                  job.training_state, [SHARD_FILE.format(0)])
-        location = self.store.finalize(job.pending, encode_manifest(manifest))
+        manifest = encode_manifest(build_manifest(job.step, job.specs, job.pieces, job.crcs, job.values,
+                                                  job.kind, job.training_state, [shard], job.files))
+        signature = None
+        if self.signing_key is not None:  # written before the commit point, by finalize()
+            signature = signing.manifest_signature(manifest, self.signing_key)
+        location = self.store.finalize(job.pending, manifest, signature)
         job.pending = None
         with self._idle:
             self.committed.append((job.step, location))
@@ -549,12 +561,23 @@ class _Engine:
             self.store.delete(step)
             log.info("retention: deleted checkpoint step %d", step)
 
+    @staticmethod
+    def _record_file(job: _Job, name: str) -> None:
+        """Size and digest of a finished shard, for the manifest. Why a second read rather than hashing during
+        the write: the digest covers the whole file and the header at its start is written last. The file was
+        just written, so this costs one read (page cache or disk) and the hash, on this background thread with
+        the writer's hashing threads (signing.write_threads()), never on save()'s."""
+        assert job.pending is not None
+        path = os.path.join(job.pending.local_dir, name)
+        job.files[name] = {"size": os.path.getsize(path),
+                           "digest": signing.file_digest(path, threads=signing.write_threads())}
+
     def _set_aside_if_invalid(self, step: int) -> None:
         """A committed step being saved again (after a rollback past it): an invalid copy is moved aside so
         the new one can commit; a valid one stays and finalize() refuses to overwrite it."""
         try:
             with self.store.open_step(step) as local:
-                problems = _check_step(local, step)[1]
+                problems = _check_step(local, step, self.trusted_keys)[1]
         except errors.CheckpointNotFoundError:
             return
         if problems:
@@ -604,12 +627,19 @@ class CheckpointCoordinator:
     device: "auto" (pinned staging and GPU copies when a CUDA device is usable), "cpu", or a CUDA device index.
     cleanup_on_start: remove what a crash left (temp directories, incomplete S3 uploads); leave it on in one
         process per root only.
+    signing_key: an Ed25519 private key (or an unencrypted PEM path): every step is signed, a detached `manifest.sig`
+        over manifest.json (which lists each shard's size and BLAKE3 digest) written before the commit point.
+    trusted_keys: public keys (objects, PEM paths or bytes; see signing.trusted_key_set): latest(), restore()
+        and validate() then also require a signature by one of them and every shard to match its digest, and
+        treat a step that fails like any invalid step (skipped, reported in `skipped`, rolled back past).
+        None (the default): signatures are not checked.
     """
 
     def __init__(self, checkpoint_root: str | os.PathLike[str], save_every_n_steps: int | None = None,
                  max_to_keep: int | None = 5, async_save: bool = True, *, keep_every_n_steps: int | None = None,
                  staging_bytes: int = DEFAULT_STAGING_BYTES, device: str | int = "auto", copy_threads: int = 0,
-                 s3_client: Any = None, staging_dir: str | None = None, cleanup_on_start: bool = True):
+                 s3_client: Any = None, staging_dir: str | None = None, cleanup_on_start: bool = True,
+                 signing_key: Any = None, trusted_keys: Any = None):
         for name, value in (("save_every_n_steps", save_every_n_steps), ("max_to_keep", max_to_keep),
                             ("keep_every_n_steps", keep_every_n_steps)):
             if value is not None and (not isinstance(value, int) or value < 0):
@@ -624,6 +654,11 @@ class CheckpointCoordinator:
         self.staging_bytes = staging_bytes
         self.skipped: list[SkippedCheckpoint] = []
         self.last_saved_step: int | None = None
+        self._signing_key = _private_key(signing_key)
+        self._trusted_keys = None if trusted_keys is None else signing.trusted_key_set(trusted_keys)
+        if self._trusted_keys is not None and not self._trusted_keys:
+            raise errors.KeyFormatError("trusted_keys is empty: no step could ever verify (pass None to not "
+                                        "check signatures)")
         self._storage = storage.open_storage(self.checkpoint_root, s3_client=s3_client, staging_dir=staging_dir)
         if cleanup_on_start:
             for leftover in self._storage.cleanup():
@@ -789,7 +824,7 @@ class CheckpointCoordinator:
     def validate(self, step: int) -> list[str]:
         """Problems with committed step `step` ([] when it is whole and every byte checks)."""
         with self._storage.open_step(step) as local:
-            return _check_step(local, step)[1]
+            return _check_step(local, step, self._trusted_keys)[1]
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint that validates, or None. Committed steps that fail validation
@@ -797,7 +832,7 @@ class CheckpointCoordinator:
         for step in reversed(self._storage.committed_steps()):
             try:
                 with self._storage.open_step(step) as local:
-                    manifest, problems = _check_step(local, step)
+                    manifest, problems = _check_step(local, step, self._trusted_keys)
             except errors.CheckpointNotFoundError:
                 continue  # deleted by retention between listing and opening
             if not problems:
@@ -813,7 +848,7 @@ class CheckpointCoordinator:
         for candidate in steps:
             try:
                 with self._storage.open_step(candidate) as local:
-                    manifest, problems = _check_step(local, candidate)
+                    manifest, problems = _check_step(local, candidate, self._trusted_keys)
                     if problems:
                         self._report(candidate, problems)
                         if step is not None:
@@ -847,18 +882,61 @@ class CheckpointCoordinator:
         log.warning("skipping checkpoint step %d: %s", step, "; ".join(problems[:5]))
 
 
-def _check_step(local: str, step: int) -> tuple[dict[str, Any] | None, list[str]]:
+def _private_key(key: Any) -> Any:
+    """The signing key as an Ed25519 private key (an unencrypted PEM path is loaded once, here)."""
+    if key is None or isinstance(key, ed25519.Ed25519PrivateKey):
+        return key
+    if isinstance(key, (str, os.PathLike)):
+        return signing.load_private_key(key)
+    raise errors.KeyFormatError(f"signing_key must be an Ed25519 private key or a PEM path, not a "
+                                f"{type(key).__name__}")
+
+
+def _signature_problem(local: str, raw: bytes, trusted_keys: dict[bytes, Any]) -> str | None:
+    """Why a step's signature or digests don't verify (named by the failed check's error class), or None.
+
+    Checks the exact manifest bytes the caller goes on to use: manifest.sig over them, then each listed
+    file's size and BLAKE3 digest."""
+    try:
+        with open(os.path.join(local, storage.SIGNATURE), "rb") as f:
+            signature = f.read(format.MAX_SIGNATURE_BYTES + 1)
+    except FileNotFoundError:
+        signature = b""
+    try:
+        signing.check_manifest_signature(raw, signature, trusted_keys, path=local)
+        signing.check_manifest_files(local, raw)
+    except errors.SneppXError as e:
+        return f"{type(e).__name__}: {e}"
+    except OSError as e:
+        return f"StorageError: {local}: can't read: {e.strerror or e}"
+    return None
+
+
+def _check_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None = None,
+                ) -> tuple[dict[str, Any] | None, list[str]]:
     """(manifest, problems) for a step directory: manifest, every shard's bytes, and that the manifest's
-    pieces are exactly the shard entries with the same CRCs."""
+    pieces are exactly the shard entries with the same CRCs. With trusted_keys, first the signature and
+    the digest of every file the manifest lists, and that every shard is among them."""
     path = os.path.join(local, storage.MANIFEST)
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
-        manifest = decode_manifest(raw, step=step, where=path)
     except FileNotFoundError:
         return None, [f"{path}: manifest.json is missing"]
+    if trusted_keys is not None:  # before parsing: a forged manifest costs nothing more than this
+        problem = _signature_problem(local, raw, trusted_keys)
+        if problem is not None:
+            return None, [problem]
+    try:
+        manifest = decode_manifest(raw, step=step, where=path)
     except errors.ManifestError as e:
         return None, [str(e)]
+    if trusted_keys is not None:
+        unsigned = [s for s in manifest["shards"] if s not in manifest.get("files", {})]
+        if unsigned:
+            why = (f"DigestMismatchError: {local}: shard(s) {', '.join(unsigned)} have no digest in the signed "
+                   "manifest, so the signature does not cover them")
+            return manifest, [why]
     problems: list[str] = []
     entries: dict[tuple[int, str], format.TensorEntry] = {}
     for index, shard in enumerate(manifest["shards"]):

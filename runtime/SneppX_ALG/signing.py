@@ -181,15 +181,20 @@ def start_digest_check(data: Any, expected: str) -> Callable[[], str | None]:
     return finish
 
 
-def file_digest(path: str | os.PathLike[str], name: str = DIGEST_ALGORITHM) -> str:
-    """'<alg>:<hex>' of a whole file, read through a memory map (for manifests of multi-file checkpoints)."""
+def file_digest(path: str | os.PathLike[str], name: str = DIGEST_ALGORITHM, *,
+                threads: int = ALL_THREADS) -> str:
+    """'<alg>:<hex>' of a whole file, read through a memory map (for manifests of multi-file checkpoints).
+
+    `threads`: every core by default (a verify has nothing else to do); a background writer passes fewer so
+    that the training loop keeps its cores.
+    """
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             return digest_of(b"", name)
         with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
             view = memoryview(mapped)
             try:
-                return digest_of(view, name, threads=ALL_THREADS)
+                return digest_of(view, name, threads=threads)
             finally:
                 view.release()
 
@@ -700,6 +705,16 @@ def _check_manifest_files(directory: str, files: dict[str, dict[str, Any]]) -> N
         if file_digest(target, alg) != info["digest"]:
             raise errors.DigestMismatchError(f"file {name!r} does not match its {alg} digest in the manifest",
                                              path=directory)
+
+
+def check_manifest_files(directory: str | os.PathLike[str], manifest_bytes: bytes) -> dict[str, dict[str, Any]]:
+    """Every file these manifest bytes list, checked in `directory` against its size and digest; returns the
+    "files" object. For callers that already hold (and checked the signature of) the manifest bytes, so the
+    bytes they go on to use are the bytes that were verified."""
+    directory = os.fspath(directory)
+    files = _manifest_files(manifest_bytes, directory)
+    _check_manifest_files(directory, files)
+    return files
 
 
 def check_manifest(directory: str | os.PathLike[str], trusted_keys: Any) -> Verified:

@@ -9,19 +9,20 @@ Layout (both backends)::
 
     <root>/step-000001000/shard-00000.snpx   one SNPX file per shard
     <root>/step-000001000/manifest.json      global tensor index + training state (JSON, never pickle)
+    <root>/step-000001000/manifest.sig       signed steps only: detached signature over manifest.json
     <root>/step-000001000/COMMITTED          S3 only: the commit marker, written last
 
 Commit points:
 
-* Local: shards and the manifest are written (each fsynced, renamed, directory fsynced) inside
-  `<root>/.tmp-step-000001000-<pid>-<hex>/`, which is then renamed to `step-000001000` and the root directory
-  fsynced. The rename is the commit: a `step-*` directory is complete by construction, so no marker file is
-  needed (one more fsync'd file would add nothing a rename doesn't already guarantee). Deletion first renames
-  the step to `.deleting-...` (invisible at once), then removes it.
-* S3: shards go up as parallel multipart uploads and the manifest as one PUT, then `COMMITTED` is PUT with
-  `If-None-Match: *`, so two writers can never both commit a step. Deletion removes the marker first.
-  Failed uploads are aborted; `cleanup()` aborts every incomplete multipart upload under the prefix and
-  deletes objects of steps that have no marker.
+* Local: shards, the manifest and its signature (if any) are written (each fsynced, renamed, directory
+  fsynced) inside `<root>/.tmp-step-000001000-<pid>-<hex>/`, which is then renamed to `step-000001000` and
+  the root directory fsynced. The rename is the commit: a `step-*` directory is complete by construction,
+  so no marker file is needed (one more fsync'd file would add nothing a rename doesn't already guarantee).
+  Deletion first renames the step to `.deleting-...` (invisible at once), then removes it.
+* S3: shards go up as parallel multipart uploads, the manifest and its signature (if any) as one PUT each,
+  then `COMMITTED` is PUT with `If-None-Match: *`, so two writers can never both commit a step. Deletion
+  removes the marker first. Failed uploads are aborted; `cleanup()` aborts every incomplete multipart upload
+  under the prefix and deletes objects of steps that have no marker.
 
 `cleanup()` assumes one writer per root (rank 0 in a multi-rank job), as it removes every leftover.
 """
@@ -43,6 +44,7 @@ from typing import Any, Protocol
 from SneppX_ALG import _native, errors
 
 MANIFEST = "manifest.json"
+SIGNATURE = "manifest.sig"
 COMMITTED = "COMMITTED"
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
 _TMP_PREFIX = ".tmp-step-"
@@ -80,7 +82,7 @@ class Storage(Protocol):
 
     def begin(self, step: int) -> PendingStep: ...
 
-    def finalize(self, pending: PendingStep, manifest: bytes) -> str: ...
+    def finalize(self, pending: PendingStep, manifest: bytes, signature: bytes | None = None) -> str: ...
 
     def abort(self, pending: PendingStep) -> None: ...
 
@@ -169,9 +171,11 @@ class LocalStorage:
             raise _os_error(e, tmp) from None
         return PendingStep(step=step, local_dir=tmp)
 
-    def finalize(self, pending: PendingStep, manifest: bytes) -> str:
+    def finalize(self, pending: PendingStep, manifest: bytes, signature: bytes | None = None) -> str:
         final = self.step_path(pending.step)
         write_durable(os.path.join(pending.local_dir, MANIFEST), manifest)
+        if signature is not None:  # before the commit point: a committed signed step always has its signature
+            write_durable(os.path.join(pending.local_dir, SIGNATURE), signature)
         if os.path.lexists(final):
             raise errors.CheckpointExistsError(f"{final} is already committed; a step is never overwritten",
                                                path=final)
@@ -306,7 +310,7 @@ class S3Storage:
         local = tempfile.mkdtemp(prefix=f"{_STAGE_PREFIX}{os.getpid()}-{step:09d}-", dir=self.staging_dir)
         return PendingStep(step=step, local_dir=local)
 
-    def finalize(self, pending: PendingStep, manifest: bytes) -> str:
+    def finalize(self, pending: PendingStep, manifest: bytes, signature: bytes | None = None) -> str:
         name = step_name(pending.step)
         marker = self.key(name, COMMITTED)
         uploaded: list[str] = []
@@ -322,6 +326,9 @@ class S3Storage:
                 uploaded.append(key)
             self._put(self.key(name, MANIFEST), manifest)
             uploaded.append(self.key(name, MANIFEST))
+            if signature is not None:  # before the marker: a committed signed step always has its signature
+                self._put(self.key(name, SIGNATURE), signature)
+                uploaded.append(self.key(name, SIGNATURE))
             self._put(marker, manifest, if_none_match=True)  # the commit point
         except BaseException:
             with contextlib.suppress(errors.StorageError):  # best effort: cleanup() gets the rest
