@@ -7,7 +7,8 @@ Save: CheckpointWriter (through its fsync) vs a raw O_DIRECT write of the same b
 Load (file in the page cache): CheckpointReader.read of every tensor with CRC verification, zero-copy and
 copied into owned arrays, vs safetensors.numpy.load_file and np.load (neither verifies anything).
 Validate: validate_checkpoint vs CRC32C alone over the same bytes in memory (one core).
-Every figure is the best of --repeat runs; ratios compare figures from this same run.
+Every figure is the best of --repeat rounds, each round running every candidate once; ratios compare figures
+from this same run.
 """
 
 from __future__ import annotations
@@ -41,15 +42,19 @@ def aligned_state(total: int) -> dict[str, np.ndarray]:
     return state
 
 
-def best(repeat: int, fn: Callable[[], object], before: Callable[[], object] | None = None) -> float:
-    times = []
+def fastest(repeat: int, candidates: dict[str, Callable[[], object]],
+            before: Callable[[str], object] | None = None) -> dict[str, float]:
+    """Best time of each candidate; rounds interleave the candidates so a noisy spell hits them all alike."""
+    times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(repeat):
-        if before:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        for name, fn in candidates.items():
+            if before:
+                before(name)
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: min(ts) for name, ts in times.items()}
+
 
 def raw_direct_write(path: str, state: dict[str, np.ndarray]) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
@@ -76,8 +81,9 @@ def run(size_mib: int, directory: str, repeat: int) -> list[tuple[str, float, st
     nbytes = sum(a.nbytes for a in state.values())
     paths = {k: os.path.join(directory, f"{k}-{size_mib}") for k in ("snpx", "raw", "st", "npz", "pkl")}
 
-    def clean(*keys: str) -> Callable[[], None]:
-        return lambda: [os.path.exists(paths[k]) and os.remove(paths[k]) for k in keys]
+    def clean(key: str) -> None:
+        if os.path.exists(paths[key]):
+            os.remove(paths[key])
 
     def save_snpx() -> None:
         with checkpoint.CheckpointWriter(paths["snpx"]) as w:
@@ -103,13 +109,8 @@ def run(size_mib: int, directory: str, repeat: int) -> list[tuple[str, float, st
             os.fsync(f.fileno())
 
     rows = []
-    t = {
-        "raw": best(repeat, lambda: raw_direct_write(paths["raw"], state), clean("raw")),
-        "snpx": best(repeat, save_snpx, clean("snpx")),
-        "st": best(repeat, save_st, clean("st")),
-        "npz": best(repeat, save_npz, clean("npz")),
-        "pkl": best(repeat, save_pickle, clean("pkl")),
-    }
+    t = fastest(repeat, {"raw": lambda: raw_direct_write(paths["raw"], state), "snpx": save_snpx, "st": save_st,
+                         "npz": save_npz, "pkl": save_pickle}, before=clean)
     gbps = {k: nbytes / v / 1e9 for k, v in t.items()}
     rows.append(("save: SNPX CheckpointWriter (fsync)", gbps["snpx"], "1.00x"))
     rows.append(("save: raw O_DIRECT write, same bytes", gbps["raw"], f"SNPX = {t['raw'] / t['snpx']:.2f}x of it"))
@@ -135,8 +136,7 @@ def run(size_mib: int, directory: str, repeat: int) -> list[tuple[str, float, st
         with np.load(paths["npz"]) as z:
             return {k: z[k] for k in z.files}
 
-    lt = {"zero": best(repeat, load_snpx(False)), "copy": best(repeat, load_snpx(True)),
-          "st": best(repeat, load_st), "npz": best(repeat, load_npz)}
+    lt = fastest(repeat, {"zero": load_snpx(False), "copy": load_snpx(True), "st": load_st, "npz": load_npz})
     rows.append(("load: SNPX, CRC-verified, zero-copy", nbytes / lt["zero"] / 1e9,
                  f"{lt['st'] / lt['zero']:.2f}x safetensors"))
     rows.append(("load: SNPX, CRC-verified, copied", nbytes / lt["copy"] / 1e9,
@@ -146,8 +146,9 @@ def run(size_mib: int, directory: str, repeat: int) -> list[tuple[str, float, st
                  f"SNPX zero-copy {lt['npz'] / lt['zero']:.2f}x faster"))
 
     blob = np.concatenate([a.view(np.uint8) for a in state.values()])
-    v = best(repeat, lambda: checkpoint.validate_checkpoint(paths["snpx"]))
-    c = best(repeat, lambda: _native.crc32c(blob))
+    vc = fastest(repeat, {"validate": lambda: checkpoint.validate_checkpoint(paths["snpx"]),
+                          "crc": lambda: _native.crc32c(blob)})
+    v, c = vc["validate"], vc["crc"]
     rows.append(("validate_checkpoint (cached file)", nbytes / v / 1e9, f"{c / v:.2f}x of CRC alone"))
     rows.append(("CRC32C alone, one core, in memory", nbytes / c / 1e9, "1.00x"))
     for p in paths.values():
