@@ -563,14 +563,16 @@ class _Engine:
 
     @staticmethod
     def _record_file(job: _Job, name: str) -> None:
-        """Size and digest of a finished shard, for the manifest. Why a second read rather than hashing during
-        the write: the digest covers the whole file and the header at its start is written last. The file was
-        just written, so this costs one read (page cache or disk) and the hash, on this background thread with
-        the writer's hashing threads (signing.write_threads()), never on save()'s."""
+        """Size and digest of a finished shard, for the manifest.
+
+        Why a read-back rather than hashing during the write: the digest is BLAKE3 of the whole file, and the
+        header at its start is written last, while the `blake3` package can only hash from the start. The
+        cost is one read of the shard (from the disk: the writer bypasses the page cache) and the hash, on
+        this background thread with the writer's hashing threads (signing.write_threads()), never in save()."""
         assert job.pending is not None
         path = os.path.join(job.pending.local_dir, name)
         job.files[name] = {"size": os.path.getsize(path),
-                           "digest": signing.file_digest(path, threads=signing.write_threads())}
+                           "digest": signing.readback_digest(path, threads=signing.write_threads())}
 
     def _set_aside_if_invalid(self, step: int) -> None:
         """A committed step being saved again (after a rollback past it): an invalid copy is moved aside so

@@ -199,6 +199,35 @@ def file_digest(path: str | os.PathLike[str], name: str = DIGEST_ALGORITHM, *,
                 view.release()
 
 
+# A file just written (by a background writer) is read back in pieces of this size into a ring of three
+# reused buffers: memory stays bounded (a memory map would count every page of the file in the process's RSS)
+# and the next piece is read while the hashing thread hashes the previous one.
+_READBACK_PIECE = 8 << 20
+
+
+def readback_digest(path: str | os.PathLike[str], name: str = DIGEST_ALGORITHM, *, threads: int = 1) -> str:
+    """'<alg>:<hex>' of a whole file (same value as file_digest), read with bounded memory and dropped from
+    the page cache afterwards: for a writer that hashes what it just wrote, without growing its footprint."""
+    digest = new_digest(name, threads=threads)
+    ring = [bytearray(_READBACK_PIECE) for _ in range(3)]  # update() keeps at most 2 pieces queued
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        offset = pieces = 0
+        while True:
+            buffer = ring[pieces % 3]
+            count = os.preadv(fd, [buffer], offset)
+            if count == 0:
+                break
+            digest.update(memoryview(buffer)[:count])
+            offset, pieces = offset + count, pieces + 1
+        value = f"{digest.name}:{digest.hexdigest()}"
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return value
+    finally:
+        os.close(fd)
+
+
 # --- keys ----------------------------------------------------------------------------------------------
 
 KEY_ID_BYTES = 32
@@ -707,7 +736,8 @@ def _check_manifest_files(directory: str, files: dict[str, dict[str, Any]]) -> N
                                              path=directory)
 
 
-def check_manifest_files(directory: str | os.PathLike[str], manifest_bytes: bytes) -> dict[str, dict[str, Any]]:
+def check_manifest_files(directory: str | os.PathLike[str],
+                         manifest_bytes: bytes) -> dict[str, dict[str, Any]]:
     """Every file these manifest bytes list, checked in `directory` against its size and digest; returns the
     "files" object. For callers that already hold (and checked the signature of) the manifest bytes, so the
     bytes they go on to use are the bytes that were verified."""
