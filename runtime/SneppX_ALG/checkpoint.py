@@ -85,6 +85,7 @@ class CheckpointWriter:
         self._entries: list[format.TensorEntry] = []
         self._names: set[str] = set()
         self._file: _native.NativeFile | None = None
+        self._broken: BaseException | None = None
         self._tmp = ""
         self.committed = False
 
@@ -127,14 +128,22 @@ class CheckpointWriter:
             if not len(global_shape) == len(global_offset) == len(shape) or any(
                     o < 0 or o + s > g for o, s, g in zip(global_offset, shape, global_shape)):
                 raise ValueError(f"shard {list(shape)} at {list(global_offset)} does not fit in {list(global_shape)}")
-        self._file.pad(format.ALIGN)
-        offset = self._file.size
-        digest = _new_digest() if self.signing_key is not None else None
-        crc = 0
-        for piece in _little_endian_pieces(array, _PIECE):
-            if digest is not None:
-                digest.update(piece)  # hashed on signing's worker thread while append copies the same bytes
-            crc = _native.crc32c_combine(crc, self._file.append(piece), len(piece))
+        if self._broken is not None:
+            raise errors.StorageError(f"an earlier write to {self.path} failed ({self._broken}); this checkpoint "
+                                      "can't be committed", path=self.path)
+        try:
+            self._file.pad(format.ALIGN)
+            offset = self._file.size
+            digest = _new_digest() if self.signing_key is not None else None
+            crc = 0
+            for piece in _little_endian_pieces(array, _PIECE):
+                if digest is not None:
+                    digest.update(piece)  # hashed on signing's worker thread while append copies the same bytes
+                crc = _native.crc32c_combine(crc, self._file.append(piece), len(piece))
+        except BaseException as e:
+            # part of the tensor may be in the file already: the layout is no longer canonical
+            self._broken = e
+            raise
         entry = format.TensorEntry(
             name=name, dtype=dtype, shape=shape, offset=offset, length=self._file.size - offset, crc32c=crc,
             global_shape=global_shape, global_offset=global_offset,
@@ -148,6 +157,9 @@ class CheckpointWriter:
         self.open()
         assert self._file is not None
         try:
+            if self._broken is not None:
+                raise errors.StorageError(f"an earlier write to {self.path} failed ({self._broken}); nothing was "
+                                          "committed", path=self.path)
             self._file.pad(format.ALIGN)
             table_offset = self._file.size
             table = format.encode_table(format.Table(tuple(self._entries), self.metadata, self.config))

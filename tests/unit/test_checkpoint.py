@@ -233,3 +233,20 @@ def test_corrupt_tensor_is_reported_by_name_and_others_still_checked(tmp_path: p
         np.testing.assert_array_equal(r.read("good"), np.ones(100))
         with pytest.raises(errors.ChecksumMismatchError, match="'bad'"):
             r.read("bad")
+
+
+def test_a_failed_write_can_not_be_committed(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "half.snpx"
+    writer = CheckpointWriter(path)
+    writer.write("a", np.zeros(4))
+    _native.fault_arm("write", 1, "EIO")
+    try:
+        with pytest.raises(errors.StorageError):
+            writer.write("big", np.ones(4 << 20))  # fails after part of the tensor went into the staging buffer
+    finally:
+        _native.fault_arm("write", 0, "kill")
+    with pytest.raises(errors.StorageError, match="earlier write"):
+        writer.write("c", np.zeros(1))
+    with pytest.raises(errors.StorageError, match="nothing was committed"):
+        writer.commit()
+    assert not path.exists() and os.listdir(tmp_path) == []
