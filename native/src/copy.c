@@ -15,6 +15,7 @@
  */
 #define _GNU_SOURCE
 #include "sneppx.h"
+#include "split.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -147,8 +148,7 @@ int sx_cuda_memcpy(int device, void *dst, const void *src, size_t len, int kind)
 /* ---- the copier ---------------------------------------------------------- */
 
 #define MAX_INFLIGHT 8
-#define CPU_PIECE ((size_t)256 << 10)        /* CRC then copy in L2-sized pieces */
-#define CPU_MIN_PER_THREAD ((size_t)4 << 20) /* below this a thread costs more than it saves */
+#define CPU_PIECE ((size_t)256 << 10) /* CRC then copy in L2-sized pieces */
 #define CPU_MAX_THREADS 64
 
 struct sx_copier {
@@ -244,18 +244,15 @@ static void *host_copy_main(void *arg) {
 }
 
 static int copy_host(sx_copier *c, void *dst, const void *src, size_t len, uint32_t *crc) {
-    int n = c->nthreads;
-    if ((size_t)n > len / CPU_MIN_PER_THREAD) n = (int)(len / CPU_MIN_PER_THREAD);
-    if (n < 1) n = 1;
+    int n = (int)split_count(len, (size_t)c->nthreads, CPU_MAX_THREADS);
     struct host_job jobs[CPU_MAX_THREADS];
     pthread_t threads[CPU_MAX_THREADS];
     int started[CPU_MAX_THREADS] = {0};
-    size_t per = (len / (size_t)n + 63) & ~(size_t)63; /* cache-line aligned slices */
     for (int i = 0; i < n; i++) {
-        size_t off = (size_t)i * per;
-        jobs[i].dst = (unsigned char *)dst + off;
-        jobs[i].src = (const unsigned char *)src + off;
-        jobs[i].len = off >= len ? 0 : (len - off < per ? len - off : per);
+        struct split_slice s = split_slice(len, (size_t)n, (size_t)i);
+        jobs[i].dst = (unsigned char *)dst + s.off;
+        jobs[i].src = (const unsigned char *)src + s.off;
+        jobs[i].len = s.len;
         jobs[i].want_crc = crc != NULL;
     }
     /* slice 0 runs on the calling thread; a failed thread start runs its slice here too */

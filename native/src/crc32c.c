@@ -27,6 +27,7 @@
  * every constant is computed at init from the polynomial, never copied.
  */
 #include "sneppx.h"
+#include "split.h"
 
 #include <pthread.h>
 #include <string.h>
@@ -44,8 +45,6 @@
 /* x^0 in the reflected representation. */
 #define X_POW_0 0x80000000u
 
-/* Below this many bytes per thread, thread start-up costs more than it saves. */
-#define PARALLEL_MIN_PER_THREAD ((size_t)4 << 20)
 #define PARALLEL_MAX_THREADS 256
 
 typedef uint32_t (*crc_raw_fn)(uint32_t raw, const unsigned char *p, size_t len);
@@ -392,20 +391,17 @@ uint32_t sx_crc32c_parallel(uint32_t crc, const void *buf, size_t len, int nthre
         long online = sysconf(_SC_NPROCESSORS_ONLN);
         nthreads = online > 0 ? (int)(online < PARALLEL_MAX_THREADS ? online : PARALLEL_MAX_THREADS) : 1;
     }
-    if (nthreads > PARALLEL_MAX_THREADS) nthreads = PARALLEL_MAX_THREADS;
-    size_t n = len / PARALLEL_MIN_PER_THREAD;
-    if (n > (size_t)nthreads) n = (size_t)nthreads;
-    if (n <= 1) return sx_crc32c(crc, buf, len);
+    size_t n = split_count(len, (size_t)nthreads, PARALLEL_MAX_THREADS);
+    if (n == 1) return sx_crc32c(crc, buf, len);
 
     struct crc_job jobs[PARALLEL_MAX_THREADS];
     pthread_t threads[PARALLEL_MAX_THREADS];
     int started[PARALLEL_MAX_THREADS];
     const unsigned char *p = buf;
-    /* Whole cache lines per chunk: threads never share a line of an aligned buffer. */
-    size_t chunk = ((len / n) + 63) & ~(size_t)63;
     for (size_t i = 0; i < n; i++) {
-        jobs[i].p = p + i * chunk;
-        jobs[i].len = i + 1 < n ? chunk : len - i * chunk;
+        struct split_slice s = split_slice(len, n, i);
+        jobs[i].p = p + s.off;
+        jobs[i].len = s.len;
     }
     /* The caller hashes chunk 0 itself; a thread that can't start is run inline. */
     for (size_t i = 1; i < n; i++) {

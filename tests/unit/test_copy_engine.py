@@ -9,6 +9,8 @@ import textwrap
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from SneppX_ALG import _native, errors
 
@@ -26,6 +28,48 @@ def test_host_copy_lands_every_byte_and_returns_its_crc32c(size: int, threads: i
     assert bytes(dst[:size]) == data.tobytes()
     assert bytes(dst[size:]) == bytes(8), "the copy wrote past its end"
     assert crc == _native.crc32c(data)
+
+
+# len / threads a whole number of cache lines and len % threads != 0: slices of
+# exactly len / threads bytes leave the last len % threads bytes uncopied and unhashed.
+@pytest.mark.parametrize(("size", "threads"), [((8 << 20) + 1, 2), ((12 << 20) + 2, 3), ((16 << 20) + 3, 4)])
+def test_host_copy_lands_the_tail_that_whole_cache_line_slices_leave_over(size: int, threads: int) -> None:
+    data = np.random.default_rng(size).integers(1, 256, size, dtype=np.uint8)
+    dst = bytearray(size)
+    crc = _native.Copier(-1, threads=threads).copy(dst, data)
+    tail = size % threads
+    assert bytes(dst[-tail:]) == data[-tail:].tobytes(), "the last bytes were never copied"
+    assert bytes(dst) == data.tobytes()
+    assert crc == _native.crc32c_with("portable", data)
+
+
+MAX_SPLIT_SIZE = 20 << 20
+SPLIT_SOURCE = np.random.default_rng(20).integers(0, 256, MAX_SPLIT_SIZE + 64, dtype=np.uint8)
+
+
+@st.composite
+def split_cases(draw: st.DrawFn) -> tuple[int, int, int]:
+    """(size, threads, start): sizes anywhere, and sizes just past a whole number of cache lines per thread."""
+    threads = draw(st.integers(1, 5))
+    lines = draw(st.integers(0, MAX_SPLIT_SIZE // (64 * threads)))
+    near_a_line_split = min(lines * 64 * threads + draw(st.integers(0, threads + 1)), MAX_SPLIT_SIZE)
+    size = draw(st.one_of(st.integers(0, MAX_SPLIT_SIZE), st.just(near_a_line_split)))
+    return size, threads, draw(st.integers(0, 63))
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=split_cases())
+def test_threaded_copy_and_parallel_crc_cover_every_byte_of_any_split(case: tuple[int, int, int]) -> None:
+    # copy.c and crc32c_parallel cut the buffer with the same rule (native/src/split.h)
+    size, threads, start = case
+    src = SPLIT_SOURCE[start:start + size]
+    dst = np.zeros(size + 64, dtype=np.uint8)
+    crc = _native.Copier(-1, threads=threads).copy(dst[:size], src)
+    expected = _native.crc32c_with("portable", src)
+    assert np.array_equal(dst[:size], src)
+    assert not dst[size:].any(), "the copy wrote past its end"
+    assert crc == expected
+    assert _native.crc32c_parallel(src, threads=threads) == expected
 
 
 def test_crc_continues_from_the_value_given() -> None:
