@@ -33,7 +33,7 @@ enum { CUDA_SUCCESS = 0, CUDA_ERR_INSUFFICIENT_DRIVER = 35, CUDA_ERR_NO_DEVICE =
 enum { MEMCPY_H2D = 1, MEMCPY_D2H = 2, MEMCPY_D2D = 3 };
 enum { HOST_ALLOC_PORTABLE = 1, STREAM_NON_BLOCKING = 1, EVENT_BLOCKING_SYNC = 1, EVENT_DISABLE_TIMING = 2 };
 
-static struct {
+struct cuda_api {
     cuda_err (*GetDeviceCount)(int *);
     cuda_err (*SetDevice)(int);
     cuda_err (*HostAlloc)(void **, size_t, unsigned);
@@ -50,17 +50,24 @@ static struct {
     cuda_err (*EventSynchronize)(cuda_event);
     cuda_err (*EventDestroy)(cuda_event);
     const char *(*GetErrorString)(cuda_err);
-} cuda;
+};
 
+/* Written once, under cuda_lock, before cuda_handle is published with a
+ * release store; read without the lock only after an acquire load of
+ * cuda_handle (cuda_loaded) saw it set, so a reader never sees the handle
+ * without the table and path it guards. Never changed after that. */
 static pthread_mutex_t cuda_lock = PTHREAD_MUTEX_INITIALIZER;
-static void *cuda_handle;
+static struct cuda_api cuda;
 static char cuda_path[4096];
+static void *cuda_handle;
 static __thread int cuda_last;
+
+static int cuda_loaded(void) { return __atomic_load_n(&cuda_handle, __ATOMIC_ACQUIRE) != NULL; }
 
 int sx_cuda_last_error(void) { return cuda_last; }
 
 const char *sx_cuda_error_string(int err) {
-    if (cuda_handle && cuda.GetErrorString) return cuda.GetErrorString(err);
+    if (cuda_loaded()) return cuda.GetErrorString(err);
     return "CUDA runtime not loaded";
 }
 
@@ -78,10 +85,11 @@ int sx_cuda_load(const char *path) {
     const char *name = path && *path ? path : "libcudart.so.12";
     void *h = dlopen(name, RTLD_NOW | RTLD_LOCAL);
     if (!h) { rc = SX_ENOLIB; goto out; }
+    struct cuda_api api; /* filled aside, so a failed load leaves the shared table untouched */
 #define SYM(field, sym)                                       \
     do {                                                      \
-        *(void **)&cuda.field = dlsym(h, sym);                \
-        if (!cuda.field) { dlclose(h); rc = SX_ENOLIB; goto out; } \
+        *(void **)&api.field = dlsym(h, sym);                 \
+        if (!api.field) { dlclose(h); rc = SX_ENOLIB; goto out; } \
     } while (0)
     SYM(GetDeviceCount, "cudaGetDeviceCount");
     SYM(SetDevice, "cudaSetDevice");
@@ -100,21 +108,22 @@ int sx_cuda_load(const char *path) {
     SYM(EventDestroy, "cudaEventDestroy");
     SYM(GetErrorString, "cudaGetErrorString");
 #undef SYM
-    cuda_handle = h;
+    cuda = api;
     Dl_info info;
-    const char *where = dladdr(*(void **)&cuda.GetDeviceCount, &info) && info.dli_fname ? info.dli_fname : name;
+    const char *where = dladdr(*(void **)&api.GetDeviceCount, &info) && info.dli_fname ? info.dli_fname : name;
     strncpy(cuda_path, where, sizeof cuda_path - 1);
+    __atomic_store_n(&cuda_handle, h, __ATOMIC_RELEASE); /* last: publishes cuda and cuda_path */
 out:
     pthread_mutex_unlock(&cuda_lock);
     return rc;
 }
 
-const char *sx_cuda_library(void) { return cuda_handle ? cuda_path : NULL; }
+const char *sx_cuda_library(void) { return cuda_loaded() ? cuda_path : NULL; }
 
 int sx_cuda_device_count(int *count) {
     if (!count) return SX_EINVAL;
     *count = 0;
-    if (!cuda_handle) return SX_ENOLIB;
+    if (!cuda_loaded()) return SX_ENOLIB;
     int rc = cuda_status(cuda.GetDeviceCount(count));
     if (rc != SX_OK) *count = 0;
     else if (*count == 0) { cuda_last = CUDA_ERR_NO_DEVICE; rc = SX_ENODEV; }
@@ -122,7 +131,7 @@ int sx_cuda_device_count(int *count) {
 }
 
 int sx_cuda_malloc(int device, size_t len, void **out) {
-    if (!out || !cuda_handle) return out ? SX_ENOLIB : SX_EINVAL;
+    if (!out || !cuda_loaded()) return out ? SX_ENOLIB : SX_EINVAL;
     *out = NULL;
     int rc = cuda_status(cuda.SetDevice(device));
     if (rc == SX_OK) rc = cuda_status(cuda.Malloc(out, len ? len : 1));
@@ -130,14 +139,14 @@ int sx_cuda_malloc(int device, size_t len, void **out) {
 }
 
 int sx_cuda_free(int device, void *p) {
-    if (!cuda_handle) return SX_ENOLIB;
+    if (!cuda_loaded()) return SX_ENOLIB;
     int rc = cuda_status(cuda.SetDevice(device));
     if (rc == SX_OK && p) rc = cuda_status(cuda.Free(p));
     return rc;
 }
 
 int sx_cuda_memcpy(int device, void *dst, const void *src, size_t len, int kind) {
-    if (!cuda_handle) return SX_ENOLIB;
+    if (!cuda_loaded()) return SX_ENOLIB;
     if (kind != SX_COPY_H2D && kind != SX_COPY_D2H && kind != SX_COPY_D2D) return SX_EINVAL;
     int rc = cuda_status(cuda.SetDevice(device));
     int k = kind == SX_COPY_H2D ? MEMCPY_H2D : kind == SX_COPY_D2H ? MEMCPY_D2H : MEMCPY_D2D;
@@ -188,7 +197,7 @@ int sx_copier_create(int device, size_t piece_bytes, int nthreads, sx_copier **o
 
 void sx_copier_destroy(sx_copier *c) {
     if (!c) return;
-    if (c->device >= 0 && cuda_handle) {
+    if (c->device >= 0 && cuda_loaded()) {
         cuda.SetDevice(c->device);
         if (c->stream) cuda.StreamSynchronize(c->stream);
         for (int i = 0; i < c->nevents; i++) cuda.EventDestroy(c->events[i]);
