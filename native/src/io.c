@@ -14,6 +14,7 @@
 #include <libgen.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdio.h> /* rename */
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -167,7 +168,7 @@ int sx_rename_durable(const char *from, const char *to) {
 struct sx_file {
     int fd;           /* the write fd (O_DIRECT when direct) */
     int fd_buffered;  /* for pwrite of small regions under O_DIRECT */
-    int direct;
+    int direct;       /* under lock: the writer thread may turn it off (write_all) */
     char *path;
     size_t cap;            /* bytes per staging buffer, multiple of ALIGN */
     unsigned char *buf[2];
@@ -196,7 +197,12 @@ static int write_all(sx_file *f, int fd, const unsigned char *p, size_t len, uin
             if (errno == EINVAL && fd == f->fd && f->direct) {
                 /* the filesystem took O_DIRECT at open but not at write: go buffered */
                 int fl = fcntl(fd, F_GETFL);
-                if (fl >= 0 && fcntl(fd, F_SETFL, fl & ~O_DIRECT) == 0) { f->direct = 0; continue; }
+                if (fl >= 0 && fcntl(fd, F_SETFL, fl & ~O_DIRECT) == 0) {
+                    pthread_mutex_lock(&f->lock);
+                    f->direct = 0;
+                    pthread_mutex_unlock(&f->lock);
+                    continue;
+                }
             }
             *err = errno;
             return errno == ENOSPC || errno == EDQUOT ? SX_ENOSPC : SX_EIO;
@@ -332,7 +338,15 @@ int sx_file_pad(sx_file *f, uint64_t alignment) {
 }
 
 uint64_t sx_file_size(const sx_file *f) { return f->base + f->fill; }
-int sx_file_is_direct(const sx_file *f) { return f->direct; }
+
+int sx_file_is_direct(const sx_file *f) {
+    /* the lock is not part of the file's logical state, so a const file may take it */
+    pthread_mutex_t *lock = (pthread_mutex_t *)&f->lock;
+    pthread_mutex_lock(lock);
+    int direct = f->direct;
+    pthread_mutex_unlock(lock);
+    return direct;
+}
 
 int sx_file_pwrite(sx_file *f, const void *data, size_t len, uint64_t off) {
     const unsigned char *p = data;
@@ -370,18 +384,23 @@ static void release(sx_file *f) {
 int sx_file_finish(sx_file *f) {
     if (!f) return SX_EINVAL;
     uint64_t size = sx_file_size(f);
-    int rc = SX_OK;
-    if (f->fill) {
+    /* Drain first: until the writer is idle it may still turn O_DIRECT off. */
+    int rc = drain(f);
+    int padded = 0;
+    if (rc == SX_OK && f->fill) {
         size_t len = f->fill;
-        if (f->direct) { /* O_DIRECT writes whole blocks: pad with zeros, trim below */
-            size_t padded = (len + ALIGN - 1) / ALIGN * ALIGN;
-            memset(f->buf[f->cur] + len, 0, padded - len);
-            len = padded;
+        if (sx_file_is_direct(f)) { /* O_DIRECT writes whole blocks: pad with zeros, trim below */
+            size_t whole = (len + ALIGN - 1) / ALIGN * ALIGN;
+            memset(f->buf[f->cur] + len, 0, whole - len);
+            padded = whole != len;
+            len = whole;
         }
         rc = submit(f, len);
     }
     if (rc == SX_OK) rc = drain(f);
-    if (rc == SX_OK && f->direct && size % ALIGN && ftruncate(f->fd, (off_t)size) != 0) rc = status_from_errno(errno);
+    /* trim by what was padded, not by f->direct: a late fall back to buffered
+     * writes still wrote the padding */
+    if (rc == SX_OK && padded && ftruncate(f->fd, (off_t)size) != 0) rc = status_from_errno(errno);
     if (rc == SX_OK) rc = fsync_fd(f->fd);
     int saved = last_errno;
     release(f);
