@@ -284,12 +284,14 @@ int sx_file_create(const char *path, size_t buffer_bytes, int direct, sx_file **
     if (!f->path || posix_memalign((void **)&f->buf[0], ALIGN, f->cap) || posix_memalign((void **)&f->buf[1], ALIGN, f->cap)) {
         rc = SX_ENOMEM; goto fail;
     }
-    int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC;
-    f->fd = direct ? open(path, flags | O_DIRECT, 0644) : -1;
-    f->direct = f->fd >= 0;
-    if (f->fd < 0 && direct && errno != EINVAL) { rc = status_from_errno(errno); goto fail; }
-    if (f->fd < 0) f->fd = open(path, flags, 0644);
+    f->fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (f->fd < 0) { rc = status_from_errno(errno); goto fail; }
+    /* O_DIRECT is asked for only once the file exists: some filesystems create the
+     * inode and then refuse O_DIRECT in open(), and a buffered retry with O_EXCL
+     * would then fail on the empty file the first try left behind. Refused here
+     * (EINVAL), the file just stays buffered. */
+    int fl = direct ? fcntl(f->fd, F_GETFL) : -1;
+    f->direct = fl >= 0 && fcntl(f->fd, F_SETFL, fl | O_DIRECT) == 0;
     f->fd_buffered = open(path, O_WRONLY | O_CLOEXEC);
     if (f->fd_buffered < 0) { rc = status_from_errno(errno); unlink(path); goto fail; }
     pthread_mutex_init(&f->lock, NULL);

@@ -1,0 +1,188 @@
+"""The native streaming writer (io.c): O_DIRECT when the filesystem takes it, buffered when it doesn't.
+
+The filesystems here all take O_DIRECT, so the ones that don't are faked at the libc boundary: a small
+LD_PRELOAD shim, built for the test, makes open/fcntl/pwrite behave the way such filesystems do, and the
+writer runs in a fresh interpreter under it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from SneppX_ALG import _native, errors
+
+BUFFER = 8192  # two O_DIRECT blocks per staging buffer, so a few KiB cross several buffers
+
+SHIM_SOURCE = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+/* SHIM_REFUSE_DIRECT=open: like a filesystem that creates the inode, then refuses O_DIRECT
+ *                         (in open and in fcntl F_SETFL).
+ * SHIM_REFUSE_DIRECT=write: O_DIRECT is accepted, but every write through such a fd is EINVAL. */
+static int refuses(const char *where) {
+    const char *mode = getenv("SHIM_REFUSE_DIRECT");
+    return mode && !strcmp(mode, where);
+}
+
+static int real_open(const char *path, int flags, mode_t mode) {
+    static int (*real)(const char *, int, ...);
+    if (!real) *(void **)&real = dlsym(RTLD_NEXT, "open");
+    return real(path, flags, mode);
+}
+
+static int real_fcntl(int fd, int cmd, long arg) {
+    static int (*real)(int, int, ...);
+    if (!real) *(void **)&real = dlsym(RTLD_NEXT, "fcntl");
+    return real(fd, cmd, arg);
+}
+
+static int shim_open(const char *path, int flags, va_list ap) {
+    mode_t mode = (flags & O_CREAT) ? (mode_t)va_arg(ap, int) : 0;
+    if ((flags & O_DIRECT) && refuses("open")) {
+        int fd = real_open(path, flags & ~O_DIRECT, mode);
+        if (fd < 0) return -1;
+        close(fd);
+        errno = EINVAL;
+        return -1;
+    }
+    return real_open(path, flags, mode);
+}
+
+int open(const char *path, int flags, ...) {
+    va_list ap; va_start(ap, flags);
+    int fd = shim_open(path, flags, ap);
+    va_end(ap);
+    return fd;
+}
+
+int open64(const char *path, int flags, ...) {
+    va_list ap; va_start(ap, flags);
+    int fd = shim_open(path, flags, ap);
+    va_end(ap);
+    return fd;
+}
+
+static int shim_fcntl(int fd, int cmd, va_list ap) {
+    long arg = va_arg(ap, long);
+    if (cmd == F_SETFL && (arg & O_DIRECT) && refuses("open")) { errno = EINVAL; return -1; }
+    return real_fcntl(fd, cmd, arg);
+}
+
+int fcntl(int fd, int cmd, ...) {
+    va_list ap; va_start(ap, cmd);
+    int rc = shim_fcntl(fd, cmd, ap);
+    va_end(ap);
+    return rc;
+}
+
+int fcntl64(int fd, int cmd, ...) {
+    va_list ap; va_start(ap, cmd);
+    int rc = shim_fcntl(fd, cmd, ap);
+    va_end(ap);
+    return rc;
+}
+
+static ssize_t shim_pwrite(int fd, const void *buf, size_t len, off_t off) {
+    static ssize_t (*real)(int, const void *, size_t, off_t);
+    if (!real) *(void **)&real = dlsym(RTLD_NEXT, "pwrite");
+    if (refuses("write") && (real_fcntl(fd, F_GETFL, 0) & O_DIRECT)) { errno = EINVAL; return -1; }
+    return real(fd, buf, len, off);
+}
+
+ssize_t pwrite(int fd, const void *buf, size_t len, off_t off) { return shim_pwrite(fd, buf, len, off); }
+ssize_t pwrite64(int fd, const void *buf, size_t len, off_t off) { return shim_pwrite(fd, buf, len, off); }
+"""
+
+
+@pytest.fixture(scope="module")
+def refuse_direct_shim(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    assert compiler, "a C compiler is needed (the package itself is built with one)"
+    folder = tmp_path_factory.mktemp("shim")
+    (folder / "shim.c").write_text(SHIM_SOURCE)
+    library = folder / "librefuse_direct.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(library), str(folder / "shim.c"), "-ldl"],
+                   check=True, capture_output=True, timeout=120)
+    return library
+
+
+def write_under_shim(library: pathlib.Path, mode: str, path: pathlib.Path, payload_size: int) -> str:
+    """Writes payload_size bytes plus a 16-byte header pwrite at 0 in a fresh interpreter; prints what it saw."""
+    script = textwrap.dedent(f"""
+        from SneppX_ALG import _native
+        payload = bytes(range(251)) * ({payload_size} // 251 + 1)
+        payload = payload[:{payload_size}]
+        f = _native.NativeFile({str(path)!r}, direct=True, buffer_bytes={BUFFER})
+        opened_direct = f.is_direct
+        f.append(payload)
+        f.pwrite(b"H" * 16, 0)  # waits for the first buffer to reach the file
+        after_first_write = f.is_direct
+        f.finish()
+        print(opened_direct, after_first_write)
+    """)
+    env = {**os.environ, "LD_PRELOAD": str(library), "SHIM_REFUSE_DIRECT": mode}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def expected_file(payload_size: int) -> bytes:
+    payload = (bytes(range(251)) * (payload_size // 251 + 1))[:payload_size]
+    return b"H" * 16 + payload[16:]
+
+
+def test_a_filesystem_that_refuses_o_direct_after_creating_the_file_gets_a_buffered_file(
+        refuse_direct_shim: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # The old open(O_DIRECT) then open(O_EXCL) retry failed here with "file exists" on its own empty file.
+    path = tmp_path / "shard.bin"
+    size = 3 * BUFFER + 4000
+    assert write_under_shim(refuse_direct_shim, "open", path, size) == "False False"
+    assert path.read_bytes() == expected_file(size)
+
+
+@pytest.mark.parametrize("size", [3 * BUFFER, 3 * BUFFER + 4000, 3 * BUFFER + 1])
+def test_a_filesystem_that_refuses_o_direct_writes_falls_back_and_keeps_every_byte(
+        refuse_direct_shim: pathlib.Path, tmp_path: pathlib.Path, size: int) -> None:
+    path = tmp_path / "shard.bin"
+    assert write_under_shim(refuse_direct_shim, "write", path, size) == "True False"
+    assert path.read_bytes() == expected_file(size), "padding left in, or bytes lost, after the fall back"
+
+
+@pytest.mark.parametrize("size", [0, 1, 4096, BUFFER + 17, 5 * BUFFER - 1])
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_file_holds_exactly_what_was_appended_and_patched(tmp_path: pathlib.Path, size: int, direct: bool) -> None:
+    path = tmp_path / "shard.bin"
+    payload = os.urandom(size)
+    f = _native.NativeFile(str(path), direct=direct, buffer_bytes=BUFFER)
+    assert f.is_direct == direct  # ext4 and tmpfs (the test machines' tmp) take O_DIRECT
+    assert f.append(payload) == _native.crc32c(payload)
+    if size:
+        f.pwrite(b"\xff", 0)
+    assert f.size == size
+    f.finish()
+    assert path.read_bytes() == (b"\xff" + payload[1:] if size else b"")
+
+
+def test_creating_over_an_existing_file_fails_and_leaves_it_intact(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "shard.bin"
+    path.write_bytes(b"committed")
+    with pytest.raises(errors.StorageError) as caught:
+        _native.NativeFile(str(path), direct=True)
+    assert caught.value.errno == errno.EEXIST
+    assert path.read_bytes() == b"committed"
