@@ -9,6 +9,7 @@ every byte without loading anything and never raises for a bad file.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from SneppX_ALG import _native, errors, format
+from SneppX_ALG import _native, errors, format, storage
 
 # Writes go to the native writer in pieces of this size so signing digests can stream alongside.
 _PIECE = 64 << 20
@@ -128,15 +129,38 @@ class CheckpointWriter:
             if not len(global_shape) == len(global_offset) == len(shape) or any(
                     o < 0 or o + s > g for o, s, g in zip(global_offset, shape, global_shape)):
                 raise ValueError(f"shard {list(shape)} at {list(global_offset)} does not fit in {list(global_shape)}")
+        return self._append(name, dtype, shape, global_shape, global_offset, _little_endian_pieces(array, _PIECE),
+                            digest_algorithm=None)
+
+    def _append_stored(self, entry: format.TensorEntry, data: memoryview, *,
+                       digest_algorithm: str | None) -> format.TensorEntry:
+        """Appends a tensor's stored bytes exactly as they are, under `entry`'s name, dtype name, shape and
+        global placement (for signing an existing file: a bfloat16 stays bfloat16, no numpy round trip).
+
+        Returns the new entry with this file's offset and the CRC32C (and, when signing, the digest with
+        `digest_algorithm`, default BLAKE3) computed while the bytes were copied; the caller compares them
+        with the stored ones before committing."""
+        self.open()
+        if entry.name in self._names:
+            raise errors.UnsupportedTensorError(f"tensor {entry.name!r} was already written to this checkpoint")
+        pieces = (data[start:start + _PIECE] for start in range(0, len(data), _PIECE))
+        return self._append(entry.name, entry.dtype, entry.shape, entry.global_shape, entry.global_offset, pieces,
+                            digest_algorithm=digest_algorithm)
+
+    def _append(self, name: str, dtype: str, shape: tuple[int, ...], global_shape: tuple[int, ...] | None,
+                global_offset: tuple[int, ...] | None, pieces: Iterator[memoryview], *,
+                digest_algorithm: str | None) -> format.TensorEntry:
+        """Streams checked pieces into the file (aligned), CRC32C and digest in the same pass; records the entry."""
+        assert self._file is not None
         if self._broken is not None:
             raise errors.StorageError(f"an earlier write to {self.path} failed ({self._broken}); this checkpoint "
                                       "can't be committed", path=self.path)
         try:
             self._file.pad(format.ALIGN)
             offset = self._file.size
-            digest = _new_digest() if self.signing_key is not None else None
+            digest = _new_digest(digest_algorithm) if self.signing_key is not None else None
             crc = 0
-            for piece in _little_endian_pieces(array, _PIECE):
+            for piece in pieces:
                 if digest is not None:
                     digest.update(piece)  # hashed on signing's worker thread while append copies the same bytes
                 crc = _native.crc32c_combine(crc, self._file.append(piece), len(piece))
@@ -183,7 +207,7 @@ class CheckpointWriter:
         try:
             _native.rename_durable(self._tmp, self.path)
         except BaseException:
-            _unlink_quietly(self._tmp)
+            unlink_quietly(self._tmp)
             raise
         self.committed = True
 
@@ -193,24 +217,23 @@ class CheckpointWriter:
             file, self._file = self._file, None
             file.abort()
         elif self._tmp and not self.committed:
-            _unlink_quietly(self._tmp)
+            unlink_quietly(self._tmp)
 
     def __del__(self) -> None:
         if getattr(self, "_file", None) is not None:
             self.abort()
 
 
-def _new_digest() -> Any:
+def _new_digest(algorithm: str | None) -> Any:
     from SneppX_ALG import signing
 
-    return signing.new_digest()
+    return signing.new_digest(algorithm or signing.DIGEST_ALGORITHM)
 
 
-def _unlink_quietly(path: str) -> None:
-    try:
+def unlink_quietly(path: str) -> None:
+    """Removes a file that may already be gone (a temporary file after a failed or killed write)."""
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _open_checked(path: str) -> tuple[int, int]:
@@ -311,13 +334,9 @@ class CheckpointReader:
         entry = self.entry(name)
         data = self.raw(name)
         if (self.verify if verify is None else verify) and name not in self._verified:
-            crc = _native.crc32c_parallel(data)
-            if crc != entry.crc32c:
-                raise errors.ChecksumMismatchError(
-                    f"tensor {name!r} fails its CRC32C (stored {entry.crc32c:#010x}, computed {crc:#010x}): "
-                    "the bytes on disk changed after they were written", path=self.path)
-            if not self.padding_is_zero(entry):
-                raise errors.NonZeroPaddingError(f"padding after tensor {name!r} is not zero", path=self.path)
+            problems = check_tensor(self, entry)
+            if problems:
+                raise problems[0]
             self._verified.add(name)
         array = np.frombuffer(data, dtype=format.numpy_dtype(entry.dtype), count=int(np.prod(entry.shape)))
         return array.reshape(entry.shape)
@@ -331,15 +350,59 @@ class CheckpointReader:
         return {name: self.read(name) for name in self.names()}
 
 
+def tensor_errors(entry: format.TensorEntry, crc: int, padding_is_zero: bool, digest_problem: str | None = None,
+                  *, path: str | None = None) -> list[errors.CheckpointFormatError]:
+    """What is wrong with one tensor, given what was computed over its bytes; [] when nothing.
+
+    In the order a verifier reports them (docs/FORMAT.md, "Verifying", step 6): the CRC32C first, so an
+    accident reads as one; then the padding; then the digest, whose mismatch with a matching CRC means the
+    bytes were changed deliberately."""
+    found: list[errors.CheckpointFormatError] = []
+    if crc != entry.crc32c:
+        found.append(errors.ChecksumMismatchError(
+            f"tensor {entry.name!r} fails its CRC32C (stored {entry.crc32c:#010x}, computed {crc:#010x}): "
+            "its bytes changed after they were written", path=path))
+    if not padding_is_zero:
+        found.append(errors.NonZeroPaddingError(f"padding after tensor {entry.name!r} is not zero", path=path))
+    if digest_problem is not None:
+        found.append(errors.DigestMismatchError(
+            f"tensor {entry.name!r} {digest_problem}"
+            + (" (its CRC32C matches: the bytes were changed deliberately)" if crc == entry.crc32c else ""),
+            path=path))
+    return found
+
+
+def check_tensor(reader: CheckpointReader, entry: format.TensorEntry, *,
+                 digest: bool = False) -> list[errors.CheckpointFormatError]:
+    """Checks one tensor's bytes in the file: CRC32C, zero padding and, with `digest`, its digest from the
+    table (hashed on signing's worker thread while this thread computes the CRC of the same bytes)."""
+    data = reader.raw(entry.name)
+    digest_check = _start_digest_check(data, entry.digest) if digest and entry.digest is not None else None
+    crc = _native.crc32c_parallel(data)
+    digest_problem = digest_check() if digest_check is not None else None
+    return tensor_errors(entry, crc, reader.padding_is_zero(entry), digest_problem, path=reader.path)
+
+
 def validate_checkpoint(path: str | os.PathLike[str], trusted_keys: Any = None, *,
                         progress: Callable[[int, int], None] | None = None) -> tuple[bool, list[str]]:
     """Checks every byte of a checkpoint without loading it: (True, []) or (False, [what is wrong, ...]).
 
     Never raises for a bad file (missing, empty, garbage, truncated, corrupt). With `trusted_keys`, the
-    signature and the digest of every tensor are checked too. `progress(done, total)` is called as bytes
-    are checked.
+    checks are signing.verify_checkpoint's, in the order of docs/FORMAT.md "Verifying": the signature before
+    any tensor data is read, then every tensor's CRC32C, padding and digest; it stops at the first failure.
+    `path` may also be a CheckpointCoordinator step directory (`<root>/step-000001000`), checked as the
+    coordinator checks it (manifest, every shard, and with `trusted_keys` manifest.sig and each digest).
+    `progress(done, total)` is called as bytes of a file are checked.
     """
     path = os.fspath(path)
+    if os.path.isdir(path):
+        step = storage.parse_step_name(os.path.basename(os.path.normpath(path)))
+        if step is not None:
+            return _validate_step(path, step, trusted_keys)
+    if trusted_keys is not None:
+        from SneppX_ALG import signing
+
+        return signing.verify_checkpoint(path, trusted_keys, progress=progress)
     try:
         reader = CheckpointReader(path, verify=False)
     except errors.SneppXError as e:
@@ -348,32 +411,25 @@ def validate_checkpoint(path: str | os.PathLike[str], trusted_keys: Any = None, 
         return False, [f"{path}: can't read: {e.strerror or e}"]
     problems: list[str] = []
     with reader:
-        total = reader.header.table_offset
-        done = format.DATA_OFFSET
-        view = memoryview(reader._mmap)
-        digest_problems: dict[str, str | None] = {}
         for entry in reader.table.tensors:
-            data = view[entry.offset:entry.offset + entry.length]
-            # the digest (when checked) runs on signing's worker thread while this thread computes the CRC
-            digest_check = (_start_digest_check(data, entry.digest)
-                            if trusted_keys is not None and entry.digest is not None else None)
-            crc = _native.crc32c_parallel(data)
-            if crc != entry.crc32c:
-                problems.append(f"{path}: tensor {entry.name!r} fails its CRC32C (stored {entry.crc32c:#010x}, "
-                                f"computed {crc:#010x}): its bytes are corrupt")
-            if digest_check is not None:
-                digest_problems[entry.name] = digest_check()
-            if not reader.padding_is_zero(entry):
-                problems.append(f"{path}: padding after tensor {entry.name!r} is not zero")
-            done = entry.offset + entry.length
+            problems += [str(e) for e in check_tensor(reader, entry)]
             if progress is not None:
-                progress(done, total)
-        if trusted_keys is not None:
-            from SneppX_ALG import signing
+                progress(entry.offset + entry.length, reader.header.table_offset)
+    return not problems, problems
 
-            problems += signing.verify_table(reader.table_bytes, reader.signature_block, trusted_keys)
-            problems += [f"{path}: tensor {name!r} {problem}" for name, problem in digest_problems.items() if problem]
-        del view
+
+def _validate_step(path: str, step: int, trusted_keys: Any) -> tuple[bool, list[str]]:
+    """A coordinator step directory, through the coordinator's own step check (imported here: it imports
+    this module)."""
+    from SneppX_ALG import coordinator, signing
+
+    try:
+        keys = signing.trusted_key_set(trusted_keys) if trusted_keys is not None else None
+        _, problems = coordinator._check_step(path, step, keys)
+    except errors.SneppXError as e:
+        return False, [f"{type(e).__name__}: {e}"]
+    except OSError as e:
+        return False, [f"{path}: can't read: {e.strerror or e}"]
     return not problems, problems
 
 

@@ -23,10 +23,8 @@ import collections
 import concurrent.futures
 import hashlib
 import json
-import mmap
 import os
 import re
-import secrets
 import struct
 import sys
 import threading
@@ -39,7 +37,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from SneppX_ALG import _native, checkpoint, errors, format
+from SneppX_ALG import _native, checkpoint, errors, format, storage
 
 # --- digests -------------------------------------------------------------------------------------------
 
@@ -181,33 +179,21 @@ def start_digest_check(data: Any, expected: str) -> Callable[[], str | None]:
     return finish
 
 
-def file_digest(path: str | os.PathLike[str], name: str = DIGEST_ALGORITHM, *,
-                threads: int = ALL_THREADS) -> str:
-    """'<alg>:<hex>' of a whole file, read through a memory map (for manifests of multi-file checkpoints).
-
-    `threads`: every core by default (a verify has nothing else to do); a background writer passes fewer so
-    that the training loop keeps its cores.
-    """
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return digest_of(b"", name)
-        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                return digest_of(view, name, threads=threads)
-            finally:
-                view.release()
-
-
-# A file just written (by a background writer) is read back in pieces of this size into a ring of three
-# reused buffers: memory stays bounded (a memory map would count every page of the file in the process's RSS)
-# and the next piece is read while the hashing thread hashes the previous one.
+# A file is read in pieces of this size into a ring of three reused buffers: memory stays bounded (a memory
+# map would count every page of the file in the process's RSS) and the next piece is read while the hashing
+# thread hashes the previous one.
 _READBACK_PIECE = 8 << 20
 
 
-def readback_digest(path: str | os.PathLike[str], name: str = DIGEST_ALGORITHM, *, threads: int = 1) -> str:
-    """'<alg>:<hex>' of a whole file (same value as file_digest), read with bounded memory and dropped from
-    the page cache afterwards: for a writer that hashes what it just wrote, without growing its footprint."""
+def file_digest(path: str | os.PathLike[str], name: str = DIGEST_ALGORITHM, *, threads: int = ALL_THREADS,
+                drop_cache: bool = False) -> str:
+    """'<alg>:<hex>' of a whole file (for manifests of multi-file checkpoints), read with bounded memory.
+
+    `threads`: every core by default (a verify has nothing else to do); a background writer passes fewer so
+    that the training loop keeps its cores. `drop_cache`: drop the file from the page cache afterwards, for
+    a writer that hashes what it just wrote without growing its footprint (a verify keeps it cached for
+    the load that follows).
+    """
     digest = new_digest(name, threads=threads)
     ring = [bytearray(_READBACK_PIECE) for _ in range(3)]  # update() keeps at most 2 pieces queued
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -222,10 +208,17 @@ def readback_digest(path: str | os.PathLike[str], name: str = DIGEST_ALGORITHM, 
             digest.update(memoryview(buffer)[:count])
             offset, pieces = offset + count, pieces + 1
         value = f"{digest.name}:{digest.hexdigest()}"
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if drop_cache:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return value
     finally:
         os.close(fd)
+
+
+def readback_digest(path: str | os.PathLike[str], name: str = DIGEST_ALGORITHM, *, threads: int = 1) -> str:
+    """file_digest of a file just written, dropped from the page cache afterwards (the coordinator's
+    background writer hashes each shard it wrote this way)."""
+    return file_digest(path, name, threads=threads, drop_cache=True)
 
 
 # --- keys ----------------------------------------------------------------------------------------------
@@ -486,16 +479,6 @@ def _check_digest_coverage(tensors: Iterable[Any], path: str | None = None) -> N
             raise errors.DigestMismatchError(f"tensor {name!r}: {e.reason}", path=path) from None
 
 
-def verify_table(table_bytes: bytes, signature_block: bytes, trusted_keys: Any) -> list[str]:
-    """For validate_checkpoint: [] if a trusted key signed these table bytes and every tensor has a digest."""
-    try:
-        check_signature(TABLE_DOMAIN, table_bytes, signature_block, trusted_keys)
-        _check_digest_coverage(_tensor_entries(table_bytes))
-    except errors.SneppXError as e:
-        return [f"{type(e).__name__}: {e}"]
-    return []
-
-
 # --- whole checkpoints ---------------------------------------------------------------------------------
 
 
@@ -509,30 +492,13 @@ class Verified:
     config: Any
 
 
-def _check_tensor(reader: checkpoint.CheckpointReader, entry: format.TensorEntry) -> None:
-    """CRC32C, padding and digest of one tensor; the CRC is compared first so accidents read as such."""
-    data = reader.raw(entry.name)
-    assert entry.digest is not None
-    digest_problem = start_digest_check(data, entry.digest)
-    crc = _native.crc32c_parallel(data)  # runs while the digest worker hashes the same bytes
-    problem = digest_problem()
-    if crc != entry.crc32c:
-        raise errors.ChecksumMismatchError(
-            f"tensor {entry.name!r} fails its CRC32C (stored {entry.crc32c:#010x}, computed {crc:#010x})",
-            path=reader.path)
-    if not reader.padding_is_zero(entry):
-        raise errors.NonZeroPaddingError(f"padding after tensor {entry.name!r} is not zero", path=reader.path)
-    if problem is not None:
-        raise errors.DigestMismatchError(
-            f"tensor {entry.name!r} {problem} (its CRC32C matches: the bytes were changed deliberately)",
-            path=reader.path)
-
-
-def check_checkpoint(path: str | os.PathLike[str], trusted_keys: Any) -> Verified:
+def check_checkpoint(path: str | os.PathLike[str], trusted_keys: Any, *,
+                     progress: Callable[[int, int], None] | None = None) -> Verified:
     """Verifies a checkpoint file or signed directory; raises the typed error of the first failed check.
 
     File: header, table and signature CRCs and layout (CheckpointReader), then the signature over the table
-    (before reading any data, so a forged file costs nothing), then every tensor's CRC32C, padding and digest.
+    (before reading any data, so a forged file costs nothing), then every tensor's CRC32C, padding and digest
+    (checkpoint.check_tensor). `progress(done, total)` is called as a file's bytes are checked.
     """
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -542,17 +508,22 @@ def check_checkpoint(path: str | os.PathLike[str], trusted_keys: Any) -> Verifie
         signer = check_signature(TABLE_DOMAIN, reader.table_bytes, reader.signature_block, keys, path=path)
         _check_digest_coverage(reader.table.tensors, path=path)
         for entry in reader.table.tensors:
-            _check_tensor(reader, entry)
+            problems = checkpoint.check_tensor(reader, entry, digest=True)
+            if problems:
+                raise problems[0]
+            if progress is not None:
+                progress(entry.offset + entry.length, reader.header.table_offset)
         return Verified(path, signer, dict(reader.metadata), reader.config)
 
 
-def verify_checkpoint(path: str | os.PathLike[str], trusted_keys: Any) -> tuple[bool, list[str]]:
+def verify_checkpoint(path: str | os.PathLike[str], trusted_keys: Any, *,
+                      progress: Callable[[int, int], None] | None = None) -> tuple[bool, list[str]]:
     """(True, []) when a trusted key signed the checkpoint and every byte matches; else (False, [why]).
 
     Never raises for a bad or missing file; each message starts with the name of the failed check.
     """
     try:
-        check_checkpoint(path, trusted_keys)
+        check_checkpoint(path, trusted_keys, progress=progress)
     except errors.SneppXError as e:
         return False, [f"{type(e).__name__}: {e}"]
     except OSError as e:
@@ -573,73 +544,34 @@ def sign_checkpoint(path: str | os.PathLike[str], private_key: ed25519.Ed25519Pr
         return sign_manifest(path, private_key)
     if not isinstance(private_key, ed25519.Ed25519PrivateKey):
         raise errors.KeyFormatError(f"signing needs an Ed25519 private key, got {type(private_key).__name__}")
-    directory, base = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.sign.tmp")
     with checkpoint.CheckpointReader(path, verify=False) as reader:
-        out = _native.NativeFile(tmp)
+        writer = checkpoint.CheckpointWriter(path, reader.metadata, reader.config, signing_key=private_key)
         try:
-            out.append(bytes(format.DATA_OFFSET))  # header block, written last
-            entries = []
             for entry in reader.table.tensors:
-                out.pad(format.ALIGN)
-                data = reader.raw(entry.name)
-                if not reader.padding_is_zero(entry):
-                    raise errors.NonZeroPaddingError(f"padding after tensor {entry.name!r} is not zero",
-                                                     path=path)
                 alg = parse_digest(entry.digest)[0] if entry.digest is not None else DIGEST_ALGORITHM
-                digest = new_digest(alg)
-                crc = 0
-                for start in range(0, len(data), _PIECE):
-                    piece = data[start:start + _PIECE]
-                    digest.update(piece)  # hashed on the worker while the piece is copied out
-                    crc = _native.crc32c_combine(crc, out.append(piece), len(piece))
-                if crc != entry.crc32c:
-                    raise errors.ChecksumMismatchError(
-                        f"tensor {entry.name!r} fails its CRC32C (stored {entry.crc32c:#010x}, computed "
-                        f"{crc:#010x}); refusing to sign corrupt data", path=path)
-                value = f"{alg}:{digest.hexdigest()}"
-                if entry.digest is not None and entry.digest != value:
-                    raise errors.DigestMismatchError(
-                        f"tensor {entry.name!r} does not match the digest already in its table; "
-                        "refusing to sign", path=path)
-                entries.append(format.TensorEntry(
-                    entry.name, entry.dtype, entry.shape, entry.offset, entry.length, entry.crc32c,
-                    entry.global_shape, entry.global_offset, value))
-            out.pad(format.ALIGN)
-            table_offset = out.size
-            table = format.encode_table(format.Table(tuple(entries), reader.metadata, reader.config))
-            block = signature_block(table, private_key)
-            out.append(table)
-            out.append(block)
-            header = format.Header(
-                file_size=out.size, table_offset=table_offset, table_length=len(table),
-                table_crc32c=_native.crc32c(table), signature_length=len(block),
-                signature_crc32c=_native.crc32c(block))
-            out.pwrite(format.encode_header(header), 0)
-            out.finish()
+                # one pass: the copy computes the CRC32C and (on the worker) the digest of the same bytes
+                copied = writer._append_stored(entry, reader.raw(entry.name), digest_algorithm=alg)
+                digest_problem = (None if entry.digest is None or entry.digest == copied.digest
+                                  else "does not match the digest already in its table")
+                problems = checkpoint.tensor_errors(entry, copied.crc32c, reader.padding_is_zero(entry),
+                                                    digest_problem, path=path)
+                if problems:
+                    raise type(problems[0])(f"{problems[0].reason}; refusing to sign", path=path)
         except BaseException:
-            out.abort()
+            writer.abort()
             raise
-    try:
-        _native.rename_durable(tmp, path)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
+    writer.commit()  # table with the digests, signature block, header; fsync, rename over `path`
     return key_id(private_key)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 # --- multi-file checkpoints: a signed manifest ---------------------------------------------------------
 
-MANIFEST_NAME = "manifest.json"
-SIGNATURE_NAME = "manifest.sig"
-MAX_MANIFEST_BYTES = 64 << 20
+def _max_manifest_bytes() -> int:
+    """The coordinator's limit, so that a verify never refuses a manifest the coordinator wrote (imported
+    here: coordinator imports this module)."""
+    from SneppX_ALG import coordinator
+
+    return coordinator.MAX_MANIFEST_BYTES
 
 
 def manifest_signature(manifest_bytes: bytes, private_key: ed25519.Ed25519PrivateKey) -> bytes:
@@ -661,7 +593,7 @@ def _manifest_files(manifest_bytes: bytes, path: str | None = None) -> dict[str,
     for name, info in files.items():
         parts = name.split("/")
         if not name or name.startswith("/") or "\\" in name or "\x00" in name or any(
-                p in ("", ".", "..") for p in parts) or name in (MANIFEST_NAME, SIGNATURE_NAME):
+                p in ("", ".", "..") for p in parts) or name in (storage.MANIFEST, storage.SIGNATURE):
             raise errors.CorruptTableError(f"manifest lists an unsafe or reserved path {name!r}", path=path)
         if not isinstance(info, dict) or type(info.get("size")) is not int or info["size"] < 0:
             raise errors.CorruptTableError(f"manifest entry {name!r} needs an integer size", path=path)
@@ -696,22 +628,13 @@ def sign_manifest(directory: str | os.PathLike[str], private_key: ed25519.Ed2551
     Every listed file is checked against its size and digest first: a signature vouches for the bytes.
     """
     directory = os.fspath(directory)
-    manifest_path = os.path.join(directory, MANIFEST_NAME)
-    manifest = _read_bounded(manifest_path, MAX_MANIFEST_BYTES)
+    manifest_path = os.path.join(directory, storage.MANIFEST)
+    manifest = _read_bounded(manifest_path, _max_manifest_bytes())
     if manifest is None:
         raise errors.CheckpointNotFoundError(f"{manifest_path} not found: nothing to sign",
                                              path=manifest_path)
     _check_manifest_files(directory, _manifest_files(manifest, manifest_path))
-    block = manifest_signature(manifest, private_key)
-    tmp = os.path.join(directory, f".{SIGNATURE_NAME}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    out = _native.NativeFile(tmp, direct=False)
-    try:
-        out.append(block)
-        out.finish()
-    except BaseException:
-        out.abort()
-        raise
-    _native.rename_durable(tmp, os.path.join(directory, SIGNATURE_NAME))
+    storage.write_durable(os.path.join(directory, storage.SIGNATURE), manifest_signature(manifest, private_key))
     return key_id(private_key)
 
 
@@ -750,11 +673,11 @@ def check_manifest_files(directory: str | os.PathLike[str],
 def check_manifest(directory: str | os.PathLike[str], trusted_keys: Any) -> Verified:
     """Verifies a signed checkpoint directory: manifest.sig over manifest.json, then each listed file."""
     directory = os.fspath(directory)
-    manifest_path = os.path.join(directory, MANIFEST_NAME)
-    manifest = _read_bounded(manifest_path, MAX_MANIFEST_BYTES)
+    manifest_path = os.path.join(directory, storage.MANIFEST)
+    manifest = _read_bounded(manifest_path, _max_manifest_bytes())
     if manifest is None:
         raise errors.CheckpointNotFoundError(f"{manifest_path} not found", path=directory)
-    signature = _read_bounded(os.path.join(directory, SIGNATURE_NAME), format.MAX_SIGNATURE_BYTES)
+    signature = _read_bounded(os.path.join(directory, storage.SIGNATURE), format.MAX_SIGNATURE_BYTES)
     signer = check_manifest_signature(manifest, signature or b"", trusted_keys, path=directory)
     files = _manifest_files(manifest, directory)
     _check_manifest_files(directory, files)
