@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from SneppX_ALG import _native, checkpoint, errors, signing
+from SneppX_ALG import _native, checkpoint, errors, signing, storage
 
 VERSION_KEY = "sneppx.version"
 EXPIRES_KEY = "sneppx.expires"
@@ -246,10 +246,10 @@ class SignedUpdateManager:
                                      f"{version}-{verified.key_id.hex()[:8]}-{secrets.token_hex(4)}.snpx")
                 _native.rename_durable(staged, final)
             except errors.CheckpointFormatError as e:
-                _unlink_quietly(staged)
+                checkpoint.unlink_quietly(staged)
                 raise type(e)(e.reason, path=path) from None  # name the update, not the staged copy
             except BaseException:
-                _unlink_quietly(staged)
+                checkpoint.unlink_quietly(staged)
                 raise
             installed = Installed(version, final, verified.key_id.hex(), _iso(self.clock()))
             new_high = max(filter(None, (version, high_water)), key=parse_version)
@@ -293,26 +293,15 @@ class SignedUpdateManager:
 
     def _commit(self, current: Installed, previous: Installed | None, high_water: str) -> None:
         """The commit point: state.json replaced by tmp, fsync, rename, directory fsync."""
-        tmp = os.path.join(self.install_dir, f"{_TMP_MARK}{secrets.token_hex(8)}.json")
-        out = _native.NativeFile(tmp, direct=False)
-        try:
-            out.append(_encode_state(current, previous, high_water))
-            out.finish()
-        except BaseException:
-            out.abort()
-            raise
-        try:
-            _native.rename_durable(tmp, os.path.join(self.install_dir, STATE_NAME))
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
+        storage.write_durable(os.path.join(self.install_dir, STATE_NAME),
+                              _encode_state(current, previous, high_water))
 
     def _remove_leftovers(self) -> None:
         """Temporary files of an install that was killed (we hold the lock, so none is in progress)."""
         for directory in (self.install_dir, os.path.join(self.install_dir, VERSIONS_DIR)):
             for name in os.listdir(directory):
-                if name.startswith(_TMP_MARK):
-                    _unlink_quietly(os.path.join(directory, name))
+                if name.startswith(_TMP_MARK) or _is_state_tmp(name):
+                    checkpoint.unlink_quietly(os.path.join(directory, name))
         self._remove_unreferenced()
 
     def _remove_unreferenced(self) -> None:
@@ -322,12 +311,10 @@ class SignedUpdateManager:
         versions = os.path.join(self.install_dir, VERSIONS_DIR)
         for name in os.listdir(versions):
             if name not in keep and name.endswith(".snpx") and not name.startswith(_TMP_MARK):
-                _unlink_quietly(os.path.join(versions, name))
+                checkpoint.unlink_quietly(os.path.join(versions, name))
 
 
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+def _is_state_tmp(name: str) -> bool:
+    """storage.write_durable's temporary name for state.json (`state.json.<hex>.tmp`), left by a kill."""
+    return name.startswith(f"{STATE_NAME}.") and name.endswith(".tmp")
 

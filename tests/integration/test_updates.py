@@ -259,7 +259,7 @@ def test_sigkill_at_any_io_site_leaves_old_or_new_never_a_mix(tmp_path: pathlib.
             manager.rollback() if action == "rollback" else manager.install_update(v2)
         assert manager.current().version == new
         leftovers = [n for d in (install_dir, install_dir / updates.VERSIONS_DIR) for n in os.listdir(d)
-                     if n.startswith(".tmp-")]
+                     if n.startswith(".tmp-") or updates._is_state_tmp(n)]
         assert leftovers == [], f"site {n}: {leftovers}"
         assert len(os.listdir(install_dir / updates.VERSIONS_DIR)) <= 2
         shutil.rmtree(install_dir)
