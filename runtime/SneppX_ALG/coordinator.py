@@ -30,6 +30,7 @@ Call order (one coordinator per process; in a multi-rank job, the rank that owns
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -55,7 +56,7 @@ MAX_BUFFER_BYTES = 64 << 20
 SHARD_FILE = "shard-{:05d}.snpx"
 MANIFEST_FORMAT = "sneppx.manifest"
 MANIFEST_VERSION = 1
-MAX_MANIFEST_BYTES = 256 << 20
+MAX_MANIFEST_BYTES = storage.MAX_MANIFEST_BYTES
 _PIECE_ALIGN = 64
 
 
@@ -278,6 +279,22 @@ class _DeviceArray:
     device: int
 
 
+def is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """Whether byte strides describe a C-contiguous layout (computed, never allocated: the tensor may be
+    as large as a GPU's memory). A dimension of size 1 may have any stride, and an empty tensor is any
+    layout, as in numpy's and torch's own contiguity flags."""
+    if len(strides) != len(shape):
+        return False
+    if 0 in shape:
+        return True
+    expected = itemsize
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _leaf(value: Any) -> np.ndarray | _DeviceArray | None:
     """The array behind a state value, or None when it is a plain JSON value."""
     if isinstance(value, np.ndarray):
@@ -291,7 +308,7 @@ def _leaf(value: Any) -> np.ndarray | _DeviceArray | None:
         strides = cai.get("strides")
         dtype = np.dtype(cai["typestr"])
         shape = tuple(int(d) for d in cai["shape"])
-        if strides is not None and tuple(strides) != tuple(np.empty(shape, dtype).strides if shape else ()):
+        if strides is not None and not is_c_contiguous(shape, tuple(strides), dtype.itemsize):
             raise errors.UnsupportedTensorError("a non-contiguous CUDA tensor can't be snapshot; call "
                                                 ".contiguous() first")
         device = getattr(value, "device", None)
@@ -366,6 +383,28 @@ def _load_into_mapping(target: MutableMapping[str, Any], loaded: Mapping[str, An
             target[key] = value
 
 
+def _host_piece(job: _Job, leaf: np.ndarray, piece: Piece) -> np.ndarray:
+    """The bytes of one piece of a host tensor, little-endian and in C order, as uint8.
+
+    A tensor that is already both is only viewed. Otherwise a row block is converted on its own (a copy the
+    size of the piece), and any other piece comes from one converted copy of the whole tensor, made for its
+    first piece and dropped after its last: never one full copy per piece."""
+    little = leaf.dtype.newbyteorder("<") if leaf.dtype.byteorder == ">" else leaf.dtype
+    if leaf.flags.c_contiguous and little == leaf.dtype:
+        return leaf.reshape(-1).view(np.uint8)[piece.start:piece.start + piece.nbytes]
+    if piece.global_offset is not None:  # rows [r0, r0 + rows) of dimension 0
+        first_row = piece.global_offset[0]
+        block = np.ascontiguousarray(leaf[first_row:first_row + piece.shape[0]], dtype=little)
+        return block.reshape(-1).view(np.uint8)
+    whole = job.host_copies.get(piece.tensor)
+    if whole is None:
+        whole = np.ascontiguousarray(leaf, dtype=little).reshape(-1).view(np.uint8)
+        job.host_copies[piece.tensor] = whole
+    if piece.start + piece.nbytes >= whole.size:  # the tensor's last piece: the copy is not needed again
+        del job.host_copies[piece.tensor]
+    return whole[piece.start:piece.start + piece.nbytes]
+
+
 # ---- the staging pool -----------------------------------------------------------------------------------
 
 
@@ -428,9 +467,12 @@ class _Job:
     may_write: threading.Event = dataclasses.field(default_factory=threading.Event)
     pending: storage.PendingStep | None = None
     writer: checkpoint.CheckpointWriter | None = None
-    crcs: dict[str, int] = dataclasses.field(default_factory=dict)
+    # CRC32C of every piece as it was staged; the writer checks its own against it, so on success these
+    # are also the CRCs in the shard, and the manifest lists them.
     snapshot_crcs: dict[str, int] = dataclasses.field(default_factory=dict)
-    files: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # Little-endian C-contiguous copies of host tensors that are neither, made once per tensor for pieces that
+    # are not row blocks, and dropped after the tensor's last piece.
+    host_copies: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 class _Engine:
@@ -442,10 +484,8 @@ class _Engine:
         self.retention = (coordinator.max_to_keep, coordinator.keep_every_n_steps)
         self.signing_key = coordinator._signing_key
         self.trusted_keys = coordinator._trusted_keys
-        self.protected: set[int] = set()
         self.queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.error: BaseException | None = None
-        self.committed: list[tuple[int, str]] = []
         self.steps: set[int] = set()  # submitted or committed here (failed saves are taken out again)
         self._outstanding = 0
         self._idle = threading.Condition()
@@ -503,7 +543,6 @@ class _Engine:
             return
         if kind == "begin":
             job.pending = self.store.begin(job.step)
-            job.pending.files.append(SHARD_FILE.format(0))
             job.writer = checkpoint.CheckpointWriter(
                 os.path.join(job.pending.local_dir, SHARD_FILE.format(0)),
                 metadata={"sneppx.step": str(job.step), "sneppx.shard": "0"})
@@ -534,7 +573,6 @@ class _Engine:
                 raise errors.ChecksumMismatchError(
                     f"step {job.step}: tensor piece {piece.entry!r} changed in staging memory between snapshot "
                     f"and write (snapshot {expected:#010x}, written {entry.crc32c:#010x})")
-            job.crcs[piece.entry] = entry.crc32c
         del view
 
     def _commit(self, job: _Job) -> None:
@@ -542,28 +580,29 @@ class _Engine:
         job.writer.commit()
         job.writer = None
         shard = SHARD_FILE.format(0)
-        self._record_file(job, shard)
+        # Shard digests cost a read-back of every shard; only a signature needs them (it vouches for the
+        # shards through them), so unsigned steps are saved without (and without a "files" object).
+        files = None
+        if self.signing_key is not None:
+            files = {shard: self._file_record(job, shard)}
         if job.step in self.store.committed_steps():
             self._set_aside_if_invalid(job.step)
-        manifest = encode_manifest(build_manifest(job.step, job.specs, job.pieces, job.crcs, job.values,
-                                                  job.kind, job.training_state, [shard], job.files))
+        manifest = encode_manifest(build_manifest(job.step, job.specs, job.pieces, job.snapshot_crcs, job.values,
+                                                  job.kind, job.training_state, [shard], files))
         signature = None
         if self.signing_key is not None:  # written before the commit point, by finalize()
             signature = signing.manifest_signature(manifest, self.signing_key)
-        location = self.store.finalize(job.pending, manifest, signature)
+        self.store.finalize(job.pending, manifest, signature)
         job.pending = None
-        with self._idle:
-            self.committed.append((job.step, location))
-        self.protected = {job.step}
         max_to_keep, keep_every = self.retention
         for step in steps_to_delete(self.store.committed_steps(), new_step=job.step, max_to_keep=max_to_keep,
-                                    keep_every_n_steps=keep_every, protected=frozenset(self.protected)):
+                                    keep_every_n_steps=keep_every):
             self.store.delete(step)
             log.info("retention: deleted checkpoint step %d", step)
 
     @staticmethod
-    def _record_file(job: _Job, name: str) -> None:
-        """Size and digest of a finished shard, for the manifest.
+    def _file_record(job: _Job, name: str) -> dict[str, Any]:
+        """Size and digest of a finished shard, for a signed manifest.
 
         Why a read-back rather than hashing during the write: the digest is BLAKE3 of the whole file, and the
         header at its start is written last, while the `blake3` package can only hash from the start. The
@@ -571,8 +610,8 @@ class _Engine:
         this background thread with the writer's hashing threads (signing.write_threads()), never in save()."""
         assert job.pending is not None
         path = os.path.join(job.pending.local_dir, name)
-        job.files[name] = {"size": os.path.getsize(path),
-                           "digest": signing.readback_digest(path, threads=signing.write_threads())}
+        return {"size": os.path.getsize(path),
+                "digest": signing.readback_digest(path, threads=signing.write_threads())}
 
     def _set_aside_if_invalid(self, step: int) -> None:
         """A committed step being saved again (after a rollback past it): an invalid copy is moved aside so
@@ -631,6 +670,8 @@ class CheckpointCoordinator:
         process per root only.
     signing_key: an Ed25519 private key (or an unencrypted PEM path): every step is signed, a detached `manifest.sig`
         over manifest.json (which lists each shard's size and BLAKE3 digest) written before the commit point.
+        Without it, steps are saved without shard digests (they cost a read-back of every shard) and can't be
+        signed later.
     trusted_keys: public keys (objects, PEM paths or bytes; see signing.trusted_key_set): latest(), restore()
         and validate() then also require a signature by one of them and every shard to match its digest, and
         treat a step that fails like any invalid step (skipped, reported in `skipped`, rolled back past).
@@ -757,6 +798,7 @@ class CheckpointCoordinator:
                     engine.submit("data", job, buffer, pieces)
             except BaseException:
                 job.failed = True
+                job.host_copies.clear()
                 job.may_write.set()
                 engine.submit("abort", job)
                 with engine._idle:
@@ -783,10 +825,7 @@ class CheckpointCoordinator:
                         "or none found)")
                 crc = self._copier.copy(dst, leaf.pointer + piece.start, piece.nbytes, kind=_native.COPY_D2H)
             else:
-                if leaf.dtype.byteorder == ">":  # stored little-endian: stage it that way
-                    leaf = leaf.astype(leaf.dtype.newbyteorder("<"))
-                source = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
-                crc = self._copier.copy(dst, source[piece.start:piece.start + piece.nbytes])
+                crc = self._copier.copy(dst, _host_piece(job, leaf, piece))
             job.snapshot_crcs[piece.entry] = int(crc or 0)
         del view
 
@@ -797,15 +836,18 @@ class CheckpointCoordinator:
 
     def close(self) -> None:
         """Waits for pending saves, stops the writer and frees staging memory; raises a background error."""
-        if self._closed:
-            return
-        try:
-            self._engine.wait()
-        finally:
-            self._closed = True
-            self._finalizer()
-            if self._engine.pool is not None:
-                self._engine.pool.clear()
+        # Under the lock: a save() running on another thread finishes submitting first (the writer never
+        # takes this lock, so waiting for it here can't deadlock), and none starts on a stopped writer.
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._engine.wait()
+            finally:
+                self._closed = True
+                self._finalizer()
+                if self._engine.pool is not None:
+                    self._engine.pool.clear()
         self._raise_background_error()
 
     def _check_open(self) -> None:
@@ -871,7 +913,6 @@ class CheckpointCoordinator:
                 obj.load_state_dict(state)
             else:
                 raise errors.UnsupportedTensorError(f"can't restore into a {type(obj).__name__}")
-            self._engine.protected.add(candidate)
             return self._info(candidate, manifest)
         return None
 
@@ -964,8 +1005,9 @@ def _check_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None = N
 
 def _read_state(local: str, manifest: dict[str, Any]) -> dict[str, Any]:
     """The saved tree, with arrays assembled from their pieces (owned, writable copies)."""
-    readers = [checkpoint.CheckpointReader(os.path.join(local, shard)) for shard in manifest["shards"]]
-    try:
+    with contextlib.ExitStack() as stack:  # a reader that fails to open closes those opened before it
+        readers = [stack.enter_context(checkpoint.CheckpointReader(os.path.join(local, shard)))
+                   for shard in manifest["shards"]]
         tree: dict[str, Any] = {}
         for tensor in manifest["tensors"]:
             dtype = format.numpy_dtype(tensor["dtype"])
@@ -983,6 +1025,3 @@ def _read_state(local: str, manifest: dict[str, Any]) -> dict[str, Any]:
         for value in manifest["values"]:
             _set_path(tree, value["path"], value["value"])
         return tree
-    finally:
-        for reader in readers:
-            reader.close()

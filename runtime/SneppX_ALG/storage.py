@@ -18,13 +18,23 @@ Commit points:
   fsynced) inside `<root>/.tmp-step-000001000-<pid>-<hex>/`, which is then renamed to `step-000001000` and
   the root directory fsynced. The rename is the commit: a `step-*` directory is complete by construction,
   so no marker file is needed (one more fsync'd file would add nothing a rename doesn't already guarantee).
+  If the fsync of the root fails after the rename, the save fails, and the step is renamed back to its
+  temporary name (removed now, or by `cleanup()` at the next start) so it is never visible as committed:
+  a failed fsync is not retried and trusted. Were even that rename back lost in a crash, what the next
+  start finds is a directory whose every file was fsynced before the rename: it is validated like any step.
   Deletion first renames the step to `.deleting-...` (invisible at once), then removes it.
 * S3: shards go up as parallel multipart uploads, the manifest and its signature (if any) as one PUT each,
   then `COMMITTED` is PUT with `If-None-Match: *`, so two writers can never both commit a step. Deletion
   removes the marker first. Failed uploads are aborted; `cleanup()` aborts every incomplete multipart upload
-  under the prefix and deletes objects of steps that have no marker.
+  under the prefix and deletes objects of steps that have no marker. Reading a step fetches only the files its
+  manifest names (manifest, signature, shards), whatever else the prefix holds.
 
-`cleanup()` assumes one writer per root (rank 0 in a multi-rank job), as it removes every leftover.
+One writer per root is assumed (rank 0 in a multi-rank job): `cleanup()` removes every leftover, and on S3
+the shards and manifest of a step are plain PUTs under fixed keys, so two writers saving the same step at
+once overwrite each other's objects (only the marker is conditional: one of them commits). A step mixed
+that way fails validation, never loads wrong bytes. What a writer that loses the marker race does *not* do
+is delete anything: the keys it wrote may now hold the winner's objects, so it can't prove they are its own
+(`cleanup()` at the next start removes what an uncommitted step left).
 """
 
 from __future__ import annotations
@@ -32,13 +42,14 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import contextlib
+import json
 import os
 import re
 import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from SneppX_ALG import _native, errors
@@ -46,6 +57,7 @@ from SneppX_ALG import _native, errors
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"
 COMMITTED = "COMMITTED"
+MAX_MANIFEST_BYTES = 256 << 20  # the coordinator's limit too: a larger manifest is refused when read
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
 _TMP_PREFIX = ".tmp-step-"
 _DELETING_PREFIX = ".deleting-step-"
@@ -70,7 +82,6 @@ class PendingStep:
 
     step: int
     local_dir: str
-    files: list[str] = field(default_factory=list)
 
 
 class Storage(Protocol):
@@ -121,6 +132,27 @@ def write_durable(path: str, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def is_plain_name(name: str) -> bool:
+    """A file name that can only mean a file directly in a step directory (no separator, no dot file)."""
+    return bool(name) and "/" not in name and "\\" not in name and "\x00" not in name and not name.startswith(".")
+
+
+def manifest_shards(path: str) -> list[str]:
+    """The plain shard names a fetched manifest lists ([] when it is missing or unreadable: validating the
+    step then says what is wrong). Only these are fetched, so an odd key under a step prefix can't name a
+    local path."""
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read(MAX_MANIFEST_BYTES + 1))
+    except (OSError, ValueError, RecursionError):
+        return []
+    shards = doc.get("shards") if isinstance(doc, dict) else None
+    if not isinstance(shards, list):
+        return []
+    return [s for s in shards if isinstance(s, str) and is_plain_name(s) and s not in (MANIFEST, SIGNATURE,
+                                                                                       COMMITTED)]
 
 
 def _remove_tree(path: str) -> None:
@@ -179,8 +211,28 @@ class LocalStorage:
         if os.path.lexists(final):
             raise errors.CheckpointExistsError(f"{final} is already committed; a step is never overwritten",
                                                path=final)
-        _native.rename_durable(pending.local_dir, final)  # the commit point
+        try:
+            _native.rename_durable(pending.local_dir, final)  # the commit point
+        except BaseException:
+            if not os.path.lexists(pending.local_dir) and os.path.lexists(final):
+                self._uncommit(final, pending.local_dir)
+            raise
         return final
+
+    def _uncommit(self, final: str, tmp: str) -> None:
+        """The rename happened but its fsync failed: the step must not stay visible as committed. Renamed
+        back to its temporary name (abort() or the next cleanup() removes it), else removed (best effort)."""
+        try:
+            os.rename(final, tmp)
+        except OSError:
+            _remove_tree(final)
+            return
+        with contextlib.suppress(OSError):
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def abort(self, pending: PendingStep) -> None:
         _remove_tree(pending.local_dir)
@@ -329,7 +381,11 @@ class S3Storage:
             if signature is not None:  # before the marker: a committed signed step always has its signature
                 self._put(self.key(name, SIGNATURE), signature)
                 uploaded.append(self.key(name, SIGNATURE))
-            self._put(marker, manifest, if_none_match=True)  # the commit point
+            try:
+                self._put(marker, manifest, if_none_match=True)  # the commit point
+            except errors.CheckpointExistsError:
+                uploaded.clear()  # lost the race: those keys may hold the winner's objects now; keep them
+                raise
         except BaseException:
             with contextlib.suppress(errors.StorageError):  # best effort: cleanup() gets the rest
                 self._delete_keys(uploaded)
@@ -409,18 +465,22 @@ class S3Storage:
                                                  path=self.uri)
         local = tempfile.mkdtemp(prefix=f"{_STAGE_PREFIX}{os.getpid()}-fetch-", dir=self.staging_dir)
         try:
-            keys = [obj["Key"] for obj in self._list(self.key(name) + "/")]
-            for key in keys:
-                leaf = key.rsplit("/", 1)[-1]
-                if leaf == COMMITTED:
-                    continue
-                try:
-                    self.client.download_file(self.bucket, key, os.path.join(local, leaf))
-                except _s3_errors() as e:
-                    raise _s3_error(e, f"download of {key}", self.uri) from None
+            present = {obj["Key"][len(self.key(name)) + 1:] for obj in self._list(self.key(name) + "/")}
+            for leaf in (MANIFEST, SIGNATURE):
+                if leaf in present:
+                    self._download(self.key(name, leaf), os.path.join(local, leaf))
+            for leaf in manifest_shards(os.path.join(local, MANIFEST)):
+                if leaf in present:  # a missing shard is for validation to report
+                    self._download(self.key(name, leaf), os.path.join(local, leaf))
             yield local
         finally:
             _remove_tree(local)
+
+    def _download(self, key: str, path: str) -> None:
+        try:
+            self.client.download_file(self.bucket, key, path)
+        except (*_s3_errors(), OSError) as e:
+            raise _s3_error(e, f"download of {key}", self.uri) from None
 
     def _delete_keys(self, keys: list[str]) -> None:
         for start in range(0, len(keys), 1000):

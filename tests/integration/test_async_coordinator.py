@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -141,6 +143,7 @@ def test_disk_full_in_the_background_is_raised_by_the_next_call_and_loses_nothin
     ("dirsync", 1, errors.DurabilityError),  # the directory after the shard's rename
     ("rename", 2, errors.StorageError),      # the manifest's rename
     ("rename", 3, errors.StorageError),      # the commit rename itself
+    ("dirsync", 3, errors.DurabilityError),  # the root directory after the commit rename
 ])
 def test_a_failing_fsync_or_rename_fails_the_save_with_a_typed_error(tmp_path, sites, countdown, expected) -> None:
     with CheckpointCoordinator(tmp_path) as coord:
@@ -152,6 +155,10 @@ def test_a_failing_fsync_or_rename_fails_the_save_with_a_typed_error(tmp_path, s
             coord.wait()
         assert isinstance(info.value, expected)
         assert info.value.errno == errno.EIO
+        # A failed save is never visible, even when only the fsync after the commit rename failed.
+        assert coord.committed_steps() == [1]
+        assert coord.latest().step == 1
+        assert not [p for p in os.listdir(tmp_path) if p.startswith(".")], "the failed step left files"
     after = CheckpointCoordinator(tmp_path)
     assert after.committed_steps() == [1]
     got = empty_like(state_for(1))
@@ -274,3 +281,58 @@ def test_bad_arguments_are_refused_up_front(tmp_path) -> None:
         with pytest.raises(errors.UnsupportedTensorError):
             coord.save(["not", "a", "state"], step=1)
     assert coordinator.CheckpointCoordinator(tmp_path).committed_steps() == []
+
+
+def test_close_on_another_thread_waits_for_a_save_in_progress(tmp_path) -> None:
+    """close() takes the save lock: a save that already started is written and committed, never submitted to
+    a stopped writer (which left wait() hanging)."""
+    in_save, go_on = threading.Event(), threading.Event()
+
+    class SlowModel:
+        def state_dict(self) -> dict:
+            in_save.set()
+            assert go_on.wait(60)
+            return {"w": np.arange(16.0)}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.loaded = state
+
+    coord = CheckpointCoordinator(tmp_path)
+    saver = threading.Thread(target=coord.save, args=(SlowModel(), 3))
+    saver.start()
+    assert in_save.wait(60)
+    closer = threading.Thread(target=coord.close)
+    closer.start()
+    closer.join(0.5)  # room for a close() that doesn't wait for the lock to finish first
+    go_on.set()
+    saver.join(60)
+    closer.join(60)
+    assert not saver.is_alive() and not closer.is_alive()
+    model = SlowModel()
+    assert CheckpointCoordinator(tmp_path).restore(model).step == 3
+    assert model.loaded["w"].tolist() == list(np.arange(16.0))
+
+
+@pytest.mark.parametrize("make, most", [
+    (lambda: np.arange(4 * MiB, dtype=np.float32).reshape(2048, 2048).T, 0.5),    # row blocks
+    (lambda: np.arange(4 * MiB, dtype=">f4").reshape(2048, 2048)[:, ::-1], 0.5),  # big-endian, reversed
+    (lambda: np.arange(8 * MiB, dtype=np.float32).reshape(4 * MiB, 2).T[:1], 1.5),  # one row: flat ranges
+])
+def test_a_non_contiguous_tensor_is_staged_without_a_full_copy_per_piece(tmp_path, make, most) -> None:
+    """A 16 MiB non-contiguous tensor in 1 MiB pieces: a row block converts only its own rows, flat ranges
+    share one converted copy of the tensor. Before, every piece converted the whole tensor (two copies alive
+    at once at the peak, 16 full copies in all)."""
+    tensor = make()
+    assert not tensor.flags.c_contiguous
+    with CheckpointCoordinator(tmp_path, staging_bytes=2 * MiB) as coord:
+        tracemalloc.start()
+        try:
+            coord.save({"t": tensor}, step=1)
+            coord.wait()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak < most * tensor.nbytes
+    got = {"t": np.zeros(tensor.shape, tensor.dtype.newbyteorder("<"))}
+    CheckpointCoordinator(tmp_path).restore(got)
+    assert np.array_equal(got["t"], tensor)

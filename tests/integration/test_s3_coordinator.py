@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import numpy as np
@@ -118,3 +119,40 @@ def test_an_unreachable_endpoint_is_a_storage_error_raised_on_the_next_call(tmp_
     with pytest.raises(errors.StorageError, match="S3"):
         coord.wait()
     assert storage.S3Storage(f"s3://{s3_bucket}/u", client=client).committed_steps() == []
+
+
+def test_a_writer_that_loses_the_marker_race_deletes_none_of_the_step(s3_bucket, s3_env, monkeypatch) -> None:
+    """Two writers of one step: the second passed its "is it committed?" check before the first wrote the
+    marker, uploaded its files over the same keys, and lost the If-None-Match race. It must not delete
+    those keys: they are the committed step's now."""
+    client = s3_env.client()
+    first = CheckpointCoordinator(f"s3://{s3_bucket}/race", s3_client=client)
+    second = CheckpointCoordinator(f"s3://{s3_bucket}/race", s3_client=client, cleanup_on_start=False)
+    first.save(state_for(7), step=7)
+    first.wait()
+    monkeypatch.setattr(second.storage, "_exists", lambda key: False)  # its check ran before the marker
+    second.save(state_for(7), step=7)
+    with pytest.raises(errors.CheckpointExistsError):
+        second.wait()
+    assert [k.rsplit("/", 1)[1] for k in keys(client, s3_bucket)] == ["COMMITTED", "manifest.json",
+                                                                    "shard-00000.snpx"]
+    reader = CheckpointCoordinator(f"s3://{s3_bucket}/race", s3_client=client)
+    assert reader.validate(7) == [] and reader.latest().step == 7
+
+
+def test_only_the_files_a_manifest_names_are_fetched(s3_bucket, s3_env) -> None:
+    """Objects under a step's prefix that the manifest doesn't name (a "folder" key ending in "/", a nested
+    key, a stray file) are neither fetched nor an error: a key can't choose a local path."""
+    client = s3_env.client()
+    root = f"s3://{s3_bucket}/odd"
+    with CheckpointCoordinator(root, s3_client=client) as coord:
+        coord.save(state_for(1), step=1)
+    for key in ("odd/step-000000001/folder/", "odd/step-000000001/nested/shard-00000.snpx",
+                "odd/step-000000001/stray.bin"):
+        client.put_object(Bucket=s3_bucket, Key=key, Body=b"not part of the step")
+    coord = CheckpointCoordinator(root, s3_client=client)
+    with coord.storage.open_step(1) as local:
+        assert sorted(os.listdir(local)) == ["manifest.json", "shard-00000.snpx"]
+    got = {"w": None, "emb": None, "n": None}
+    assert coord.restore(got).step == 1
+    assert got["emb"].tobytes() == state_for(1)["emb"].tobytes()

@@ -223,30 +223,38 @@ def test_without_trusted_keys_the_same_tampering_goes_unseen(tmp_path, keys, cas
     assert unsigned_reader.latest().step == 2 and unsigned_reader.skipped == []
 
 
-def test_an_unsigned_step_is_refused_when_keys_are_trusted_until_it_is_signed(tmp_path, keys) -> None:
+def test_an_unsigned_step_is_saved_without_digests_and_refused_when_keys_are_trusted(tmp_path, keys) -> None:
+    """Shard digests cost a read-back of every shard, so only a signing coordinator makes them: an unsigned
+    step has no "files", fails verification as unsigned, and can't be signed after the fact (a signature
+    over a manifest without digests would not cover the shards)."""
     private, public, _ = keys
     save_steps(str(tmp_path), {1: private, 2: None})
     step_dir = tmp_path / storage.step_name(2)
     assert not (step_dir / "manifest.sig").exists()
+    assert "files" not in json.loads((step_dir / "manifest.json").read_bytes())
     assert CheckpointCoordinator(tmp_path).latest().step == 2  # unsigned coordinators read it as before
 
     reader = CheckpointCoordinator(tmp_path, trusted_keys=[public])
     assert reader.latest().step == 1
     assert reader.skipped[0].problems[0].startswith("MissingSignatureError:")
+    ok, problems = signing.verify_checkpoint(step_dir, [public])
+    assert not ok and problems[0].startswith("MissingSignatureError:")
 
-    assert signing.sign_checkpoint(step_dir, private) == signing.key_id(public)  # signed after the fact
-    assert signing.verify_checkpoint(step_dir, [public]) == (True, [])
-    assert CheckpointCoordinator(tmp_path, trusted_keys=[public]).latest().step == 2
+    with pytest.raises(errors.CorruptTableError, match='"files"'):
+        signing.sign_checkpoint(step_dir, private)
+    assert not (step_dir / "manifest.sig").exists()
+    assert CheckpointCoordinator(tmp_path, trusted_keys=[public]).latest().step == 1
 
 
 def test_sign_checkpoint_refuses_a_step_whose_shard_changed(tmp_path, keys) -> None:
-    private, _, _ = keys
-    save_steps(str(tmp_path), {1: None})
+    private, _, other = keys
+    save_steps(str(tmp_path), {1: private})
     step_dir = tmp_path / storage.step_name(1)
+    signature = (step_dir / "manifest.sig").read_bytes()
     tamper_shard_byte(step_dir, keys)
     with pytest.raises(errors.DigestMismatchError):
-        signing.sign_checkpoint(step_dir, private)
-    assert not (step_dir / "manifest.sig").exists()
+        signing.sign_checkpoint(step_dir, other)
+    assert (step_dir / "manifest.sig").read_bytes() == signature
 
 
 def test_signature_is_written_before_the_commit_rename(tmp_path, keys) -> None:

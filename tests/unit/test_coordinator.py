@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Self
 
 import numpy as np
 import pytest
@@ -211,3 +212,62 @@ def test_restoring_a_mapping_writes_into_matching_arrays_in_place() -> None:
     assert target["w"] is live and list(live) == [0, 1, 2]
     assert list(target["other"]) == [0, 1, 2, 3, 4]  # shape differs: replaced
     assert target["nested"]["v"][0] == 1
+
+
+# ---- CUDA tensors seen through __cuda_array_interface__ ---------------------------------------------------
+
+
+class FakeCudaTensor:
+    """What torch or cupy expose for a device tensor (the pointer is never read by _leaf)."""
+
+    def __init__(self, shape: tuple[int, ...], typestr: str, strides: tuple[int, ...] | None):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "strides": strides,
+                                         "data": (0x7F0000000000, False), "version": 3}
+
+
+@given(shape=st.lists(st.integers(0, 5), max_size=4).map(tuple), itemsize=st.sampled_from([1, 2, 4, 8]))
+def test_contiguity_is_decided_like_numpy_without_allocating(shape, itemsize) -> None:
+    base = np.empty(shape, dtype=f"u{itemsize}")
+    assert coordinator.is_c_contiguous(shape, base.strides, itemsize)
+    if base.ndim >= 2 and base.size and shape[0] > 1 and shape[-1] > 1:
+        transposed = base.swapaxes(0, -1)
+        assert coordinator.is_c_contiguous(transposed.shape, transposed.strides, itemsize) is False
+
+
+def test_a_gpu_sized_tensor_is_checked_for_contiguity_without_a_host_allocation() -> None:
+    """64 TiB of float32: np.empty(shape) to learn its strides was a MemoryError (or a huge allocation)."""
+    shape = (1 << 22, 1 << 22)
+    leaf = coordinator._leaf(FakeCudaTensor(shape, "<f4", (4 << 22, 4)))
+    assert isinstance(leaf, coordinator._DeviceArray) and leaf.shape == shape
+    assert coordinator._leaf(FakeCudaTensor(shape, "<f4", None)).shape == shape  # None: C-contiguous
+    with pytest.raises(errors.UnsupportedTensorError, match="contiguous"):
+        coordinator._leaf(FakeCudaTensor(shape, "<f4", (4, 4 << 22)))
+
+
+# ---- restore: readers are closed on every path ---------------------------------------------------------------
+
+
+def test_a_shard_that_fails_to_open_closes_the_readers_opened_before_it(tmp_path, monkeypatch) -> None:
+    opened: list[FakeReader] = []
+
+    class FakeReader:  # the file boundary: the first shard opens, the second is corrupt
+        def __init__(self, path: str, **_: object):
+            if path.endswith("bad.snpx"):
+                raise errors.CorruptHeaderError("bad header", path=path)
+            self.closed = False
+            opened.append(self)
+
+        def __enter__(self) -> Self:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.close()
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(coordinator.checkpoint, "CheckpointReader", FakeReader)
+    manifest = {"shards": ["good.snpx", "bad.snpx"], "tensors": [], "values": []}
+    with pytest.raises(errors.CorruptHeaderError):
+        coordinator._read_state(str(tmp_path), manifest)
+    assert len(opened) == 1 and opened[0].closed
