@@ -9,7 +9,16 @@ import pathlib
 import numpy as np
 import pytest
 
-from SneppX_ALG import CheckpointReader, CheckpointWriter, _native, errors, format, validate_checkpoint
+from SneppX_ALG import (
+    CheckpointCoordinator,
+    CheckpointReader,
+    CheckpointWriter,
+    _native,
+    errors,
+    format,
+    storage,
+    validate_checkpoint,
+)
 
 ALL_DTYPES = ["bool", "uint8", "int8", "uint16", "int16", "float16", "uint32", "int32", "float32", "uint64",
               "int64", "float64", "complex64", "complex128"]
@@ -233,6 +242,24 @@ def test_corrupt_tensor_is_reported_by_name_and_others_still_checked(tmp_path: p
         np.testing.assert_array_equal(r.read("good"), np.ones(100))
         with pytest.raises(errors.ChecksumMismatchError, match="'bad'"):
             r.read("bad")
+
+
+def test_validate_checks_a_coordinator_step_directory(tmp_path: pathlib.Path) -> None:
+    with CheckpointCoordinator(tmp_path / "root", max_to_keep=None) as coord:
+        coord.save({"w": np.arange(1000, dtype=np.float32), "lr": 0.5}, step=7)
+    step_dir = tmp_path / "root" / storage.step_name(7)
+    assert validate_checkpoint(step_dir) == (True, [])  # a directory, validated as the coordinator does
+    shard = next(step_dir.glob("*.snpx"))
+    with CheckpointReader(shard) as r:
+        offset = r.entry(r.names()[0]).offset
+    blob = bytearray(shard.read_bytes())
+    blob[offset + 3] ^= 0x04
+    shard.write_bytes(blob)
+    ok, problems = validate_checkpoint(step_dir)
+    assert not ok and "CRC32C" in problems[0]
+    (step_dir / storage.MANIFEST).unlink()
+    ok, problems = validate_checkpoint(step_dir)
+    assert not ok and "manifest.json is missing" in problems[0]
 
 
 def test_a_failed_write_can_not_be_committed(tmp_path: pathlib.Path) -> None:

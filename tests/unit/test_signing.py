@@ -90,6 +90,11 @@ def test_file_digest_matches_bytes(tmp_path: pathlib.Path) -> None:
     (tmp_path / "e").write_bytes(b"")
     assert signing.file_digest(tmp_path / "f") == "blake3:" + blake3.blake3(b"hello" * 1000).hexdigest()
     assert signing.file_digest(tmp_path / "e", "sha256") == "sha256:" + hashlib.sha256(b"").hexdigest()
+    # more than the ring of read buffers holds, and the writer's variant (page cache dropped) agrees
+    big = np.random.default_rng(5).integers(0, 256, 3 * signing._READBACK_PIECE + 123, np.uint8).tobytes()
+    (tmp_path / "big").write_bytes(big)
+    assert signing.file_digest(tmp_path / "big") == "blake3:" + blake3.blake3(big).hexdigest()
+    assert signing.readback_digest(tmp_path / "big") == signing.file_digest(tmp_path / "big")
 
 
 # --- keys ------------------------------------------------------------------------------------------------
@@ -259,6 +264,53 @@ def test_verify_reports_each_failed_check_by_name(tmp_path: pathlib.Path) -> Non
     assert not ok and problems[0].startswith("CheckpointNotFoundError")
     ok, problems = checkpoint.validate_checkpoint(unsigned, trusted_keys=[pub])
     assert not ok and "MissingSignatureError" in problems[0]
+
+
+def test_validate_with_trusted_keys_checks_the_signature_before_any_data(tmp_path: pathlib.Path) -> None:
+    priv, pub = signing.generate_keypair()
+    _, other = signing.generate_keypair()
+    path = write_checkpoint(tmp_path / "s.snpx", priv)
+    with checkpoint.CheckpointReader(path) as r:
+        offset = r.entry("w").offset
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 1
+    path.write_bytes(raw)
+    # corrupt data and an untrusted signer: the signature is what is reported (docs/FORMAT.md "Verifying")
+    ok, problems = checkpoint.validate_checkpoint(path, trusted_keys=[other])
+    assert not ok and problems[0].startswith("UntrustedKeyError") and len(problems) == 1
+    ok, problems = checkpoint.validate_checkpoint(path, trusted_keys=[pub])
+    assert not ok and problems[0].startswith("ChecksumMismatchError") and "'w'" in problems[0]
+    seen: list[tuple[int, int]] = []
+    path.write_bytes(write_checkpoint(tmp_path / "t.snpx", priv).read_bytes())
+    assert checkpoint.validate_checkpoint(path, trusted_keys=[pub], progress=lambda *a: seen.append(a)) == (True, [])
+    assert len(seen) == 2 and seen[0][0] < seen[1][0] <= seen[1][1]  # once per tensor, growing
+
+
+def test_validate_checks_a_signed_coordinator_step_with_trusted_keys(tmp_path: pathlib.Path) -> None:
+    from SneppX_ALG import CheckpointCoordinator, storage
+
+    priv, pub = signing.generate_keypair()
+    _, other = signing.generate_keypair()
+    with CheckpointCoordinator(tmp_path, max_to_keep=None, signing_key=priv) as coord:
+        coord.save({"w": np.arange(100, dtype=np.float32)}, step=3)
+    step_dir = tmp_path / storage.step_name(3)
+    assert checkpoint.validate_checkpoint(step_dir, trusted_keys=[pub]) == (True, [])
+    ok, problems = checkpoint.validate_checkpoint(step_dir, trusted_keys=[other])
+    assert not ok and problems[0].startswith("UntrustedKeyError")
+
+
+def test_signing_keeps_a_bfloat16_tensor_exactly(tmp_path: pathlib.Path) -> None:
+    priv, pub = signing.generate_keypair()
+    path = write_checkpoint(tmp_path / "u.snpx", tensors={"h": np.arange(40, dtype=np.uint16).reshape(5, 8)})
+    with checkpoint.CheckpointReader(path) as r:
+        header, table = r.header, r.table
+    entry = format.TensorEntry(**{**table.tensors[0].__dict__, "dtype": "bfloat16"})
+    _rewrite_table(path, header, format.Table((entry,), table.metadata, table.config))
+    signing.sign_checkpoint(path, priv)
+    assert signing.verify_checkpoint(path, [pub]) == (True, [])
+    with checkpoint.CheckpointReader(path) as r:
+        assert (r.entry("h").dtype, r.entry("h").shape) == ("bfloat16", (5, 8))
+        assert bytes(r.raw("h")) == np.arange(40, dtype="<u2").tobytes()
 
 
 def test_sign_existing_checkpoint_keeps_data_and_layout(tmp_path: pathlib.Path) -> None:
