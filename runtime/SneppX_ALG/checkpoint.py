@@ -289,7 +289,7 @@ class CheckpointReader:
     def __enter__(self) -> CheckpointReader:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -425,7 +425,7 @@ def _validate_step(path: str, step: int, trusted_keys: Any) -> tuple[bool, list[
 
     try:
         keys = signing.trusted_key_set(trusted_keys) if trusted_keys is not None else None
-        _, problems = coordinator._check_step(path, step, keys)
+        _, problems = coordinator.check_step(path, step, keys)
     except errors.SneppXError as e:
         return False, [f"{type(e).__name__}: {e}"]
     except OSError as e:

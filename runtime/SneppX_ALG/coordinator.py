@@ -56,7 +56,6 @@ MAX_BUFFER_BYTES = 64 << 20
 SHARD_FILE = "shard-{:05d}.snpx"
 MANIFEST_FORMAT = "sneppx.manifest"
 MANIFEST_VERSION = 1
-MAX_MANIFEST_BYTES = storage.MAX_MANIFEST_BYTES
 _PIECE_ALIGN = 64
 
 
@@ -226,8 +225,8 @@ def decode_manifest(raw: bytes, *, step: int, where: str) -> dict[str, Any]:
     def bad(why: str) -> errors.ManifestError:
         return errors.ManifestError(why, path=where)
 
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise bad(f"manifest is {len(raw)} bytes, more than {MAX_MANIFEST_BYTES}")
+    if len(raw) > storage.MAX_MANIFEST_BYTES:
+        raise bad(f"manifest is {len(raw)} bytes, more than {storage.MAX_MANIFEST_BYTES}")
     try:
         m = json.loads(raw, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
     except (ValueError, UnicodeDecodeError) as e:
@@ -618,7 +617,7 @@ class _Engine:
         the new one can commit; a valid one stays and finalize() refuses to overwrite it."""
         try:
             with self.store.open_step(step) as local:
-                problems = _check_step(local, step, self.trusted_keys)[1]
+                problems = check_step(local, step, self.trusted_keys)[1]
         except errors.CheckpointNotFoundError:
             return
         if problems:
@@ -868,7 +867,7 @@ class CheckpointCoordinator:
     def validate(self, step: int) -> list[str]:
         """Problems with committed step `step` ([] when it is whole and every byte checks)."""
         with self._storage.open_step(step) as local:
-            return _check_step(local, step, self._trusted_keys)[1]
+            return check_step(local, step, self._trusted_keys)[1]
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint that validates, or None. Committed steps that fail validation
@@ -876,7 +875,7 @@ class CheckpointCoordinator:
         for step in reversed(self._storage.committed_steps()):
             try:
                 with self._storage.open_step(step) as local:
-                    manifest, problems = _check_step(local, step, self._trusted_keys)
+                    manifest, problems = check_step(local, step, self._trusted_keys)
             except errors.CheckpointNotFoundError:
                 continue  # deleted by retention between listing and opening
             if not problems:
@@ -892,7 +891,7 @@ class CheckpointCoordinator:
         for candidate in steps:
             try:
                 with self._storage.open_step(candidate) as local:
-                    manifest, problems = _check_step(local, candidate, self._trusted_keys)
+                    manifest, problems = check_step(local, candidate, self._trusted_keys)
                     if problems:
                         self._report(candidate, problems)
                         if step is not None:
@@ -955,7 +954,7 @@ def _signature_problem(local: str, raw: bytes, trusted_keys: dict[bytes, Any]) -
     return None
 
 
-def _check_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None = None,
+def check_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None = None,
                 ) -> tuple[dict[str, Any] | None, list[str]]:
     """(manifest, problems) for a step directory: manifest, every shard's bytes, and that the manifest's
     pieces are exactly the shard entries with the same CRCs. With trusted_keys, first the signature and
@@ -963,7 +962,7 @@ def _check_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None = N
     path = os.path.join(local, storage.MANIFEST)
     try:
         with open(path, "rb") as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
+            raw = f.read(storage.MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         return None, [f"{path}: manifest.json is missing"]
     if trusted_keys is not None:  # before parsing: a forged manifest costs nothing more than this

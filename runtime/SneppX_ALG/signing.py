@@ -566,14 +566,6 @@ def sign_checkpoint(path: str | os.PathLike[str], private_key: ed25519.Ed25519Pr
 
 # --- multi-file checkpoints: a signed manifest ---------------------------------------------------------
 
-def _max_manifest_bytes() -> int:
-    """The coordinator's limit, so that a verify never refuses a manifest the coordinator wrote (imported
-    here: coordinator imports this module)."""
-    from SneppX_ALG import coordinator
-
-    return coordinator.MAX_MANIFEST_BYTES
-
-
 def manifest_signature(manifest_bytes: bytes, private_key: ed25519.Ed25519PrivateKey) -> bytes:
     """The detached `manifest.sig` for these exact manifest bytes (also for an S3 prefix: store it beside)."""
     _manifest_files(manifest_bytes)
@@ -588,8 +580,9 @@ def _manifest_files(manifest_bytes: bytes, path: str | None = None) -> dict[str,
         raise errors.CorruptTableError(f"manifest is not valid JSON: {e}", path=path) from None
     files = doc.get("files") if isinstance(doc, dict) else None
     if not isinstance(files, dict):
-        raise errors.CorruptTableError('manifest has no "files" object mapping relative paths to '
-                                       '{"size", "digest"}', path=path)
+        raise errors.CorruptTableError('manifest has no "files" digests: the step was saved without them; '
+                                       'save it with CheckpointCoordinator(..., signing_key=...) to sign it',
+                                       path=path)
     for name, info in files.items():
         parts = name.split("/")
         if not name or name.startswith("/") or "\\" in name or "\x00" in name or any(
@@ -629,7 +622,7 @@ def sign_manifest(directory: str | os.PathLike[str], private_key: ed25519.Ed2551
     """
     directory = os.fspath(directory)
     manifest_path = os.path.join(directory, storage.MANIFEST)
-    manifest = _read_bounded(manifest_path, _max_manifest_bytes())
+    manifest = _read_bounded(manifest_path, storage.MAX_MANIFEST_BYTES)
     if manifest is None:
         raise errors.CheckpointNotFoundError(f"{manifest_path} not found: nothing to sign",
                                              path=manifest_path)
@@ -674,7 +667,7 @@ def check_manifest(directory: str | os.PathLike[str], trusted_keys: Any) -> Veri
     """Verifies a signed checkpoint directory: manifest.sig over manifest.json, then each listed file."""
     directory = os.fspath(directory)
     manifest_path = os.path.join(directory, storage.MANIFEST)
-    manifest = _read_bounded(manifest_path, _max_manifest_bytes())
+    manifest = _read_bounded(manifest_path, storage.MAX_MANIFEST_BYTES)
     if manifest is None:
         raise errors.CheckpointNotFoundError(f"{manifest_path} not found", path=directory)
     signature = _read_bounded(os.path.join(directory, storage.SIGNATURE), format.MAX_SIGNATURE_BYTES)

@@ -135,7 +135,7 @@ def change_data_keeping_crc(path: pathlib.Path, out: pathlib.Path) -> None:
 
 def regions(path: pathlib.Path) -> dict[str, range]:
     header, table, _, _, _ = parts(path)
-    out = {"header": range(0, 64), "header padding": range(64, format.DATA_OFFSET)}
+    out = {"header": range(64), "header padding": range(64, format.DATA_OFFSET)}
     for t in table.tensors:
         out[f"data of {t.name}"] = range(t.offset, t.offset + t.length)
         out[f"padding after {t.name}"] = range(t.offset + t.length, format.align_up(t.offset + t.length))

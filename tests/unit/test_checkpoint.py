@@ -113,16 +113,14 @@ def test_exception_inside_with_leaves_no_file_and_keeps_the_old_one(tmp_path: pa
     path = tmp_path / "keep.snpx"
     with CheckpointWriter(path, metadata={"v": "1"}) as w:
         w.write("a", np.zeros(4))
-    with pytest.raises(RuntimeError):
-        with CheckpointWriter(path, metadata={"v": "2"}) as w:
-            w.write("a", np.ones(4))
-            raise RuntimeError("training crashed")
+    with pytest.raises(RuntimeError), CheckpointWriter(path, metadata={"v": "2"}) as w:
+        w.write("a", np.ones(4))
+        raise RuntimeError("training crashed")
     with CheckpointReader(path) as r:
         assert r.metadata == {"v": "1"}
     assert sorted(os.listdir(tmp_path)) == ["keep.snpx"]  # no temporary left behind
-    with pytest.raises(RuntimeError):
-        with CheckpointWriter(tmp_path / "new.snpx") as w:
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), CheckpointWriter(tmp_path / "new.snpx") as w:
+        raise RuntimeError("boom")
     assert not (tmp_path / "new.snpx").exists()
 
 
@@ -140,9 +138,8 @@ def test_failed_io_fails_the_write_and_keeps_the_previous_file(tmp_path: pathlib
         w.write("a", np.zeros(4))
     _native.fault_arm(site, 1, action)
     try:
-        with pytest.raises(error):
-            with CheckpointWriter(path, metadata={"v": "new"}) as w:
-                w.write("a", np.ones(1 << 20))
+        with pytest.raises(error), CheckpointWriter(path, metadata={"v": "new"}) as w:
+            w.write("a", np.ones(1 << 20))
     finally:
         _native.fault_arm("write", 0, "kill")  # disarm
     assert validate_checkpoint(path) == (True, [])
@@ -157,9 +154,8 @@ def test_failed_directory_fsync_after_rename_is_reported(tmp_path: pathlib.Path)
     path = tmp_path / "d.snpx"
     _native.fault_arm("dirsync", 1, "EIO")
     try:
-        with pytest.raises(errors.DurabilityError, match="fsync"):
-            with CheckpointWriter(path) as w:
-                w.write("a", np.ones(10))
+        with pytest.raises(errors.DurabilityError, match="fsync"), CheckpointWriter(path) as w:
+            w.write("a", np.ones(10))
     finally:
         _native.fault_arm("write", 0, "kill")
     assert validate_checkpoint(path) == (True, [])

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import threading
 
-import google_crc32c
 import crc32c as crc32c_pypi
+import google_crc32c
 import numpy as np
 import pytest
 from hypothesis import given, settings
