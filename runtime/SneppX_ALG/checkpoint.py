@@ -10,6 +10,7 @@ every byte without loading anything and never raises for a bad file.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import secrets
@@ -338,7 +339,7 @@ class CheckpointReader:
             if problems:
                 raise problems[0]
             self._verified.add(name)
-        array = np.frombuffer(data, dtype=format.numpy_dtype(entry.dtype), count=int(np.prod(entry.shape)))
+        array = np.frombuffer(data, dtype=format.numpy_dtype(entry.dtype), count=math.prod(entry.shape))
         return array.reshape(entry.shape)
 
     def padding_is_zero(self, entry: format.TensorEntry) -> bool:
