@@ -175,8 +175,7 @@ int sx_copier_create(int device, size_t piece_bytes, int nthreads, sx_copier **o
     sx_copier *c = calloc(1, sizeof *c);
     if (!c) return SX_ENOMEM;
     c->device = device;
-    long online = sysconf(_SC_NPROCESSORS_ONLN);
-    c->nthreads = nthreads > 0 ? nthreads : (online > 0 ? (int)online : 1);
+    c->nthreads = nthreads > 0 ? nthreads : (int)split_online_cpus();
     if (c->nthreads > CPU_MAX_THREADS) c->nthreads = CPU_MAX_THREADS;
     c->piece = piece_bytes ? piece_bytes : ((size_t)8 << 20);
     if (device >= 0) {

@@ -387,11 +387,7 @@ static void *crc_job_run(void *arg) {
 }
 
 uint32_t sx_crc32c_parallel(uint32_t crc, const void *buf, size_t len, int nthreads) {
-    if (nthreads <= 0) {
-        long online = sysconf(_SC_NPROCESSORS_ONLN);
-        nthreads = online > 0 ? (int)(online < PARALLEL_MAX_THREADS ? online : PARALLEL_MAX_THREADS) : 1;
-    }
-    size_t n = split_count(len, (size_t)nthreads, PARALLEL_MAX_THREADS);
+    size_t n = split_count(len, nthreads > 0 ? (size_t)nthreads : split_online_cpus(), PARALLEL_MAX_THREADS);
     if (n == 1) return sx_crc32c(crc, buf, len);
 
     struct crc_job jobs[PARALLEL_MAX_THREADS];

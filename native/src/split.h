@@ -9,6 +9,7 @@
 #define SX_SPLIT_H
 
 #include <stddef.h>
+#include <unistd.h>
 
 /* Below this many bytes per thread, thread start-up costs more than it saves. */
 #define SPLIT_MIN_PER_THREAD ((size_t)4 << 20)
@@ -20,6 +21,19 @@ static inline size_t split_count(size_t len, size_t wanted, size_t max) {
     size_t n = wanted < max ? wanted : max;
     if (n > len / SPLIT_MIN_PER_THREAD) n = len / SPLIT_MIN_PER_THREAD;
     return n ? n : 1;
+}
+
+/* Online CPUs, asked once: sysconf reads a /sys file each call (tens of microseconds, measured as most of
+ * the cost of CRC-checking a small tensor). */
+static inline size_t split_online_cpus(void) {
+    static long cached; /* 0 until known; a benign race: every writer stores the same value */
+    long n = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (n <= 0) {
+        n = sysconf(_SC_NPROCESSORS_ONLN);
+        if (n <= 0) n = 1;
+        __atomic_store_n(&cached, n, __ATOMIC_RELAXED);
+    }
+    return (size_t)n;
 }
 
 struct split_slice {
