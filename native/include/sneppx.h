@@ -54,7 +54,9 @@ uint32_t sx_crc32c_parallel(uint32_t crc, const void *buf, size_t len, int nthre
 /* A file written in one streaming pass: appends go through aligned staging
  * buffers, handed to a background I/O thread (O_DIRECT where the filesystem
  * allows it, buffered with write-behind otherwise), while the caller fills the
- * next buffer. CRC32C of each append is computed as it is copied in. */
+ * next buffer. CRC32C of each append is computed as it is copied in. A finished
+ * writer's buffers are kept (two at most) for the next one, so periodic saves
+ * don't page-fault fresh memory every time. */
 typedef struct sx_file sx_file;
 
 /* Creates path exclusively (O_EXCL). buffer_bytes: per staging buffer (two of

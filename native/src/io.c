@@ -272,6 +272,33 @@ static int submit(sx_file *f, size_t len) {
     return SX_OK;
 }
 
+/* Staging buffers outlive their writer: a process that saves every few minutes reuses the same two
+ * instead of page-faulting fresh memory each time (measured on this VM: about 1 ms per MiB touched
+ * for the first time, more than the copy and CRC of the same bytes). At most POOL_SIZE are kept. */
+#define POOL_SIZE 2
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static unsigned char *pool[POOL_SIZE];
+static size_t pool_cap[POOL_SIZE];
+
+static unsigned char *buffer_get(size_t cap) {
+    unsigned char *b = NULL;
+    pthread_mutex_lock(&pool_lock);
+    for (int i = 0; i < POOL_SIZE && !b; i++)
+        if (pool[i] && pool_cap[i] == cap) { b = pool[i]; pool[i] = NULL; }
+    pthread_mutex_unlock(&pool_lock);
+    if (!b && posix_memalign((void **)&b, ALIGN, cap)) b = NULL;
+    return b;
+}
+
+static void buffer_put(unsigned char *b, size_t cap) {
+    if (!b) return;
+    pthread_mutex_lock(&pool_lock);
+    for (int i = 0; i < POOL_SIZE && b; i++)
+        if (!pool[i]) { pool[i] = b; pool_cap[i] = cap; b = NULL; }
+    pthread_mutex_unlock(&pool_lock);
+    free(b);
+}
+
 int sx_file_create(const char *path, size_t buffer_bytes, int direct, sx_file **out) {
     *out = NULL;
     if (!path) return SX_EINVAL;
@@ -281,7 +308,7 @@ int sx_file_create(const char *path, size_t buffer_bytes, int direct, sx_file **
     f->cap = buffer_bytes ? (buffer_bytes + ALIGN - 1) / ALIGN * ALIGN : 8u << 20;
     f->path = strdup(path);
     int rc = SX_OK;
-    if (!f->path || posix_memalign((void **)&f->buf[0], ALIGN, f->cap) || posix_memalign((void **)&f->buf[1], ALIGN, f->cap)) {
+    if (!f->path || !(f->buf[0] = buffer_get(f->cap)) || !(f->buf[1] = buffer_get(f->cap))) {
         rc = SX_ENOMEM; goto fail;
     }
     f->fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
@@ -303,7 +330,7 @@ int sx_file_create(const char *path, size_t buffer_bytes, int direct, sx_file **
 fail:
     if (f->fd >= 0) close(f->fd);
     if (f->fd_buffered >= 0) close(f->fd_buffered);
-    free(f->buf[0]); free(f->buf[1]); free(f->path); free(f);
+    buffer_put(f->buf[0], f->cap); buffer_put(f->buf[1], f->cap); free(f->path); free(f);
     return rc;
 }
 
@@ -380,7 +407,7 @@ static void release(sx_file *f) {
     }
     if (f->fd >= 0) close(f->fd);
     if (f->fd_buffered >= 0) close(f->fd_buffered);
-    free(f->buf[0]); free(f->buf[1]); free(f->path); free(f);
+    buffer_put(f->buf[0], f->cap); buffer_put(f->buf[1], f->cap); free(f->path); free(f);
 }
 
 int sx_file_finish(sx_file *f) {
