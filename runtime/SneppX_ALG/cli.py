@@ -1,6 +1,6 @@
 """The `sneppx` command line: look at and check checkpoints without writing Python.
 
-    sneppx validate PATH... [--json]   exit 0 if every file is valid, 1 otherwise
+    sneppx validate PATH... [--json]   exit 0 if every file is valid, 1 otherwise (2: unreadable --trusted-key)
     sneppx inspect PATH [--json]       tensors, dtypes, shapes, sizes and metadata
     sneppx keygen KEY.pem [--public P]  new Ed25519 key pair (KEY.pem.pub by default); exit 2 if KEY exists
     sneppx sign PATH --key KEY.pem     sign a checkpoint file or directory; exit 1 if it is invalid
@@ -56,7 +56,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.trusted_key:
         from SneppX_ALG import signing
 
-        trusted = [signing.load_public_key(p) for p in args.trusted_key]
+        try:
+            trusted = signing.trusted_key_set(args.trusted_key)  # the same key loading as `sneppx verify`
+        except errors.KeyFormatError as e:
+            print(f"sneppx validate: {e}", file=sys.stderr)
+            return 2
     results = []
     for path in args.paths:
         with _progress(path, not args.json) as progress:

@@ -69,3 +69,10 @@ def test_seed_recipe_4_validate_a_checkpoint(good: pathlib.Path) -> None:
             f"print(ok, errors)    # True []\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "True []", out.stderr
+
+
+def test_validate_with_an_unreadable_trusted_key_exits_2(good: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    bad_key = tmp_path / "not-a-key.pem"
+    bad_key.write_text("hello")
+    result = sneppx("validate", str(good), "--trusted-key", str(bad_key))
+    assert result.returncode == 2 and "Traceback" not in result.stderr and result.stderr.startswith("sneppx validate")
