@@ -127,8 +127,7 @@ class CheckpointWriter:
             raise ValueError("global_shape and global_offset come together")
         if global_shape is not None:
             global_shape, global_offset = tuple(global_shape), tuple(global_offset or ())
-            if not len(global_shape) == len(global_offset) == len(shape) or any(
-                    o < 0 or o + s > g for o, s, g in zip(global_offset, shape, global_shape)):
+            if not format.shard_fits(shape, global_shape, global_offset):
                 raise ValueError(f"shard {list(shape)} at {list(global_offset)} does not fit in {list(global_shape)}")
         return self._append(name, dtype, shape, global_shape, global_offset, _little_endian_pieces(array, _PIECE),
                             digest_algorithm=None)

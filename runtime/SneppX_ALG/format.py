@@ -245,6 +245,12 @@ def check_config(config: Any) -> None:
         raise errors.LimitExceededError(f"config nests deeper than {MAX_JSON_DEPTH}")
 
 
+def shard_fits(shape: tuple[int, ...], global_shape: tuple[int, ...], global_offset: tuple[int, ...]) -> bool:
+    """True when a shard of `shape` placed at `global_offset` lies inside `global_shape` (same rank)."""
+    return len(global_shape) == len(global_offset) == len(shape) and all(
+        0 <= o and o + s <= g for o, s, g in zip(global_offset, shape, global_shape))
+
+
 def check_name(name: Any, *, path: str | None = None) -> str:
     if not isinstance(name, str) or not name:
         raise errors.CorruptTableError(f"tensor name must be a non-empty string, got {name!r}", path=path)
@@ -322,8 +328,7 @@ def _decode_entry(raw: Any, index: int, path: str | None) -> TensorEntry:
             raise errors.CorruptTableError(f"tensor {name!r}: global_shape and global_offset come together", path=path)
         global_shape = _int_list(raw["global_shape"], f"tensor {name!r} global_shape", path)
         global_offset = _int_list(raw["global_offset"], f"tensor {name!r} global_offset", path)
-        if not len(global_shape) == len(global_offset) == len(shape) or any(
-                o + s > g for o, s, g in zip(global_offset, shape, global_shape)):
+        if not shard_fits(shape, global_shape, global_offset):
             raise errors.CorruptTableError(
                 f"tensor {name!r}: shard {list(shape)} at {list(global_offset)} does not fit in {list(global_shape)}",
                 path=path)
