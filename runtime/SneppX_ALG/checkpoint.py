@@ -9,7 +9,6 @@ every byte without loading anything and never raises for a bad file.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import mmap
 import os
@@ -207,7 +206,7 @@ class CheckpointWriter:
         try:
             _native.rename_durable(self._tmp, self.path)
         except BaseException:
-            unlink_quietly(self._tmp)
+            storage.unlink_quietly(self._tmp)
             raise
         self.committed = True
 
@@ -217,7 +216,7 @@ class CheckpointWriter:
             file, self._file = self._file, None
             file.abort()
         elif self._tmp and not self.committed:
-            unlink_quietly(self._tmp)
+            storage.unlink_quietly(self._tmp)
 
     def __del__(self) -> None:
         if getattr(self, "_file", None) is not None:
@@ -228,12 +227,6 @@ def _new_digest(algorithm: str | None) -> Any:
     from SneppX_ALG import signing
 
     return signing.new_digest(algorithm or signing.DIGEST_ALGORITHM)
-
-
-def unlink_quietly(path: str) -> None:
-    """Removes a file that may already be gone (a temporary file after a failed or killed write)."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 def _open_checked(path: str) -> tuple[int, int]:

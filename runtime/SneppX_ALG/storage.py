@@ -129,9 +129,14 @@ def write_durable(path: str, data: bytes) -> None:
         native_file.finish()
         _native.rename_durable(tmp, path)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        unlink_quietly(tmp)
         raise
+
+
+def unlink_quietly(path: str) -> None:
+    """Removes a file that may already be gone (a temporary file after a failed or killed write)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def is_plain_name(name: str) -> bool:

@@ -246,10 +246,10 @@ class SignedUpdateManager:
                                      f"{version}-{verified.key_id.hex()[:8]}-{secrets.token_hex(4)}.snpx")
                 _native.rename_durable(staged, final)
             except errors.CheckpointFormatError as e:
-                checkpoint.unlink_quietly(staged)
+                storage.unlink_quietly(staged)
                 raise type(e)(e.reason, path=path) from None  # name the update, not the staged copy
             except BaseException:
-                checkpoint.unlink_quietly(staged)
+                storage.unlink_quietly(staged)
                 raise
             installed = Installed(version, final, verified.key_id.hex(), _iso(self.clock()))
             new_high = max(filter(None, (version, high_water)), key=parse_version)
@@ -301,7 +301,7 @@ class SignedUpdateManager:
         for directory in (self.install_dir, os.path.join(self.install_dir, VERSIONS_DIR)):
             for name in os.listdir(directory):
                 if name.startswith(_TMP_MARK) or _is_state_tmp(name):
-                    checkpoint.unlink_quietly(os.path.join(directory, name))
+                    storage.unlink_quietly(os.path.join(directory, name))
         self._remove_unreferenced()
 
     def _remove_unreferenced(self) -> None:
@@ -311,7 +311,7 @@ class SignedUpdateManager:
         versions = os.path.join(self.install_dir, VERSIONS_DIR)
         for name in os.listdir(versions):
             if name not in keep and name.endswith(".snpx") and not name.startswith(_TMP_MARK):
-                checkpoint.unlink_quietly(os.path.join(versions, name))
+                storage.unlink_quietly(os.path.join(versions, name))
 
 
 def _is_state_tmp(name: str) -> bool:
