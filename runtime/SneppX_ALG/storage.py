@@ -522,6 +522,8 @@ class S3Storage:
             try:
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
             except _s3_errors() as e:
+                if _error_code(e) == "NoSuchUpload":
+                    continue  # aborted or completed since it was listed (e.g. by the writer it belonged to)
                 raise _s3_error(e, f"abort upload of {key}", self.uri) from None
             removed.append(f"upload {upload_id} of s3://{self.bucket}/{key}")
         seen, committed = self._steps()

@@ -93,6 +93,20 @@ def test_uncommitted_steps_and_incomplete_uploads_are_invisible_then_cleaned_at_
     assert coord.latest().step == 1
 
 
+def test_cleanup_skips_an_upload_that_ended_after_it_was_listed(s3_bucket, s3_env, monkeypatch) -> None:
+    # Seen under load: a killed writer's own abort lands between cleanup's listing and its abort, and the
+    # server answers NoSuchUpload. That upload is gone, which is what cleanup wanted: not an error.
+    client = s3_env.client()
+    key = "g/step-000000004/shard-00000.snpx"
+    upload_id = client.create_multipart_upload(Bucket=s3_bucket, Key=key)["UploadId"]
+    store = storage.S3Storage(f"s3://{s3_bucket}/g", client=client)
+    listed = store.incomplete_uploads()
+    assert listed == [(key, upload_id)]
+    client.abort_multipart_upload(Bucket=s3_bucket, Key=key, UploadId=upload_id)
+    monkeypatch.setattr(store, "incomplete_uploads", lambda: listed)  # the listing taken before the abort
+    assert store.cleanup() == []
+
+
 def test_a_corrupt_s3_checkpoint_is_skipped_by_latest(s3_bucket, s3_env) -> None:
     client = s3_env.client()
     with CheckpointCoordinator(f"s3://{s3_bucket}/c", s3_client=client, max_to_keep=None) as coord:
