@@ -24,6 +24,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.fixture
+def unused_port() -> int:
+    """A 127.0.0.1 TCP port nothing listens on right now (for a process a test starts itself)."""
+    return free_port()
+
+
 @dataclass
 class S3Server:
     endpoint: str

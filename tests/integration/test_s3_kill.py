@@ -13,7 +13,6 @@ import inspect
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -64,12 +63,6 @@ PROXY = textwrap.dedent("""
 """)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def stop_process(process: subprocess.Popen[bytes]) -> None:
     if process.poll() is None:
         process.kill()
@@ -100,13 +93,13 @@ def assert_restores(coord: CheckpointCoordinator, step: int) -> None:
 
 @pytest.mark.parametrize("die_after", [64 << 10, 6 * MiB, 17 * MiB, 24 * MiB])
 def test_server_killed_mid_upload_commits_nothing_and_leaves_no_orphan_after_restart(
-        s3_bucket, s3_env, die_after: int) -> None:
+        s3_bucket, s3_env, unused_port: int, die_after: int) -> None:
     direct = s3_env.client()
     root = f"s3://{s3_bucket}/k"
     with CheckpointCoordinator(root, s3_client=direct) as coord:
         coord.save(state_for(1), step=1)
 
-    port = free_port()
+    port = unused_port
     proxy = start_proxy(port, s3_env.endpoint, die_after)
     via_proxy = storage.make_s3_client(endpoint_url=f"http://127.0.0.1:{port}", max_attempts=1,
                                        connect_timeout=2, read_timeout=20)
