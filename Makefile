@@ -19,6 +19,7 @@ k8s-tools:
 	bash tests/tools/build.sh >/dev/null
 
 test: $(INSTALLED) k8s-tools
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest
 
 bench: $(INSTALLED)

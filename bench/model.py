@@ -33,8 +33,8 @@ from collections.abc import Callable
 import numpy as np
 
 from bench import common
-from SneppX_ALG import model as model_lib
-from SneppX_ALG import training
+from SneppX_ALG.model import data, training
+from SneppX_ALG.model import transformer as model_lib
 
 OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 RECIPE = {"vocab_size": 1000, "dim": 128, "num_heads": 4, "num_layers": 2, "ffn_dim": 512, "max_seq_len": 64}
@@ -115,7 +115,7 @@ def bench_throughput(batch: int, repeat: int, threads: int | None) -> None:
     config = model.config
     seq = config.max_seq_len
     flops = train_flops(config, batch, seq)
-    language = training.SyntheticLanguage(vocab_size=config.vocab_size, seq_len=seq, num_sequences=max(256, batch))
+    language = data.SyntheticLanguage(vocab_size=config.vocab_size, seq_len=seq, num_sequences=max(256, batch))
     trainer = training.Trainer(model, language, batch_size=batch)
     tokens = language.generate()[:batch]
     rng = np.random.default_rng(0)

@@ -29,7 +29,8 @@ import numpy as np
 
 from bench import crc as crc_bench
 from bench import format as format_bench
-from SneppX_ALG import checkpoint, signing
+from SneppX_ALG import checkpoint
+from SneppX_ALG.checkpoint import signing, verify
 
 MIB = 1024 * 1024
 
@@ -99,7 +100,7 @@ def run(size: int, directory: str, repeat: int) -> None:
         format_bench.warm(path)
     checks: dict[str, Callable[[], tuple[bool, list[str]]]] = {
         "validate_checkpoint (CRC32C only)": lambda: checkpoint.validate_checkpoint(signed_path),
-        "verify_checkpoint (signature + CRC32C + BLAKE3)": lambda: signing.verify_checkpoint(signed_path, [public]),
+        "verify_checkpoint (signature + CRC32C + BLAKE3)": lambda: verify.verify_checkpoint(signed_path, [public]),
         "validate_checkpoint(trusted_keys=...)": lambda: checkpoint.validate_checkpoint(
             signed_path, trusted_keys=[public]),
     }

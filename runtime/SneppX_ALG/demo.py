@@ -28,8 +28,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from SneppX_ALG import coordinator, training
-from SneppX_ALG import model as model_lib
+from SneppX_ALG import coordinator
+from SneppX_ALG.model import data, training
+from SneppX_ALG.model import transformer as model_lib
 
 # The recipe-1 model, and a tiny one for quick runs (tests).
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -61,7 +62,7 @@ def build_trainer(args: argparse.Namespace) -> training.Trainer:
     """The same model, data and optimizer settings in every process: only checkpoints carry state across."""
     sizes = MODEL_SIZES["small" if args.small else "recipe"]
     model = model_lib.Transformer(**sizes, seed=0)
-    language = training.SyntheticLanguage(vocab_size=sizes["vocab_size"], seq_len=sizes["max_seq_len"],
+    language = data.SyntheticLanguage(vocab_size=sizes["vocab_size"], seq_len=sizes["max_seq_len"],
                                           num_sequences=2048, seed=0)
     return training.Trainer(model, language, batch_size=args.batch_size, lr=args.lr, warmup_steps=10, seed=0)
 
@@ -153,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(f"model: {trainer.model!r}, {trainer.model.num_params:,} parameters")
     console.print(f"data: a generated language of {config.vocab_size} tokens; uniform guessing costs "
                   f"{math.log(config.vocab_size):.2f} nats/token, the grammar's floor is "
-                  f"{training.SyntheticLanguage().loss_floor:.2f}")
+                  f"{data.SyntheticLanguage().loss_floor:.2f}")
     console.print(f"plan: {args.steps} steps, a checkpoint every {args.every}, the first process is killed after "
                   f"step {args.crash_at}\n")
     del trainer
@@ -192,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         console.print(f"[bold red]FAILED[/]: the resumed run did not continue from step {resume_step} identically")
     console.print(f"loss: {curve[0]:.3f} at step 1 -> {curve[-1]:.3f} at step {len(curve)} "
-                  f"(floor {training.SyntheticLanguage().loss_floor:.3f}); both processes took "
+                  f"(floor {data.SyntheticLanguage().loss_floor:.3f}); both processes took "
                   f"{time.perf_counter() - started:.1f} s\n")
 
     results = Table(title="every committed checkpoint, validated byte by byte")

@@ -15,7 +15,8 @@ import pickle
 import struct
 import zipfile
 
-from SneppX_ALG import _native, format
+from SneppX_ALG import _native
+from SneppX_ALG.checkpoint import format
 
 HERE = pathlib.Path(__file__).resolve().parent
 HDR = struct.Struct("<8sHHIQQQIIQII")

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from SneppX_ALG import checkpoint, errors, format
+from SneppX_ALG import checkpoint, errors
+from SneppX_ALG.checkpoint import format
 
 
 @pytest.fixture(scope="module")

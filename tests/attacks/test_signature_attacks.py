@@ -15,7 +15,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from SneppX_ALG import _native, checkpoint, errors, format, signing, updates
+from SneppX_ALG import _native, checkpoint, errors
+from SneppX_ALG.checkpoint import format, signing, updates, verify
 
 NOW = 1_800_000_000.0  # 2027-01-15, a fixed clock
 
@@ -57,7 +58,7 @@ def assert_refused(manager: updates.SignedUpdateManager, path: pathlib.Path, err
         assert caught.value.path == str(path), caught.value.path
     assert manager.current() == before and before is not None and before.version == "1"
     assert sorted(os.listdir(os.path.join(manager.install_dir, updates.VERSIONS_DIR))) == files
-    assert signing.verify_checkpoint(before.path, manager.trusted_keys) == (True, [])
+    assert verify.verify_checkpoint(before.path, manager.trusted_keys) == (True, [])
 
 
 # --- what an attacker with a hex editor does -----------------------------------------------------------
@@ -166,7 +167,7 @@ def test_every_single_byte_change_is_rejected_by_the_check_for_its_region(tmp_pa
                 original = os.pread(fd, 1, pos)
                 os.pwrite(fd, bytes([original[0] ^ 0xA5]), pos)
                 try:
-                    signing.check_checkpoint(path, keys)
+                    verify.check_checkpoint(path, keys)
                 except errors.CheckpointFormatError as e:
                     assert isinstance(e, allowed), f"byte {pos} ({region}): {e!r}"
                 else:
@@ -175,7 +176,7 @@ def test_every_single_byte_change_is_rejected_by_the_check_for_its_region(tmp_pa
                     os.pwrite(fd, original, pos)
     finally:
         os.close(fd)
-    assert signing.verify_checkpoint(path, keys) == (True, [])
+    assert verify.verify_checkpoint(path, keys) == (True, [])
 
 
 @pytest.mark.parametrize("region, error, match", [

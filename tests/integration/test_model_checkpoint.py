@@ -17,8 +17,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from SneppX_ALG import checkpoint, errors, training
-from SneppX_ALG import model as model_lib
+from SneppX_ALG import checkpoint, errors
+from SneppX_ALG.model import data, training
+from SneppX_ALG.model import transformer as model_lib
 
 RECIPE = "Transformer(vocab_size=1000, dim=128, num_heads=4, num_layers=2, ffn_dim=512, max_seq_len=64)"
 
@@ -163,7 +164,7 @@ def test_a_params_only_checkpoint_cannot_resume_training(tmp_path):
     path = tmp_path / "params-only.snpx"
     model = model_lib.Transformer(vocab_size=30, dim=16, num_heads=2, num_layers=1, ffn_dim=32, max_seq_len=8)
     model.save_checkpoint(path)
-    training.Trainer(model, training.SyntheticLanguage(30, 8, 40), batch_size=8)
+    training.Trainer(model, data.SyntheticLanguage(30, 8, 40), batch_size=8)
     with pytest.raises(errors.TrainingStateError, match="parameters only"):
         model.load_checkpoint(path, include_optimizer=True)
     model.load_checkpoint(path)  # parameters only, by default, is fine
@@ -214,7 +215,7 @@ def test_resuming_without_the_rng_and_data_position_would_diverge(tmp_path):
     straight = run_python(RESUME_CHILD, "straight", str(2 * n), "unused")
     run_python(RESUME_CHILD, "first", str(n), path)
     model = model_lib.Transformer(vocab_size=48, dim=32, num_heads=4, num_layers=2, ffn_dim=64, max_seq_len=16)
-    trainer = training.Trainer(model, training.SyntheticLanguage(vocab_size=48, seq_len=16, num_sequences=40, seed=7),
+    trainer = training.Trainer(model, data.SyntheticLanguage(vocab_size=48, seq_len=16, num_sequences=40, seed=7),
                                batch_size=8, lr=3e-3, seed=1)
     with checkpoint.CheckpointReader(path) as reader:
         state = {name: np.array(reader.read(name)) for name in reader.names()}

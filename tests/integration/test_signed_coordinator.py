@@ -16,7 +16,8 @@ import sys
 import numpy as np
 import pytest
 
-from SneppX_ALG import CheckpointCoordinator, _native, checkpoint, errors, signing, storage
+from SneppX_ALG import CheckpointCoordinator, _native, checkpoint, errors, storage
+from SneppX_ALG.checkpoint import signing, verify
 
 MiB = 1 << 20
 SHARD = "shard-00000.snpx"
@@ -135,7 +136,7 @@ def signature_from_another_step(step_dir: pathlib.Path, keys: tuple) -> None:
 
 
 def resign_with_untrusted_key(step_dir: pathlib.Path, keys: tuple) -> None:
-    signing.sign_checkpoint(step_dir, keys[2])  # replaces manifest.sig: a valid signature, wrong signer
+    verify.sign_checkpoint(step_dir, keys[2])  # replaces manifest.sig: a valid signature, wrong signer
 
 
 def forge_keeping_crcs(step_dir: pathlib.Path, keys: tuple) -> None:
@@ -164,8 +165,8 @@ def test_signed_steps_verify_and_restore(tmp_path, keys) -> None:
     manifest = json.loads((step_dir / "manifest.json").read_bytes())
     assert manifest["files"] == {SHARD: {"size": (step_dir / SHARD).stat().st_size,
                                          "digest": signing.file_digest(step_dir / SHARD)}}
-    assert signing.verify_checkpoint(step_dir, [public]) == (True, [])
-    assert signing.check_checkpoint(step_dir, [public]).key_id == signing.key_id(public)
+    assert verify.verify_checkpoint(step_dir, [public]) == (True, [])
+    assert verify.check_checkpoint(step_dir, [public]).key_id == signing.key_id(public)
 
     reader = CheckpointCoordinator(tmp_path, trusted_keys=[public])
     assert reader.latest().step == 2 and reader.validate(1) == []
@@ -209,7 +210,7 @@ def test_a_tampered_step_is_skipped_naming_the_failed_check(tmp_path, keys, case
     with pytest.raises(errors.ManifestError, match=failed_check):
         reader.restore(empty_state(), step=2)
 
-    ok, problems = signing.verify_checkpoint(step_dir, [public])
+    ok, problems = verify.verify_checkpoint(step_dir, [public])
     assert not ok and problems[0].startswith(f"{failed_check}:")
 
 
@@ -237,11 +238,11 @@ def test_an_unsigned_step_is_saved_without_digests_and_refused_when_keys_are_tru
     reader = CheckpointCoordinator(tmp_path, trusted_keys=[public])
     assert reader.latest().step == 1
     assert reader.skipped[0].problems[0].startswith("MissingSignatureError:")
-    ok, problems = signing.verify_checkpoint(step_dir, [public])
+    ok, problems = verify.verify_checkpoint(step_dir, [public])
     assert not ok and problems[0].startswith("MissingSignatureError:")
 
     with pytest.raises(errors.CorruptTableError, match='"files"'):
-        signing.sign_checkpoint(step_dir, private)
+        verify.sign_checkpoint(step_dir, private)
     assert not (step_dir / "manifest.sig").exists()
     assert CheckpointCoordinator(tmp_path, trusted_keys=[public]).latest().step == 1
 
@@ -253,7 +254,7 @@ def test_sign_checkpoint_refuses_a_step_whose_shard_changed(tmp_path, keys) -> N
     signature = (step_dir / "manifest.sig").read_bytes()
     tamper_shard_byte(step_dir, keys)
     with pytest.raises(errors.DigestMismatchError):
-        signing.sign_checkpoint(step_dir, other)
+        verify.sign_checkpoint(step_dir, other)
     assert (step_dir / "manifest.sig").read_bytes() == signature
 
 

@@ -21,7 +21,8 @@ import threading
 import numpy as np
 import pytest
 
-from SneppX_ALG import checkpoint, errors, signing, updates
+from SneppX_ALG import checkpoint, errors
+from SneppX_ALG.checkpoint import signing, updates, verify
 
 NOW = 1_800_000_000.0  # a fixed clock: 2027-01-15
 
@@ -75,7 +76,7 @@ def test_installed_copy_is_independent_of_the_source(tmp_path: pathlib.Path, key
     v1 = make_update(tmp_path / "v1.snpx", keys[0], "1")
     manager.install_update(v1)
     v1.write_bytes(b"overwritten after install")
-    assert signing.verify_checkpoint(manager.current().path, [keys[1]]) == (True, [])
+    assert verify.verify_checkpoint(manager.current().path, [keys[1]]) == (True, [])
 
 
 def test_rollback_then_replay_of_the_rolled_back_version_needs_force(tmp_path: pathlib.Path, keys, manager) -> None:
@@ -176,7 +177,7 @@ def test_concurrent_installs_are_serialised(tmp_path: pathlib.Path, keys, manage
     assert outcomes["v3.snpx"] == "3"
     assert outcomes["v2.snpx"] == "2" or isinstance(outcomes["v2.snpx"], errors.RollbackRefusedError)
     assert manager.current().version == "3"
-    assert signing.verify_checkpoint(manager.current().path, [keys[1]]) == (True, [])
+    assert verify.verify_checkpoint(manager.current().path, [keys[1]]) == (True, [])
     assert len(installed_files(manager)) == (2 if outcomes["v2.snpx"] == "2" else 1)
 
 
@@ -194,7 +195,8 @@ def test_corrupt_state_file_is_a_typed_error(tmp_path: pathlib.Path, keys, manag
 
 CHILD = textwrap.dedent("""
     import sys
-    from SneppX_ALG import _native, signing, updates
+    from SneppX_ALG import _native
+    from SneppX_ALG.checkpoint import updates
     manager = updates.SignedUpdateManager([sys.argv[1]], sys.argv[2], clock=lambda: 1_800_000_000.0)
     before = _native.fault_sites_passed()
     if sys.argv[4] == "rollback":
@@ -252,7 +254,7 @@ def test_sigkill_at_any_io_site_leaves_old_or_new_never_a_mix(tmp_path: pathlib.
         now = manager.current()
         assert now is not None and now.version in (old, new), f"site {n}/{sites}: {now}"
         # whatever is installed verifies completely: never a half-written file
-        assert signing.verify_checkpoint(now.path, [pub]) == (True, []), f"site {n}/{sites}"
+        assert verify.verify_checkpoint(now.path, [pub]) == (True, []), f"site {n}/{sites}"
         outcomes.append(now.version)
         # the next run cleans up what the killed one left and completes
         if now.version == old:

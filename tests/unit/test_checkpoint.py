@@ -15,10 +15,10 @@ from SneppX_ALG import (
     CheckpointWriter,
     _native,
     errors,
-    format,
     storage,
     validate_checkpoint,
 )
+from SneppX_ALG.checkpoint import format
 
 ALL_DTYPES = ["bool", "uint8", "int8", "uint16", "int16", "float16", "uint32", "int32", "float32", "uint64",
               "int64", "float64", "complex64", "complex128"]

@@ -11,26 +11,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from SneppX_ALG import coordinator, errors
+from SneppX_ALG.checkpoint import manifest as manifest_codec
+from SneppX_ALG.coordinator import plan, retention, state
 
 MiB = 1 << 20
 
 
-def spec(name: str, shape: tuple[int, ...], itemsize: int = 4) -> coordinator.TensorSpec:
+def spec(name: str, shape: tuple[int, ...], itemsize: int = 4) -> plan.TensorSpec:
     dtype = {1: "uint8", 2: "float16", 4: "float32", 8: "float64"}[itemsize]
-    return coordinator.TensorSpec((name,), dtype, shape, itemsize)
+    return plan.TensorSpec((name,), dtype, shape, itemsize)
 
 
 # ---- buffer sizing, splitting, packing ------------------------------------------------------------------------
 
 
 def test_buffers_are_at_most_half_the_staging_area_so_there_are_always_two() -> None:
-    assert coordinator.choose_buffer_bytes(10 << 30, 1 << 30) == 64 * MiB
-    assert coordinator.choose_buffer_bytes(10 << 30, 64 * MiB) == 32 * MiB
-    assert coordinator.choose_buffer_bytes(100, 1 << 30) == MiB  # small states: 1 MiB, not 64
-    assert coordinator.choose_buffer_bytes(40 * MiB, 1 << 30) == 10 * MiB  # a quarter: copy/write overlap
-    for state in (1, 5 * MiB, 3 << 30):
+    assert plan.choose_buffer_bytes(10 << 30, 1 << 30) == 64 * MiB
+    assert plan.choose_buffer_bytes(10 << 30, 64 * MiB) == 32 * MiB
+    assert plan.choose_buffer_bytes(100, 1 << 30) == MiB  # small states: 1 MiB, not 64
+    assert plan.choose_buffer_bytes(40 * MiB, 1 << 30) == 10 * MiB  # a quarter: copy/write overlap
+    for state_bytes in (1, 5 * MiB, 3 << 30):
         for staging in (8192, 3 * MiB, 1 << 30):
-            size = coordinator.choose_buffer_bytes(state, staging)
+            size = plan.choose_buffer_bytes(state_bytes, staging)
             assert size % 4096 == 0 and 2 * size <= max(staging, 8192)
 
 
@@ -42,7 +44,7 @@ shapes = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)
 @settings(deadline=None)
 def test_split_pieces_tile_the_tensor_exactly_and_fit_the_limit(shape, itemsize, limit, first) -> None:
     s = spec("t", shape, itemsize)
-    pieces = coordinator.split_tensor(s, limit, first)
+    pieces = plan.split_tensor(s, limit, first)
     position = 0
     for i, (start, nbytes, piece_shape, global_offset) in enumerate(pieces):
         assert start == position
@@ -57,10 +59,10 @@ def test_split_pieces_tile_the_tensor_exactly_and_fit_the_limit(shape, itemsize,
 
 
 def test_large_tensors_split_into_row_blocks_when_a_row_fits() -> None:
-    pieces = coordinator.split_tensor(spec("w", (10, 256)), 3 * 1024)  # a row is 1 KiB
+    pieces = plan.split_tensor(spec("w", (10, 256)), 3 * 1024)  # a row is 1 KiB
     assert [p[2] for p in pieces] == [(3, 256), (3, 256), (3, 256), (1, 256)]
     assert [p[3] for p in pieces] == [(0, 0), (3, 0), (6, 0), (9, 0)]
-    flat = coordinator.split_tensor(spec("v", (1, 1000)), 1024)  # one row larger than the limit
+    flat = plan.split_tensor(spec("v", (1, 1000)), 1024)  # one row larger than the limit
     assert [p[2] for p in flat] == [(256,), (256,), (256,), (232,)] and all(p[3] is None for p in flat)
 
 
@@ -70,64 +72,64 @@ def test_large_tensors_split_into_row_blocks_when_a_row_fits() -> None:
 def test_packing_never_overlaps_or_overflows_a_buffer_and_names_are_unique(sizes, buffer) -> None:
     buffer = buffer // 64 * 64
     specs = [spec(f"t{i}", (n,), itemsize) for i, (n, itemsize) in enumerate(sizes)]
-    plan = coordinator.plan_pieces(specs, buffer)
-    names = [p.entry for b in plan for p in b]
+    buffers = plan.plan_pieces(specs, buffer)
+    names = [p.entry for b in buffers for p in b]
     assert len(names) == len(set(names))
-    for index, pieces in enumerate(plan):
+    for index, pieces in enumerate(buffers):
         end = 0
         for p in pieces:
             assert p.buffer == index and p.offset >= end and p.offset % 64 == 0
             assert p.offset + p.nbytes <= buffer
             end = p.offset + p.nbytes
     for i, s in enumerate(specs):
-        assert sum(p.nbytes for b in plan for p in b if p.tensor == i) == s.nbytes
+        assert sum(p.nbytes for b in buffers for p in b if p.tensor == i) == s.nbytes
 
 
 def test_a_large_tensor_first_fills_what_is_left_of_a_buffer() -> None:
     specs = [spec("small", (48,)), spec("big", (100, 4))]  # 192 bytes, then 1600 bytes in 16-byte rows
-    plan = coordinator.plan_pieces(specs, 1024)
-    assert [[(p.entry, p.offset, p.nbytes) for p in b] for b in plan] == [
+    buffers = plan.plan_pieces(specs, 1024)
+    assert [[(p.entry, p.offset, p.nbytes) for p in b] for b in buffers] == [
         [("small", 0, 192), ("big@0", 192, 832)], [("big@1", 0, 768)]]
-    assert plan[0][1].global_offset == (0, 0) and plan[1][0].global_offset == (52, 0)
+    assert buffers[0][1].global_offset == (0, 0) and buffers[1][0].global_offset == (52, 0)
 
 
 def test_piece_names_never_collide_with_real_tensor_names() -> None:
     specs = [spec("a", (1000,)), spec("a@0", (4,)), spec("a@1", (4,))]
-    plan = [p for b in coordinator.plan_pieces(specs, 1024) for p in b]
-    names = [p.entry for p in plan]
+    pieces = [p for b in plan.plan_pieces(specs, 1024) for p in b]
+    names = [p.entry for p in pieces]
     assert len(names) == len(set(names))
-    assert [p.entry for p in plan if p.tensor == 1] == ["a@0"], "a whole tensor keeps its own name"
+    assert [p.entry for p in pieces if p.tensor == 1] == ["a@0"], "a whole tensor keeps its own name"
     assert "a@0~" in names
 
 
 def test_paths_that_join_to_the_same_name_still_get_distinct_entries() -> None:
-    specs = [coordinator.TensorSpec(("a/b",), "uint8", (4,), 1), coordinator.TensorSpec(("a", "b"), "uint8", (4,), 1)]
-    assert [p.entry for b in coordinator.plan_pieces(specs, 1024) for p in b] == ["a/b", "a/b~"]
+    specs = [plan.TensorSpec(("a/b",), "uint8", (4,), 1), plan.TensorSpec(("a", "b"), "uint8", (4,), 1)]
+    assert [p.entry for b in plan.plan_pieces(specs, 1024) for p in b] == ["a/b", "a/b~"]
 
 
 # ---- when to save, what to delete ------------------------------------------------------------------------------
 
 
 def test_should_save_on_multiples_not_saved_yet() -> None:
-    assert coordinator.is_save_step(1000, 1000, None)
-    assert not coordinator.is_save_step(1000, 1000, 1000)
-    assert not coordinator.is_save_step(999, 1000, None)
-    assert not coordinator.is_save_step(1000, None, None) and not coordinator.is_save_step(1000, 0, None)
+    assert retention.is_save_step(1000, 1000, None)
+    assert not retention.is_save_step(1000, 1000, 1000)
+    assert not retention.is_save_step(999, 1000, None)
+    assert not retention.is_save_step(1000, None, None) and not retention.is_save_step(1000, 0, None)
 
 
 def test_retention_keeps_the_newest_and_every_nth() -> None:
     committed = [100, 200, 300, 400, 500]
-    assert coordinator.steps_to_delete(committed, new_step=600, max_to_keep=2) == [100, 200, 300, 400]
-    assert coordinator.steps_to_delete(committed, new_step=600, max_to_keep=2, keep_every_n_steps=200) == [100, 300]
-    assert coordinator.steps_to_delete(committed, new_step=600, max_to_keep=None) == []
-    assert coordinator.steps_to_delete(committed, new_step=600, max_to_keep=3, protected=frozenset({100})) == [200, 300]
+    assert retention.steps_to_delete(committed, new_step=600, max_to_keep=2) == [100, 200, 300, 400]
+    assert retention.steps_to_delete(committed, new_step=600, max_to_keep=2, keep_every_n_steps=200) == [100, 300]
+    assert retention.steps_to_delete(committed, new_step=600, max_to_keep=None) == []
+    assert retention.steps_to_delete(committed, new_step=600, max_to_keep=3, protected=frozenset({100})) == [200, 300]
 
 
 @given(committed=st.sets(st.integers(0, 60), max_size=20), new=st.integers(0, 60), keep=st.integers(1, 6),
        every=st.one_of(st.none(), st.integers(1, 20)), protected=st.sets(st.integers(0, 60), max_size=3))
 def test_retention_never_deletes_the_new_step_a_newer_one_or_a_protected_one(committed, new, keep, every,
                                                                              protected) -> None:
-    doomed = coordinator.steps_to_delete(sorted(committed), new_step=new, max_to_keep=keep,
+    doomed = retention.steps_to_delete(sorted(committed), new_step=new, max_to_keep=keep,
                                          keep_every_n_steps=every, protected=frozenset(protected))
     assert new not in doomed and all(s < new for s in doomed) and not set(doomed) & protected
     assert set(doomed) <= committed
@@ -142,14 +144,14 @@ def test_retention_never_deletes_the_new_step_a_newer_one_or_a_protected_one(com
 
 def good_manifest(step: int = 7) -> dict:
     specs = [spec("w", (4, 4))]
-    pieces = [p for b in coordinator.plan_pieces(specs, 4096) for p in b]
-    return coordinator.build_manifest(step, specs, pieces, {"w": 123}, [(("n",), 3)], "mapping", {"pos": 1},
+    pieces = [p for b in plan.plan_pieces(specs, 4096) for p in b]
+    return plan.build_manifest(step, specs, pieces, {"w": 123}, [(("n",), 3)], "mapping", {"pos": 1},
                                       ["shard-00000.snpx"])
 
 
 def test_manifest_round_trips_through_json() -> None:
     m = good_manifest()
-    assert coordinator.decode_manifest(coordinator.encode_manifest(m), step=7, where="m") == m
+    assert manifest_codec.decode_manifest(manifest_codec.encode_manifest(m), step=7, where="m") == m
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -167,13 +169,13 @@ def test_bad_manifests_are_typed_errors_saying_what_is_wrong(mutate, message) ->
     m = good_manifest()
     mutate(m)
     with pytest.raises(errors.ManifestError, match=message):
-        coordinator.decode_manifest(json.dumps(m).encode(), step=7, where="m")
+        manifest_codec.decode_manifest(json.dumps(m).encode(), step=7, where="m")
 
 
 @pytest.mark.parametrize("raw", [b"", b"{", b"[]", b'{"format": NaN}', "\u00ff".encode("latin-1")])
 def test_garbage_manifests_are_manifest_errors(raw: bytes) -> None:
     with pytest.raises(errors.ManifestError):
-        coordinator.decode_manifest(raw, step=1, where="m")
+        manifest_codec.decode_manifest(raw, step=1, where="m")
 
 
 # ---- state trees ---------------------------------------------------------------------------------------------------
@@ -191,9 +193,9 @@ class HasStateDict:
 
 
 def test_state_dict_objects_and_nested_mappings_flatten_with_paths() -> None:
-    kind, tensors, values = coordinator.flatten_state(HasStateDict())
+    kind, tensors, values = state.flatten_state(HasStateDict())
     assert kind == "state_dict" and [p for p, _ in tensors] == [("w",)] and values == [(("count",), 2)]
-    kind, tensors, values = coordinator.flatten_state({"opt": {"m": np.zeros(2), "t": np.float32(3)}, "lr": 0.1})
+    kind, tensors, values = state.flatten_state({"opt": {"m": np.zeros(2), "t": np.float32(3)}, "lr": 0.1})
     assert kind == "mapping"
     assert [p for p, _ in tensors] == [("opt", "m"), ("opt", "t")] and values == [(("lr",), 0.1)]
 
@@ -202,13 +204,13 @@ def test_state_dict_objects_and_nested_mappings_flatten_with_paths() -> None:
                                  {"x": object()}])
 def test_states_that_cannot_be_named_or_stored_are_refused(bad) -> None:
     with pytest.raises(errors.UnsupportedTensorError):
-        coordinator.flatten_state(bad)
+        state.flatten_state(bad)
 
 
 def test_restoring_a_mapping_writes_into_matching_arrays_in_place() -> None:
     live = np.zeros(3)
     target = {"w": live, "other": np.zeros(2, np.int32), "nested": {"v": np.zeros(1)}}
-    coordinator._load_into_mapping(target, {"w": np.arange(3.0), "other": np.arange(5), "nested": {"v": np.ones(1)}})
+    state.load_into_mapping(target, {"w": np.arange(3.0), "other": np.arange(5), "nested": {"v": np.ones(1)}})
     assert target["w"] is live and list(live) == [0, 1, 2]
     assert list(target["other"]) == [0, 1, 2, 3, 4]  # shape differs: replaced
     assert target["nested"]["v"][0] == 1
@@ -228,20 +230,20 @@ class FakeCudaTensor:
 @given(shape=st.lists(st.integers(0, 5), max_size=4).map(tuple), itemsize=st.sampled_from([1, 2, 4, 8]))
 def test_contiguity_is_decided_like_numpy_without_allocating(shape, itemsize) -> None:
     base = np.empty(shape, dtype=f"u{itemsize}")
-    assert coordinator.is_c_contiguous(shape, base.strides, itemsize)
+    assert state.is_c_contiguous(shape, base.strides, itemsize)
     if base.ndim >= 2 and base.size and shape[0] > 1 and shape[-1] > 1:
         transposed = base.swapaxes(0, -1)
-        assert coordinator.is_c_contiguous(transposed.shape, transposed.strides, itemsize) is False
+        assert state.is_c_contiguous(transposed.shape, transposed.strides, itemsize) is False
 
 
 def test_a_gpu_sized_tensor_is_checked_for_contiguity_without_a_host_allocation() -> None:
     """64 TiB of float32: np.empty(shape) to learn its strides was a MemoryError (or a huge allocation)."""
     shape = (1 << 22, 1 << 22)
-    leaf = coordinator._leaf(FakeCudaTensor(shape, "<f4", (4 << 22, 4)))
-    assert isinstance(leaf, coordinator._DeviceArray) and leaf.shape == shape
-    assert coordinator._leaf(FakeCudaTensor(shape, "<f4", None)).shape == shape  # None: C-contiguous
+    leaf = state.leaf_of(FakeCudaTensor(shape, "<f4", (4 << 22, 4)))
+    assert isinstance(leaf, state.DeviceArray) and leaf.shape == shape
+    assert state.leaf_of(FakeCudaTensor(shape, "<f4", None)).shape == shape  # None: C-contiguous
     with pytest.raises(errors.UnsupportedTensorError, match="contiguous"):
-        coordinator._leaf(FakeCudaTensor(shape, "<f4", (4, 4 << 22)))
+        state.leaf_of(FakeCudaTensor(shape, "<f4", (4, 4 << 22)))
 
 
 # ---- restore: readers are closed on every path ---------------------------------------------------------------
@@ -266,8 +268,8 @@ def test_a_shard_that_fails_to_open_closes_the_readers_opened_before_it(tmp_path
         def close(self) -> None:
             self.closed = True
 
-    monkeypatch.setattr(coordinator.checkpoint, "CheckpointReader", FakeReader)
+    monkeypatch.setattr(state.file, "CheckpointReader", FakeReader)
     manifest = {"shards": ["good.snpx", "bad.snpx"], "tensors": [], "values": []}
     with pytest.raises(errors.CorruptHeaderError):
-        coordinator._read_state(str(tmp_path), manifest)
+        state.read_state(str(tmp_path), manifest)
     assert len(opened) == 1 and opened[0].closed

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from SneppX_ALG import errors
-from SneppX_ALG import model as model_lib
+from SneppX_ALG.model import optimizer
+from SneppX_ALG.model import transformer as model_lib
 
 TINY = {"vocab_size": 11, "dim": 8, "num_heads": 2, "num_layers": 2, "ffn_dim": 12, "max_seq_len": 6}
 
@@ -127,7 +128,7 @@ def test_bad_config_raises_model_config_error(kwargs, message):
 def test_adamw_first_step_matches_the_published_update_rule():
     params = {"w": np.array([[1.0, -2.0]]), "b": np.array([0.5])}
     grads = {"w": np.array([[0.1, -0.3]]), "b": np.array([2.0])}
-    opt = model_lib.AdamW(params, lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    opt = optimizer.AdamW(params, lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
     expected = {}
     for name, value in params.items():
         g = grads[name]
@@ -144,9 +145,9 @@ def test_adamw_first_step_matches_the_published_update_rule():
 
 def test_adamw_state_dict_round_trips_and_rejects_a_wrong_shape():
     params = {"w": np.ones((2, 3), np.float32)}
-    opt = model_lib.AdamW(params)
+    opt = optimizer.AdamW(params)
     opt.step(params, {"w": np.full((2, 3), 0.5, np.float32)})
-    other = model_lib.AdamW(params)
+    other = optimizer.AdamW(params)
     other.load_state_dict({k: v.copy() for k, v in opt.state_dict().items()})
     assert other.step_count == 1
     np.testing.assert_array_equal(other.v["w"], opt.v["w"])

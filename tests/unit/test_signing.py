@@ -1,4 +1,4 @@
-"""signing.py: digests, keys, the signature block, signed writes, sign_checkpoint, manifests and the CLI."""
+"""checkpoint/signing.py and verify.py: digests, keys, the signature block, signed writes, sign_checkpoint, manifests and the CLI."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from SneppX_ALG import checkpoint, cli, errors, format, signing
+from SneppX_ALG import _native, checkpoint, cli, errors
+from SneppX_ALG.checkpoint import format, signing, verify
 
 
 def write_checkpoint(path: pathlib.Path, key=None, metadata=None, tensors=None) -> pathlib.Path:
@@ -245,9 +246,9 @@ def test_signed_write_verifies_and_every_tensor_has_a_digest(tmp_path: pathlib.P
         for entry in r.table.tensors:
             assert entry.digest == "blake3:" + blake3.blake3(r.raw(entry.name)).hexdigest()
         assert signing.decode_block(r.signature_block)[0].key_id == signing.key_id(pub)
-    assert signing.verify_checkpoint(path, [pub]) == (True, [])
+    assert verify.verify_checkpoint(path, [pub]) == (True, [])
     assert checkpoint.validate_checkpoint(path, trusted_keys=[pub]) == (True, [])
-    verified = signing.check_checkpoint(path, pub)
+    verified = verify.check_checkpoint(path, pub)
     assert verified.metadata == {"run": "a"} and verified.config == {"dim": 4}
 
 
@@ -256,11 +257,11 @@ def test_verify_reports_each_failed_check_by_name(tmp_path: pathlib.Path) -> Non
     _, other = signing.generate_keypair()
     signed = write_checkpoint(tmp_path / "s.snpx", priv)
     unsigned = write_checkpoint(tmp_path / "u.snpx")
-    ok, problems = signing.verify_checkpoint(signed, [other])
+    ok, problems = verify.verify_checkpoint(signed, [other])
     assert not ok and problems[0].startswith("UntrustedKeyError")
-    ok, problems = signing.verify_checkpoint(unsigned, [pub])
+    ok, problems = verify.verify_checkpoint(unsigned, [pub])
     assert not ok and problems[0].startswith("MissingSignatureError")
-    ok, problems = signing.verify_checkpoint(tmp_path / "missing.snpx", [pub])
+    ok, problems = verify.verify_checkpoint(tmp_path / "missing.snpx", [pub])
     assert not ok and problems[0].startswith("CheckpointNotFoundError")
     ok, problems = checkpoint.validate_checkpoint(unsigned, trusted_keys=[pub])
     assert not ok and "MissingSignatureError" in problems[0]
@@ -306,8 +307,8 @@ def test_signing_keeps_a_bfloat16_tensor_exactly(tmp_path: pathlib.Path) -> None
         header, table = r.header, r.table
     entry = format.TensorEntry(**{**table.tensors[0].__dict__, "dtype": "bfloat16"})
     _rewrite_table(path, header, format.Table((entry,), table.metadata, table.config))
-    signing.sign_checkpoint(path, priv)
-    assert signing.verify_checkpoint(path, [pub]) == (True, [])
+    verify.sign_checkpoint(path, priv)
+    assert verify.verify_checkpoint(path, [pub]) == (True, [])
     with checkpoint.CheckpointReader(path) as r:
         assert (r.entry("h").dtype, r.entry("h").shape) == ("bfloat16", (5, 8))
         assert bytes(r.raw("h")) == np.arange(40, dtype="<u2").tobytes()
@@ -322,8 +323,8 @@ def test_sign_existing_checkpoint_keeps_data_and_layout(tmp_path: pathlib.Path) 
         w.write("big", np.arange(300000, dtype=np.float64))
     with checkpoint.CheckpointReader(path) as r:
         before_table, before_data = r.table, bytes(r._mmap[:r.header.table_offset])[4096:]
-    assert signing.sign_checkpoint(path, priv) == signing.key_id(pub)
-    assert signing.verify_checkpoint(path, [pub]) == (True, [])
+    assert verify.sign_checkpoint(path, priv) == signing.key_id(pub)
+    assert verify.verify_checkpoint(path, [pub]) == (True, [])
     with checkpoint.CheckpointReader(path) as r:
         assert bytes(r._mmap[:r.header.table_offset])[4096:] == before_data
         assert r.metadata == before_table.metadata and r.config == before_table.config
@@ -339,9 +340,9 @@ def test_resigning_replaces_the_signer(tmp_path: pathlib.Path) -> None:
     a, a_pub = signing.generate_keypair()
     b, b_pub = signing.generate_keypair()
     path = write_checkpoint(tmp_path / "s.snpx", a)
-    signing.sign_checkpoint(path, b)
-    assert signing.verify_checkpoint(path, [b_pub]) == (True, [])
-    assert not signing.verify_checkpoint(path, [a_pub])[0]
+    verify.sign_checkpoint(path, b)
+    assert verify.verify_checkpoint(path, [b_pub]) == (True, [])
+    assert not verify.verify_checkpoint(path, [a_pub])[0]
 
 
 def test_signing_refuses_corrupt_data_and_leaves_the_file(tmp_path: pathlib.Path) -> None:
@@ -351,7 +352,7 @@ def test_signing_refuses_corrupt_data_and_leaves_the_file(tmp_path: pathlib.Path
     raw[4096 + 10] ^= 1
     path.write_bytes(raw)
     with pytest.raises(errors.ChecksumMismatchError, match="refusing to sign"):
-        signing.sign_checkpoint(path, priv)
+        verify.sign_checkpoint(path, priv)
     assert path.read_bytes() == raw
     assert sorted(os.listdir(tmp_path)) == ["u.snpx"]
 
@@ -365,7 +366,7 @@ def test_signing_refuses_a_table_digest_that_does_not_match(tmp_path: pathlib.Pa
     entries[0] = format.TensorEntry(**{**entries[0].__dict__, "digest": "blake3:" + "0" * 64})
     _rewrite_table(path, header, format.Table(tuple(entries), table.metadata, table.config))
     with pytest.raises(errors.DigestMismatchError, match="already in its table"):
-        signing.sign_checkpoint(path, priv)
+        verify.sign_checkpoint(path, priv)
 
 
 def _rewrite_table(path: pathlib.Path, header: format.Header, table: format.Table) -> None:
@@ -373,7 +374,7 @@ def _rewrite_table(path: pathlib.Path, header: format.Header, table: format.Tabl
     raw = path.read_bytes()[:header.table_offset]
     table_bytes = format.encode_table(table)
     new_header = format.Header(file_size=header.table_offset + len(table_bytes), table_offset=header.table_offset,
-                               table_length=len(table_bytes), table_crc32c=signing._native.crc32c(table_bytes))
+                               table_length=len(table_bytes), table_crc32c=_native.crc32c(table_bytes))
     path.write_bytes(format.encode_header(new_header) + raw[64:] + table_bytes)
 
 
@@ -381,7 +382,7 @@ def test_sign_needs_an_ed25519_private_key(tmp_path: pathlib.Path) -> None:
     _, pub = signing.generate_keypair()
     path = write_checkpoint(tmp_path / "u.snpx")
     with pytest.raises(errors.KeyFormatError):
-        signing.sign_checkpoint(path, pub)
+        verify.sign_checkpoint(path, pub)
 
 
 # --- multi-file checkpoints ------------------------------------------------------------------------------
@@ -403,31 +404,31 @@ def test_signed_directory_verifies_and_detects_changed_files(tmp_path: pathlib.P
     priv, pub = signing.generate_keypair()
     root = make_directory(tmp_path / "step-10")
     with pytest.raises(errors.MissingSignatureError):
-        signing.check_checkpoint(root, [pub])
-    assert signing.sign_checkpoint(root, priv) == signing.key_id(pub)
-    verified = signing.check_checkpoint(root, [pub])
+        verify.check_checkpoint(root, [pub])
+    assert verify.sign_checkpoint(root, priv) == signing.key_id(pub)
+    verified = verify.check_checkpoint(root, [pub])
     assert verified.metadata == {"sneppx.version": "3"}
-    assert signing.verify_checkpoint(root, [pub]) == (True, [])
+    assert verify.verify_checkpoint(root, [pub]) == (True, [])
     (root / "shards/rank1.snpx").write_bytes(b"b" * 6999 + b"c")
     with pytest.raises(errors.DigestMismatchError, match="rank1"):
-        signing.check_checkpoint(root, [pub])
+        verify.check_checkpoint(root, [pub])
     (root / "shards/rank1.snpx").write_bytes(b"b" * 6000)
     with pytest.raises(errors.TruncatedCheckpointError):
-        signing.check_checkpoint(root, [pub])
+        verify.check_checkpoint(root, [pub])
     (root / "shards/rank1.snpx").unlink()
     with pytest.raises(errors.TruncatedCheckpointError, match="missing"):
-        signing.check_checkpoint(root, [pub])
+        verify.check_checkpoint(root, [pub])
 
 
 def test_changed_manifest_breaks_the_detached_signature(tmp_path: pathlib.Path) -> None:
     priv, pub = signing.generate_keypair()
     root = make_directory(tmp_path / "step-10")
-    signing.sign_manifest(root, priv)
+    verify.sign_manifest(root, priv)
     doc = json.loads((root / "manifest.json").read_text())
     doc["metadata"]["sneppx.version"] = "4"
     (root / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(errors.BadSignatureError, match="manifest changed"):
-        signing.check_checkpoint(root, [pub])
+        verify.check_checkpoint(root, [pub])
 
 
 @pytest.mark.parametrize("name", ["../escape", "/abs", "a/../../b", "", "manifest.sig", "a\\b"])
@@ -437,7 +438,7 @@ def test_manifest_with_unsafe_paths_is_refused(tmp_path: pathlib.Path, name: str
     root.mkdir()
     (root / "manifest.json").write_text(json.dumps({"files": {name: {"size": 0, "digest": signing.digest_of(b"")}}}))
     with pytest.raises(errors.CorruptTableError, match="unsafe or reserved"):
-        signing.sign_manifest(root, priv)
+        verify.sign_manifest(root, priv)
 
 
 def test_manifest_symlink_escaping_the_directory_is_refused(tmp_path: pathlib.Path) -> None:
@@ -449,7 +450,7 @@ def test_manifest_symlink_escaping_the_directory_is_refused(tmp_path: pathlib.Pa
     (root / "manifest.json").write_text(json.dumps(
         {"files": {"link": {"size": 1, "digest": signing.digest_of(b"x")}}}))
     with pytest.raises(errors.CorruptTableError, match="outside the checkpoint"):
-        signing.sign_manifest(root, priv)
+        verify.sign_manifest(root, priv)
 
 
 # --- command line ----------------------------------------------------------------------------------------

@@ -14,12 +14,13 @@ import mmap
 import os
 import secrets
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from SneppX_ALG import _native, errors, format, storage
+from SneppX_ALG import _native, errors, storage
+from SneppX_ALG.checkpoint import format, signing
 
 # Writes go to the native writer in pieces of this size so signing digests can stream alongside.
 _PIECE = 64 << 20
@@ -68,7 +69,7 @@ class CheckpointWriter:
     A clean exit from the `with` block commits (temp name, fsync, rename, directory fsync); an exception
     leaves no file at `path` (and the previous file there, if any, untouched). A failed fsync fails the write.
     With `signing_key` (an Ed25519 private key), a digest of every tensor is computed in the same pass and the
-    table is signed (see signing.py).
+    table is signed (see checkpoint/signing.py).
     """
 
     def __init__(self, path: str | os.PathLike[str], metadata: dict[str, str] | None = None, config: Any = None,
@@ -189,8 +190,6 @@ class CheckpointWriter:
             self._file.append(table)
             signature = b""
             if self.signing_key is not None:
-                from SneppX_ALG import signing
-
                 signature = signing.signature_block(table, self.signing_key)
                 self._file.append(signature)
             header = format.Header(
@@ -224,8 +223,6 @@ class CheckpointWriter:
 
 
 def _new_digest(algorithm: str | None) -> Any:
-    from SneppX_ALG import signing
-
     return signing.new_digest(algorithm or signing.DIGEST_ALGORITHM)
 
 
@@ -370,63 +367,7 @@ def check_tensor(reader: CheckpointReader, entry: format.TensorEntry, *,
     """Checks one tensor's bytes in the file: CRC32C, zero padding and, with `digest`, its digest from the
     table (hashed on signing's worker thread while this thread computes the CRC of the same bytes)."""
     data = reader.raw(entry.name)
-    digest_check = _start_digest_check(data, entry.digest) if digest and entry.digest is not None else None
+    digest_check = signing.start_digest_check(data, entry.digest) if digest and entry.digest is not None else None
     crc = _native.crc32c_parallel(data)
     digest_problem = digest_check() if digest_check is not None else None
     return tensor_errors(entry, crc, reader.padding_is_zero(entry), digest_problem, path=reader.path)
-
-
-def validate_checkpoint(path: str | os.PathLike[str], trusted_keys: Any = None, *,
-                        progress: Callable[[int, int], None] | None = None) -> tuple[bool, list[str]]:
-    """Checks every byte of a checkpoint without loading it: (True, []) or (False, [what is wrong, ...]).
-
-    Never raises for a bad file (missing, empty, garbage, truncated, corrupt). With `trusted_keys`, the
-    checks are signing.verify_checkpoint's, in the order of docs/FORMAT.md "Verifying": the signature before
-    any tensor data is read, then every tensor's CRC32C, padding and digest; it stops at the first failure.
-    `path` may also be a CheckpointCoordinator step directory (`<root>/step-000001000`), checked as the
-    coordinator checks it (manifest, every shard, and with `trusted_keys` manifest.sig and each digest).
-    `progress(done, total)` is called as bytes of a file are checked.
-    """
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        step = storage.parse_step_name(os.path.basename(os.path.normpath(path)))
-        if step is not None:
-            return _validate_step(path, step, trusted_keys)
-    if trusted_keys is not None:
-        from SneppX_ALG import signing
-
-        return signing.verify_checkpoint(path, trusted_keys, progress=progress)
-    try:
-        reader = CheckpointReader(path, verify=False)
-    except errors.SneppXError as e:
-        return False, [str(e)]
-    except OSError as e:
-        return False, [f"{path}: can't read: {e.strerror or e}"]
-    problems: list[str] = []
-    with reader:
-        for entry in reader.table.tensors:
-            problems += [str(e) for e in check_tensor(reader, entry)]
-            if progress is not None:
-                progress(entry.offset + entry.length, reader.header.table_offset)
-    return not problems, problems
-
-
-def _validate_step(path: str, step: int, trusted_keys: Any) -> tuple[bool, list[str]]:
-    """A coordinator step directory, through the coordinator's own step check (imported here: it imports
-    this module)."""
-    from SneppX_ALG import coordinator, signing
-
-    try:
-        keys = signing.trusted_key_set(trusted_keys) if trusted_keys is not None else None
-        _, problems = coordinator.check_step(path, step, keys)
-    except errors.SneppXError as e:
-        return False, [f"{type(e).__name__}: {e}"]
-    except OSError as e:
-        return False, [f"{path}: can't read: {e.strerror or e}"]
-    return not problems, problems
-
-
-def _start_digest_check(data: memoryview, expected: str) -> Callable[[], str | None]:
-    from SneppX_ALG import signing
-
-    return signing.start_digest_check(data, expected)

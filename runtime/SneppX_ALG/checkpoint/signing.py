@@ -18,7 +18,6 @@ separate from the file-level entry points (`sign_checkpoint`, `verify_checkpoint
 
 from __future__ import annotations
 
-import argparse
 import collections
 import concurrent.futures
 import hashlib
@@ -26,7 +25,6 @@ import json
 import os
 import re
 import struct
-import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -37,7 +35,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from SneppX_ALG import _native, checkpoint, errors, format, storage
+from SneppX_ALG import _native, errors, storage
 
 # --- digests -------------------------------------------------------------------------------------------
 
@@ -450,7 +448,7 @@ def check_signature(domain: bytes, body: bytes, block: bytes, trusted_keys: Any,
 
 def signature_block(table_bytes: bytes, private_key: ed25519.Ed25519PrivateKey) -> bytes:
     """The block the writer puts after the table. Refuses a table with a tensor that has no digest."""
-    _check_digest_coverage(_tensor_entries(table_bytes))
+    check_digest_coverage(_tensor_entries(table_bytes))
     return _sign(TABLE_DOMAIN, table_bytes, private_key)
 
 
@@ -465,7 +463,7 @@ def _tensor_entries(table_bytes: bytes) -> list[dict[str, Any]]:
     return tensors
 
 
-def _check_digest_coverage(tensors: Iterable[Any], path: str | None = None) -> None:
+def check_digest_coverage(tensors: Iterable[Any], path: str | None = None) -> None:
     """Every tensor must carry a well-formed digest, or the signature would not cover its bytes."""
     for t in tensors:
         digest = t.get("digest") if isinstance(t, dict) else t.digest
@@ -479,100 +477,15 @@ def _check_digest_coverage(tensors: Iterable[Any], path: str | None = None) -> N
             raise errors.DigestMismatchError(f"tensor {name!r}: {e.reason}", path=path) from None
 
 
-# --- whole checkpoints ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Verified:
-    """What a successful verification proved."""
-
-    path: str
-    key_id: bytes
-    metadata: dict[str, str]
-    config: Any
-
-
-def check_checkpoint(path: str | os.PathLike[str], trusted_keys: Any, *,
-                     progress: Callable[[int, int], None] | None = None) -> Verified:
-    """Verifies a checkpoint file or signed directory; raises the typed error of the first failed check.
-
-    File: header, table and signature CRCs and layout (CheckpointReader), then the signature over the table
-    (before reading any data, so a forged file costs nothing), then every tensor's CRC32C, padding and digest
-    (checkpoint.check_tensor). `progress(done, total)` is called as a file's bytes are checked.
-    """
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        return check_manifest(path, trusted_keys)
-    keys = trusted_key_set(trusted_keys)
-    with checkpoint.CheckpointReader(path, verify=False) as reader:
-        signer = check_signature(TABLE_DOMAIN, reader.table_bytes, reader.signature_block, keys, path=path)
-        _check_digest_coverage(reader.table.tensors, path=path)
-        for entry in reader.table.tensors:
-            problems = checkpoint.check_tensor(reader, entry, digest=True)
-            if problems:
-                raise problems[0]
-            if progress is not None:
-                progress(entry.offset + entry.length, reader.header.table_offset)
-        return Verified(path, signer, dict(reader.metadata), reader.config)
-
-
-def verify_checkpoint(path: str | os.PathLike[str], trusted_keys: Any, *,
-                      progress: Callable[[int, int], None] | None = None) -> tuple[bool, list[str]]:
-    """(True, []) when a trusted key signed the checkpoint and every byte matches; else (False, [why]).
-
-    Never raises for a bad or missing file; each message starts with the name of the failed check.
-    """
-    try:
-        check_checkpoint(path, trusted_keys, progress=progress)
-    except errors.SneppXError as e:
-        return False, [f"{type(e).__name__}: {e}"]
-    except OSError as e:
-        return False, [f"StorageError: {os.fspath(path)}: can't read: {e.strerror or e}"]
-    return True, []
-
-
-def sign_checkpoint(path: str | os.PathLike[str], private_key: ed25519.Ed25519PrivateKey) -> bytes:
-    """Signs an existing checkpoint file (or a checkpoint directory's manifest); returns the key id.
-
-    The file is checked (CRC32C of every tensor and padding) and rewritten next to itself with a digest per
-    tensor, the new table and a signature block, then renamed over the original after fsync: a crash leaves
-    the old file or the signed one. The data section is copied byte for byte; an existing signature is
-    replaced. A digest already in the table must match the data, or signing is refused.
-    """
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        return sign_manifest(path, private_key)
-    if not isinstance(private_key, ed25519.Ed25519PrivateKey):
-        raise errors.KeyFormatError(f"signing needs an Ed25519 private key, got {type(private_key).__name__}")
-    with checkpoint.CheckpointReader(path, verify=False) as reader:
-        writer = checkpoint.CheckpointWriter(path, reader.metadata, reader.config, signing_key=private_key)
-        try:
-            for entry in reader.table.tensors:
-                alg = parse_digest(entry.digest)[0] if entry.digest is not None else DIGEST_ALGORITHM
-                # one pass: the copy computes the CRC32C and (on the worker) the digest of the same bytes
-                copied = writer._append_stored(entry, reader.raw(entry.name), digest_algorithm=alg)
-                digest_problem = (None if entry.digest is None or entry.digest == copied.digest
-                                  else "does not match the digest already in its table")
-                problems = checkpoint.tensor_errors(entry, copied.crc32c, reader.padding_is_zero(entry),
-                                                    digest_problem, path=path)
-                if problems:
-                    raise type(problems[0])(f"{problems[0].reason}; refusing to sign", path=path)
-        except BaseException:
-            writer.abort()
-            raise
-    writer.commit()  # table with the digests, signature block, header; fsync, rename over `path`
-    return key_id(private_key)
-
-
 # --- multi-file checkpoints: a signed manifest ---------------------------------------------------------
 
 def manifest_signature(manifest_bytes: bytes, private_key: ed25519.Ed25519PrivateKey) -> bytes:
     """The detached `manifest.sig` for these exact manifest bytes (also for an S3 prefix: store it beside)."""
-    _manifest_files(manifest_bytes)
+    manifest_files(manifest_bytes)
     return _sign(MANIFEST_DOMAIN, manifest_bytes, private_key)
 
 
-def _manifest_files(manifest_bytes: bytes, path: str | None = None) -> dict[str, dict[str, Any]]:
+def manifest_files(manifest_bytes: bytes, path: str | None = None) -> dict[str, dict[str, Any]]:
     """The manifest's "files" object, each entry checked: a safe relative path, a size and a digest."""
     try:
         doc = json.loads(manifest_bytes)
@@ -602,149 +515,3 @@ def check_manifest_signature(manifest_bytes: bytes, signature: bytes, trusted_ke
     """Checks a detached manifest signature; returns the signer's key id (typed error otherwise)."""
     return check_signature(MANIFEST_DOMAIN, manifest_bytes, signature, trusted_keys, what="manifest",
                            path=path)
-
-
-def _read_bounded(path: str, limit: int) -> bytes | None:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
-    except FileNotFoundError:
-        return None
-    if len(data) > limit:
-        raise errors.LimitExceededError(f"{os.path.basename(path)} is larger than {limit} bytes", path=path)
-    return data
-
-
-def sign_manifest(directory: str | os.PathLike[str], private_key: ed25519.Ed25519PrivateKey) -> bytes:
-    """Writes `manifest.sig` next to the directory's manifest.json (tmp, fsync, rename); returns the key id.
-
-    Every listed file is checked against its size and digest first: a signature vouches for the bytes.
-    """
-    directory = os.fspath(directory)
-    manifest_path = os.path.join(directory, storage.MANIFEST)
-    manifest = _read_bounded(manifest_path, storage.MAX_MANIFEST_BYTES)
-    if manifest is None:
-        raise errors.CheckpointNotFoundError(f"{manifest_path} not found: nothing to sign",
-                                             path=manifest_path)
-    _check_manifest_files(directory, _manifest_files(manifest, manifest_path))
-    storage.write_durable(os.path.join(directory, storage.SIGNATURE), manifest_signature(manifest, private_key))
-    return key_id(private_key)
-
-
-def _check_manifest_files(directory: str, files: dict[str, dict[str, Any]]) -> None:
-    root = os.path.realpath(directory)
-    for name, info in files.items():
-        target = os.path.realpath(os.path.join(root, name))
-        if os.path.commonpath([root, target]) != root:
-            raise errors.CorruptTableError(f"manifest entry {name!r} resolves outside the checkpoint",
-                                           path=directory)
-        try:
-            size = os.stat(target).st_size
-        except FileNotFoundError:
-            raise errors.TruncatedCheckpointError(f"file {name!r} listed in the manifest is missing",
-                                                  path=directory) from None
-        if size != info["size"]:
-            kind = errors.TruncatedCheckpointError if size < info["size"] else errors.CorruptHeaderError
-            raise kind(f"file {name!r} is {size} bytes, the manifest says {info['size']}", path=directory)
-        alg, _ = parse_digest(info["digest"])
-        if file_digest(target, alg) != info["digest"]:
-            raise errors.DigestMismatchError(f"file {name!r} does not match its {alg} digest in the manifest",
-                                             path=directory)
-
-
-def check_manifest_files(directory: str | os.PathLike[str],
-                         manifest_bytes: bytes) -> dict[str, dict[str, Any]]:
-    """Every file these manifest bytes list, checked in `directory` against its size and digest; returns the
-    "files" object. For callers that already hold (and checked the signature of) the manifest bytes, so the
-    bytes they go on to use are the bytes that were verified."""
-    directory = os.fspath(directory)
-    files = _manifest_files(manifest_bytes, directory)
-    _check_manifest_files(directory, files)
-    return files
-
-
-def check_manifest(directory: str | os.PathLike[str], trusted_keys: Any) -> Verified:
-    """Verifies a signed checkpoint directory: manifest.sig over manifest.json, then each listed file."""
-    directory = os.fspath(directory)
-    manifest_path = os.path.join(directory, storage.MANIFEST)
-    manifest = _read_bounded(manifest_path, storage.MAX_MANIFEST_BYTES)
-    if manifest is None:
-        raise errors.CheckpointNotFoundError(f"{manifest_path} not found", path=directory)
-    signature = _read_bounded(os.path.join(directory, storage.SIGNATURE), format.MAX_SIGNATURE_BYTES)
-    signer = check_manifest_signature(manifest, signature or b"", trusted_keys, path=directory)
-    files = _manifest_files(manifest, directory)
-    _check_manifest_files(directory, files)
-    doc = json.loads(manifest)
-    metadata = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
-    return Verified(directory, signer, {str(k): str(v) for k, v in metadata.items()}, doc.get("config"))
-
-
-# --- command line (`sneppx keygen | sign | verify`; cli.py registers these) --------------------------
-
-
-def add_cli_commands(subparsers: Any) -> None:
-    """Adds the keygen, sign and verify subcommands to the `sneppx` argument parser."""
-    p = subparsers.add_parser("keygen", help="make an Ed25519 key pair (PEM)")
-    p.add_argument("private_key", help="where to write the private key (mode 0600; never overwritten)")
-    p.add_argument("--public", help="where to write the public key (default: PRIVATE.pub)")
-    p.set_defaults(func=cli_keygen)
-    p = subparsers.add_parser("sign", help="sign a checkpoint file or checkpoint directory in place")
-    p.add_argument("path")
-    p.add_argument("--key", required=True, help="private key PEM")
-    p.set_defaults(func=cli_sign)
-    p = subparsers.add_parser("verify", help="check a checkpoint's signature and every byte; exit 0 if valid")
-    p.add_argument("paths", nargs="+")
-    p.add_argument("--trusted-key", "-k", action="append", required=True,
-                   help="trusted public key PEM (repeatable)")
-    p.set_defaults(func=cli_verify)
-
-
-def _password() -> bytes | None:
-    value = os.environ.get("SNEPPX_KEY_PASSWORD")
-    return value.encode() if value else None
-
-
-def cli_keygen(args: argparse.Namespace) -> int:
-    private, public = generate_keypair()
-    public_path = args.public or f"{args.private_key}.pub"
-    try:
-        save_private_key(args.private_key, private, _password())
-        save_public_key(public_path, public)
-    except errors.SneppXError as e:
-        print(f"sneppx keygen: {e}", file=sys.stderr)
-        return 2
-    print(f"key id {key_id_hex(public)}\nprivate {args.private_key}\npublic  {public_path}")
-    return 0
-
-
-def cli_sign(args: argparse.Namespace) -> int:
-    try:
-        key = load_private_key(args.key, _password())
-    except errors.KeyFormatError as e:
-        print(f"sneppx sign: {e}", file=sys.stderr)
-        return 2
-    try:
-        kid = sign_checkpoint(args.path, key)
-    except errors.SneppXError as e:
-        print(f"sneppx sign: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    print(f"signed {args.path} with key {kid.hex()}")
-    return 0
-
-
-def cli_verify(args: argparse.Namespace) -> int:
-    try:
-        keys = trusted_key_set(args.trusted_key)
-    except errors.KeyFormatError as e:
-        print(f"sneppx verify: {e}", file=sys.stderr)
-        return 2
-    all_ok = True
-    for path in args.paths:
-        try:
-            verified = check_checkpoint(path, keys)
-        except (errors.SneppXError, OSError) as e:
-            all_ok = False
-            print(f"INVALID {path}\n        - {type(e).__name__}: {e}")
-            continue
-        print(f"OK      {path} (signed by key {verified.key_id.hex()[:16]})")
-    return 0 if all_ok else 1

@@ -3,7 +3,7 @@
 A serving or training fleet that pulls weights from a bucket must not install a forged file, a corrupted one,
 or an older signed release that an attacker replays (a rollback attack: an old version with a known flaw is
 still validly signed). `SignedUpdateManager.install_update` therefore checks, in order: the signature by a
-trusted key and every byte (signing.check_checkpoint), then the signed version and expiry in the checkpoint's
+trusted key and every byte (verify.check_checkpoint), then the signed version and expiry in the checkpoint's
 metadata (`sneppx.version`, `sneppx.expires`), and only then commits.
 
 Layout of `install_dir`:
@@ -38,7 +38,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from SneppX_ALG import _native, checkpoint, errors, signing, storage
+from SneppX_ALG import _native, errors, storage
+from SneppX_ALG.checkpoint import file, signing, verify
 
 VERSION_KEY = "sneppx.version"
 EXPIRES_KEY = "sneppx.expires"
@@ -232,14 +233,14 @@ class SignedUpdateManager:
             current, previous, high_water = self._state()
             # Cheap checks on the source first (header, table, signature, version): a forged or replayed
             # update is refused before gigabytes are copied. The copy is checked again in full below.
-            with checkpoint.CheckpointReader(path, verify=False) as reader:
+            with file.CheckpointReader(path, verify=False) as reader:
                 signing.check_signature(signing.TABLE_DOMAIN, reader.table_bytes, reader.signature_block,
                                         self.trusted_keys, path=path)
                 check_update_policy(reader.metadata, high_water=high_water, now=self.clock(), force=force,
                                     require_expiry=self.require_expiry)
             staged = self._stage(path)
             try:
-                verified = signing.check_checkpoint(staged, self.trusted_keys)
+                verified = verify.check_checkpoint(staged, self.trusted_keys)
                 version = check_update_policy(verified.metadata, high_water=high_water, now=self.clock(),
                                               force=force, require_expiry=self.require_expiry)
                 final = os.path.join(self.install_dir, VERSIONS_DIR,
@@ -268,7 +269,7 @@ class SignedUpdateManager:
             current, previous, high_water = self._state()
             if current is None or previous is None or high_water is None:
                 raise errors.UpdateRejectedError("there is no previous version to roll back to")
-            signing.check_checkpoint(previous.path, self.trusted_keys)
+            verify.check_checkpoint(previous.path, self.trusted_keys)
             self._commit(previous, None, high_water)
             self._remove_unreferenced()
             return previous

@@ -18,7 +18,9 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from SneppX_ALG import checkpoint, errors, signing
+from SneppX_ALG import errors
+from SneppX_ALG.checkpoint import file, signing, validate
+from SneppX_ALG.cli import keys
 
 # Files smaller than this validate in well under a second: no progress bar.
 _PROGRESS_MIN_BYTES = 256 << 20
@@ -54,8 +56,6 @@ def _progress(path: str, enabled: bool) -> Iterator[Callable[[int, int], None] |
 def cmd_validate(args: argparse.Namespace) -> int:
     trusted = None
     if args.trusted_key:
-        from SneppX_ALG import signing
-
         try:
             trusted = signing.trusted_key_set(args.trusted_key)  # the same key loading as `sneppx verify`
         except errors.KeyFormatError as e:
@@ -64,7 +64,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     results = []
     for path in args.paths:
         with _progress(path, not args.json) as progress:
-            ok, problems = checkpoint.validate_checkpoint(path, trusted_keys=trusted, progress=progress)
+            ok, problems = validate.validate_checkpoint(path, trusted_keys=trusted, progress=progress)
         results.append({"path": path, "ok": ok, "errors": problems})
     if args.json:
         print(json.dumps(results, indent=2))
@@ -78,7 +78,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     try:
-        reader = checkpoint.CheckpointReader(args.path, verify=False)
+        reader = file.CheckpointReader(args.path, verify=False)
     except errors.SneppXError as e:
         print(f"sneppx inspect: {e}", file=sys.stderr)
         return 1
@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)
 
-    signing.add_cli_commands(sub)  # keygen, sign, verify
+    keys.add_cli_commands(sub)  # keygen, sign, verify
     return parser
 
 
@@ -141,6 +141,3 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

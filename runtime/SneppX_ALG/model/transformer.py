@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from SneppX_ALG import errors
+from SneppX_ALG.checkpoint import file
 
 PARAM_PREFIX = "params/"
 MODEL_KIND = "sneppx.Transformer"
@@ -525,12 +526,10 @@ class Transformer:
         Holds every parameter and the config; with include_optimizer=True also the attached trainer's optimizer
         moments and step, data position and RNG state, so training resumes bitwise where it stopped.
         """
-        from SneppX_ALG import checkpoint  # the checkpoint core imports nothing of the model
-
         state = self.state_dict(include_optimizer=include_optimizer)
         meta = {"sneppx.kind": MODEL_KIND, "sneppx.training_state": "true" if include_optimizer else "false"}
         meta.update(metadata or {})
-        with checkpoint.CheckpointWriter(os.fspath(path), metadata=meta, config=self.config.to_json()) as writer:
+        with file.CheckpointWriter(os.fspath(path), metadata=meta, config=self.config.to_json()) as writer:
             for name, value in state.items():
                 writer.write(name, value)
 
@@ -541,10 +540,8 @@ class Transformer:
         CheckpointFormatError for a damaged file, ConfigMismatchError when the checkpoint is for a different
         architecture (use `Transformer.from_checkpoint`), and TrainingStateError as `load_state_dict` says.
         """
-        from SneppX_ALG import checkpoint
-
         source = os.fspath(path)
-        with checkpoint.CheckpointReader(source) as reader:
+        with file.CheckpointReader(source) as reader:
             theirs = ModelConfig.from_json(reader.config, source=source)
             if theirs != self.config:
                 diff = ", ".join(f"{field}={saved!r} (this model: {ours!r})"
@@ -561,86 +558,10 @@ class Transformer:
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike[str]) -> Transformer:
         """Builds the model a checkpoint was saved from and loads its parameters."""
-        from SneppX_ALG import checkpoint
-
         source = os.fspath(path)
-        with checkpoint.CheckpointReader(source) as reader:
+        with file.CheckpointReader(source) as reader:
             config = ModelConfig.from_json(reader.config, source=source)
             model = cls.from_config(config)
             state = {name: reader.read(name) for name in reader.names() if name.startswith(PARAM_PREFIX)}
             model.load_state_dict(state, include_optimizer=False, source=source)
         return model
-
-
-# --- the optimizer ----------------------------------------------------------------------------------------------
-
-
-class AdamW:
-    """Adam with decoupled weight decay (Loshchilov & Hutter), in place on the model's arrays.
-
-    The moments and the step count are training state: `state_dict()` gives them as `optim/...` tensors so a
-    checkpoint can resume training bitwise. Weight decay applies to matrices only (not biases or LayerNorm gains).
-    """
-
-    def __init__(self, params: Mapping[str, np.ndarray], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01):
-        if not (lr >= 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1 and eps > 0 and weight_decay >= 0):
-            raise errors.ModelConfigError(
-                f"AdamW hyperparameters out of range: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        self.m = {name: np.zeros_like(value) for name, value in params.items()}
-        self.v = {name: np.zeros_like(value) for name, value in params.items()}
-        self.step_count = 0
-
-    def step(self, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray], lr: float | None = None) -> None:
-        """One update of every parameter from its gradient (grads are used as scratch and left changed)."""
-        lr = self.lr if lr is None else lr
-        beta1, beta2 = self.betas
-        self.step_count += 1
-        t = self.step_count
-        step_size = lr / (1.0 - beta1 ** t)
-        inv_sqrt_bc2 = 1.0 / math.sqrt(1.0 - beta2 ** t)
-        for name, value in params.items():
-            g, m, v = grads[name], self.m[name], self.v[name]
-            dt = value.dtype.type
-            m *= dt(beta1)
-            m += dt(1.0 - beta1) * g
-            v *= dt(beta2)
-            g *= g
-            g *= dt(1.0 - beta2)
-            v += g
-            if value.ndim >= 2 and self.weight_decay:
-                value *= dt(1.0 - lr * self.weight_decay)
-            denom = np.sqrt(v)
-            denom *= dt(inv_sqrt_bc2)
-            denom += dt(self.eps)
-            update = np.divide(m, denom, out=denom)
-            update *= dt(step_size)
-            value -= update
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        state: dict[str, np.ndarray] = {"optim/step": np.array(self.step_count, np.int64)}
-        for name in self.m:
-            state[f"optim/m/{name}"] = self.m[name]
-            state[f"optim/v/{name}"] = self.v[name]
-        return state
-
-    def check_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
-        """Raises TrainingStateError unless `state` holds this optimizer's tensors with the right shapes."""
-        step = state.get("optim/step")
-        if step is None or step.shape != () or step.dtype != np.int64 or int(step) < 0:
-            raise errors.TrainingStateError("training state lacks a valid optim/step (int64 scalar >= 0)")
-        for kind, moments in (("m", self.m), ("v", self.v)):
-            for name, ours in moments.items():
-                value = state.get(f"optim/{kind}/{name}")
-                if value is None or value.shape != ours.shape or value.dtype != ours.dtype:
-                    found = "missing" if value is None else f"{value.dtype}{list(value.shape)}"
-                    raise errors.TrainingStateError(
-                        f"optimizer moment optim/{kind}/{name} is {found}, needs {ours.dtype}{list(ours.shape)}")
-
-    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
-        self.check_state_dict(state)
-        for name in self.m:
-            np.copyto(self.m[name], state[f"optim/m/{name}"], casting="no")
-            np.copyto(self.v[name], state[f"optim/v/{name}"], casting="no")
-        self.step_count = int(state["optim/step"])

@@ -1,0 +1,29 @@
+"""The checkpoint layer: what one checkpoint is (a SNPX file, or a step directory of shards plus a manifest),
+how to write, read, sign, verify and validate it, and signed updates.
+
+Modules, lowest first (each imports only those before it):
+
+    format     the SNPX file format, pure (spec: docs/FORMAT.md)
+    signing    keys, digests, signature blocks: the pure cryptography
+    file       CheckpointWriter / CheckpointReader
+    verify     signatures and digests checked against files on disk; signing existing files
+    manifest   the step manifest codec (manifest.json), pure
+    validate   validate_checkpoint (a file or a step directory) and check_step
+    updates    SignedUpdateManager: verified, monotonic, atomic installs
+"""
+
+from SneppX_ALG.checkpoint.file import CheckpointReader, CheckpointWriter
+from SneppX_ALG.checkpoint.signing import generate_keypair
+from SneppX_ALG.checkpoint.updates import SignedUpdateManager
+from SneppX_ALG.checkpoint.validate import validate_checkpoint
+from SneppX_ALG.checkpoint.verify import sign_checkpoint, verify_checkpoint
+
+__all__ = [
+    "CheckpointReader",
+    "CheckpointWriter",
+    "SignedUpdateManager",
+    "generate_keypair",
+    "sign_checkpoint",
+    "validate_checkpoint",
+    "verify_checkpoint",
+]

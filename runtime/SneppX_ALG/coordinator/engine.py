@@ -1,0 +1,275 @@
+"""The background half of a save: staging buffers and the one writer thread that streams them to storage.
+
+Why a thread of its own: `save()` returns after the snapshot; writing, committing and retention run
+here, one step after another in submission order, and their errors are kept for the next call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+from typing import Any
+
+import numpy as np
+
+from SneppX_ALG import _native, errors, storage
+from SneppX_ALG.checkpoint import file, format, signing, validate
+from SneppX_ALG.checkpoint import manifest as manifest_codec
+from SneppX_ALG.coordinator import plan, retention
+
+log = logging.getLogger(__name__)
+
+
+def host_piece(job: Job, leaf: np.ndarray, piece: plan.Piece) -> np.ndarray:
+    """The bytes of one piece of a host tensor, little-endian and in C order, as uint8.
+
+    A tensor that is already both is only viewed. Otherwise a row block is converted on its own (a copy the
+    size of the piece), and any other piece comes from one converted copy of the whole tensor, made for its
+    first piece and dropped after its last: never one full copy per piece."""
+    little = leaf.dtype.newbyteorder("<") if leaf.dtype.byteorder == ">" else leaf.dtype
+    if leaf.flags.c_contiguous and little == leaf.dtype:
+        return leaf.reshape(-1).view(np.uint8)[piece.start:piece.start + piece.nbytes]
+    if piece.global_offset is not None:  # rows [r0, r0 + rows) of dimension 0
+        first_row = piece.global_offset[0]
+        block = np.ascontiguousarray(leaf[first_row:first_row + piece.shape[0]], dtype=little)
+        return block.reshape(-1).view(np.uint8)
+    whole = job.host_copies.get(piece.tensor)
+    if whole is None:
+        whole = np.ascontiguousarray(leaf, dtype=little).reshape(-1).view(np.uint8)
+        job.host_copies[piece.tensor] = whole
+    if piece.start + piece.nbytes >= whole.size:  # the tensor's last piece: the copy is not needed again
+        del job.host_copies[piece.tensor]
+    return whole[piece.start:piece.start + piece.nbytes]
+
+
+# ---- the staging pool -----------------------------------------------------------------------------------
+
+
+class StagingPool:
+    """At most `limit` buffers of `size` bytes, allocated on first use and reused (pinned on a GPU copier)."""
+
+    def __init__(self, copier: _native.Copier, size: int, limit: int):
+        self.copier, self.size, self.limit = copier, size, max(2, limit)
+        self._free: list[Any] = []
+        self._count = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, on_wait: Any = None) -> Any:
+        """A free buffer; blocks while all `limit` are in use (calling on_wait() first)."""
+        with self._cond:
+            if not self._free and self._count >= self.limit and on_wait is not None:
+                on_wait()
+            while not self._free and self._count >= self.limit:
+                self._cond.wait()
+            if self._free:
+                return self._free.pop()
+            self._count += 1
+        try:
+            return self.copier.alloc(self.size)
+        except BaseException:
+            with self._cond:
+                self._count -= 1
+                self._cond.notify()
+            raise
+
+    def release(self, buffer: Any) -> None:
+        with self._cond:
+            self._free.append(buffer)
+            self._cond.notify()
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self._count * self.size
+
+    def clear(self) -> None:
+        with self._cond:
+            self._count -= len(self._free)
+            self._free.clear()
+
+
+# ---- the background writer ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Job:
+    step: int
+    specs: list[plan.TensorSpec]
+    pieces: list[plan.Piece]
+    values: list[tuple[tuple[str, ...], Any]]
+    kind: str
+    training_state: Any
+    failed: bool = False
+    # Set when the snapshot is done, or when it waits for a buffer: until then the writer stays idle, so on
+    # a small machine it doesn't compete with the copy that save() is blocked on.
+    may_write: threading.Event = dataclasses.field(default_factory=threading.Event)
+    pending: storage.PendingStep | None = None
+    writer: file.CheckpointWriter | None = None
+    # CRC32C of every piece as it was staged; the writer checks its own against it, so on success these
+    # are also the CRCs in the shard, and the manifest lists them.
+    snapshot_crcs: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Little-endian C-contiguous copies of host tensors that are neither, made once per tensor for pieces that
+    # are not row blocks, and dropped after the tensor's last piece.
+    host_copies: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+
+
+class Engine:
+    """The worker thread and its queue; kept apart from the coordinator so that an atexit finalizer can
+    finish pending saves without holding the coordinator alive."""
+
+    def __init__(self, store: storage.Storage, max_to_keep: int | None, keep_every_n_steps: int | None,
+                 signing_key: Any, trusted_keys: dict[bytes, Any] | None):
+        self.store = store
+        self.retention = (max_to_keep, keep_every_n_steps)
+        self.signing_key = signing_key
+        self.trusted_keys = trusted_keys
+        self.queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self.error: BaseException | None = None
+        self.steps: set[int] = set()  # submitted or committed here (failed saves are taken out again)
+        self._outstanding = 0
+        self._idle = threading.Condition()
+        self.pool: StagingPool | None = None
+        self.thread = threading.Thread(target=self._run, name="sneppx-checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    def submit(self, *item: Any) -> None:
+        with self._idle:
+            self._outstanding += 1
+        self.queue.put(item)
+
+    def wait(self) -> None:
+        with self._idle:
+            while self._outstanding:
+                self._idle.wait()
+
+    def shutdown(self) -> None:
+        if self.thread.is_alive():
+            self.queue.put(("stop",))
+            self.thread.join()
+
+    def take_error(self) -> BaseException | None:
+        with self._idle:
+            error, self.error = self.error, None
+        return error
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item[0] == "stop":
+                return
+            try:
+                self._handle(item)
+            except BaseException as e:  # noqa: BLE001 - kept and raised by the next call; the thread goes on
+                job = item[1]
+                job.failed = True
+                self._abort(job)
+                with self._idle:
+                    if self.error is None:
+                        self.error = e
+                    self.steps.discard(job.step)
+                log.warning("checkpoint of step %d failed: %s", job.step, e)
+            finally:
+                if item[0] == "data":
+                    assert self.pool is not None
+                    self.pool.release(item[2])
+                with self._idle:
+                    self._outstanding -= 1
+                    self._idle.notify_all()
+
+    def _handle(self, item: tuple[Any, ...]) -> None:
+        kind, job = item[0], item[1]
+        if job.failed and kind != "abort":
+            return
+        if kind == "begin":
+            job.pending = self.store.begin(job.step)
+            job.writer = file.CheckpointWriter(
+                os.path.join(job.pending.local_dir, plan.SHARD_FILE.format(0)),
+                metadata={"sneppx.step": str(job.step), "sneppx.shard": "0"})
+            job.writer.open()
+        elif kind == "data":
+            job.may_write.wait()
+            if not job.failed:
+                self._write_buffer(job, item[2], item[3])
+        elif kind == "end":
+            self._commit(job)
+        elif kind == "abort":
+            self._abort(job)
+
+    def _write_buffer(self, job: Job, buffer: Any, pieces: list[plan.Piece]) -> None:
+        assert job.writer is not None and self.pool is not None
+        view = self.pool.copier.view(buffer, self.pool.size)
+        for piece in pieces:
+            spec = job.specs[piece.tensor]
+            dtype = format.numpy_dtype(spec.dtype)
+            count = piece.nbytes // spec.itemsize
+            array = np.frombuffer(view, dtype=dtype, count=count, offset=piece.offset).reshape(piece.shape)
+            extra = {}
+            if piece.global_offset is not None:
+                extra = {"global_shape": spec.shape, "global_offset": piece.global_offset}
+            entry = job.writer.write(piece.entry, array, **extra)
+            expected = job.snapshot_crcs[piece.entry]
+            if entry.crc32c != expected:
+                raise errors.ChecksumMismatchError(
+                    f"step {job.step}: tensor piece {piece.entry!r} changed in staging memory between snapshot "
+                    f"and write (snapshot {expected:#010x}, written {entry.crc32c:#010x})")
+        del view
+
+    def _commit(self, job: Job) -> None:
+        assert job.writer is not None and job.pending is not None
+        job.writer.commit()
+        job.writer = None
+        shard = plan.SHARD_FILE.format(0)
+        # Shard digests cost a read-back of every shard; only a signature needs them (it vouches for the
+        # shards through them), so unsigned steps are saved without (and without a "files" object).
+        files = None
+        if self.signing_key is not None:
+            files = {shard: self._file_record(job, shard)}
+        if job.step in self.store.committed_steps():
+            self._set_aside_if_invalid(job.step)
+        manifest = manifest_codec.encode_manifest(plan.build_manifest(job.step, job.specs, job.pieces, job.snapshot_crcs, job.values,
+                                                  job.kind, job.training_state, [shard], files))
+        signature = None
+        if self.signing_key is not None:  # written before the commit point, by finalize()
+            signature = signing.manifest_signature(manifest, self.signing_key)
+        self.store.finalize(job.pending, manifest, signature)
+        job.pending = None
+        max_to_keep, keep_every = self.retention
+        for step in retention.steps_to_delete(self.store.committed_steps(), new_step=job.step, max_to_keep=max_to_keep,
+                                    keep_every_n_steps=keep_every):
+            self.store.delete(step)
+            log.info("retention: deleted checkpoint step %d", step)
+
+    @staticmethod
+    def _file_record(job: Job, name: str) -> dict[str, Any]:
+        """Size and digest of a finished shard, for a signed manifest.
+
+        Why a read-back rather than hashing during the write: the digest is BLAKE3 of the whole file, and the
+        header at its start is written last, while the `blake3` package can only hash from the start. The
+        cost is one read of the shard (from the disk: the writer bypasses the page cache) and the hash, on
+        this background thread with the writer's hashing threads (signing.write_threads()), never in save()."""
+        assert job.pending is not None
+        path = os.path.join(job.pending.local_dir, name)
+        return {"size": os.path.getsize(path),
+                "digest": signing.readback_digest(path, threads=signing.write_threads())}
+
+    def _set_aside_if_invalid(self, step: int) -> None:
+        """A committed step being saved again (after a rollback past it): an invalid copy is moved aside so
+        the new one can commit; a valid one stays and finalize() refuses to overwrite it."""
+        try:
+            with self.store.open_step(step) as local:
+                problems = validate.check_step(local, step, self.trusted_keys)[1]
+        except errors.CheckpointNotFoundError:
+            return
+        if problems:
+            aside = self.store.quarantine(step)
+            log.warning("step %d was committed but invalid (%s); moved to %s", step, problems[0], aside)
+
+    def _abort(self, job: Job) -> None:
+        if job.writer is not None:
+            writer, job.writer = job.writer, None
+            writer.abort()
+        if job.pending is not None:
+            pending, job.pending = job.pending, None
+            self.store.abort(pending)

@@ -1,0 +1,23 @@
+"""When to save and which steps to keep: small pure policies (orbax's "checkpoint manager" decisions)."""
+
+from __future__ import annotations
+
+
+def is_save_step(step: int, every: int | None, last_saved: int | None) -> bool:
+    """True on multiples of `every` that were not saved already (every=None or 0: never)."""
+    return bool(every) and step % every == 0 and step != last_saved  # type: ignore[operator]
+
+
+def steps_to_delete(committed: list[int], *, new_step: int, max_to_keep: int | None,
+                    keep_every_n_steps: int | None = None, protected: frozenset[int] = frozenset()) -> list[int]:
+    """Retention, decided after `new_step` was committed: keeps the newest max_to_keep steps, every step
+    divisible by keep_every_n_steps, new_step itself and `protected` (e.g. the last step known valid).
+    Only steps older than new_step are ever deleted, so the newest good copy survives until a newer one
+    is committed. max_to_keep None or 0 keeps everything."""
+    if not max_to_keep or max_to_keep < 0:
+        return []
+    ordered = sorted(set(committed) | {new_step})
+    keep = set(ordered[-max_to_keep:]) | {new_step} | set(protected)
+    if keep_every_n_steps:
+        keep |= {s for s in ordered if s % keep_every_n_steps == 0}
+    return [s for s in ordered if s not in keep and s < new_step]

@@ -1,0 +1,158 @@
+"""The user's state as SneppX sees it: flattened into tensors and plain values on save, rebuilt on restore.
+
+Why: `save()` takes a model with `state_dict()` or a (nested) dict of numpy, DLPack or CUDA arrays; the
+rest of the coordinator works on a flat list of (path, array) and (path, JSON value). This module is the
+only one that knows about the shapes a user's state can take.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import numpy as np
+
+from SneppX_ALG import errors
+from SneppX_ALG.checkpoint import file, format
+from SneppX_ALG.coordinator import plan
+
+
+@dataclasses.dataclass
+class DeviceArray:
+    """A CUDA array seen through __cuda_array_interface__ (torch, cupy): pointer, dtype, shape, device."""
+
+    pointer: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    device: int
+
+
+def is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """Whether byte strides describe a C-contiguous layout (computed, never allocated: the tensor may be
+    as large as a GPU's memory). A dimension of size 1 may have any stride, and an empty tensor is any
+    layout, as in numpy's and torch's own contiguity flags."""
+    if len(strides) != len(shape):
+        return False
+    if 0 in shape:
+        return True
+    expected = itemsize
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def leaf_of(value: Any) -> np.ndarray | DeviceArray | None:
+    """The array behind a state value, or None when it is a plain JSON value."""
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, np.generic):
+        return np.asarray(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return None
+    cai = getattr(value, "__cuda_array_interface__", None)
+    if cai is not None:
+        strides = cai.get("strides")
+        dtype = np.dtype(cai["typestr"])
+        shape = tuple(int(d) for d in cai["shape"])
+        if strides is not None and not is_c_contiguous(shape, tuple(strides), dtype.itemsize):
+            raise errors.UnsupportedTensorError("a non-contiguous CUDA tensor can't be snapshot; call "
+                                                ".contiguous() first")
+        device = getattr(value, "device", None)
+        index = getattr(device, "index", None)
+        if index is None:
+            index = getattr(device, "id", 0)
+        return DeviceArray(int(cai["data"][0]), dtype, shape, int(index or 0))
+    return file.as_array(value)
+
+
+def flatten_state(obj: Any) -> tuple[str, list[tuple[tuple[str, ...], np.ndarray | DeviceArray]],
+                                     list[tuple[tuple[str, ...], Any]]]:
+    """(kind, tensors, plain values) of a model (state_dict()), or a (nested) mapping of arrays."""
+    if hasattr(obj, "state_dict") and callable(obj.state_dict):
+        kind, tree = "state_dict", obj.state_dict()
+    elif isinstance(obj, Mapping):
+        kind, tree = "mapping", obj
+    else:
+        raise errors.UnsupportedTensorError(f"can't checkpoint a {type(obj).__name__}: pass an object with "
+                                            "state_dict()/load_state_dict() or a dict of arrays")
+    tensors: list[tuple[tuple[str, ...], Any]] = []
+    values: list[tuple[tuple[str, ...], Any]] = []
+
+    def walk(node: Mapping[Any, Any], prefix: tuple[str, ...]) -> None:
+        for key, value in node.items():
+            if not isinstance(key, str) or not key:
+                raise errors.UnsupportedTensorError(f"state key {key!r} at {'/'.join(prefix) or 'top'} must be a "
+                                                    "non-empty string")
+            path = (*prefix, key)
+            if isinstance(value, Mapping):
+                walk(value, path)
+                continue
+            leaf = leaf_of(value)
+            if leaf is None:
+                values.append((path, value))
+            else:
+                tensors.append((path, leaf))
+
+    walk(tree, ())
+    return kind, tensors, values
+
+
+def check_json_safe(value: Any, what: str) -> None:
+    try:
+        format.check_config(value)
+    except errors.SneppXError as e:
+        raise errors.UnsupportedTensorError(f"{what} must be JSON-safe (it goes into manifest.json): "
+                                            f"{e}") from None
+
+
+def tensor_spec(path: tuple[str, ...], leaf: np.ndarray | DeviceArray) -> plan.TensorSpec:
+    dtype = leaf.dtype
+    return plan.TensorSpec(path, format.dtype_name(dtype), tuple(int(d) for d in leaf.shape), dtype.itemsize)
+
+
+def set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def load_into_mapping(target: MutableMapping[str, Any], loaded: Mapping[str, Any]) -> None:
+    """Writes arrays into the existing ones where dtype and shape match (references stay valid)."""
+    for key, value in loaded.items():
+        current = target.get(key)
+        if isinstance(value, dict) and isinstance(current, MutableMapping):
+            load_into_mapping(current, value)
+        elif (isinstance(value, np.ndarray) and isinstance(current, np.ndarray) and current.flags.writeable
+              and current.shape == value.shape and current.dtype == value.dtype):
+            np.copyto(current, value)
+        else:
+            target[key] = value
+
+
+def read_state(local: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The saved tree, with arrays assembled from their pieces (owned, writable copies)."""
+    with contextlib.ExitStack() as stack:  # a reader that fails to open closes those opened before it
+        readers = [stack.enter_context(file.CheckpointReader(os.path.join(local, shard)))
+                   for shard in manifest["shards"]]
+        tree: dict[str, Any] = {}
+        for tensor in manifest["tensors"]:
+            dtype = format.numpy_dtype(tensor["dtype"])
+            shape = tuple(tensor["shape"])
+            pieces = tensor["pieces"]
+            if len(pieces) == 1:
+                array = np.array(readers[pieces[0]["shard"]].read(pieces[0]["entry"]), copy=True).reshape(shape)
+            else:
+                array = np.empty(shape, dtype=dtype)
+                flat = array.reshape(-1).view(np.uint8)
+                for piece in pieces:
+                    data = readers[piece["shard"]].read(piece["entry"])
+                    flat[piece["start"]:piece["start"] + piece["nbytes"]] = data.reshape(-1).view(np.uint8)
+            set_path(tree, tensor["path"], array)
+        for value in manifest["values"]:
+            set_path(tree, value["path"], value["value"])
+        return tree
