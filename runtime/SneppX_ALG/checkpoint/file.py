@@ -9,12 +9,13 @@ every byte without loading anything and never raises for a bad file.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import mmap
 import os
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -243,6 +244,34 @@ def _open_checked(path: str) -> tuple[int, int]:
     return fd, st.st_size
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What a file's first and last blocks say: the header, the table and signature bytes, the table."""
+
+    head: bytes  # the header block, bytes 0..DATA_OFFSET (or the whole file when it is shorter)
+    header: format.Header
+    table: bytes
+    signature: bytes
+    decoded: format.Table
+
+
+def read_layout(fd: int, size: int, path: str,
+                pread: Callable[[int, int, int], bytes] = os.pread) -> Layout:
+    """Reads and checks the header block, the table and the signature block of an open file of `size`
+    bytes (`pread(fd, n, offset)` reads them); the typed error of the first check that fails."""
+    head = pread(fd, min(size, format.DATA_OFFSET), 0)
+    header = format.decode_header(head, actual_size=size, path=path)
+    if head[format.HEADER_SIZE:].strip(b"\x00"):
+        raise errors.NonZeroPaddingError("header padding (bytes 64..4095) is not zero", path=path)
+    tail = pread(fd, header.table_length + header.signature_length, header.table_offset)
+    table, signature = tail[: header.table_length], tail[header.table_length:]
+    if len(signature) != header.signature_length:
+        raise errors.TruncatedCheckpointError("signature block is truncated", path=path)
+    if signature and _native.crc32c(signature) != header.signature_crc32c:
+        raise errors.ChecksumMismatchError("signature block fails its CRC32C", path=path)
+    return Layout(head, header, table, signature, format.decode_table(table, header, path=path))
+
+
 class CheckpointReader:
     """Reads an SNPX file: header and table checked at open, tensors mapped on demand.
 
@@ -256,19 +285,9 @@ class CheckpointReader:
         self.verify = verify
         self._fd, size = _open_checked(self.path)
         try:
-            head = os.pread(self._fd, format.DATA_OFFSET, 0)
-            self.header = format.decode_header(head, actual_size=size, path=self.path)
-            if head[format.HEADER_SIZE:].strip(b"\x00"):
-                raise errors.NonZeroPaddingError("header padding (bytes 64..4095) is not zero", path=self.path)
-            tail = os.pread(self._fd, self.header.table_length + self.header.signature_length,
-                            self.header.table_offset)
-            self.table_bytes = tail[: self.header.table_length]
-            self.signature_block = tail[self.header.table_length:]
-            if len(self.signature_block) != self.header.signature_length:
-                raise errors.TruncatedCheckpointError("signature block is truncated", path=self.path)
-            if self.signature_block and _native.crc32c(self.signature_block) != self.header.signature_crc32c:
-                raise errors.ChecksumMismatchError("signature block fails its CRC32C", path=self.path)
-            self.table = format.decode_table(self.table_bytes, self.header, path=self.path)
+            layout = read_layout(self._fd, size, self.path)
+            self.header, self.table_bytes, self.signature_block = layout.header, layout.table, layout.signature
+            self.table = layout.decoded
             self._mmap = mmap.mmap(self._fd, size, prot=mmap.PROT_READ)
         except BaseException:
             os.close(self._fd)
