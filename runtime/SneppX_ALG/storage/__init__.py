@@ -49,7 +49,9 @@ from SneppX_ALG.storage.base import (
     PendingStep,
     Storage,
     is_plain_name,
+    parse_set_aside_name,
     parse_step_name,
+    set_aside_name,
     step_name,
     unlink_quietly,
     write_durable,
@@ -59,8 +61,8 @@ from SneppX_ALG.storage.s3 import S3Storage, make_s3_client, parse_s3_uri
 
 __all__ = [
     "COMMITTED", "MANIFEST", "MAX_MANIFEST_BYTES", "SIGNATURE", "LocalStorage", "PendingStep", "S3Storage",
-    "Storage", "is_plain_name", "make_s3_client", "open_storage", "parse_s3_uri", "parse_step_name",
-    "step_name", "unlink_quietly", "write_durable",
+    "Storage", "is_plain_name", "make_s3_client", "open_storage", "parse_s3_uri", "parse_set_aside_name",
+    "parse_step_name", "set_aside_name", "step_name", "unlink_quietly", "write_durable",
 ]
 
 

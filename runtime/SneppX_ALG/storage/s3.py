@@ -232,10 +232,56 @@ class S3Storage:
         self._delete_keys([self.key(name, base.COMMITTED)])  # invisible from here on
         self._delete_keys([obj["Key"] for obj in self._list(self.key(name) + "/")])
 
-    def quarantine(self, step: int) -> str:
-        """An invalid committed step: its marker is removed (its objects are cleaned up at the next start)."""
-        self._delete_keys([self.key(base.step_name(step), base.COMMITTED)])
-        return f"s3://{self.bucket}/{self.key(base.step_name(step))}"
+    def set_aside(self, step: int, reason: str) -> str:
+        """Moves a committed step out of the step namespace: its objects are copied (server-side) under
+        `.<reason>-step-...`, then its marker is deleted (invisible as a step from then on), then the rest.
+        S3 has no rename; a crash part-way leaves the step committed, or uncommitted leftovers."""
+        name, aside = base.step_name(step), base.set_aside_name(step, reason)
+        keys = [obj["Key"] for obj in self._list(self.key(name) + "/")]
+        marker = self.key(name, base.COMMITTED)
+        if marker not in keys:
+            raise errors.CheckpointNotFoundError(f"no committed checkpoint for step {step} in {self.uri}",
+                                                 path=self.uri)
+        for key in keys:
+            target = self.key(aside, key[len(self.key(name)) + 1:])
+            try:
+                self.client.copy({"Bucket": self.bucket, "Key": key}, self.bucket, target)
+            except _s3_errors() as e:
+                raise _s3_error(e, f"copy of {key}", self.uri) from None
+        self._delete_keys([marker])
+        self._delete_keys([k for k in keys if k != marker])
+        return f"s3://{self.bucket}/{self.key(aside)}"
+
+    def set_aside_steps(self) -> list[tuple[int, str]]:
+        """(step, name) of every set-aside step under the prefix."""
+        found = set()
+        strip = len(self.key("")) + 1 if self.prefix else 0
+        for obj in self._list(self.key(".")):
+            name = obj["Key"][strip:].partition("/")[0]
+            step = base.parse_set_aside_name(name)
+            if step is not None:
+                found.add((step, name))
+        return sorted(found)
+
+    def remove_set_aside(self, name: str) -> None:
+        if base.parse_set_aside_name(name) is None:
+            raise ValueError(f"{name!r} is not a set-aside step")
+        self._delete_keys([obj["Key"] for obj in self._list(self.key(name) + "/")])
+
+    def read_record(self, name: str) -> bytes | None:
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self.key(name))["Body"]
+            return bytes(body.read(base.MAX_MANIFEST_BYTES + 1))
+        except _s3_errors() as e:
+            if _error_code(e) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise _s3_error(e, f"get {self.key(name)}", self.uri) from None
+
+    def write_record(self, name: str, data: bytes) -> None:
+        self._put(self.key(name), data)
+
+    def remove_record(self, name: str) -> None:
+        self._delete_keys([self.key(name)])
 
     def incomplete_uploads(self) -> list[tuple[str, str]]:
         """(key, upload id) of every multipart upload under the prefix that was never completed."""
