@@ -17,11 +17,11 @@ import textwrap
 
 import numpy as np
 import pytest
+from test_signed_coordinator import forge_shard_keeping_crcs  # tests/integration is on sys.path
 
 from SneppX_ALG import CheckpointCoordinator, _native, errors, storage
 from SneppX_ALG.checkpoint import scan, signing, validate
 from SneppX_ALG.coordinator import engine, steps, timeline
-from test_signed_coordinator import forge_shard_keeping_crcs  # tests/integration is on sys.path
 
 MiB = 1 << 20
 SHARD = "shard-00000.snpx"
@@ -95,7 +95,7 @@ def corrupting_disk(monkeypatch):
 
 
 def test_a_signing_key_the_coordinator_does_not_trust_is_refused_at_construction(tmp_path, keys) -> None:
-    private, public, other, other_public = keys
+    private, public, _, other_public = keys
     with pytest.raises(errors.SigningKeyNotTrustedError, match="not among trusted_keys"):
         CheckpointCoordinator(tmp_path, signing_key=private, trusted_keys=[other_public])
     assert list(tmp_path.iterdir()) == []

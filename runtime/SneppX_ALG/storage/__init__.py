@@ -29,6 +29,11 @@ Commit points:
   under the prefix and deletes objects of steps that have no marker. Reading a step fetches only the files its
   manifest names (manifest, signature, shards), whatever else the prefix holds.
 
+Setting aside (a committed step moved out of the step namespace, kept for inspection until retention removes
+it): local, one durable rename to `.<reason>-step-...`; S3, a server-side copy under that name, then the marker
+deleted, then the step's objects. Small durable records at the root (the coordinator's `FENCE`, docs/FORMAT.md
+"Coordinator roots: timelines and fencing"): local, written through `write_durable`; S3, one PUT.
+
 One writer per root is assumed (rank 0 in a multi-rank job): `cleanup()` removes every leftover, and on S3
 the shards and manifest of a step are plain PUTs under fixed keys, so two writers saving the same step at
 once overwrite each other's objects (only the marker is conditional: one of them commits). A step mixed
