@@ -51,10 +51,12 @@ class Steps:
     def visible(self, *, include_pending: bool = True) -> list[int]:
         """Committed steps, oldest first, less those a fence abandoned: a stored one, and (include_pending)
         the one this process's last restore made, which the next commit applies."""
+        # Listed before the record is read: a writer fencing meanwhile has either written its record (read
+        # below) or moved the steps already (then opening them fails, and readers skip what is gone).
+        committed = self.store.committed_steps()
         fences = [self.stored_fence()] + ([self.pending_fence()] if include_pending else [])
-        fences = [f for f in fences if f is not None]
-        abandoned = {step for fence in fences for step in fence.abandoned}
-        return [s for s in self.store.committed_steps() if s not in abandoned]
+        abandoned = {step for fence in fences if fence is not None for step in fence.abandoned}
+        return [s for s in committed if s not in abandoned]
 
     def pending_fence(self) -> timeline.Fence | None:
         with self._lock:

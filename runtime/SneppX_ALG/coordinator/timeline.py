@@ -39,11 +39,6 @@ def fence_after(restored: int, visible: list[int], invalid: set[int] | frozenset
     return Fence(restored, newer, tuple(s for s in newer if s in invalid))
 
 
-def merge(fences: list[Fence]) -> set[int]:
-    """Every step the fences abandon."""
-    return {step for fence in fences for step in fence.abandoned}
-
-
 def encode_fence(fence: Fence) -> bytes:
     return json.dumps({"format": FENCE_FORMAT, "version": FENCE_VERSION, "restored": fence.restored,
                        "abandoned": list(fence.abandoned), "invalid": list(fence.invalid)},
