@@ -1,4 +1,5 @@
-"""CheckpointCoordinator on S3: a real moto server process on 127.0.0.1, boto3 over HTTP, no mocking."""
+"""CheckpointCoordinator on S3: real server processes on 127.0.0.1 (moto and the Versity S3 Gateway; every
+test runs on both), boto3 over HTTP, no mocking."""
 
 from __future__ import annotations
 
@@ -155,18 +156,22 @@ def test_a_writer_that_loses_the_marker_race_deletes_none_of_the_step(s3_bucket,
 
 
 def test_only_the_files_a_manifest_names_are_fetched(s3_bucket, s3_env) -> None:
-    """Objects under a step's prefix that the manifest doesn't name (a "folder" key ending in "/", a nested
-    key, a stray file) are neither fetched nor an error: a key can't choose a local path."""
+    """Objects under a step's prefix that the manifest doesn't name (a "folder" key ending in "/" and a key in
+    it, a nested key, a stray file) are neither fetched nor an error: a key can't choose a local path."""
     client = s3_env.client()
     root = f"s3://{s3_bucket}/odd"
     with CheckpointCoordinator(root, s3_client=client) as coord:
         coord.save(state_for(1), step=1)
-    for key in ("odd/step-000000001/folder/", "odd/step-000000001/nested/shard-00000.snpx",
-                "odd/step-000000001/stray.bin"):
-        client.put_object(Bucket=s3_bucket, Key=key, Body=b"not part of the step")
+    for key in ("odd/step-000000001/folder/", "odd/step-000000001/folder/in-folder.bin",
+                "odd/step-000000001/nested/shard-00000.snpx", "odd/step-000000001/stray.bin"):
+        # A folder key is empty, as consoles make them (the gateway refuses data in a key ending in "/").
+        client.put_object(Bucket=s3_bucket, Key=key, Body=b"" if key.endswith("/") else b"not part of the step")
     coord = CheckpointCoordinator(root, s3_client=client)
     with coord.storage.open_step(1) as local:
         assert sorted(os.listdir(local)) == ["manifest.json", "shard-00000.snpx"]
     got = {"w": None, "emb": None, "n": None}
     assert coord.restore(got).step == 1
     assert got["emb"].tobytes() == state_for(1)["emb"].tobytes()
+    coord.storage.delete(1)  # the odd keys go with the step
+    assert [k for k in keys(client, s3_bucket) if k.startswith("odd/")] == []
+
