@@ -273,3 +273,61 @@ def test_a_failed_write_can_not_be_committed(tmp_path: pathlib.Path) -> None:
     with pytest.raises(errors.StorageError, match="nothing was committed"):
         writer.commit()
     assert not path.exists() and os.listdir(tmp_path) == []
+
+# ---- a writer is single-use ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("finish", ["commit", "abort"])
+def test_a_writer_is_single_use_after_commit_or_abort(tmp_path: pathlib.Path, finish: str) -> None:
+    path = tmp_path / "w.snpx"
+    with CheckpointWriter(path, metadata={"v": "old"}) as w:
+        w.write("w", np.arange(66_000, dtype=np.float32))  # ~264 KB
+    before = path.read_bytes()
+    writer = CheckpointWriter(path, metadata={"v": "new"})
+    writer.write("w", np.ones(10, np.float32))
+    getattr(writer, finish)()
+    after_finish = path.read_bytes()
+    assert (after_finish == before) == (finish == "abort")
+    with pytest.raises(errors.CheckpointClosedError, match="single-use"):
+        writer.write("x", np.zeros(3))
+    with pytest.raises(errors.CheckpointClosedError, match=finish):
+        writer.commit()  # before the fix: a fresh temp file with the old table, renamed over `path`
+    writer.abort()  # nothing to undo: a no-op, never an unlink of `path`
+    assert path.read_bytes() == after_finish and validate_checkpoint(path) == (True, [])
+    assert os.listdir(tmp_path) == ["w.snpx"]  # no temporary file either
+
+
+@pytest.mark.parametrize("finish", ["commit", "abort"])
+def test_leaving_with_after_an_explicit_commit_or_abort_does_nothing(tmp_path: pathlib.Path, finish: str) -> None:
+    """The reported loss: a 266 KB valid file replaced by a 4 KB invalid one when `with` committed again."""
+    path = tmp_path / "model.snpx"
+    weights = np.random.default_rng(0).standard_normal(66_000).astype(np.float32)
+    with CheckpointWriter(path, metadata={"v": "1"}) as w:
+        w.write("w", weights)
+    good = path.read_bytes()
+    assert len(good) > 260_000
+    with CheckpointWriter(path, metadata={"v": "2"}) as w:
+        w.write("w", weights + 1)
+        getattr(w, finish)()
+    assert validate_checkpoint(path) == (True, [])
+    with CheckpointReader(path) as r:
+        assert r.metadata == {"v": "2" if finish == "commit" else "1"}
+        np.testing.assert_array_equal(r.read("w"), weights + 1 if finish == "commit" else weights)
+    assert os.path.getsize(path) == len(good)
+    assert os.listdir(tmp_path) == ["model.snpx"]
+
+
+def test_a_failed_commit_leaves_a_finished_writer(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "f.snpx"
+    writer = CheckpointWriter(path)
+    writer.write("a", np.zeros(4))
+    _native.fault_arm("fsync", 1, "EIO")
+    try:
+        with pytest.raises(errors.DurabilityError):
+            writer.commit()
+    finally:
+        _native.fault_arm("write", 0, "kill")
+    with pytest.raises(errors.CheckpointClosedError, match="commit failed"):
+        writer.commit()  # a retry would write the table over nothing
+    assert os.listdir(tmp_path) == []
+

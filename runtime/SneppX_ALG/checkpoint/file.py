@@ -70,6 +70,9 @@ class CheckpointWriter:
     leaves no file at `path` (and the previous file there, if any, untouched). A failed fsync fails the write.
     With `signing_key` (an Ed25519 private key), a digest of every tensor is computed in the same pass and the
     table is signed (see checkpoint/signing.py).
+
+    A writer is single-use: after `commit()` or `abort()` (explicit, or a failed commit), `write` and `commit`
+    raise `CheckpointClosedError` and never touch `path` again, and leaving the `with` block does nothing.
     """
 
     def __init__(self, path: str | os.PathLike[str], metadata: dict[str, str] | None = None, config: Any = None,
@@ -90,19 +93,29 @@ class CheckpointWriter:
         self._broken: BaseException | None = None
         self._tmp = ""
         self.committed = False
+        self._finished = ""  # why the writer is done ("committed", "aborted", ...): it never writes again
 
     def __enter__(self) -> CheckpointWriter:
         self.open()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._finished:
+            return  # an explicit commit() or abort() inside the block already decided
         if exc_type is None:
             self.commit()
         else:
             self.abort()
 
+    def _check_not_finished(self) -> None:
+        if self._finished:
+            raise errors.CheckpointClosedError(
+                f"this CheckpointWriter for {self.path} is done ({self._finished}); a writer is single-use, so "
+                "nothing more is written: make a new CheckpointWriter")
+
     def open(self) -> None:
         """Creates the temporary file next to `path` (done by `with`)."""
+        self._check_not_finished()
         if self._file is not None:
             return
         directory, base = os.path.split(os.path.abspath(self.path))
@@ -200,21 +213,30 @@ class CheckpointWriter:
             file, self._file = self._file, None
             file.finish()
         except BaseException:
-            self.abort()
+            self._finished = "its commit failed"
+            self._drop()
             raise
         try:
             _native.rename_durable(self._tmp, self.path)
         except BaseException:
+            self._finished = "its commit failed"
             storage.unlink_quietly(self._tmp)
             raise
+        self._finished = "committed"
         self.committed = True
 
     def abort(self) -> None:
-        """Drops everything written; nothing appears at `path`."""
+        """Drops everything written; nothing appears at `path`. Does nothing after a commit."""
+        if self._finished:
+            return
+        self._finished = "aborted"
+        self._drop()
+
+    def _drop(self) -> None:
         if self._file is not None:
             file, self._file = self._file, None
             file.abort()
-        elif self._tmp and not self.committed:
+        elif self._tmp:
             storage.unlink_quietly(self._tmp)
 
     def __del__(self) -> None:
