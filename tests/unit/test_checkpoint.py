@@ -331,3 +331,22 @@ def test_a_failed_commit_leaves_a_finished_writer(tmp_path: pathlib.Path) -> Non
         writer.commit()  # a retry would write the table over nothing
     assert os.listdir(tmp_path) == []
 
+@pytest.mark.parametrize("metadata, config", [
+    ({"note": "\ud800"}, None),
+    ({"\udc80": "x"}, None),
+    ({}, {"tokenizer": {"unk": "\udfff"}}),
+    ({}, {"\ud800": 1}),
+])
+def test_text_that_utf8_cannot_store_is_refused_when_the_writer_is_made(tmp_path: pathlib.Path, metadata: dict,
+                                                                        config: object) -> None:
+    """A lone surrogate is a Python str but not Unicode text: refused up front, not at commit with an untyped
+    UnicodeEncodeError after every tensor was written."""
+    path = tmp_path / "s.snpx"
+    with pytest.raises(errors.UnsupportedTensorError, match="not valid Unicode"), \
+            CheckpointWriter(path, metadata=metadata, config=config) as w:
+        w.write("a", np.zeros(1 << 16))
+    assert os.listdir(tmp_path) == []
+    with CheckpointWriter(path, metadata={"note": "emoji \U0001f600 and é"}, config={"s": "\U0001f600"}) as w:
+        w.write("a", np.zeros(1))  # a surrogate *pair* in JSON is one real character: fine
+    with CheckpointReader(path) as r:
+        assert r.metadata == {"note": "emoji \U0001f600 and é"} and r.config == {"s": "\U0001f600"}
