@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import os
 import pathlib
+import threading
 
 import numpy as np
 import pytest
@@ -274,7 +275,12 @@ def test_a_failed_write_can_not_be_committed(tmp_path: pathlib.Path) -> None:
         writer.commit()
     assert not path.exists() and os.listdir(tmp_path) == []
 
-# ---- a writer is single-use ----------------------------------------------------------------------------------
+
+# ---- a writer is single-use; a reader owns its file until closed or collected ------------------------------
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
 
 
 @pytest.mark.parametrize("finish", ["commit", "abort"])
@@ -330,6 +336,57 @@ def test_a_failed_commit_leaves_a_finished_writer(tmp_path: pathlib.Path) -> Non
     with pytest.raises(errors.CheckpointClosedError, match="commit failed"):
         writer.commit()  # a retry would write the table over nothing
     assert os.listdir(tmp_path) == []
+
+
+def test_a_reader_dropped_without_close_closes_its_file(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "r.snpx"
+    with CheckpointWriter(path) as w:
+        w.write("a", np.arange(100, dtype=np.int64))
+    baseline = open_fds()
+    for _ in range(50):
+        reader = CheckpointReader(path)
+        assert reader.names() == ["a"]
+        del reader  # no close(): its finalizer closes the file
+    assert open_fds() == baseline
+    kept = CheckpointReader(path).read("a")  # the reader is gone at once, its array stays valid
+    np.testing.assert_array_equal(kept, np.arange(100))
+    del kept  # the mapping (and the descriptor Python's mmap keeps) goes with the last array
+    assert open_fds() == baseline
+
+
+def test_reading_after_close_is_a_typed_error_and_earlier_arrays_stay_valid(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "r.snpx"
+    with CheckpointWriter(path) as w:
+        w.write("a", np.arange(10, dtype=np.int32))
+        w.write("b", np.ones(3))
+    reader = CheckpointReader(path)
+    a = reader.read("a")
+    reader.close()
+    reader.close()  # idempotent
+    for use in (lambda: reader.read("b"), lambda: reader.raw("a"), lambda: reader.read("a"), reader.read_all,
+                lambda: reader.padding_is_zero(reader.entry("b")), reader.fileno):
+        with pytest.raises(errors.CheckpointClosedError, match="closed"):
+            use()
+    np.testing.assert_array_equal(a, np.arange(10))  # still mapped: it was handed out before close()
+    assert reader.names() == ["a", "b"] and reader.metadata == {}  # the table was read at open
+
+
+def test_a_fifo_is_refused_at_once_instead_of_waiting_for_a_writer(tmp_path: pathlib.Path) -> None:
+    fifo = tmp_path / "pipe.snpx"
+    os.mkfifo(fifo)
+    outcome: list[object] = []
+    thread = threading.Thread(target=lambda: outcome.append(validate_checkpoint(fifo)), daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():  # blocked in open(): let it go (a writer end that closes at once), then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(10)
+        pytest.fail("validate_checkpoint waited for a writer on a FIFO")
+    ok, problems = outcome[0]  # type: ignore[misc]
+    assert not ok and "FIFO" in problems[0] and "not a checkpoint file" in problems[0]
+    with pytest.raises(errors.CheckpointFormatError, match="FIFO"):
+        CheckpointReader(fifo)
+
 
 @pytest.mark.parametrize("metadata, config", [
     ({"note": "\ud800"}, None),

@@ -369,13 +369,9 @@ def _decode_entry(raw: Any, index: int, path: str | None) -> TensorEntry:
                        global_offset, digest)
 
 
-# A lone surrogate can reach a parsed string only through a JSON escape (the bytes themselves are strict UTF-8),
-# so the walk that looks for one runs only when the table holds such an escape.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def decode_table(raw: bytes, header: Header, *, path: str | None = None) -> Table:
-    """Checks the table CRC, parses it strictly, and checks the canonical layout against the header."""
+def check_table_bytes(raw: bytes, header: Header, *, path: str | None = None) -> None:
+    """The table bytes are all there and match their CRC32C: checked before anything else looks at them (a
+    verifier checks the signature over these raw bytes next, and parses them only after that)."""
     if len(raw) != header.table_length:
         raise errors.TruncatedCheckpointError(
             f"table is {len(raw)} bytes, header says {header.table_length}", path=path)
@@ -383,6 +379,17 @@ def decode_table(raw: bytes, header: Header, *, path: str | None = None) -> Tabl
     if crc != header.table_crc32c:
         raise errors.CorruptTableError(
             f"table CRC32C mismatch (stored {header.table_crc32c:#010x}, computed {crc:#010x})", path=path)
+
+
+# A lone surrogate can reach a parsed string only through a JSON escape (the bytes themselves are strict UTF-8),
+# so the walk that looks for one runs only when the table holds such an escape.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def decode_table(raw: bytes, header: Header, *, path: str | None = None) -> Table:
+    """Checks the table bytes (check_table_bytes), parses them strictly, and checks the canonical layout
+    against the header."""
+    check_table_bytes(raw, header, path=path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
