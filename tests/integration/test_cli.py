@@ -57,6 +57,18 @@ def test_inspect_shows_tensors_and_metadata(good: pathlib.Path) -> None:
     assert info["metadata"] == {"run": "cli", "step": "42"} and info["config"] == {"dim": 8}
 
 
+def test_inspect_json_offsets_and_crcs_match_values_computed_independently(good: pathlib.Path) -> None:
+    """Offsets from the layout rule of docs/FORMAT.md (tensor 0 at 4096, the next at the following 4096
+    boundary), CRC32Cs from another implementation (google-crc32c) over the arrays the fixture wrote."""
+    w, b = np.ones((8, 16), np.float32), np.zeros(16, np.float16)
+    info = json.loads(sneppx("inspect", str(good), "--json").stdout)
+    assert [{k: t[k] for k in ("name", "offset", "bytes", "crc32c")} for t in info["tensors"]] == [
+        {"name": "layer0.w", "offset": 4096, "bytes": 512, "crc32c": f"{google_crc32c.value(w.tobytes()):08x}"},
+        {"name": "layer0.b", "offset": 8192, "bytes": 32, "crc32c": f"{google_crc32c.value(b.tobytes()):08x}"},
+    ]
+    assert info["file_bytes"] == good.stat().st_size and info["version"] == "1.0" and info["signed"] is False
+
+
 def test_sign_of_a_table_with_a_lone_surrogate_exits_1_with_a_message(tmp_path: pathlib.Path) -> None:
     """Another tool wrote metadata "\\ud800" (valid JSON, not UTF-8 text): refused with a typed error, not a
     UnicodeEncodeError traceback from re-encoding the table, and the file is left as it was."""
