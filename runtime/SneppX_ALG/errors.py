@@ -196,3 +196,13 @@ class JobSpecError(SneppXError, ValueError):
 
 class OperatorConfigError(SneppXError, ValueError):
     """The operator's own configuration (environment, command line) is invalid."""
+
+
+# --- file handles: a checkpoint reader or writer used after it is done ----------
+
+
+class CheckpointClosedError(SneppXError, ValueError):
+    """A CheckpointReader was used after close(), or a CheckpointWriter after commit() or abort().
+
+    A writer is single-use: once committed or aborted it never touches its path again; make a new one.
+    """
