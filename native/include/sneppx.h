@@ -188,9 +188,9 @@ int sx_equal_ct(const void *a, const void *b, size_t len);
 #define SX_HB_DROP_WRONG_JOB 5
 #define SX_HB_DROP_UNKNOWN_SENDER 6  /* the source address is not a peer */
 #define SX_HB_DROP_STALE_GENERATION 7
-#define SX_HB_DROP_REPLAY 8      /* a sequence number already seen, or older than the window */
+#define SX_HB_DROP_REPLAY 8      /* a sequence number already seen, older than the window, or our own */
 #define SX_HB_DROP_REORDERED 9   /* older than the newest seen from that sender: carries no news */
-#define SX_HB_DROP_UNSOLICITED 10  /* an ACK for no probe of ours (or for another member) */
+#define SX_HB_DROP_UNSOLICITED 10  /* an ACK for no probe of ours, or a PING meant for another member */
 #define SX_HB_DROP_MALFORMED 11  /* authentic but impossible fields (unknown type, flags) */
 #define SX_HB_DROP_BUSY 12       /* a PING_REQ with every relay slot in use */
 #define SX_HB_NDROPS 13
@@ -239,6 +239,7 @@ typedef struct {
     uint64_t sent, send_errors, received, accepted;
     uint64_t drops[16];          /* by SX_HB_DROP_*; the first SX_HB_NDROPS are used */
     uint64_t relayed;            /* gossip mode: indirect probes answered for others */
+    uint64_t stalls;             /* times our own thread was not scheduled for over 2 intervals */
     uint64_t events;             /* index of the newest event */
 } sx_hb_stats;
 

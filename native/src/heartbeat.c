@@ -95,7 +95,7 @@ struct sx_hb {
     uint32_t *table; /* open addressing: peer index + 1 by id, 0 = empty */
     size_t table_mask;
     uint64_t self_id, instance, incarnation, seq_start, seq, rng;
-    int64_t started_at, next_wake, next_round;
+    int64_t started_at, next_wake, next_round, last_loop;
     sx_hb_stats stats;
     /* gossip mode */
     uint32_t *order;
@@ -360,6 +360,7 @@ static void apply_entries(sx_hb *hb, const datagram *d, int64_t now) {
 /* The replay window. An ACK that echoes one of our own probes from this run proves it is fresh, so it may
  * restart the window of a peer whose process (instance) changed and whose counter fell behind. */
 static int check_sequence(sx_hb *hb, peer *p, const datagram *d) {
+    if (d->instance == hb->instance) return SX_HB_DROP_REPLAY; /* our own datagram, reflected back at us */
     int fresh_proof = d->type == SX_HB_ACK && d->probe_seq >= hb->seq_start && d->probe_seq < hb->seq;
     if (!p->have_seq || d->seq > p->top_seq || (d->instance != p->pub.instance && fresh_proof)) {
         uint64_t shift = p->have_seq && d->seq > p->top_seq ? d->seq - p->top_seq : WINDOW_BITS;
@@ -404,6 +405,8 @@ static int own_probe(const sx_hb *hb, uint64_t probe_seq) { return probe_seq >= 
 /* Whether an authentic datagram asks for something possible: an ACK must answer a probe of ours (for that
  * member, or relayed for a third one), a PING_REQ must name another member. -1 if so, else the drop reason. */
 static int check_request(const sx_hb *hb, uint32_t from, const datagram *d) {
+    if (d->type != SX_HB_ACK && hb->cfg.bind_addr && d->target != hb->self_id)
+        return SX_HB_DROP_UNSOLICITED; /* meant for another member (bound to one address, we know our name) */
     if (d->type == SX_HB_PING) return -1;
     long t = find_peer(hb, d->target);
     if (d->type == SX_HB_PING_REQ)
@@ -595,6 +598,21 @@ static void gossip_timers(sx_hb *hb, int64_t now) {
     hb->next_wake = wake;
 }
 
+/* Our own thread was not scheduled for `lost` ns (the process was stopped, the VM paused, the host
+ * overloaded). Peers' silence during that time says nothing about them: move every suspicion clock forward
+ * by it, and start a fresh probe instead of judging one whose answer we could not have read. */
+static void on_stall(sx_hb *hb, int64_t lost, int64_t now) {
+    hb->stats.stalls++;
+    hb->started_at += lost;
+    for (size_t i = 0; i < hb->n; i++) {
+        sx_hb_peer *p = &hb->peers[i].pub;
+        if (p->last_alive_ns >= 0) p->last_alive_ns = min64(p->last_alive_ns + lost, now);
+        if (p->state == SX_HB_SUSPECTED) p->state_since_ns = min64(p->state_since_ns + lost, now);
+    }
+    hb->probe.active = 0;
+    hb->next_round = hb->next_wake = now;
+}
+
 static void *run(void *arg) {
     sx_hb *hb = arg;
     uint8_t bufs[RECV_BATCH][SX_HB_MAX_DATAGRAM + 1];
@@ -608,6 +626,9 @@ static void *run(void *arg) {
             pthread_mutex_unlock(&hb->lock);
             break;
         }
+        int64_t gap = now - hb->last_loop;
+        if (gap > 2 * (int64_t)hb->cfg.interval_ns) on_stall(hb, gap - (int64_t)hb->cfg.interval_ns, now);
+        hb->last_loop = now;
         if (now >= hb->next_wake) {
             if (hb->mode == SX_HB_DIRECT) direct_timers(hb, now);
             else gossip_timers(hb, now);
@@ -755,7 +776,7 @@ int sx_hb_start(sx_hb *hb) {
         rc = SX_ESTATE;
     } else if (!hb->started) {
         int64_t now = now_ns();
-        hb->started_at = hb->next_wake = hb->next_round = now;
+        hb->started_at = hb->next_wake = hb->next_round = hb->last_loop = now;
         for (size_t i = 0; i < hb->n; i++) hb->peers[i].pub.state_since_ns = now;
         if (hb->mode == SX_HB_GOSSIP) {
             shuffle_order(hb);

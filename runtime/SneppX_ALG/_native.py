@@ -306,7 +306,7 @@ _HB_PEER_FIELDS = ("addr", "port", "state_since_ns", "last_seen_ns", "last_alive
                    "probes_sent", "acks_received", "pings_received", "accepted", "suspicions", "instance",
                    "restarts", "incarnation")
 _HB_STAT_FIELDS = ("port", "instance", "incarnation", "generation", "sent", "send_errors", "received", "accepted",
-                   "relayed", "events")
+                   "relayed", "stalls", "events")
 _EVENT_BATCH = 64
 
 
