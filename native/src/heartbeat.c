@@ -360,7 +360,6 @@ static void apply_entries(sx_hb *hb, const datagram *d, int64_t now) {
 /* The replay window. An ACK that echoes one of our own probes from this run proves it is fresh, so it may
  * restart the window of a peer whose process (instance) changed and whose counter fell behind. */
 static int check_sequence(sx_hb *hb, peer *p, const datagram *d) {
-    if (d->instance == hb->instance) return SX_HB_DROP_REPLAY; /* our own datagram, reflected back at us */
     int fresh_proof = d->type == SX_HB_ACK && d->probe_seq >= hb->seq_start && d->probe_seq < hb->seq;
     if (!p->have_seq || d->seq > p->top_seq || (d->instance != p->pub.instance && fresh_proof)) {
         uint64_t shift = p->have_seq && d->seq > p->top_seq ? d->seq - p->top_seq : WINDOW_BITS;
@@ -405,7 +404,7 @@ static int own_probe(const sx_hb *hb, uint64_t probe_seq) { return probe_seq >= 
 /* Whether an authentic datagram asks for something possible: an ACK must answer a probe of ours (for that
  * member, or relayed for a third one), a PING_REQ must name another member. -1 if so, else the drop reason. */
 static int check_request(const sx_hb *hb, uint32_t from, const datagram *d) {
-    if (d->type != SX_HB_ACK && hb->cfg.bind_addr && d->target != hb->self_id)
+    if (d->type == SX_HB_PING && hb->cfg.bind_addr && d->target != hb->self_id)
         return SX_HB_DROP_UNSOLICITED; /* meant for another member (bound to one address, we know our name) */
     if (d->type == SX_HB_PING) return -1;
     long t = find_peer(hb, d->target);
@@ -489,6 +488,7 @@ static int handle(sx_hb *hb, const uint8_t *buf, size_t len, int truncated, cons
     if (d.type < SX_HB_PING || d.type > SX_HB_PING_REQ || (d.flags & ~SX_HB_FLAG_RELAYED) ||
         (d.flags && d.type != SX_HB_ACK) || d.instance == 0)
         return SX_HB_DROP_MALFORMED;
+    if (d.instance == hb->instance) return SX_HB_DROP_REPLAY; /* our own datagram, reflected back at us */
     if (d.generation < hb->cfg.generation) return SX_HB_DROP_STALE_GENERATION;
     reason = check_request(hb, (uint32_t)i, &d);
     if (reason < 0 && d.type == SX_HB_PING_REQ && relay_slots_full(hb, now)) reason = SX_HB_DROP_BUSY;

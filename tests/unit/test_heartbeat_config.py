@@ -84,9 +84,9 @@ def test_own_address_in_the_list_is_dropped_and_duplicates_refused() -> None:
 
 
 def test_port_in_use_is_a_typed_socket_error() -> None:
-    with HeartbeatMonitor(peers=[], key=KEY, bind="127.0.0.1:0") as first:
-        with pytest.raises(errors.HeartbeatSocketError, match="in use"):
-            HeartbeatMonitor(peers=[], key=KEY, bind=first.address)
+    with HeartbeatMonitor(peers=[], key=KEY, bind="127.0.0.1:0") as first, \
+            pytest.raises(errors.HeartbeatSocketError, match="in use"):
+        HeartbeatMonitor(peers=[], key=KEY, bind=first.address)
 
 
 def test_mode_switches_to_gossip_above_the_direct_limit() -> None:

@@ -39,9 +39,10 @@ def quorum_size(members: int) -> int:
 def restart_delay(attempt: int, *, base: float, factor: float, cap: float, jitter: float,
                   rng: random.Random) -> float:
     """Seconds to wait before restart number `attempt` (1, 2, ...): base * factor**(attempt-1), capped, then
-    spread by +-jitter (a fraction) so that nodes that failed together don't come back together."""
+    shortened by a random fraction up to `jitter`, so that nodes that failed together don't come back together
+    (spread downwards, so even delays at the cap stay spread and never exceed it)."""
     delay = min(cap, base * factor ** (attempt - 1))
-    return max(0.0, min(cap, delay * (1 + rng.uniform(-jitter, jitter))))
+    return delay * (1 - rng.uniform(0, jitter))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +73,7 @@ class FaultToleranceManager:
         wait_for_quorum() only.
     max_restarts: failures that may be restarted from; one more raises RestartBudgetExhaustedError.
     restart_delay: seconds before the first restart; each further one waits backoff times longer, at most
-        max_restart_delay, spread by +-jitter (a fraction of the delay).
+        max_restart_delay, shortened by a random fraction up to jitter.
     rollback_depth: how many newer committed checkpoints resume_point() may roll back past (default
         SNEPPX_ROLLBACK_DEPTH or 2).
     """

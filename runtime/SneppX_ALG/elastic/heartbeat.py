@@ -290,9 +290,10 @@ class HeartbeatMonitor:
             if self._state == "stopped":
                 raise errors.HeartbeatError("this HeartbeatMonitor was stopped; make a new one")
             if self._state == "new":
+                stream = self.watch()  # before the thread starts: its first events come within microseconds
                 self._native.start()
                 self._state = "running"
-                self._dispatcher = threading.Thread(target=self._dispatch, args=(self.watch(),),
+                self._dispatcher = threading.Thread(target=self._dispatch, args=(stream,),
                                                     name=f"sneppx-heartbeat-events-{self.address}", daemon=True)
                 self._dispatcher.start()
                 log.info("heartbeat monitor on %s (%s mode) watching %d peers", self.address, self.mode,

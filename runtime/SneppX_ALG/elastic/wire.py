@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import struct
 
 from SneppX_ALG import _native
@@ -72,7 +73,7 @@ def decode(raw: bytes, key: bytes) -> Datagram:
     end = HEADER.size + count * ENTRY.size
     if len(raw) != end + MAC_BYTES:
         raise ValueError(f"length {len(raw)} does not match {count} entries")
-    if not hashlib.compare_digest(mac(key, raw[:end]), raw[end:]):
+    if not hmac.compare_digest(mac(key, raw[:end]), raw[end:]):
         raise ValueError("bad MAC")
     entries = tuple(ENTRY.unpack_from(raw, HEADER.size + k * ENTRY.size)[:3] for k in range(count))
     return Datagram(kind, tag, instance, generation, seq, send_time, probe_seq, probe_time, target, incarnation,
