@@ -706,6 +706,7 @@ int sx_hb_create(const sx_hb_config *cfg, const uint32_t *addrs, const uint16_t 
         p->pub.addr = addrs[i];
         p->pub.port = ports[i];
         p->pub.last_seen_ns = p->pub.last_alive_ns = -1;
+        p->pub.state_since_ns = now_ns();
         size_t s = slot_of(hb, p->id);
         while (hb->table[s]) s = (s + 1) & hb->table_mask;
         hb->table[s] = (uint32_t)i + 1;

@@ -212,6 +212,7 @@ class HeartbeatMonitor:
         `indirect_probes` helpers, suspicions piggybacked `retransmits` times and confirmed after
         `suspicion_timeout`), so its traffic stays constant as the job grows.
     generation: membership generation (default SNEPPX_GENERATION or 0); datagrams of older ones are dropped.
+    environ: where the SNEPPX_* variables are read (default os.environ).
 
     start() starts the C thread (FaultToleranceManager.wait_for_quorum() calls it when needed); stop() ends it
     and frees the port; a monitor is not restarted (make a new one). Use it as a context manager to stop it.
@@ -251,7 +252,11 @@ class HeartbeatMonitor:
         self.interval, self.timeout = interval, timeout
         self.probe_timeout = probe_timeout if probe_timeout is not None else 0.4 * interval
         self.suspicion_timeout = suspicion_timeout if suspicion_timeout is not None else 4 * scale * interval
-        generation = int(env.get(ENV_GENERATION, 0)) if generation is None else generation
+        if generation is None:
+            try:
+                generation = int(env.get(ENV_GENERATION) or 0)
+            except ValueError:
+                raise errors.HeartbeatConfigError(f"{ENV_GENERATION}={env[ENV_GENERATION]!r} is not a number") from None
         self._native = _native.Heartbeat(
             bind_addr=bind_addr, bind_port=bind_port, peers=targets, key=mac_key, job_tag=job_tag(self.job_id),
             interval_ns=int(interval * 1e9), timeout_ns=int(timeout * 1e9),
@@ -308,8 +313,6 @@ class HeartbeatMonitor:
             dispatcher, self._dispatcher = self._dispatcher, None
         if dispatcher is not None and dispatcher is not threading.current_thread():
             dispatcher.join()
-
-    close = stop
 
     def __enter__(self) -> Self:
         return self.start()
