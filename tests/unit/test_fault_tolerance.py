@@ -13,7 +13,7 @@ import random
 import numpy as np
 import pytest
 
-from SneppX_ALG import CheckpointCoordinator, FaultToleranceManager, errors, signing
+from SneppX_ALG import CheckpointCoordinator, FaultToleranceManager, errors, generate_keypair
 from SneppX_ALG.elastic import fault_tolerance
 
 
@@ -124,7 +124,7 @@ def test_nothing_committed_is_a_fresh_start(tmp_path: pathlib.Path) -> None:
 
 
 def test_with_trusted_keys_an_unsigned_newer_step_is_rolled_back(tmp_path: pathlib.Path) -> None:
-    private, public = signing.generate_keypair()
+    private, public = generate_keypair()
     save(tmp_path, [1, 2], signing_key=private)
     save(tmp_path, [3])  # valid bytes, but nobody trusted signed them
     assert FaultToleranceManager().resume_point(tmp_path).step == 3
