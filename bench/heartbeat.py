@@ -275,7 +275,7 @@ def cpu_cost(key: bytes, interval: float, seconds: float) -> None:
         process.wait()
         healthy = len(hb.healthy_peers())
         hb.stop()
-        moved = (after["sent"] - before["sent"]) + (after["received"] - before["received"])
+        moved = (after.sent - before.sent) + (after.received - before.received)
         c_us = (cpu1 - cpu0) / 1e3 / max(1, moved)
         py_us = peer_report["cpu"] * 1e6 / max(1, peer_report["datagrams"] * 2)  # each handled one is sent too
         print(f"| {count} | {hb.mode} | {moved / wall:,.0f} | {(cpu1 - cpu0) / 1e9 / wall * 100:.3f}% | "
@@ -297,9 +297,9 @@ def throughput(key: bytes, seconds: float) -> None:
     after, cpu1, wall = hb.stats(), thread_cpu_ns(tid), time.monotonic() - t0
     process.wait()
     hb.stop()
-    accepted = after["accepted"] - before["accepted"]
-    received = after["received"] - before["received"]
-    dropped = sum(after["drops"].values()) - sum(before["drops"].values())
+    accepted = after.accepted - before.accepted
+    received = after.received - before.received
+    dropped = sum(after.drops.values()) - sum(before.drops.values())
     per = (cpu1 - cpu0) / 1e3 / max(1, received)
     print(f"\n### One monitor, 1,024 simulated peers ({hb.mode} mode), flooded with valid PINGs for {seconds:.0f} s\n")
     print("| offered (one Python sender) | received | accepted and answered | dropped by checks | lost in the "
@@ -324,9 +324,9 @@ def gossip(key: bytes, count: int, interval: float) -> None:
     while not all(len(hb.healthy_peers()) == count - 1 for hb in members):
         time.sleep(0.05)
     converged = time.monotonic() - t0
-    sent0, t1 = [hb.stats()["sent"] for hb in members], time.monotonic()
+    sent0, t1 = [hb.stats().sent for hb in members], time.monotonic()
     time.sleep(3)
-    per_interval = statistics.mean((hb.stats()["sent"] - s) for hb, s in zip(members, sent0, strict=True)) / (
+    per_interval = statistics.mean((hb.stats().sent - s) for hb, s in zip(members, sent0, strict=True)) / (
         (time.monotonic() - t1) / interval)
     streams = [hb.watch() for hb in members[1:]]
     members[0].stop()
@@ -360,7 +360,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=10, help="measurement window of cpu and throughput")
     args = parser.parse_args(argv)
     if args.role:
-        {"fork-server": fork_server, "peers": peers_process}[args.role[0]](*args.role[1:])
+        role, *role_args = args.role
+        if role == "fork-server":
+            fork_server(*role_args)
+        else:
+            peers_process(*role_args)
         return
     logging.getLogger("SneppX_ALG").setLevel(logging.ERROR)  # the victims' suspicions are the point here
     key = secrets.token_bytes(32)

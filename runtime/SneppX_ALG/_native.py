@@ -295,13 +295,15 @@ def _pointer(data: Any, *, writable: bool) -> tuple[Any, int | None]:
 
 # ---- heartbeats (heartbeat.c, blake2s.c) and the node lifecycle (elastic.c) -------------------------------
 
-HB_DROP_REASONS = tuple(ffi.string(lib.sx_hb_drop_name(i)).decode() for i in range(lib.SX_HB_NDROPS))
+HB_DROP_REASONS: tuple[str, ...] = tuple(ffi.string(lib.sx_hb_drop_name(i)).decode() for i in range(lib.SX_HB_NDROPS))
 HB_STATES = {lib.SX_HB_UNKNOWN: "unknown", lib.SX_HB_HEALTHY: "healthy", lib.SX_HB_SUSPECTED: "suspected",
              lib.SX_HB_CONFIRMED: "confirmed"}
 HB_EVENTS = {lib.SX_HB_EVENT_HEALTHY: "healthy", lib.SX_HB_EVENT_SUSPECTED: "suspected",
              lib.SX_HB_EVENT_CONFIRMED: "confirmed", lib.SX_HB_EVENT_RESTARTED: "restarted"}
 HB_MODES = {lib.SX_HB_DIRECT: "direct", lib.SX_HB_GOSSIP: "gossip"}
 HB_KEY_BYTES = lib.SX_HB_KEY_BYTES
+HB_HEADER_BYTES = lib.SX_HB_HEADER_BYTES
+HB_MAX_DATAGRAM = lib.SX_HB_MAX_DATAGRAM
 _HB_PEER_FIELDS = ("addr", "port", "state_since_ns", "last_seen_ns", "last_alive_ns", "rtt_ns", "rtt_var_ns",
                    "probes_sent", "acks_received", "pings_received", "accepted", "suspicions", "instance",
                    "restarts", "incarnation")
@@ -404,8 +406,8 @@ class Heartbeat:
                  "generation": int(e.generation)} for e in (out[i] for i in range(count[0]))]
 
 
-LIFECYCLE_STATES = tuple(ffi.string(lib.sx_elastic_state_name(i)).decode() for i in range(lib.SX_EL_NSTATES))
-LIFECYCLE_EVENTS = tuple(ffi.string(lib.sx_elastic_event_name(i)).decode() for i in range(lib.SX_EL_NEVENTS))
+LIFECYCLE_STATES: tuple[str, ...] = tuple(ffi.string(lib.sx_elastic_state_name(i)).decode() for i in range(lib.SX_EL_NSTATES))
+LIFECYCLE_EVENTS: tuple[str, ...] = tuple(ffi.string(lib.sx_elastic_event_name(i)).decode() for i in range(lib.SX_EL_NEVENTS))
 
 
 def lifecycle_new() -> Any:

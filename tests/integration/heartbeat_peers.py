@@ -166,7 +166,7 @@ def main() -> None:
     for line in sys.stdin:
         words = line.split()
         if words == ["status"]:
-            emit({"status": {p: dataclasses.asdict(s) for p, s in hb.status().items()}, "stats": hb.stats()})
+            emit({"status": {p: dataclasses.asdict(s) for p, s in hb.status().items()}, "stats": dataclasses.asdict(hb.stats())})
         elif words[:1] == ["gil"]:
             emit({"gil_spins": _hold_the_gil(float(words[1]))})
         elif words == ["quit"]:

@@ -49,11 +49,11 @@ def test_gossip_detects_a_dead_member_everywhere_with_bounded_traffic(members: l
     assert wait_until(lambda: all(len(hb.healthy_peers()) == N - 1 for hb in members), 60), \
         [len(hb.healthy_peers()) for hb in members]
 
-    sent_before = [hb.stats()["sent"] for hb in members]
+    sent_before = [hb.stats().sent for hb in members]
     started = time.monotonic()
     time.sleep(2.0)
     rounds = (time.monotonic() - started) / INTERVAL
-    per_interval = [(hb.stats()["sent"] - s) / rounds for hb, s in zip(members, sent_before, strict=True)]
+    per_interval = [(hb.stats().sent - s) / rounds for hb, s in zip(members, sent_before, strict=True)]
     # one probe, about one answer, a few relays and indirect probes: far below direct mode's 2(N-1)
     assert sum(per_interval) / N < 6, per_interval
 
@@ -89,7 +89,7 @@ def test_a_member_unreachable_directly_is_kept_alive_by_indirect_probes() -> Non
         time.sleep(40 * INTERVAL)  # the origin probes the target directly about every 5 intervals
         view = monitors[0].status()[target]
         assert view.state == "healthy" and view.suspicions == 0 and view.acks_received == 0, view
-        assert sum(hb.stats()["relayed"] for hb in monitors[2:]) > 0
+        assert sum(hb.stats().relayed for hb in monitors[2:]) > 0
         assert monitors[1].drops()["unknown_sender"] > 0  # it really never answered the origin itself
     finally:
         for hb in monitors:

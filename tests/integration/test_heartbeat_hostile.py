@@ -82,9 +82,9 @@ def setup() -> Iterator[Setup]:
     stranger.close()
 
 
-def wait_received(monitor: HeartbeatMonitor, count: int) -> dict[str, object]:
+def wait_received(monitor: HeartbeatMonitor, count: int) -> heartbeat.MonitorStats:
     deadline = time.monotonic() + 20
-    while (stats := monitor.stats())["received"] < count and time.monotonic() < deadline:
+    while (stats := monitor.stats()).received < count and time.monotonic() < deadline:
         time.sleep(0.01)
     return stats
 
@@ -115,7 +115,7 @@ def test_hostile_datagrams_are_dropped_and_counted_by_reason(setup: Setup) -> No
     delayed = [wire.encode(setup.datagram(wire.PING), KEY) for _ in range(2)]  # held back by "the network"
     setup.send(wire.encode(setup.datagram(wire.PING), KEY))                  # ...while a newer one gets through
     stats = wait_received(hb, 3)
-    assert stats["accepted"] == 3 and hb.healthy_peers() == hb.peers
+    assert stats.accepted == 3 and hb.healthy_peers() == hb.peers
 
     valid = wire.encode(setup.datagram(wire.PING), KEY)  # never sent whole
     hostile: list[tuple[str, bytes, socket.socket | None]] = [
@@ -151,9 +151,9 @@ def test_hostile_datagrams_are_dropped_and_counted_by_reason(setup: Setup) -> No
     before = hb.stats()
     for _, raw, sock in hostile:
         setup.send(raw, sock)
-    after = wait_received(hb, before["received"] + len(hostile))
-    assert after["accepted"] == before["accepted"], "a hostile datagram was accepted"
-    dropped = {r: after["drops"][r] - before["drops"][r] for r in after["drops"]}
+    after = wait_received(hb, before.received + len(hostile))
+    assert after.accepted == before.accepted, "a hostile datagram was accepted"
+    dropped = {r: after.drops[r] - before.drops[r] for r in after.drops}
     expected = Counter(reason for reason, _, _ in hostile)
     assert {r: n for r, n in dropped.items() if n} == dict(expected)
 
@@ -173,9 +173,9 @@ def test_bit_flipped_and_random_datagrams_never_get_in_or_stall_the_thread(setup
         setup.send(bytes(raw))
         if i % 200 == 0:
             time.sleep(0.005)  # let the monitor drain; a full socket buffer would drop, not test
-    after = wait_received(hb, before["received"] + count)
-    assert after["received"] - before["received"] == count
-    assert after["accepted"] == before["accepted"]
+    after = wait_received(hb, before.received + count)
+    assert after.received - before.received == count
+    assert after.accepted == before.accepted
     # still alive and answering
     setup.send(wire.encode(setup.datagram(wire.PING), KEY))
     ack, _ = setup.receive(wire.ACK)

@@ -163,6 +163,25 @@ class PeerStatus:
 
 
 @dataclasses.dataclass(frozen=True)
+class MonitorStats:
+    """Counters of a whole monitor since it was made."""
+
+    mode: str                  # "direct" or "gossip"
+    port: int
+    instance: int              # this process's random id, as peers see it
+    incarnation: int           # gossip mode: raised each time this monitor refuted a suspicion of itself
+    generation: int
+    sent: int
+    send_errors: int           # datagrams the kernel refused to send (a full buffer): lost like any other
+    received: int
+    accepted: int
+    relayed: int               # gossip mode: indirect probes answered for other members
+    stalls: int                # times this monitor's own thread was not scheduled for over two intervals
+    events: int                # membership events so far
+    drops: dict[str, int]      # datagrams dropped, by reason (docs/ELASTIC.md)
+
+
+@dataclasses.dataclass(frozen=True)
 class MembershipEvent:
     """A change in a peer's state. kind: "healthy" (first heard, or back), "suspected", "confirmed" (gossip mode:
     the suspicion was not refuted in time) or "restarted" (its datagrams come from a new process). time is
@@ -348,14 +367,13 @@ class HeartbeatMonitor:
         """Peers suspected (or, in gossip mode, confirmed) to have failed."""
         return [name for name, s in self.status().items() if s.state in ("suspected", "confirmed")]
 
-    def stats(self) -> dict[str, object]:
-        """Monitor-wide counters: datagrams sent, received, accepted, dropped by reason (`drops`), mode..."""
-        return self._native.stats()
+    def stats(self) -> MonitorStats:
+        """Monitor-wide counters: datagrams sent, received, accepted, dropped by reason, stalls..."""
+        return MonitorStats(**self._native.stats())
 
     def drops(self) -> dict[str, int]:
         """Datagrams dropped, by reason (truncated, bad_mac, replay, ... see docs/ELASTIC.md)."""
-        drops: dict[str, int] = self._native.stats()["drops"]
-        return drops
+        return self.stats().drops
 
     @property
     def generation(self) -> int:

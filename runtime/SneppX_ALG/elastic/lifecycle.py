@@ -32,7 +32,7 @@ class Lifecycle:
 
     @property
     def state(self) -> str:
-        return STATES[self._machine.state]
+        return STATES[int(self._machine.state)]
 
     @property
     def generation(self) -> int:

@@ -25,7 +25,7 @@ ENTRY = struct.Struct("<QQII")                 # member id, incarnation, state, 
 MAC_BYTES = 16
 MAX_ENTRIES = 8
 MAX_DATAGRAM = HEADER.size + MAX_ENTRIES * ENTRY.size + MAC_BYTES
-assert HEADER.size == _native.lib.SX_HB_HEADER_BYTES and MAX_DATAGRAM == _native.lib.SX_HB_MAX_DATAGRAM
+assert HEADER.size == _native.HB_HEADER_BYTES and MAX_DATAGRAM == _native.HB_MAX_DATAGRAM  # the C side agrees
 
 
 def member_id(addr: int, port: int) -> int:
