@@ -196,3 +196,16 @@ class JobSpecError(SneppXError, ValueError):
 
 class OperatorConfigError(SneppXError, ValueError):
     """The operator's own configuration (environment, command line) is invalid."""
+
+
+# --- several processes on one checkpoint root: writers, readers, commits ------
+
+
+class CommitUnknownError(StorageError):
+    """A commit's outcome could not be learned: the conditional PUT of the step's marker (or manifest) got no
+    clear answer and reading it back failed too. The step may or may not be committed; nothing was deleted
+    (cleanup removes the parts later if no marker appears)."""
+
+
+class ReadOnlyCoordinatorError(SneppXError, RuntimeError):
+    """save() on a CheckpointCoordinator opened with read_only=True (a reader: an evaluator, a tool)."""
