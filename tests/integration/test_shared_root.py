@@ -8,7 +8,9 @@ the first is paused.
 
 from __future__ import annotations
 
+import datetime
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +22,7 @@ import numpy as np
 import pytest
 
 from SneppX_ALG import CheckpointCoordinator, errors, storage
+from SneppX_ALG.coordinator import plan
 from SneppX_ALG.storage import lease
 
 MiB = 1 << 20
@@ -250,11 +253,29 @@ def test_an_s3_commit_fails_when_a_part_vanished_before_the_marker(s3_bucket, s3
     assert_restores(root, 1, s3_client=client)
 
 
-def test_two_writers_past_the_pre_check_race_and_exactly_one_commits(s3_bucket, s3_env) -> None:
-    """Both writers of step 7 pass the "is it committed?" check and upload their shard before either creates
-    the step's manifest (a barrier in a botocore hook holds each at that PUT): only If-None-Match decides.
-    The tensors are the same (so whichever shard upload landed last, the winner's parts check passes) and the
-    training states differ, so the committed step shows who won."""
+class FixedClock:
+    """Stands in for the `datetime` module in coordinator.plan: every manifest gets the same creation time."""
+
+    UTC = datetime.UTC
+
+    class datetime:  # noqa: N801 - the name plan.py calls
+        @staticmethod
+        def now(tz: datetime.tzinfo | None = None) -> datetime.datetime:
+            return datetime.datetime(2030, 1, 1, tzinfo=tz)
+
+
+@pytest.mark.parametrize("decided_by", ["manifest.json", "COMMITTED"])
+def test_two_writers_past_the_pre_check_race_and_exactly_one_commits(s3_bucket, s3_env, monkeypatch,
+                                                                     decided_by) -> None:
+    """Both writers of step 7 pass the "is it committed?" check and upload the shard, then a barrier in a botocore
+    hook holds each at the PUT of `decided_by` until both are there: only If-None-Match decides.
+
+    manifest.json: the first conditional PUT of a step, so the usual race. The training states differ, so the
+    committed step shows who won; the tensors are the same, so whichever shard upload landed last, the winner's
+    parts check passes. COMMITTED: the manifests are made identical (a fixed clock, the same training state), so
+    each writer finds its own bytes at manifest.json and both reach the marker, whose record names the winner."""
+    if decided_by == "COMMITTED":
+        monkeypatch.setattr(plan, "datetime", FixedClock)
     root = f"s3://{s3_bucket}/race"
     barrier = threading.Barrier(2, timeout=120)
     coords = {}
@@ -262,10 +283,11 @@ def test_two_writers_past_the_pre_check_race_and_exactly_one_commits(s3_bucket, 
         client = s3_env.client()
         client.meta.events.register(
             "before-parameter-build.s3.PutObject",
-            lambda params, **_: barrier.wait() if params["Key"].endswith("/manifest.json") else None)
+            lambda params, **_: barrier.wait() if params["Key"].endswith("/" + decided_by) else None)
         coords[name] = CheckpointCoordinator(root, s3_client=client, cleanup_on_start=False)
     for name, coord in coords.items():
-        coord.save(state_for(7), step=7, training_state={"writer": name})
+        state = {"writer": name} if decided_by == "manifest.json" else {"writer": "either"}
+        coord.save(state_for(7), step=7, training_state=state)
     outcomes = {}
     for name, coord in coords.items():
         try:
@@ -278,5 +300,9 @@ def test_two_writers_past_the_pre_check_race_and_exactly_one_commits(s3_bucket, 
     reader = CheckpointCoordinator(root, s3_client=s3_env.client(), read_only=True)
     assert reader.validate(7) == []
     got = {"w": None, "emb": None}
-    assert reader.restore(got).training_state == {"writer": winner}
+    info = reader.restore(got)
     assert got["emb"].tobytes() == state_for(7)["emb"].tobytes()
+    if decided_by == "manifest.json":
+        assert info.training_state == {"writer": winner}
+    marker = s3_env.client().get_object(Bucket=s3_bucket, Key="race/step-000000007/COMMITTED")["Body"].read()
+    assert json.loads(marker)["writer"] == coords[winner].storage.lease.writer
