@@ -11,7 +11,15 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from SneppX_ALG import CheckpointCoordinator, Transformer, _native, coordinator, errors, storage, validate_checkpoint
+from SneppX_ALG import (
+    CheckpointCoordinator,
+    Transformer,
+    _native,
+    coordinator,
+    errors,
+    storage,
+    validate_checkpoint,
+)
 
 MiB = 1 << 20
 

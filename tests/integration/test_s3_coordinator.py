@@ -173,7 +173,7 @@ def test_only_the_files_a_manifest_names_are_fetched(s3_bucket, s3_env) -> None:
     assert got["emb"].tobytes() == state_for(1)["emb"].tobytes()
 
 
-# ---- a root owns only its own keys --------------------------------------------------------------------------------
+# ---- a root owns only its own keys ---------------------------------------------------------------------------
 
 
 def uploads(client, bucket: str) -> list[str]:
@@ -186,7 +186,8 @@ def test_cleanup_retention_and_deletes_stay_inside_the_prefix(s3_bucket, s3_env)
     client = s3_env.client()
     theirs = ["jobs/ab/step-000000001/COMMITTED", "jobs/ab/step-000000001/manifest.json",
               "jobs/ab/step-000000001/shard-00000.snpx", "jobs/ab/step-000000002/shard-00000.snpx",
-              "jobs/a-b/step-000000003/manifest.json", "jobs/a.lease-feedfacecafebeef", "jobs/astep-000000001/x"]
+              "jobs/a-b/step-000000003/manifest.json", "jobs/a.lease-feedfacecafebeef",
+              "jobs/astep-000000001/x"]
     for key in theirs:
         client.put_object(Bucket=s3_bucket, Key=key, Body=b"another job's")
     client.create_multipart_upload(Bucket=s3_bucket, Key="jobs/ab/step-000000004/shard-00000.snpx")
@@ -210,21 +211,22 @@ def test_a_bucket_root_owns_only_the_step_keys_at_the_top_of_the_bucket(s3_bucke
         client.put_object(Bucket=s3_bucket, Key=key, Body=b"not this root's")
     for key in ("jobs/x/step-000000002/shard-00000.snpx", "big-upload.bin"):
         client.create_multipart_upload(Bucket=s3_bucket, Key=key)
-    client.create_multipart_upload(Bucket=s3_bucket, Key="step-000000009/shard-00000.snpx")  # a crashed save's
+    client.create_multipart_upload(Bucket=s3_bucket, Key="step-000000009/shard-00000.snpx")  # a crashed save
     with CheckpointCoordinator(f"s3://{s3_bucket}", s3_client=client, max_to_keep=1) as coord:
         for step in (1, 2):
             coord.save(state_for(step), step=step)
         coord.wait()
-        assert coord.committed_steps() == [2] and coord.latest().location == f"s3://{s3_bucket}/step-000000002"
+        assert coord.committed_steps() == [2]
+        assert coord.latest().location == f"s3://{s3_bucket}/step-000000002"
     assert [k for k in keys(client, s3_bucket) if not k.startswith("step-000000002/")] == sorted(theirs)
     assert uploads(client, s3_bucket) == ["big-upload.bin", "jobs/x/step-000000002/shard-00000.snpx"]
 
 
-# ---- the commit marker: ambiguous answers, and what it vouches for ------------------------------------------------
+# ---- the commit marker: ambiguous answers, and what it vouches for -------------------------------------------
 
 
 def on_marker_put(client, event: str, handler) -> None:
-    """Calls handler(**kwargs) for the PUT of a COMMITTED marker only (`event`: a botocore event of PutObject)."""
+    """Calls handler(**kwargs) for the PUT of a COMMITTED marker only (`event`: a PutObject botocore event)."""
     client.meta.events.register("before-parameter-build.s3.PutObject",
                                 lambda params, context, **_: context.update(test_key=params["Key"]))
     client.meta.events.register(event, lambda context, **kw: handler(context=context, **kw)
@@ -251,7 +253,8 @@ def test_a_marker_put_whose_answer_is_lost_after_the_server_applied_it_is_a_comm
         assert lost and coord.committed_steps() == [1] and coord.validate(1) == []
 
 
-def test_a_marker_put_retried_after_the_server_applied_it_is_a_commit_not_a_lost_race(s3_bucket, s3_env) -> None:
+def test_a_marker_put_retried_after_the_server_applied_it_is_a_commit_not_a_lost_race(s3_bucket,
+                                                                                      s3_env) -> None:
     """botocore retries a PUT whose answer it didn't get; the retry meets the writer's own marker (412). The
     writer reads it back: its own, so committed, not `CheckpointExistsError`."""
     client = s3_env.client()
@@ -332,8 +335,8 @@ def test_a_manifest_replaced_after_the_commit_fails_against_the_marker(s3_bucket
     manifest["training_state"] = {"pos": 999}
     client.put_object(Bucket=s3_bucket, Key=key, Body=manifest_codec.encode_manifest(manifest))
     marker = json.loads(client.get_object(Bucket=s3_bucket, Key="m/step-000000002/COMMITTED")["Body"].read())
-    assert marker["format"] == "sneppx.commit" and marker["step"] == 2 and set(marker["manifest"]) == {"size",
-                                                                                                       "crc32c"}
+    assert marker["format"] == "sneppx.commit" and marker["step"] == 2
+    assert set(marker["manifest"]) == {"size", "crc32c"}
     reader = CheckpointCoordinator(root, s3_client=client, read_only=True)
     assert reader.latest().training_state == {"pos": 1}
     assert [s.step for s in reader.skipped] == [2] and "COMMITTED" in reader.skipped[0].problems[0]

@@ -82,7 +82,8 @@ SECOND = textwrap.dedent("""
     import sys
     from SneppX_ALG import CheckpointCoordinator, storage
     root, endpoint = sys.argv[1:3]
-    coord = CheckpointCoordinator(root, s3_client=storage.make_s3_client(endpoint_url=endpoint) if endpoint else None)
+    client = storage.make_s3_client(endpoint_url=endpoint) if endpoint else None
+    coord = CheckpointCoordinator(root, s3_client=client)
     print(coord.latest().step, flush=True)
 """)
 
@@ -90,7 +91,8 @@ SECOND = textwrap.dedent("""
 def start_paused_writer(root: str, endpoint: str = "", pause_at: str = "") -> subprocess.Popen[bytes]:
     writer = subprocess.Popen([sys.executable, "-c", WRITER, root, endpoint, pause_at], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE)
-    assert writer.stdout is not None and writer.stdout.readline().strip() == b"paused", "the writer never paused"
+    assert writer.stdout is not None
+    assert writer.stdout.readline().strip() == b"paused", "the writer never paused"
     return writer
 
 
@@ -107,7 +109,7 @@ def open_second_coordinator(root: str, endpoint: str = "") -> int:
     return int(done.stdout)
 
 
-# ---- a local root ----------------------------------------------------------------------------------------------
+# ---- a local root ------------------------------------------------------------------------------------------
 
 
 def test_a_second_coordinator_on_a_local_root_leaves_a_save_in_flight_alone(tmp_path) -> None:
@@ -174,10 +176,11 @@ def test_a_local_commit_fails_when_a_part_was_removed_under_it(tmp_path, monkeyp
     assert_restores(str(tmp_path), 1)
 
 
-# ---- an S3 root ------------------------------------------------------------------------------------------------
+# ---- an S3 root --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pause_at", ["UploadPart", "PutObject"])  # mid multipart upload; shard up, no manifest
+# Paused mid multipart upload, or with the shard up and no manifest yet.
+@pytest.mark.parametrize("pause_at", ["UploadPart", "PutObject"])
 def test_a_second_process_starting_mid_upload_removes_nothing_of_it(s3_bucket, s3_env, pause_at) -> None:
     client = s3_env.client()
     root = f"s3://{s3_bucket}/shared"
@@ -197,11 +200,11 @@ def test_a_second_process_starting_mid_upload_removes_nothing_of_it(s3_bucket, s
     assert writer.returncode == 0 and out.strip() == b"saved"
     assert_restores(root, 2, s3_client=client)
     assert store.incomplete_uploads() == []
-    assert not [o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket)["Contents"] if "/.lease-" in o["Key"]]
+    assert not [o for o in client.list_objects_v2(Bucket=s3_bucket)["Contents"] if "/.lease-" in o["Key"]]
 
 
 def test_s3_leftovers_of_a_writer_on_another_machine_stay_until_its_lease_expires(s3_bucket, s3_env) -> None:
-    """Its lease object claims the step; age is the object's Last-Modified against the server's Date header."""
+    """Its lease object claims the step; age is the object's Last-Modified against the server's Date."""
     client = s3_env.client()
     root = f"s3://{s3_bucket}/far"
     store = storage.S3Storage(root, client=client)
@@ -210,9 +213,10 @@ def test_s3_leftovers_of_a_writer_on_another_machine_stay_until_its_lease_expire
     upload_id = client.create_multipart_upload(Bucket=s3_bucket, Key=key)["UploadId"]
 
     def put_lease(expiry_s: float) -> None:
-        record = (f'{{"format": "sneppx.lease", "writer": "feedfacecafebeef", "host": "0123456789ab", "pid": 4242, '
-                  f'"pid_start": 99, "steps": [5], "expiry_s": {expiry_s}}}')
-        client.put_object(Bucket=s3_bucket, Key="far/.lease-feedfacecafebeef", Body=record.encode())
+        record = {"format": "sneppx.lease", "writer": "feedfacecafebeef", "host": "0123456789ab", "pid": 4242,
+                  "pid_start": 99, "steps": [5], "expiry_s": expiry_s}
+        body = json.dumps(record).encode()
+        client.put_object(Bucket=s3_bucket, Key="far/.lease-feedfacecafebeef", Body=body)
 
     put_lease(600)
     assert store.cleanup() == []
@@ -226,8 +230,8 @@ def test_s3_leftovers_of_a_writer_on_another_machine_stay_until_its_lease_expire
 
 
 def test_an_s3_commit_fails_when_a_part_vanished_before_the_marker(s3_bucket, s3_env) -> None:
-    """What a cleanup that wrongly judged this writer gone would do: delete the shard object before the marker.
-    The commit must fail, not put a marker over a step without its shard."""
+    """What a cleanup that wrongly judged this writer gone would do: delete the shard object before the
+    marker. The commit must fail, not put a marker over a step without its shard."""
     client = s3_env.client()
     root = f"s3://{s3_bucket}/gone"
     shard = "gone/step-000000002/shard-00000.snpx"
@@ -258,7 +262,7 @@ class FixedClock:
 
     UTC = datetime.UTC
 
-    class datetime:  # noqa: N801 - the name plan.py calls
+    class datetime:
         @staticmethod
         def now(tz: datetime.tzinfo | None = None) -> datetime.datetime:
             return datetime.datetime(2030, 1, 1, tzinfo=tz)
@@ -267,13 +271,14 @@ class FixedClock:
 @pytest.mark.parametrize("decided_by", ["manifest.json", "COMMITTED"])
 def test_two_writers_past_the_pre_check_race_and_exactly_one_commits(s3_bucket, s3_env, monkeypatch,
                                                                      decided_by) -> None:
-    """Both writers of step 7 pass the "is it committed?" check and upload the shard, then a barrier in a botocore
-    hook holds each at the PUT of `decided_by` until both are there: only If-None-Match decides.
+    """Both writers of step 7 pass the "is it committed?" check and upload the shard, then a barrier in a
+    botocore hook holds each at the PUT of `decided_by` until both are there: only If-None-Match decides.
 
     manifest.json: the first conditional PUT of a step, so the usual race. The training states differ, so the
-    committed step shows who won; the tensors are the same, so whichever shard upload landed last, the winner's
-    parts check passes. COMMITTED: the manifests are made identical (a fixed clock, the same training state), so
-    each writer finds its own bytes at manifest.json and both reach the marker, whose record names the winner."""
+    committed step shows who won; the tensors are the same, so whichever shard upload landed last, the
+    winner's parts check passes. COMMITTED: the manifests are made identical (a fixed clock, the same training
+    state), so each writer finds its own bytes at manifest.json and both reach the marker, whose record names
+    the winner."""
     if decided_by == "COMMITTED":
         monkeypatch.setattr(plan, "datetime", FixedClock)
     root = f"s3://{s3_bucket}/race"

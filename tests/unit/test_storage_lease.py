@@ -60,7 +60,8 @@ def test_this_process_knows_its_own_writers_whatever_a_claim_says() -> None:
 def test_the_heartbeat_refreshes_while_a_step_is_in_flight_and_stops_after() -> None:
     beats = threading.Semaphore(0)
     withdrawn = threading.Event()
-    writer = lease.WriterLease(publish=lambda: None, refresh=beats.release, withdraw=withdrawn.set, expiry_s=0.5)
+    writer = lease.WriterLease(publish=lambda: None, refresh=beats.release, withdraw=withdrawn.set,
+                               expiry_s=0.5)
     writer.hold(1)
     writer.hold(2)
     for _ in range(3):

@@ -4,10 +4,10 @@ Why here and not in the coordinator: a step directory is a multi-file checkpoint
 "Multi-file checkpoints"), and validating one needs the manifest's rules; the coordinator only builds
 the manifest's contents.
 
-Integrity: a manifest carries `"checksum": "crc32c:<8 hex>"`, the CRC32C of its canonical encoding without that
-key, and its bytes must be that canonical encoding, so every byte of it is covered whether the step is signed or
-not (docs/FORMAT.md, "The manifest checksum"). Version 1 manifests, written before the checksum existed, are still
-read, with no checksum to check.
+Integrity: a manifest carries `"checksum": "crc32c:<8 hex>"`, the CRC32C of its canonical encoding without
+that key, and its bytes must be that canonical encoding, so every byte of it is covered whether the step is
+signed or not (docs/FORMAT.md, "Step manifests: the checksum"). Version 1 manifests, written before the
+checksum existed, are still read, with no checksum to check.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def decode_manifest(raw: bytes, *, step: int, where: str) -> dict[str, Any]:
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
         raise bad("not a SneppX manifest")
     if m.get("version") not in (1, MANIFEST_VERSION):
-        raise bad(f"manifest version {m.get('version')!r} is not supported (this reader: 1 to {MANIFEST_VERSION})")
+        raise bad(f"manifest version {m.get('version')!r} is not supported (this reader: 1 to "
+                  f"{MANIFEST_VERSION})")
     if m.get("step") != step:
         raise bad(f"manifest says step {m.get('step')!r}, the directory says {step}")
     shards = m.get("shards")

@@ -99,7 +99,7 @@ def check_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None = No
         if problem is not None:
             return None, [problem]
     try:
-        with open(storage.fetched_marker_path(local), "rb") as f:  # S3 steps: the marker, fetched next to them
+        with open(storage.fetched_marker_path(local), "rb") as f:  # S3 steps: the marker, next to them
             problem = storage.marker_problem(f.read(storage.MAX_MANIFEST_BYTES + 1), raw, step)
     except FileNotFoundError:
         problem = None

@@ -27,15 +27,15 @@ Commit points:
   first writer of a step owns it, so a late second writer can't replace a committed step's manifest), then
   `manifest.sig` (if any); every uploaded object is checked on the server (size and ETag), then `COMMITTED` is
   created with `If-None-Match: *`, so two writers can never both commit a step. The marker is a small record
-  naming its writer and the manifest's size and CRC32C (docs/FORMAT.md, "The commit marker"): readers check
-  the manifest against it, and a writer whose PUT got no clear answer (timeout, reset, 5xx, or a 412 on the
-  retry of its own applied PUT) reads the marker back to learn whether it committed. Deletion removes the
-  marker first. Reading a step fetches only the files its manifest names (manifest, signature, shards),
-  whatever else the prefix holds.
+  naming its writer and the manifest's size and CRC32C (docs/FORMAT.md, "S3 steps: the commit marker"):
+  readers check the manifest against it, and a writer whose PUT got no clear answer (timeout, reset, 5xx, or a
+  412 on the retry of its own applied PUT) reads the marker back to learn whether it committed. Deletion
+  removes the marker first. Reading a step fetches only the files its manifest names (manifest, signature,
+  shards), whatever else the prefix holds.
 
 Several processes on one root (storage/lease.py): a writer claims each step it writes before writing any of it
-(locally the temporary directory, named for its owner; on S3 a lease object per writer) and refreshes the claim
-while the step is in flight, and `cleanup()` removes only leftovers no live claim covers: those of dead
+(locally the temporary directory, named for its owner; on S3 a lease object per writer) and refreshes the
+claim while the step is in flight, and `cleanup()` removes only leftovers no live claim covers: those of dead
 processes on this machine at once, those of other machines after LEASE_EXPIRY_S (10 minutes) without a sign of
 life. A commit checks that every part it wrote is still there first, so a writer whose claim expired under it
 (stalled for ten minutes) fails instead of committing a step with parts missing. Readers never clean up
@@ -43,9 +43,10 @@ life. A commit checks that every part it wrote is still there first, so a writer
 
 What is still assumed on S3: one writer per *step*. Two writers saving the same step upload its shards to the
 same keys: at most one commits, and a step whose shards the other replaced fails validation (never loads mixed
-bytes), but that step is then lost. (Locally each writer has its own directory and the rename decides.) Every listing is confined to the root
-(`prefix + "/"`): `s3://bkt/jobs/a` never touches `jobs/ab/...`, and a bucket root `s3://bkt` owns only the
-`step-*/` and `.lease-*` keys at the top of the bucket (two jobs in one bucket need two prefixes).
+bytes), but that step is then lost. (Locally each writer has its own directory and the rename decides.) Every
+listing is confined to the root (`prefix + "/"`): `s3://bkt/jobs/a` never touches `jobs/ab/...`, and a bucket
+root `s3://bkt` owns only the `step-*/` and `.lease-*` keys at the top of the bucket (two jobs in one bucket
+need two prefixes).
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ def fetched_marker_path(step_dir: str) -> str:
 def commit_record(step: int, writer: str, manifest: bytes) -> bytes:
     """The body of an S3 step's `COMMITTED` marker: which writer committed which manifest.json (its size and
     CRC32C), so that a reader can check the manifest is the one committed and a writer can recognise its own
-    marker when the answer to its PUT was lost (docs/FORMAT.md, "The commit marker")."""
+    marker when the answer to its PUT was lost (docs/FORMAT.md, "S3 steps: the commit marker")."""
     return json.dumps({"format": COMMIT_FORMAT, "step": step, "writer": writer,
                        "manifest": _manifest_id(manifest)}, sort_keys=True, separators=(",", ":")).encode()
 

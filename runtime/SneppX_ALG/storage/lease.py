@@ -2,9 +2,9 @@
 
 Why: a save builds its step under names nobody reads (a `.tmp-step-*` directory, or S3 objects without a
 `COMMITTED` marker), and `cleanup()` removes such leftovers of crashed saves. Without knowing whether their
-writer is alive, a second coordinator (or an evaluator) opening the root mid-save would remove a save in flight.
-So every writer makes a claim on each step it writes before it writes anything of it, shows signs of life while
-the step is in flight, and withdraws the claim once the step is committed or aborted:
+writer is alive, a second coordinator (or an evaluator) opening the root mid-save would remove a save in
+flight. So every writer makes a claim on each step it writes before it writes anything of it, shows signs of
+life while the step is in flight, and withdraws the claim once the step is committed or aborted:
 
 * local root: the temporary directory is the claim. Its name says who owns it
   (`.tmp-step-<step>-<writer>-<host>-<pid>-<pid start>`), `mkdir` creates it whole, and the writer touches it
@@ -20,12 +20,13 @@ A claim stands (`still_writing`) when:
   fresh;
 * else (another machine sharing the root): it is fresh, i.e. its last sign of life is younger than the expiry.
 
-Why a heartbeat rather than an age threshold on the leftovers: a save's length has no useful bound (a large model
-on a slow bucket takes as long as it takes), while a writer that refreshes every `expiry / 10` (LEASE_EXPIRY_S is
-10 minutes, so once a minute) only loses its claim by being unable to touch the root for ten minutes. Such a
-stalled writer finds out at its commit, which checks that every part it wrote is still there and fails rather
-than commit a step with parts missing. Ages are measured on the clock of whatever keeps the root (a file's mtime
-against this host's clock: hosts sharing a file system must agree within minutes; on S3, the server's own).
+Why a heartbeat rather than an age threshold on the leftovers: a save's length has no useful bound (a large
+model on a slow bucket takes as long as it takes), while a writer that refreshes every `expiry / 10`
+(LEASE_EXPIRY_S is 10 minutes, so once a minute) only loses its claim by being unable to touch the root for
+ten minutes. Such a stalled writer finds out at its commit, which checks that every part it wrote is still
+there and fails rather than commit a step with parts missing. Ages are measured on the clock of whatever keeps
+the root (a file's mtime against this host's clock: hosts sharing a file system must agree within minutes; on
+S3, the server's own).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def held_here(writer: str) -> frozenset[int]:
 @functools.cache
 def this_host() -> str:
     """12 hex digits naming the kernel boot and pid namespace this process runs in: processes with the same
-    value can check each other's pids. "" where /proc can't tell (claims of others then expire by age only)."""
+    value can check each other's pids. "" where /proc can't tell (claims of others then expire by age
+    only)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -137,14 +139,14 @@ def is_this_process(owner: Owner) -> bool:
 class WriterLease:
     """This writer's claims on the steps it has in flight under one root.
 
-    `hold(step)` makes the claim before anything of the step is written (a cleaner that sees a part of the step
-    then sees the claim) and starts a thread that calls `refresh()` every `expiry_s / 10`; `release(step)`
-    withdraws it once the step is committed or aborted. `publish()`, `refresh()` and `withdraw()` are the
-    backend's (see the module docstring): each is called with the lease's lock held.
+    `hold(step)` makes the claim before anything of the step is written (a cleaner that sees a part of the
+    step then sees the claim) and starts a thread that calls `refresh()` every `expiry_s / 10`;
+    `release(step)` withdraws it once the step is committed or aborted. `publish()`, `refresh()` and
+    `withdraw()` are the backend's (see the module docstring): each is called with the lease's lock held.
     """
 
-    def __init__(self, *, publish: Callable[[], None], refresh: Callable[[], None], withdraw: Callable[[], None],
-                 expiry_s: float = LEASE_EXPIRY_S):
+    def __init__(self, *, publish: Callable[[], None], refresh: Callable[[], None],
+                 withdraw: Callable[[], None], expiry_s: float = LEASE_EXPIRY_S):
         self.writer = secrets.token_hex(8)
         self.expiry_s = expiry_s
         self._publish, self._refresh, self._withdraw = publish, refresh, withdraw
@@ -184,7 +186,8 @@ class WriterLease:
             try:
                 self._publish() if self.steps else self._withdraw()
             except (errors.SneppXError, OSError) as e:
-                log.warning("claim of checkpoint writer %s on step %d not withdrawn: %s", self.writer, step, e)
+                log.warning("claim of checkpoint writer %s on step %d not withdrawn: %s", self.writer, step,
+                            e)
 
     def _note_held(self) -> None:
         with _held_lock:

@@ -165,7 +165,7 @@ class LocalStorage:
 
     @staticmethod
     def _age(path: str) -> float:
-        """Seconds since `path` was last touched, by this host's clock (0 if it is gone: not for us to judge)."""
+        """Seconds since `path` was last touched, by this host's clock (0 if it is gone: nothing to judge)."""
         try:
             return max(0.0, time.time() - os.stat(path).st_mtime)
         except FileNotFoundError:

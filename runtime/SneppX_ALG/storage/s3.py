@@ -65,8 +65,8 @@ class S3Storage:
     and a bucket root (`s3://bkt`) owns just those keys at the top of the bucket, nothing else in it.
     """
 
-    def __init__(self, uri: str, *, client: Any = None, staging_dir: str | None = None, part_bytes: int = 16 << 20,
-                 threads: int = 4, lease_expiry_s: float = lease.LEASE_EXPIRY_S):
+    def __init__(self, uri: str, *, client: Any = None, staging_dir: str | None = None,
+                 part_bytes: int = 16 << 20, threads: int = 4, lease_expiry_s: float = lease.LEASE_EXPIRY_S):
         self.uri = uri.rstrip("/")
         self.bucket, self.prefix = parse_s3_uri(self.uri)
         self.client = client if client is not None else make_s3_client(max_connections=max(16, 2 * threads))
@@ -91,7 +91,8 @@ class S3Storage:
 
     def _list_pages(self, prefix: str) -> Iterator[dict[str, Any]]:
         try:
-            yield from self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+            paginator = self.client.get_paginator("list_objects_v2")
+            yield from paginator.paginate(Bucket=self.bucket, Prefix=prefix)
         except _s3_errors() as e:
             raise _s3_error(e, "list", self.uri) from None
 
@@ -122,7 +123,8 @@ class S3Storage:
     def _publish_lease(self) -> None:
         owner = self.lease.owner()
         record = {"format": LEASE_FORMAT, "writer": owner.writer, "host": owner.host, "pid": owner.pid,
-                  "pid_start": owner.pid_start, "steps": sorted(self.lease.steps), "expiry_s": self.lease.expiry_s}
+                  "pid_start": owner.pid_start, "steps": sorted(self.lease.steps),
+                  "expiry_s": self.lease.expiry_s}
         self._put(self._lease_key(owner.writer), json.dumps(record, sort_keys=True).encode())
 
     def _withdraw_lease(self) -> None:
@@ -145,7 +147,8 @@ class S3Storage:
     def begin(self, step: int) -> base.PendingStep:
         self.lease.hold(step)  # before anything of the step is uploaded
         try:
-            local = tempfile.mkdtemp(prefix=f"{base.STAGE_PREFIX}{os.getpid()}-{step:09d}-", dir=self.staging_dir)
+            local = tempfile.mkdtemp(prefix=f"{base.STAGE_PREFIX}{os.getpid()}-{step:09d}-",
+                                     dir=self.staging_dir)
         except BaseException:
             self.lease.release(step)
             raise
@@ -170,22 +173,24 @@ class S3Storage:
                 path = os.path.join(pending.local_dir, shard)
                 if not os.path.isfile(path):
                     raise errors.StorageError(f"{path}, named by the manifest, was not written", path=path)
-                uploaded[self.key(name, shard)] = (os.path.getsize(path), self.upload_file(path, self.key(name, shard)))
-            etag = self._create(self.key(name, base.MANIFEST), manifest)
+                key = self.key(name, shard)
+                uploaded[key] = (os.path.getsize(path), self.upload_file(path, key))
+            key = self.key(name, base.MANIFEST)
+            etag = self._create(key, manifest)
             if etag is None:
                 uploaded.clear()  # another writer's step: the shard keys may hold its objects now; keep them
                 raise errors.CheckpointExistsError(
-                    f"s3://{self.bucket}/{self.key(name)} already has another writer's {base.MANIFEST} (committed, "
-                    "being committed, or left by an interrupted save that cleanup will remove)", path=self.uri)
-            uploaded[self.key(name, base.MANIFEST)] = (len(manifest), etag)
+                    f"s3://{self.bucket}/{key} is another writer's (committed, being committed, or left by "
+                    "an interrupted save that cleanup will remove)", path=self.uri)
+            uploaded[key] = (len(manifest), etag)
             if signature is not None:  # before the marker: a committed signed step always has its signature
-                uploaded[self.key(name, base.SIGNATURE)] = (len(signature), self._put(self.key(name, base.SIGNATURE),
-                                                                                     signature))
+                key = self.key(name, base.SIGNATURE)
+                uploaded[key] = (len(signature), self._put(key, signature))
             self._check_parts(name, uploaded)
             if self._create(marker, base.commit_record(pending.step, self.lease.writer, manifest)) is None:
                 uploaded.clear()
-                raise errors.CheckpointExistsError(f"s3://{self.bucket}/{marker} was committed by another writer",
-                                                   path=self.uri)
+                raise errors.CheckpointExistsError(
+                    f"s3://{self.bucket}/{marker} was committed by another writer", path=self.uri)
         except errors.CommitUnknownError:
             raise  # the marker may be there: the parts stay
         except BaseException:
@@ -200,19 +205,20 @@ class S3Storage:
     def _check_parts(self, name: str, uploaded: dict[str, tuple[int, str]]) -> None:
         """Every object this writer uploaded for the step is on the server with the size and ETag it was given
         (none removed by a cleanup that judged this writer gone, none replaced by another writer)."""
-        present = {obj["Key"]: (obj["Size"], obj["ETag"].strip('"')) for obj in self._list(self.key(name) + "/")}
+        present = {obj["Key"]: (obj["Size"], obj["ETag"].strip('"'))
+                   for obj in self._list(self.key(name) + "/")}
         for key, (size, etag) in uploaded.items():
             if key not in present:
                 raise errors.StorageError(f"s3://{self.bucket}/{key} is gone before the commit (removed by a "
                                           "cleanup that judged this writer gone?)", path=self.uri)
             if present[key] != (size, etag.strip('"')):
                 uploaded.clear()  # someone else's object now: delete nothing
-                raise errors.StorageError(f"s3://{self.bucket}/{key} was replaced before the commit (another writer "
-                                          "of the same step?)", path=self.uri)
+                raise errors.StorageError(f"s3://{self.bucket}/{key} was replaced before the commit (another "
+                                          "writer of the same step?)", path=self.uri)
 
     def _create(self, key: str, body: bytes) -> str | None:
-        """PUTs `body` at `key` only if no object is there (If-None-Match: *). Returns the ETag when the object
-        there is ours, None when it is someone else's.
+        """PUTs `body` at `key` only if no object is there (If-None-Match: *). Returns the ETag when the
+        object there is ours, None when it is someone else's.
 
         An answer that doesn't say (a timeout or reset after the request went out, a 5xx, or a 412 that may
         be the retry of our own applied PUT) is settled by reading the key back: our bytes -> ours; other
@@ -228,8 +234,8 @@ class S3Storage:
             current = self._get(key)
         except errors.StorageError as e:
             why = failure or "412 Precondition Failed"
-            raise errors.CommitUnknownError(f"s3://{self.bucket}/{key}: the PUT's outcome is unknown ({why}) and "
-                                            f"reading it back failed ({e})", path=self.uri) from None
+            raise errors.CommitUnknownError(f"s3://{self.bucket}/{key}: the PUT's outcome is unknown ({why}) "
+                                            f"and reading it back failed ({e})", path=self.uri) from None
         if current is None:
             if failure is not None:
                 raise failure
@@ -266,7 +272,8 @@ class S3Storage:
             response = self.client.put_object(Bucket=self.bucket, Key=key, Body=body,
                                               ChecksumCRC32C=_crc32c_b64(body), **extra)
         except _s3_errors() as e:
-            if if_none_match and _error_code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+            conflict = _error_code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict")
+            if if_none_match and conflict:
                 raise errors.CheckpointExistsError(f"s3://{self.bucket}/{key} was written by another writer",
                                                    path=self.uri) from None
             raise _s3_error(e, f"put {key}", self.uri) from None
@@ -374,8 +381,8 @@ class S3Storage:
         try:
             paginator = self.client.get_paginator("list_multipart_uploads")
             for page in paginator.paginate(Bucket=self.bucket, Prefix=self.key("step-")):
-                found += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", []) if self._step_of(u["Key"])
-                          is not None]
+                found += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])
+                          if self._step_of(u["Key"]) is not None]
         except _s3_errors() as e:
             raise _s3_error(e, "list uploads", self.uri) from None
         return found
@@ -396,7 +403,8 @@ class S3Storage:
         for _, record, age in leases:
             if record is not None:
                 owner = lease.Owner(record["writer"], record["host"], record["pid"], record.get("pid_start"))
-                claimed |= {s for s in record["steps"] if lease.still_writing(owner, s, age, record["expiry_s"])}
+                claimed |= {s for s in record["steps"]
+                            if lease.still_writing(owner, s, age, record["expiry_s"])}
         removed = []
         for key, upload_id in uploads:
             if self._step_of(key) in claimed:
@@ -442,9 +450,9 @@ def _lease_record(raw: bytes) -> dict[str, Any] | None:
 
 
 def _lease_abandoned(record: dict[str, Any], age: float) -> bool:
-    """A lease cleanup may delete: none of its steps is still being written, and it isn't one of this process's
-    (those are withdrawn by their writer, or expire: deleting one while its writer publishes it again could
-    hide a claim from other processes)."""
+    """A lease cleanup may delete: none of its steps is still being written, and it isn't one of this
+    process's (those are withdrawn by their writer, or expire: deleting one while its writer publishes it
+    again could hide a claim from other processes)."""
     owner = lease.Owner(record["writer"], record["host"], record["pid"], record.get("pid_start"))
     if any(lease.still_writing(owner, s, age, record["expiry_s"]) for s in record["steps"]):
         return False
