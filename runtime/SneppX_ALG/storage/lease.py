@@ -132,8 +132,26 @@ def still_writing(owner: Owner, step: int, age_s: float, expiry_s: float) -> boo
     return age_s < expiry_s
 
 
-def is_this_process(owner: Owner) -> bool:
-    return bool(owner.host) and owner.host == this_host() and owner.pid == os.getpid()
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A published lease (S3): its owner, the steps it says are in flight, and how long it lasts unrefreshed."""
+
+    owner: Owner
+    steps: frozenset[int]
+    expiry_s: float
+
+    def standing(self, age_s: float) -> frozenset[int]:
+        """The steps still protected from cleanup, its last refresh `age_s` seconds ago."""
+        return frozenset(s for s in self.steps if still_writing(self.owner, s, age_s, self.expiry_s))
+
+    def is_abandoned(self, age_s: float) -> bool:
+        """Whether cleanup may delete the lease itself: nothing of it stands, and it isn't this process's
+        (those are withdrawn by their writer, or expire: deleting one while its writer publishes it again
+        could hide a claim from other processes)."""
+        if self.standing(age_s):
+            return False
+        mine = bool(self.owner.host) and self.owner.host == this_host() and self.owner.pid == os.getpid()
+        return not mine or age_s >= self.expiry_s
 
 
 class WriterLease:

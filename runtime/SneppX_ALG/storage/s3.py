@@ -130,16 +130,16 @@ class S3Storage:
     def _withdraw_lease(self) -> None:
         self._delete_keys([self._lease_key(self.lease.writer)])
 
-    def _leases(self) -> list[tuple[str, dict[str, Any] | None, float]]:
-        """(key, record or None if unreadable, age by the server's clock) of every lease under the root."""
+    def _leases(self) -> list[tuple[str, lease.Claim | None, float]]:
+        """(key, claim or None if unreadable, age by the server's clock) of every lease under the root."""
         found = []
         for page in self._list_pages(self.key(lease.LEASE_PREFIX)):
             date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
             now = email.utils.parsedate_to_datetime(date) if date else datetime.datetime.now(datetime.UTC)
             for obj in page.get("Contents", []):
                 got = self._get(obj["Key"])
-                record = _lease_record(got[0]) if got is not None else None
-                found.append((obj["Key"], record, max(0.0, (now - obj["LastModified"]).total_seconds())))
+                claim = _parse_lease(got[0]) if got is not None else None
+                found.append((obj["Key"], claim, max(0.0, (now - obj["LastModified"]).total_seconds())))
         return found
 
     # -- writing a step --
@@ -373,7 +373,7 @@ class S3Storage:
         """An invalid committed step: deleted, marker first (S3 has no rename to set it aside; its manifest
         would otherwise keep the step's number from being saved again)."""
         self.delete(step)
-        return f"(deleted) s3://{self.bucket}/{self.key(base.step_name(step))}"
+        return f"s3://{self.bucket}/{self.key(base.step_name(step))}"
 
     def incomplete_uploads(self) -> list[tuple[str, str]]:
         """(key, upload id) of every multipart upload of this root's steps that was never completed."""
@@ -400,11 +400,9 @@ class S3Storage:
         seen, committed = self._steps()
         leases = self._leases()
         claimed: set[int] = set()
-        for _, record, age in leases:
-            if record is not None:
-                owner = lease.Owner(record["writer"], record["host"], record["pid"], record.get("pid_start"))
-                claimed |= {s for s in record["steps"]
-                            if lease.still_writing(owner, s, age, record["expiry_s"])}
+        for _, claim, age in leases:
+            if claim is not None:
+                claimed |= claim.standing(age)
         removed = []
         for key, upload_id in uploads:
             if self._step_of(key) in claimed:
@@ -422,8 +420,8 @@ class S3Storage:
             keys = [obj["Key"] for obj in self._list(self.key(base.step_name(step)) + "/")]
             self._delete_keys(keys)
             removed += [f"s3://{self.bucket}/{k}" for k in keys]
-        for key, record, age in leases:
-            if record is None or _lease_abandoned(record, age):
+        for key, claim, age in leases:
+            if claim is None or claim.is_abandoned(age):
                 self._delete_keys([key])
                 removed.append(f"s3://{self.bucket}/{key}")
         for entry in os.scandir(self.staging_dir):
@@ -434,8 +432,8 @@ class S3Storage:
         return removed
 
 
-def _lease_record(raw: bytes) -> dict[str, Any] | None:
-    """A lease object's record, or None when it is not one (it then claims nothing)."""
+def _parse_lease(raw: bytes) -> lease.Claim | None:
+    """The claim a lease object records, or None when it is not one (it then claims nothing)."""
     try:
         record = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -446,17 +444,8 @@ def _lease_record(raw: bytes) -> dict[str, Any] | None:
             and isinstance(record.get("steps"), list) and all(isinstance(s, int) for s in record["steps"])
             and isinstance(record.get("expiry_s"), (int, float))):
         return None
-    return record
-
-
-def _lease_abandoned(record: dict[str, Any], age: float) -> bool:
-    """A lease cleanup may delete: none of its steps is still being written, and it isn't one of this
-    process's (those are withdrawn by their writer, or expire: deleting one while its writer publishes it
-    again could hide a claim from other processes)."""
-    owner = lease.Owner(record["writer"], record["host"], record["pid"], record.get("pid_start"))
-    if any(lease.still_writing(owner, s, age, record["expiry_s"]) for s in record["steps"]):
-        return False
-    return not lease.is_this_process(owner) or age >= record["expiry_s"]
+    owner = lease.Owner(record["writer"], record["host"], record["pid"], record["pid_start"])
+    return lease.Claim(owner, frozenset(record["steps"]), float(record["expiry_s"]))
 
 
 def _s3_errors() -> tuple[type[Exception], ...]:
