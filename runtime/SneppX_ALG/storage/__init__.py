@@ -15,14 +15,15 @@ Layout (both backends)::
 Commit points:
 
 * Local: shards, the manifest and its signature (if any) are written (each fsynced, renamed, directory
-  fsynced) inside `<root>/.tmp-step-000001000-<owner>/`, which is then renamed to `step-000001000` and
-  the root directory fsynced. The rename is the commit: a `step-*` directory is complete by construction,
-  so no marker file is needed (one more fsync'd file would add nothing a rename doesn't already guarantee).
-  If the fsync of the root fails after the rename, the save fails, and the step is renamed back to its
-  temporary name (removed now, or by `cleanup()` at the next start) so it is never visible as committed:
-  a failed fsync is not retried and trusted. Were even that rename back lost in a crash, what the next
-  start finds is a directory whose every file was fsynced before the rename: it is validated like any step.
-  Deletion first renames the step to `.deleting-...` (invisible at once), then removes it.
+  fsynced) inside `<root>/.tmp-step-000001000-<owner>/`; every file is checked present with its size, then the
+  directory is renamed to `step-000001000` and the root directory fsynced. The rename is the commit: a
+  `step-*` directory is complete by construction, so no marker file is needed (one more fsync'd file would add
+  nothing a rename doesn't already guarantee). If the fsync of the root fails after the rename, the save
+  fails, and the step is renamed back to its temporary name (removed now, or by `cleanup()` at the next start)
+  so it is never visible as committed: a failed fsync is not retried and trusted. Were even that rename back
+  lost in a crash, what the next start finds is a directory whose every file was fsynced before the rename: it
+  is validated like any step. Deletion first renames the step to `.deleting-...` (invisible at once), then
+  removes it.
 * S3: shards go up as parallel multipart uploads; `manifest.json` is created with `If-None-Match: *` (the
   first writer of a step owns it, so a late second writer can't replace a committed step's manifest), then
   `manifest.sig` (if any); every uploaded object is checked on the server (size and ETag), then `COMMITTED` is
