@@ -264,3 +264,15 @@ class LifecycleError(SneppXError, RuntimeError):
         super().__init__(message)
         self.state = state
         self.event = event
+
+# --- several processes on one checkpoint root: writers, readers, commits ------
+
+
+class CommitUnknownError(StorageError):
+    """A commit's outcome could not be learned: the conditional PUT of the step's marker (or manifest) got no
+    clear answer and reading it back failed too. The step may or may not be committed; nothing was deleted
+    (cleanup removes the parts later if no marker appears)."""
+
+
+class ReadOnlyCoordinatorError(SneppXError, RuntimeError):
+    """save() on a CheckpointCoordinator opened with read_only=True (a reader: an evaluator, a tool)."""

@@ -11,7 +11,15 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from SneppX_ALG import CheckpointCoordinator, Transformer, _native, coordinator, errors, storage
+from SneppX_ALG import (
+    CheckpointCoordinator,
+    Transformer,
+    _native,
+    coordinator,
+    errors,
+    storage,
+    validate_checkpoint,
+)
 
 MiB = 1 << 20
 
@@ -239,6 +247,25 @@ def test_a_step_without_manifest_or_with_a_lying_manifest_is_skipped(tmp_path) -
     coord = CheckpointCoordinator(tmp_path)
     assert coord.latest().step == 1
     assert {s.step for s in coord.skipped} == {2, 3}
+
+
+def test_a_flipped_bit_in_the_training_state_of_an_unsigned_step_is_caught(tmp_path) -> None:
+    """The manifest's checksum covers what no tensor CRC does: the training state (data position, epoch)."""
+    with CheckpointCoordinator(tmp_path, max_to_keep=None) as coord:
+        for step in (1, 2):
+            coord.save({"w": np.full(4, step)}, step=step, training_state={"data_position": 123456 + step})
+    path = tmp_path / "step-000000002" / "manifest.json"
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"123458") + 5
+    raw[at] ^= 0x01  # "123458" -> "123459": still JSON, still a number, another data position
+    path.write_bytes(bytes(raw))
+    coord = CheckpointCoordinator(tmp_path)
+    assert any("checksum mismatch" in p for p in coord.validate(2))
+    info = coord.latest()
+    assert info.step == 1 and info.training_state == {"data_position": 123457}
+    assert [s.step for s in coord.skipped] == [2]
+    ok, problems = validate_checkpoint(tmp_path / "step-000000002")
+    assert not ok and "checksum mismatch" in problems[0]
 
 
 def test_leftovers_of_an_interrupted_save_are_invisible_and_cleaned_at_start(tmp_path) -> None:

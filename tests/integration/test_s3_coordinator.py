@@ -4,6 +4,7 @@ test runs on both), boto3 over HTTP, no mocking."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import socket
 import threading
@@ -233,3 +234,173 @@ def test_a_part_that_does_not_match_its_crc32c_is_refused_and_nothing_is_committ
     store = storage.S3Storage(f"s3://{s3_bucket}/crc", client=client)
     assert store.committed_steps() == [] and store.incomplete_uploads() == []
     assert [k for k in keys(client, s3_bucket) if k.startswith("crc/")] == []
+
+
+
+# ---- a root owns only its own keys ---------------------------------------------------------------------------
+
+
+def uploads(client, bucket: str) -> list[str]:
+    return sorted(u["Key"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+
+
+def test_cleanup_retention_and_deletes_stay_inside_the_prefix(s3_bucket, s3_env) -> None:
+    """Root `jobs/a` next to a job `jobs/ab` (and keys that merely start with `jobs/a`): every listing is of
+    `jobs/a/`, so nothing of theirs is cleaned up, aborted or deleted."""
+    client = s3_env.client()
+    theirs = ["jobs/ab/step-000000001/COMMITTED", "jobs/ab/step-000000001/manifest.json",
+              "jobs/ab/step-000000001/shard-00000.snpx", "jobs/ab/step-000000002/shard-00000.snpx",
+              "jobs/a-b/step-000000003/manifest.json", "jobs/a.lease-feedfacecafebeef",
+              "jobs/astep-000000001/x"]
+    for key in theirs:
+        client.put_object(Bucket=s3_bucket, Key=key, Body=b"another job's")
+    client.create_multipart_upload(Bucket=s3_bucket, Key="jobs/ab/step-000000004/shard-00000.snpx")
+    with CheckpointCoordinator(f"s3://{s3_bucket}/jobs/a", s3_client=client, max_to_keep=1) as coord:
+        for step in (1, 2, 3):  # retention deletes 1 and 2
+            coord.save(state_for(step), step=step)
+        coord.wait()
+        coord.storage.delete(3)
+        coord.save(state_for(4), step=4)
+        coord.wait()
+        coord.storage.cleanup()
+        assert coord.committed_steps() == [4]
+    assert [k for k in keys(client, s3_bucket) if not k.startswith("jobs/a/")] == sorted(theirs)
+    assert uploads(client, s3_bucket) == ["jobs/ab/step-000000004/shard-00000.snpx"]
+
+
+def test_a_bucket_root_owns_only_the_step_keys_at_the_top_of_the_bucket(s3_bucket, s3_env) -> None:
+    client = s3_env.client()
+    theirs = ["jobs/x/step-000000001/shard-00000.snpx", "notes.txt", "step-000000001-not-a-step/x"]
+    for key in theirs:
+        client.put_object(Bucket=s3_bucket, Key=key, Body=b"not this root's")
+    for key in ("jobs/x/step-000000002/shard-00000.snpx", "big-upload.bin"):
+        client.create_multipart_upload(Bucket=s3_bucket, Key=key)
+    client.create_multipart_upload(Bucket=s3_bucket, Key="step-000000009/shard-00000.snpx")  # a crashed save
+    with CheckpointCoordinator(f"s3://{s3_bucket}", s3_client=client, max_to_keep=1) as coord:
+        for step in (1, 2):
+            coord.save(state_for(step), step=step)
+        coord.wait()
+        assert coord.committed_steps() == [2]
+        assert coord.latest().location == f"s3://{s3_bucket}/step-000000002"
+    assert [k for k in keys(client, s3_bucket) if not k.startswith("step-000000002/")] == sorted(theirs)
+    assert uploads(client, s3_bucket) == ["big-upload.bin", "jobs/x/step-000000002/shard-00000.snpx"]
+
+
+# ---- the commit marker: ambiguous answers, and what it vouches for -------------------------------------------
+
+
+def on_marker_put(client, event: str, handler) -> None:
+    """Calls handler(**kwargs) for the PUT of a COMMITTED marker only (`event`: a PutObject botocore event)."""
+    client.meta.events.register("before-parameter-build.s3.PutObject",
+                                lambda params, context, **_: context.update(test_key=params["Key"]))
+    client.meta.events.register(event, lambda context, **kw: handler(context=context, **kw)
+                                if context.get("test_key", "").endswith("/COMMITTED") else None)
+
+
+def test_a_marker_put_whose_answer_is_lost_after_the_server_applied_it_is_a_commit(s3_bucket, s3_env) -> None:
+    """The response to the marker's PUT never arrives (the connection closes after the server applied it):
+    the writer reads the marker back, finds its own, and the save succeeds with nothing deleted."""
+    import botocore.exceptions
+
+    client = s3_env.client()
+    lost = []
+
+    def lose_the_answer(**_) -> None:
+        if not lost:
+            lost.append(True)
+            raise botocore.exceptions.ConnectionClosedError(endpoint_url=s3_env.endpoint)
+
+    on_marker_put(client, "after-call.s3.PutObject", lose_the_answer)
+    with CheckpointCoordinator(f"s3://{s3_bucket}/lost", s3_client=client) as coord:
+        coord.save(state_for(1), step=1)
+        coord.wait()
+        assert lost and coord.committed_steps() == [1] and coord.validate(1) == []
+
+
+def test_a_marker_put_retried_after_the_server_applied_it_is_a_commit_not_a_lost_race(s3_bucket,
+                                                                                      s3_env) -> None:
+    """botocore retries a PUT whose answer it didn't get; the retry meets the writer's own marker (412). The
+    writer reads it back: its own, so committed, not `CheckpointExistsError`."""
+    client = s3_env.client()
+    retried = []
+
+    def retry_the_first_attempt(request_dict, attempts, **_):
+        if request_dict["url"].endswith("/COMMITTED") and attempts == 1:
+            retried.append(True)
+            return 0  # "retry now", as when the answer was lost after the request went out
+        return None
+
+    client.meta.events.register_first("needs-retry.s3.PutObject", retry_the_first_attempt)
+    with CheckpointCoordinator(f"s3://{s3_bucket}/retried", s3_client=client) as coord:
+        coord.save(state_for(1), step=1)
+        coord.wait()
+        assert retried and coord.committed_steps() == [1] and coord.validate(1) == []
+
+
+def test_a_marker_put_that_never_reached_the_server_deletes_the_parts(s3_bucket, s3_env) -> None:
+    import botocore.exceptions
+
+    client = s3_env.client()
+    root = f"s3://{s3_bucket}/never"
+    with CheckpointCoordinator(root, s3_client=client) as coord:
+        coord.save(state_for(1), step=1)
+    coord = CheckpointCoordinator(root, s3_client=client)
+
+    def refuse(request, **_):
+        if request.method == "PUT" and request.url.endswith("/step-000000002/COMMITTED"):
+            raise botocore.exceptions.ConnectionClosedError(endpoint_url=s3_env.endpoint)
+
+    client.meta.events.register("before-send.s3.PutObject", refuse)
+    coord.save(state_for(2), step=2)
+    with pytest.raises(errors.StorageError) as info:
+        coord.wait()
+    assert not isinstance(info.value, errors.CommitUnknownError)
+    assert [k for k in keys(client, s3_bucket) if "step-000000002" in k] == []  # provably absent: cleaned
+    assert coord.latest().step == 1
+
+
+def test_a_commit_whose_outcome_cant_be_learned_deletes_nothing(s3_bucket, s3_env) -> None:
+    """The marker's PUT was applied but its answer lost, and reading the marker back fails too: the save
+    raises CommitUnknownError and keeps every part, so the step the server did commit is whole."""
+    import botocore.exceptions
+
+    client = s3_env.client()
+    root = f"s3://{s3_bucket}/unknown"
+
+    def lose_the_answer(**_) -> None:
+        raise botocore.exceptions.ConnectionClosedError(endpoint_url=s3_env.endpoint)
+
+    def unreachable(request, **_):
+        if request.url.endswith("/COMMITTED"):
+            raise botocore.exceptions.ConnectionClosedError(endpoint_url=s3_env.endpoint)
+
+    on_marker_put(client, "after-call.s3.PutObject", lose_the_answer)
+    client.meta.events.register("before-send.s3.GetObject", unreachable)
+    coord = CheckpointCoordinator(root, s3_client=client)
+    coord.save(state_for(1), step=1)
+    with pytest.raises(errors.CommitUnknownError):
+        coord.wait()
+    reader = CheckpointCoordinator(root, s3_client=s3_env.client(), read_only=True)
+    assert reader.committed_steps() == [1] and reader.validate(1) == []
+
+
+def test_a_manifest_replaced_after_the_commit_fails_against_the_marker(s3_bucket, s3_env) -> None:
+    """The marker records the manifest's size and CRC32C. A manifest replaced by another well-formed one, its
+    checksum made again (what a late second writer or a careless copy would leave), no longer matches it."""
+    from SneppX_ALG.checkpoint import manifest as manifest_codec
+
+    client = s3_env.client()
+    root = f"s3://{s3_bucket}/m"
+    with CheckpointCoordinator(root, s3_client=client, max_to_keep=None) as coord:
+        for step in (1, 2):
+            coord.save(state_for(step), step=step, training_state={"pos": step})
+    key = "m/step-000000002/manifest.json"
+    manifest = json.loads(client.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
+    manifest["training_state"] = {"pos": 999}
+    client.put_object(Bucket=s3_bucket, Key=key, Body=manifest_codec.encode_manifest(manifest))
+    marker = json.loads(client.get_object(Bucket=s3_bucket, Key="m/step-000000002/COMMITTED")["Body"].read())
+    assert marker["format"] == "sneppx.commit" and marker["step"] == 2
+    assert set(marker["manifest"]) == {"size", "crc32c"}
+    reader = CheckpointCoordinator(root, s3_client=client, read_only=True)
+    assert reader.latest().training_state == {"pos": 1}
+    assert [s.step for s in reader.skipped] == [2] and "COMMITTED" in reader.skipped[0].problems[0]

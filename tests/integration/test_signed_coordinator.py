@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from SneppX_ALG import CheckpointCoordinator, _native, checkpoint, errors, storage
+from SneppX_ALG.checkpoint import manifest as manifest_codec
 from SneppX_ALG.checkpoint import signing, verify
 
 MiB = 1 << 20
@@ -118,7 +119,8 @@ def tamper_shard_byte(step_dir: pathlib.Path, keys: tuple) -> None:
 def tamper_manifest(step_dir: pathlib.Path, keys: tuple) -> None:
     manifest = json.loads((step_dir / "manifest.json").read_bytes())
     manifest["training_state"] = {"step": 999}  # still a well-formed manifest, pointing at the same shards
-    (step_dir / "manifest.json").write_bytes(json.dumps(manifest).encode())
+    # with its checksum made again, as anyone changing it on purpose would: the checksum is for accidents
+    (step_dir / "manifest.json").write_bytes(manifest_codec.encode_manifest(manifest))
 
 
 def tamper_signature(step_dir: pathlib.Path, keys: tuple) -> None:

@@ -62,7 +62,6 @@ def _validate_step(path: str, step: int, trusted_keys: Any) -> tuple[bool, list[
     return not problems, problems
 
 
-
 def _signature_problem(local: str, raw: bytes, trusted_keys: dict[bytes, Any]) -> str | None:
     """Why a step's signature or digests don't verify (named by the failed check's error class), or None.
 
@@ -85,9 +84,10 @@ def _signature_problem(local: str, raw: bytes, trusted_keys: dict[bytes, Any]) -
 
 def check_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None = None,
                 ) -> tuple[dict[str, Any] | None, list[str]]:
-    """(manifest, problems) for a step directory: manifest, every shard's bytes, and that the manifest's
-    pieces are exactly the shard entries with the same CRCs. With trusted_keys, first the signature and
-    the digest of every file the manifest lists, and that every shard is among them."""
+    """(manifest, problems) for a step directory: manifest (its checksum, and on S3 that the `COMMITTED`
+    marker was written for these manifest bytes), every shard's bytes, and that the manifest's pieces are
+    exactly the shard entries with the same CRCs. With trusted_keys, first the signature and the digest of
+    every file the manifest lists, and that every shard is among them."""
     path = os.path.join(local, storage.MANIFEST)
     try:
         with open(path, "rb") as f:
@@ -98,6 +98,13 @@ def check_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None = No
         problem = _signature_problem(local, raw, trusted_keys)
         if problem is not None:
             return None, [problem]
+    try:
+        with open(storage.fetched_marker_path(local), "rb") as f:  # S3 steps: the marker, next to them
+            problem = storage.marker_problem(f.read(storage.MAX_MANIFEST_BYTES + 1), raw, step)
+    except FileNotFoundError:
+        problem = None
+    if problem is not None:
+        return None, [problem]
     try:
         manifest = manifest_codec.decode_manifest(raw, step=step, where=path)
     except errors.ManifestError as e:
