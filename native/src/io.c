@@ -40,6 +40,12 @@ const char *sx_strerror(int code) {
     case SX_ENOLIB: return "library not found";
     case SX_ECUDA: return "CUDA error";
     case SX_EPERM: return "permission denied";
+    case SX_EPEER: return "peer lost: its connection closed or reset";
+    case SX_ETIMEDOUT: return "deadline passed";
+    case SX_EABORTED: return "aborted, or failed in an earlier call";
+    case SX_ESTALE: return "message from another membership generation";
+    case SX_EPROTO: return "malformed message, or ranks called different collectives";
+    case SX_ENCCL: return "NCCL error";
     default: return "unknown error";
     }
 }
