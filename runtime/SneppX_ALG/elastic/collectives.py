@@ -206,15 +206,29 @@ class _Conversation:
         return False
 
 
+def _address(store: store_lib.Store, generation: int, rank: int) -> tuple[str, int] | None:
+    """A rank's published listener address, or None while it has not published one."""
+    try:
+        value = json.loads(store.get(address_key(generation, rank), timeout=0))
+    except errors.StoreTimeoutError:
+        return None
+    return str(value["host"]), int(value["port"])
+
+
 def _tune(sock: socket.socket) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a barrier's frames must not wait for Nagle
     return sock
 
 
-def connect_ring(listener: socket.socket, right_address: tuple[str, int], me: _Identity, deadline: float,
+def connect_ring(listener: socket.socket, store: store_lib.Store, me: _Identity, deadline: float,
                  refused: Counter[str]) -> tuple[socket.socket, socket.socket]:
-    """(send socket to rank+1, receive socket from rank-1), both authenticated; see the module docstring."""
+    """(send socket to rank+1, receive socket from rank-1), both authenticated; see the module docstring.
+
+    The listener is served from the start, also while rank+1's address is not yet in the store, so a connection
+    never waits on anything but its own handshake."""
     right, left = (me.rank + 1) % me.world_size, (me.rank - 1) % me.world_size
+    right_address: tuple[str, int] | None = None
+    lookup_at, lookup_every = 0.0, 0.01
     selector = selectors.DefaultSelector()
     listener.setblocking(False)
     selector.register(listener, selectors.EVENT_READ)
@@ -234,12 +248,16 @@ def connect_ring(listener: socket.socket, right_address: tuple[str, int], me: _I
         while send_sock is None or recv_sock is None:
             now = time.monotonic()
             if now >= deadline:
-                missing = [f"reach rank {right}"] if send_sock is None else []
+                missing = [f"reach rank {right}" + ("" if right_address else " (it never published its address)")
+                           ] if send_sock is None else []
                 missing += [f"hear from rank {left}"] if recv_sock is None else []
                 raise errors.CollectiveTimeoutError(
                     f"setup of generation {me.generation}: rank {me.rank} could not {' or '.join(missing)} in time"
                     f" (refused meanwhile: {dict(refused) or 'none'})", rank=me.rank, generation=me.generation)
-            if send_sock is None and outgoing is None and now >= next_attempt:
+            if right_address is None and now >= lookup_at:  # polled with backoff: a store may be remote
+                right_address = _address(store, me.generation, right)
+                lookup_at, lookup_every = now + lookup_every, min(lookup_every * 2, 0.25)
+            if right_address is not None and send_sock is None and outgoing is None and now >= next_attempt:
                 outgoing = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 outgoing.setblocking(False)
                 outgoing.connect_ex(right_address)
@@ -350,20 +368,12 @@ class ProcessGroup:
         if self.world_size == 1:
             return _native.Comm(0, 1, self.generation, chunk_bytes=chunk_bytes)
         me = _Identity(key, self.generation, self.rank, self.world_size, chunk_bytes)
-        right = (self.rank + 1) % self.world_size
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
             listener.bind((host, 0))
             listener.listen(MAX_PENDING_HANDSHAKES)
             bound_host, port = listener.getsockname()[:2]
             store.set(address_key(self.generation, self.rank), json.dumps({"host": bound_host, "port": port}).encode())
-            try:
-                address = json.loads(store.get(address_key(self.generation, right), max(deadline - time.monotonic(), 0)))
-            except errors.StoreTimeoutError as e:
-                raise errors.CollectiveTimeoutError(
-                    f"setup of generation {self.generation}: rank {right} never published its address ({e})",
-                    rank=self.rank, generation=self.generation, peer=right) from None
-            send_sock, recv_sock = connect_ring(listener, (address["host"], int(address["port"])), me, deadline,
-                                                self.refused)
+            send_sock, recv_sock = connect_ring(listener, store, me, deadline, self.refused)
         return _native.Comm(self.rank, self.world_size, self.generation, send_sock.detach(), recv_sock.detach(),
                             chunk_bytes)
 
