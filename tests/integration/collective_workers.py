@@ -42,29 +42,26 @@ def battery(store_dir: str, rank: int, world: int, rounds: int, results: Any) ->
             count = fixed[round_] if round_ < len(fixed) else int(draw.integers(0, 50_000))
             dtype = ("float32", "float64", "int32", "int64")[round_ % 4]
             op = ("sum", "max", "min")[int(draw.integers(0, 3))]
-            everyone = np.stack([rank_input(count, dtype, round_, r) for r in range(world)]) if count else None
-
-            def check(what: str, got: np.ndarray, want: np.ndarray) -> None:
-                ok = np.allclose(got, want, rtol=1e-5, atol=1e-5) if dtype.startswith("float") and op == "sum" \
-                    else np.array_equal(got, want)
-                if not ok:
-                    failures.append(f"round {round_}: {what} of {count} {dtype} ({op}) differs from numpy")
-
-            reduced = NUMPY_OPS[op](everyone, axis=0) if everyone is not None else np.zeros(0, dtype)
-            mine = rank_input(count, dtype, round_, rank)
-            check("allreduce", group.allreduce(mine, op), reduced)
-            mine = rank_input(count, dtype, round_, rank)
+            everyone = np.stack([rank_input(count, dtype, round_, r) for r in range(world)])
+            reduced = NUMPY_OPS[op](everyone, axis=0)
             start, stop = group.shard_range(count)
-            check("reduce_scatter", group.reduce_scatter(mine, op), reduced[start:stop])
-            gathered, from_owners = np.zeros(count, dtype), np.zeros(count, dtype)
-            for r in range(world):  # rank r's shard comes from rank r's input
+            from_owners = np.zeros(count, dtype)  # rank r's shard of rank r's input, for each r
+            for r in range(world):
                 lo, hi = _native.shard_range(count, world, r)
-                from_owners[lo:hi] = everyone[r][lo:hi] if everyone is not None else []
+                from_owners[lo:hi] = everyone[r][lo:hi]
+            gathered = np.zeros(count, dtype)
             gathered[start:stop] = from_owners[start:stop]
-            check("allgather", group.allgather(gathered), from_owners)
             root = round_ % world
-            mine = rank_input(count, dtype, round_, rank)
-            check("broadcast", group.broadcast(mine, root), everyone[root] if everyone is not None else mine)
+            outcomes = [
+                ("allreduce", group.allreduce(everyone[rank].copy(), op), reduced),
+                ("reduce_scatter", group.reduce_scatter(everyone[rank].copy(), op), reduced[start:stop]),
+                ("allgather", group.allgather(gathered), from_owners),
+                ("broadcast", group.broadcast(everyone[rank].copy(), root), everyone[root]),
+            ]
+            exact = dtype.startswith("int") or op != "sum"  # float sums: another order, another rounding
+            for what, got, want in outcomes:
+                if not (np.array_equal(got, want) if exact else np.allclose(got, want, rtol=1e-5, atol=1e-5)):
+                    failures.append(f"round {round_}: {what} of {count} {dtype} ({op}) differs from numpy")
             group.barrier()
         group.close()
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it
@@ -118,3 +115,30 @@ def allreduce_once(store_dir: str, rank: int, world: int, results: Any) -> None:
         group.close()
     except Exception:  # noqa: BLE001
         results.put((rank, traceback.format_exc(), {}))
+
+
+# ---- data-parallel training (tests/integration/test_data_parallel.py) ------------------------------------------
+
+TINY_MODEL = {"vocab_size": 64, "dim": 32, "num_heads": 2, "num_layers": 2, "ffn_dim": 64, "max_seq_len": 16}
+TINY_DATA = {"vocab_size": 64, "seq_len": 16, "num_sequences": 256, "seed": 1}
+TRAINING = {"batch_size": 12, "seed": 5, "lr": 3e-3, "warmup_steps": 5}
+
+
+def train_data_parallel(store_dir: str, rank: int, world: int, steps: int, bucket_bytes: int, results: Any) -> None:
+    """Trains the tiny model for `steps` steps on `world` ranks; reports (rank, losses, params, pieces with their
+    moments, data position) or (rank, traceback)."""
+    from SneppX_ALG.model import data, data_parallel, transformer
+
+    try:
+        group = connect(store_dir, rank, world)
+        model = transformer.Transformer(**TINY_MODEL, seed=3)
+        trainer = data_parallel.DataParallelTrainer(model, data.SyntheticLanguage(**TINY_DATA), group,
+                                                    bucket_bytes=bucket_bytes, **TRAINING)
+        losses = trainer.train(steps)
+        pieces = [(p.name, p.start, p.stop, trainer.optimizer.m[p.name].copy(), trainer.optimizer.v[p.name].copy())
+                  for p in trainer.pieces]
+        position = {k: v.copy() for k, v in trainer.stream.state_dict().items()}
+        results.put((rank, losses, {k: v.copy() for k, v in model.params.items()}, pieces, position))
+        group.close()
+    except Exception:  # noqa: BLE001
+        results.put((rank, traceback.format_exc()))

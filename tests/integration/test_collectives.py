@@ -7,13 +7,11 @@ import hmac
 import json
 import multiprocessing
 import os
-import queue
 import secrets
 import signal
 import socket
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import collective_workers as workers
 import pytest
@@ -21,41 +19,10 @@ import pytest
 from SneppX_ALG import errors
 from SneppX_ALG.elastic import collectives, store
 
+if TYPE_CHECKING:
+    from conftest import Ranks
+
 pytestmark = pytest.mark.timeout(600)
-SPAWN = multiprocessing.get_context("spawn")
-
-
-class Ranks:
-    """Rank processes started with spawn (no forked threads or sockets), killed if a test leaves them behind."""
-
-    def __init__(self) -> None:
-        self.processes: dict[int, Any] = {}
-        self.results: Any = SPAWN.Queue()
-
-    def start(self, rank: int, target: Callable[..., None], *args: Any) -> None:
-        process = SPAWN.Process(target=target, args=args, daemon=True)
-        process.start()
-        self.processes[rank] = process
-
-    def get(self, timeout: float = 300) -> Any:
-        try:
-            return self.results.get(timeout=timeout)
-        except queue.Empty:
-            dead = {r: p.exitcode for r, p in self.processes.items() if not p.is_alive()}
-            raise AssertionError(f"no report from the ranks within {timeout}s (exited: {dead})") from None
-
-    def close(self) -> None:
-        for process in self.processes.values():
-            if process.is_alive():
-                os.kill(process.pid, signal.SIGKILL)
-            process.join(30)
-
-
-@pytest.fixture
-def ranks() -> Iterator[Ranks]:
-    started = Ranks()
-    yield started
-    started.close()
 
 
 @pytest.mark.parametrize("world", range(1, 9))
@@ -104,7 +71,7 @@ def test_sigstop_of_a_rank_times_out_the_others(tmp_path: os.PathLike[str], rank
 def test_abort_from_a_thread_ends_the_call_and_the_peer_learns_at_once(tmp_path: os.PathLike[str],
                                                                        ranks: Ranks) -> None:
     """Both calls have a 10-minute deadline, past this test's timeout: only the abort can end them in time."""
-    peer_may_go = SPAWN.Event()
+    peer_may_go = multiprocessing.get_context("spawn").Event()
     for rank in range(2):
         ranks.start(rank, workers.abort_while_peer_is_away, str(tmp_path), rank, peer_may_go, ranks.results)
     assert ranks.get()[:2] == (0, "CollectiveAbortedError")
@@ -154,7 +121,7 @@ def test_foreign_stale_and_garbage_connections_are_refused_and_the_group_forms(t
     silent = socket.create_connection(listener, timeout=60)
     try:
         ranks.start(1, workers.allreduce_once, str(tmp_path), 1, 2, ranks.results)
-        reports = dict((rank, (result, refused)) for rank, result, refused in (ranks.get(), ranks.get()))
+        reports = {rank: (result, refused) for rank, result, refused in (ranks.get(), ranks.get())}
     finally:
         silent.close()
     assert reports[1] == ([3.0] * 8, {})
