@@ -24,6 +24,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <math.h>
 #include <poll.h>
 #include <stdlib.h>
@@ -395,7 +396,7 @@ static int run_plan(sx_comm *c, int op, uint64_t seq, int nsteps, reduce_fn redu
             {.fd = c->wake[0], .events = POLLIN},
         };
         double ms = ceil(left * 1000.0);
-        int n = poll(p, 3, ms > 60000.0 ? 60000 : (int)ms);
+        int n = poll(p, 3, ms > (double)INT_MAX ? INT_MAX : (int)ms); /* only an event or the deadline wakes it */
         if (n < 0 && errno != EINTR) return fail(c, SX_EIO, -1);
         if (n <= 0) continue;
         if (p[2].revents) return fail(c, SX_EABORTED, -1);
