@@ -360,35 +360,64 @@ def _check_buffer(data: Any, count: int, dtype: str, dtypes: tuple[str, ...] | d
     return buf
 
 
-class Comm:
-    """One rank's end of the TCP ring (sx_comm_* in sneppx.h). Owns both sockets from construction on.
+class _Communicator:
+    """What the TCP ring's and NCCL's communicators share: one call at a time (a lock keeps C's rule), abort()
+    from any thread at any time without waiting for the running call, close() once that call has returned, and
+    every status turned into its CollectiveError at once."""
 
-    One collective runs at a time (a lock here keeps C's rule); abort() may come from any thread at any time
-    and ends a running call at once; every call after a failure raises CollectiveAbortedError.
-    """
+    _abort: Any
+    _destroy: Any
+
+    def __init__(self, handle: Any, rank: int, world_size: int, generation: int):
+        self._handle = handle
+        self.rank, self.world_size, self.generation = rank, world_size, generation
+        self._lock = threading.Lock()  # one call at a time, and no close() during one
+        self._abort_lock = threading.Lock()  # held only for an instant: abort() never waits on a call
+
+    def _blamed(self) -> int | None:
+        """The rank the C side blames for a failure, when it knows one."""
+        return None
+
+    def _call(self, what: str, fn: Any, *args: Any) -> None:
+        with self._lock:
+            if self._handle == ffi.NULL:
+                raise errors.CollectiveAbortedError(f"{what}: the communicator is closed", rank=self.rank,
+                                                    generation=self.generation)
+            code = fn(self._handle, *args)
+            if code != lib.SX_OK:
+                raise_collective(code, what, rank=self.rank, generation=self.generation, peer=self._blamed())
+
+    def abort(self) -> None:
+        """Ends a running call and fails every later one."""
+        with self._abort_lock:
+            if self._handle != ffi.NULL:
+                type(self)._abort(self._handle)
+
+    def close(self) -> None:
+        """Releases the communicator once no call is running (abort() first to end one now)."""
+        with self._lock:
+            with self._abort_lock:
+                handle, self._handle = self._handle, ffi.NULL
+            if handle != ffi.NULL:
+                type(self)._destroy(handle)
+
+
+class Comm(_Communicator):
+    """One rank's end of the TCP ring (sx_comm_* in sneppx.h). Owns both sockets from construction on."""
+
+    _abort = lib.sx_comm_abort
+    _destroy = lib.sx_comm_destroy
 
     def __init__(self, rank: int, world_size: int, generation: int, send_fd: int = -1, recv_fd: int = -1,
                  chunk_bytes: int = 0):
         out = ffi.new("sx_comm **")
         code = lib.sx_comm_create(rank, world_size, generation, send_fd, recv_fd, chunk_bytes, out)
         raise_collective(code, "create communicator", rank=rank, generation=generation)
-        self._c = out[0]
-        self.rank, self.world_size, self.generation = rank, world_size, generation
-        self._lock = threading.Lock()  # one call at a time, and no close() during one
-        self._abort_lock = threading.Lock()  # held only for an instant: abort() never waits on a call
+        super().__init__(out[0], rank, world_size, generation)
 
-    def _check(self, code: int, what: str) -> None:
-        if code != lib.SX_OK:
-            peer = int(lib.sx_comm_failed_peer(self._c))
-            raise_collective(code, what, rank=self.rank, generation=self.generation,
-                             peer=peer if peer >= 0 else None)
-
-    def _call(self, what: str, fn: Any, *args: Any) -> None:
-        with self._lock:
-            if self._c == ffi.NULL:
-                raise errors.CollectiveAbortedError(f"{what}: the communicator is closed", rank=self.rank,
-                                                    generation=self.generation)
-            self._check(fn(self._c, *args), what)
+    def _blamed(self) -> int | None:
+        peer = int(lib.sx_comm_failed_peer(self._handle))
+        return peer if peer >= 0 else None
 
     def allreduce(self, data: Any, count: int, dtype: str, op: str, timeout: float) -> None:
         buf = _check_buffer(data, count, dtype, REDUCE_DTYPES)
@@ -409,20 +438,6 @@ class Comm:
 
     def barrier(self, timeout: float) -> None:
         self._call("barrier", lib.sx_comm_barrier, timeout)
-
-    def abort(self) -> None:
-        """Ends a running call and fails every later one; safe from any thread (the C side takes no lock)."""
-        with self._abort_lock:
-            if self._c != ffi.NULL:
-                lib.sx_comm_abort(self._c)
-
-    def close(self) -> None:
-        """Closes the sockets once no call is running (abort() first to end one now)."""
-        with self._lock:
-            with self._abort_lock:
-                c, self._c = self._c, ffi.NULL
-            if c != ffi.NULL:
-                lib.sx_comm_destroy(c)
 
 
 def nccl_candidates(sys_path: list[str], env: dict[str, str]) -> list[str]:
@@ -459,8 +474,11 @@ def nccl_unique_id() -> bytes:
     return bytes(ffi.buffer(out, NCCL_UNIQUE_ID_BYTES))
 
 
-class NcclComm:
+class NcclComm(_Communicator):
     """An NCCL communicator with an abort watchdog (sx_nccl_* in sneppx.h); calls take device pointers (ints)."""
+
+    _abort = lib.sx_nccl_abort
+    _destroy = lib.sx_nccl_destroy
 
     def __init__(self, unique_id: bytes, rank: int, world_size: int, generation: int, *, device: int,
                  timeout: float):
@@ -471,17 +489,7 @@ class NcclComm:
         out = ffi.new("sx_nccl **")
         code = lib.sx_nccl_create(unique_id, rank, world_size, device, timeout, out)
         raise_collective(code, "ncclCommInitRankConfig", rank=rank, generation=generation)
-        self._n = out[0]
-        self.rank, self.world_size, self.generation = rank, world_size, generation
-        self._lock = threading.Lock()
-        self._abort_lock = threading.Lock()
-
-    def _call(self, what: str, fn: Any, *args: Any) -> None:
-        with self._lock:
-            if self._n == ffi.NULL:
-                raise errors.CollectiveAbortedError(f"{what}: the communicator is closed", rank=self.rank,
-                                                    generation=self.generation)
-            raise_collective(fn(self._n, *args), what, rank=self.rank, generation=self.generation)
+        super().__init__(out[0], rank, world_size, generation)
 
     def allreduce(self, pointer: int, count: int, dtype: str, op: str, timeout: float) -> None:
         self._call("ncclAllReduce", lib.sx_nccl_allreduce, ffi.cast("void *", pointer), count, COMM_DTYPES[dtype],
@@ -497,15 +505,3 @@ class NcclComm:
 
     def broadcast(self, pointer: int, nbytes: int, root: int, timeout: float) -> None:
         self._call("ncclBroadcast", lib.sx_nccl_broadcast, ffi.cast("void *", pointer), nbytes, root, timeout)
-
-    def abort(self) -> None:
-        with self._abort_lock:
-            if self._n != ffi.NULL:
-                lib.sx_nccl_abort(self._n)
-
-    def close(self) -> None:
-        with self._lock:
-            with self._abort_lock:
-                n, self._n = self._n, ffi.NULL
-            if n != ffi.NULL:
-                lib.sx_nccl_destroy(n)

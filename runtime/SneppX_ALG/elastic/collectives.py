@@ -332,7 +332,7 @@ class ProcessGroup:
     surviving rank (PeerLostError, CollectiveTimeoutError, CollectiveAbortedError, StaleGenerationError,
     CommProtocolError) and leaves the group unusable: the next generation builds a new one.
 
-    backend="tcp" (CPU, any machine; needs the job key) or "nccl" (GPU `device`; arrays are staged through device
+    backend="tcp" (CPU, any machine; needs the job key when world_size > 1) or "nccl" (GPU `device`; arrays are staged through device
     memory, and objects with __cuda_array_interface__ are used in place). `abort()` may be called from any thread.
     """
 
@@ -361,13 +361,13 @@ class ProcessGroup:
         if backend == "nccl":
             self._comm: Any = self._connect_nccl(store, device, deadline)
         else:
-            self._comm = self._connect_tcp(store, job_key(key), host, chunk_bytes & ~7, deadline)
+            self._comm = self._connect_tcp(store, key, host, chunk_bytes & ~7, deadline)
 
-    def _connect_tcp(self, store: store_lib.Store, key: bytes, host: str, chunk_bytes: int,
+    def _connect_tcp(self, store: store_lib.Store, key: bytes | None, host: str, chunk_bytes: int,
                      deadline: float) -> _native.Comm:
-        if self.world_size == 1:
+        if self.world_size == 1:  # no peers: nothing to connect or authenticate
             return _native.Comm(0, 1, self.generation, chunk_bytes=chunk_bytes)
-        me = _Identity(key, self.generation, self.rank, self.world_size, chunk_bytes)
+        me = _Identity(job_key(key), self.generation, self.rank, self.world_size, chunk_bytes)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
             listener.bind((host, 0))
             listener.listen(MAX_PENDING_HANDSHAKES)

@@ -189,10 +189,4 @@ class DataParallelTrainer:
 
     def train(self, num_steps: int, on_step: Callable[[training.StepResult], None] | None = None) -> list[float]:
         """Runs num_steps steps; calls on_step after each. Returns the global losses (the same on every rank)."""
-        losses = []
-        for _ in range(num_steps):
-            result = self.train_step()
-            losses.append(result.loss)
-            if on_step is not None:
-                on_step(result)
-        return losses
+        return training.run_steps(self.train_step, num_steps, on_step)

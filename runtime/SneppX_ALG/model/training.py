@@ -67,6 +67,18 @@ class StepResult:
     seconds: float
 
 
+def run_steps(train_step: Callable[[], StepResult], num_steps: int,
+              on_step: Callable[[StepResult], None] | None = None) -> list[float]:
+    """Calls train_step num_steps times and on_step after each; returns the losses. Every trainer's train()."""
+    losses = []
+    for _ in range(num_steps):
+        result = train_step()
+        losses.append(result.loss)
+        if on_step is not None:
+            on_step(result)
+    return losses
+
+
 class Trainer:
     """Trains a Transformer on a token array (or a data_lib.SyntheticLanguage) with AdamW.
 
@@ -108,13 +120,7 @@ class Trainer:
 
     def train(self, num_steps: int, on_step: Callable[[StepResult], None] | None = None) -> list[float]:
         """Runs num_steps steps; calls on_step after each (for progress bars and periodic checkpoints)."""
-        losses = []
-        for _ in range(num_steps):
-            result = self.train_step()
-            losses.append(result.loss)
-            if on_step is not None:
-                on_step(result)
-        return losses
+        return run_steps(self.train_step, num_steps, on_step)
 
     # --- the TrainingStateOwner protocol the model calls ---
 
