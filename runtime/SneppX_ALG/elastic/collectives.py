@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
+import math
 import os
 import secrets
 import selectors
@@ -397,7 +398,7 @@ class ProcessGroup:
         """Reduces `array` over all ranks, in place; every rank ends with the same bits. Returns `array`."""
         dtype = _reduce_dtype(array, op)
         if self.backend == "nccl":
-            return self._nccl(array, lambda p: self._comm.allreduce(p, array.size, dtype, op, self._t(timeout)))
+            return self._nccl(array, lambda p: self._comm.allreduce(p, _count(array), dtype, op, self._t(timeout)))
         self._comm.allreduce(_host(array), array.size, dtype, op, self._t(timeout))
         return array
 
@@ -428,7 +429,8 @@ class ProcessGroup:
         if not 0 <= root < self.world_size:
             raise ValueError(f"root {root} is outside world size {self.world_size}")
         if self.backend == "nccl":
-            return self._nccl(array, lambda p: self._comm.broadcast(p, array.nbytes, root, self._t(timeout)))
+            nbytes = _count(array) * np.dtype(_array_dtype(array)).itemsize
+            return self._nccl(array, lambda p: self._comm.broadcast(p, nbytes, root, self._t(timeout)))
         self._comm.broadcast(_host(array), root, self._t(timeout))
         return array
 
@@ -493,10 +495,11 @@ class ProcessGroup:
         world = self.world_size
         pointer = _device_pointer(array)
         if pointer is not None:
-            if array.size % world:
+            count = _count(array)
+            if count % world:
                 raise errors.UnsupportedTensorError(
-                    f"{what} of a device array needs a size divisible by world size {world}, got {array.size}")
-            run(pointer, array.size)
+                    f"{what} of a device array needs a size divisible by world size {world}, got {count}")
+            run(pointer, count)
             return
         flat = _host(array).reshape(-1)
         slot = -(-flat.size // world)
@@ -531,6 +534,12 @@ def _reduce_dtype(array: Any, op: str) -> str:
 def _array_dtype(array: Any) -> Any:
     interface = getattr(array, "__cuda_array_interface__", None)
     return np.dtype(interface["typestr"]) if interface is not None else array.dtype
+
+
+def _count(array: Any) -> int:
+    """Elements of a numpy array or a device array (whose `size` may be a method, as torch's is)."""
+    interface = getattr(array, "__cuda_array_interface__", None)
+    return math.prod(interface["shape"]) if interface is not None else int(array.size)
 
 
 def _host(array: Any) -> np.ndarray:
