@@ -333,8 +333,9 @@ class ProcessGroup:
     surviving rank (PeerLostError, CollectiveTimeoutError, CollectiveAbortedError, StaleGenerationError,
     CommProtocolError) and leaves the group unusable: the next generation builds a new one.
 
-    backend="tcp" (CPU, any machine; needs the job key when world_size > 1) or "nccl" (GPU `device`; arrays are staged through device
-    memory, and objects with __cuda_array_interface__ are used in place). `abort()` may be called from any thread.
+    backend="tcp" (CPU, any machine; needs the job key when world_size > 1) or "nccl" (GPU `device`; arrays are
+    staged through device memory, and objects with __cuda_array_interface__ are used in place). `abort()` may be
+    called from any thread.
     """
 
     def __init__(self, store: store_lib.Store, rank: int, world_size: int, generation: int = 0, *,
@@ -383,7 +384,12 @@ class ProcessGroup:
             unique_id = _native.nccl_unique_id()
             store.set(nccl_id_key(self.generation), unique_id)
         else:
-            unique_id = store.get(nccl_id_key(self.generation), max(deadline - time.monotonic(), 0))
+            try:
+                unique_id = store.get(nccl_id_key(self.generation), max(deadline - time.monotonic(), 0))
+            except errors.StoreTimeoutError as e:
+                raise errors.CollectiveTimeoutError(
+                    f"setup of generation {self.generation}: rank 0 never published the NCCL id ({e})",
+                    rank=self.rank, generation=self.generation, peer=0) from None
         return _native.NcclComm(unique_id, self.rank, self.world_size, self.generation, device=device,
                                 timeout=max(deadline - time.monotonic(), 1e-3))
 
