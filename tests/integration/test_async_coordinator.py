@@ -283,6 +283,23 @@ def test_bad_arguments_are_refused_up_front(tmp_path) -> None:
     assert coordinator.CheckpointCoordinator(tmp_path).committed_steps() == []
 
 
+@pytest.mark.parametrize("key, reason", [("emb\x00", "NUL"), ("emb\udc80", "not valid Unicode"),
+                                         ("x" * 1025, "longer than 1024 bytes")])
+def test_a_tensor_name_the_format_refuses_fails_the_save_that_passed_it(tmp_path, key, reason) -> None:
+    """Checked in save() by the format's own rule, not first on the background thread, whose error used to
+    surface as the failure of the next, correct save()."""
+    with CheckpointCoordinator(tmp_path, max_to_keep=None) as coord:
+        with pytest.raises(errors.UnsupportedTensorError, match=reason):
+            coord.save({"ok": np.ones(4), key: np.ones(4)}, step=1)
+        coord.save({"ok": np.ones(4)}, step=2)
+        coord.wait()
+        assert coord.committed_steps() == [2]
+    restored: dict = {}
+    with CheckpointCoordinator(tmp_path) as resumed:
+        assert resumed.restore(restored).step == 2
+    np.testing.assert_array_equal(restored["ok"], np.ones(4))
+
+
 def test_close_on_another_thread_waits_for_a_save_in_progress(tmp_path) -> None:
     """close() takes the save lock: a save that already started is written and committed, never submitted to
     a stopped writer (which left wait() hanging)."""

@@ -1,4 +1,4 @@
-"""Signed multi-file checkpoints from CheckpointCoordinator: real files and a real moto S3 server, no mocks.
+"""Signed multi-file checkpoints from CheckpointCoordinator: real files and real S3 servers, no mocks.
 
 A signed step is a directory (or S3 prefix) whose manifest.json lists every shard's size and BLAKE3 digest
 and whose manifest.sig signs those exact bytes. These tests change bytes the way an attacker would and check that a
@@ -322,7 +322,7 @@ def test_sneppx_verify_a_step_directory_exit_codes(tmp_path, keys) -> None:
     assert sneppx("verify", str(good), "-k", str(tmp_path / "junk.pem")).returncode == 2
 
 
-# ---- S3 (a real moto server over HTTP on 127.0.0.1) ------------------------------------------------------
+# ---- S3 (moto and the Versity S3 Gateway over HTTP on 127.0.0.1; each test runs on both) ----------------
 
 
 def s3_objects(client, bucket: str) -> list[str]:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from SneppX_ALG import coordinator, errors
+from SneppX_ALG import errors
 from SneppX_ALG.checkpoint import manifest as manifest_codec
 from SneppX_ALG.coordinator import plan, retention, state
 

@@ -1,14 +1,15 @@
-"""The rendezvous store (elastic/store.py) and the job key the collectives authenticate with."""
+"""The rendezvous store (elastic/store.py), and the job key a process group authenticates with."""
 
 from __future__ import annotations
 
 import os
 import threading
 
+import numpy as np
 import pytest
 
 from SneppX_ALG import errors
-from SneppX_ALG.elastic import collectives, store
+from SneppX_ALG.elastic import collectives, heartbeat, store
 
 
 def test_set_then_get_across_store_objects(tmp_path: os.PathLike[str]) -> None:
@@ -77,37 +78,34 @@ def test_generation_keys_are_namespaced() -> None:
         store.generation_key(-1, "x")
 
 
-# ---- the job key -------------------------------------------------------------------------------------------------
-
-
-def test_job_key_comes_from_the_argument_the_key_file_or_hex(tmp_path: os.PathLike[str]) -> None:
-    key_file = os.path.join(tmp_path, "heartbeat-key")
-    with open(key_file, "wb") as f:
-        f.write(b"\x00\xff" * 16)  # raw bytes, as the operator's Secret mounts them
-    assert collectives.job_key(b"k" * 16, env={}) == b"k" * 16
-    assert collectives.job_key(env={collectives.KEY_FILE_ENV: key_file}) == b"\x00\xff" * 16
-    assert collectives.job_key(env={collectives.KEY_HEX_ENV: "ab" * 16}) == b"\xab" * 16
-    # the file wins over hex, as the operator sets the file
-    assert collectives.job_key(env={collectives.KEY_FILE_ENV: key_file, collectives.KEY_HEX_ENV: "ab" * 16}) == (
-        b"\x00\xff" * 16)
-
-
-def test_no_job_key_names_the_variables_to_set() -> None:
-    with pytest.raises(errors.JobKeyError) as raised:
-        collectives.job_key(env={})
-    assert collectives.KEY_FILE_ENV in str(raised.value) and collectives.KEY_HEX_ENV in str(raised.value)
-
-
-@pytest.mark.parametrize("env", [{collectives.KEY_HEX_ENV: "zz"}, {collectives.KEY_HEX_ENV: "ab" * 8 + "a"},
-                                 {collectives.KEY_HEX_ENV: "ab" * 15}, {collectives.KEY_FILE_ENV: "/nonexistent/k"}])
-def test_bad_job_keys_are_typed_errors(env: dict[str, str]) -> None:
-    with pytest.raises(errors.JobKeyError):
-        collectives.job_key(env=env)
+# ---- the job key: the heartbeat's (heartbeat.load_key, tested there), read the same way by a group ---------------
 
 
 def test_a_tcp_group_refuses_to_start_without_a_key(tmp_path: os.PathLike[str],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(collectives.KEY_FILE_ENV, raising=False)
-    monkeypatch.delenv(collectives.KEY_HEX_ENV, raising=False)
-    with pytest.raises(errors.JobKeyError):
+    monkeypatch.delenv(heartbeat.ENV_KEY_FILE, raising=False)
+    monkeypatch.delenv(heartbeat.ENV_KEY, raising=False)
+    with pytest.raises(errors.HeartbeatKeyError) as raised:
         collectives.ProcessGroup(store.DirectoryStore(tmp_path), 0, 2)
+    assert heartbeat.ENV_KEY_FILE in str(raised.value) and heartbeat.ENV_KEY in str(raised.value)
+
+
+def test_a_group_reads_the_key_file_the_operator_mounts(tmp_path: os.PathLike[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    key_file = os.path.join(tmp_path, "heartbeat-key")
+    with open(key_file, "wb") as f:
+        f.write(bytes(range(32)))  # raw bytes, as the job's Secret holds them
+    monkeypatch.setenv(heartbeat.ENV_KEY_FILE, key_file)
+    rendezvous = store.DirectoryStore(os.path.join(tmp_path, "rdzv"))
+    sums: list[float] = []
+
+    def rank_main(rank: int) -> None:
+        with collectives.ProcessGroup(rendezvous, rank, 2, timeout=60) as group:
+            sums.append(float(group.allreduce(np.ones(3))[0]))
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sums == [2.0, 2.0]

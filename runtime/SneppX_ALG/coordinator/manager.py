@@ -199,6 +199,7 @@ class CheckpointCoordinator:
                 size = plan.choose_buffer_bytes(state_bytes, self.staging_bytes)
                 worker.pool = engine.StagingPool(self._copier, size, self.staging_bytes // size)
             buffers = plan.plan_pieces(specs, worker.pool.size)
+            state.check_entry_names(p for b in buffers for p in b)
             job = engine.Job(step, specs, [p for b in buffers for p in b], values, kind, training_state)
             with worker._idle:
                 worker.steps.add(step)

@@ -1,4 +1,4 @@
-"""Elastic training: the pieces that let a job's ranks find each other, compute together, notice failures and
-re-form at another size. Each concept is its own module (collectives and their store so far); import the
-module you need, e.g. `from SneppX_ALG.elastic import collectives`.
+"""Elastic training: who is alive (heartbeat), when to go on (fault_tolerance), what a node may do next
+(lifecycle), and how the ranks of a generation find each other and compute together (store, collectives). The
+public names are re-exported by `SneppX_ALG`; import the modules here by name.
 """

@@ -34,12 +34,10 @@ from typing import Any, Literal, Self
 import numpy as np
 
 from SneppX_ALG import _native, errors
+from SneppX_ALG.elastic import heartbeat
 from SneppX_ALG.elastic import store as store_lib
 
 DEFAULT_TIMEOUT = 300.0
-KEY_FILE_ENV = "SNEPPX_HEARTBEAT_KEY_FILE"
-KEY_HEX_ENV = "SNEPPX_HEARTBEAT_KEY"
-MIN_KEY_BYTES = 16
 MAX_PENDING_HANDSHAKES = 64  # connections being vetted at once; beyond this the oldest is dropped
 
 PROTOCOL_VERSION = 1
@@ -57,34 +55,6 @@ SERVER_LABEL = b"sneppx-comm-server\0"
 CLIENT_LABEL = b"sneppx-comm-client\0"
 
 Backend = Literal["tcp", "nccl"]
-
-
-def job_key(key: bytes | None = None, env: Mapping[str, str] | None = None) -> bytes:
-    """The job's shared secret: `key`, else the file named by $SNEPPX_HEARTBEAT_KEY_FILE (its raw bytes: the
-    operator mounts the job's Secret there), else $SNEPPX_HEARTBEAT_KEY as hex. JobKeyError when none is set or
-    it is shorter than 16 bytes: there is no unauthenticated mode."""
-    env = os.environ if env is None else env
-    source = "key="
-    if key is None and env.get(KEY_FILE_ENV):
-        source = f"${KEY_FILE_ENV} ({env[KEY_FILE_ENV]})"
-        try:
-            with open(env[KEY_FILE_ENV], "rb") as f:
-                key = f.read(4096)
-        except OSError as e:
-            raise errors.JobKeyError(f"can't read the job key from {source}: {e}") from e
-    elif key is None and env.get(KEY_HEX_ENV):
-        source = f"${KEY_HEX_ENV}"
-        try:
-            key = bytes.fromhex(env[KEY_HEX_ENV].strip())
-        except ValueError:
-            raise errors.JobKeyError(f"{source} is not hex") from None
-    if key is None:
-        raise errors.JobKeyError(
-            f"no job key: pass key=, or set {KEY_FILE_ENV} to a file holding it, or {KEY_HEX_ENV} to it in hex "
-            "(every rank of the job needs the same key)")
-    if not isinstance(key, bytes) or len(key) < MIN_KEY_BYTES:
-        raise errors.JobKeyError(f"the job key from {source} must be at least {MIN_KEY_BYTES} bytes")
-    return key
 
 
 def address_key(generation: int, rank: int) -> str:
@@ -339,7 +309,7 @@ class ProcessGroup:
     """
 
     def __init__(self, store: store_lib.Store, rank: int, world_size: int, generation: int = 0, *,
-                 backend: Backend = "tcp", key: bytes | None = None, host: str = "127.0.0.1",
+                 backend: Backend = "tcp", key: bytes | str | None = None, host: str = "127.0.0.1",
                  timeout: float = DEFAULT_TIMEOUT, chunk_bytes: int = 1 << 20, device: int = 0):
         for name, value, low in (("world_size", world_size, 1), ("generation", generation, 0),
                                  ("rank", rank, 0)):
@@ -365,11 +335,12 @@ class ProcessGroup:
         else:
             self._comm = self._connect_tcp(store, key, host, chunk_bytes & ~7, deadline)
 
-    def _connect_tcp(self, store: store_lib.Store, key: bytes | None, host: str, chunk_bytes: int,
+    def _connect_tcp(self, store: store_lib.Store, key: bytes | str | None, host: str, chunk_bytes: int,
                      deadline: float) -> _native.Comm:
         if self.world_size == 1:  # no peers: nothing to connect or authenticate
             return _native.Comm(0, 1, self.generation, chunk_bytes=chunk_bytes)
-        me = _Identity(job_key(key), self.generation, self.rank, self.world_size, chunk_bytes)
+        # The job's one key, as the heartbeat reads it: key=, else $SNEPPX_HEARTBEAT_KEY_FILE, else the hex variable.
+        me = _Identity(heartbeat.load_key(key, os.environ), self.generation, self.rank, self.world_size, chunk_bytes)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
             listener.bind((host, 0))
             listener.listen(MAX_PENDING_HANDSHAKES)

@@ -66,10 +66,16 @@ __all__ = [
 
 def open_storage(root: str, *, s3_client: Any = None, staging_dir: str | None = None,
                  upload_part_bytes: int = 16 << 20, upload_threads: int = 4) -> Storage:
-    """A backend for `root`: `s3://bucket/prefix` or a local directory (created if missing)."""
+    """A backend for `root`: `s3://bucket/prefix`, `file:///absolute/path` (what the operator hands its pods)
+    or a local directory (created if missing)."""
     if root.startswith("s3://"):
         return S3Storage(root, client=s3_client, staging_dir=staging_dir, part_bytes=upload_part_bytes,
                          threads=upload_threads)
-    if "://" in root:
+    if root.startswith("file://"):
+        root = root[len("file://"):]
+        if not root.startswith("/"):
+            raise ValueError(f"unsupported checkpoint root file://{root}: a file:// URI needs an absolute path, "
+                             "file:///path (no host)")
+    elif "://" in root:
         raise ValueError(f"unsupported checkpoint root {root!r}: use a local path or s3://bucket/prefix")
     return LocalStorage(root)

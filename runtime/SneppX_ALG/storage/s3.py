@@ -220,12 +220,18 @@ class S3Storage:
             raise _s3_error(e, f"download of {key}", self.uri) from None
 
     def _delete_keys(self, keys: list[str]) -> None:
+        """Deletes keys in batches. A key the server could not delete comes back in the Errors of a 200
+        response, not as an exception: it fails the call (a step whose marker survived stays committed)."""
         for start in range(0, len(keys), 1000):
             batch = [{"Key": k} for k in keys[start:start + 1000]]
             try:
-                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+                failed = self.client.delete_objects(Bucket=self.bucket,
+                                                    Delete={"Objects": batch, "Quiet": True}).get("Errors")
             except _s3_errors() as e:
                 raise _s3_error(e, "delete", self.uri) from None
+            if failed:
+                raise errors.StorageError(f"S3 delete failed for {self.uri}: " + ", ".join(
+                    f"{f.get('Key')} ({f.get('Code')}: {f.get('Message')})" for f in failed), path=self.uri)
 
     def delete(self, step: int) -> None:
         name = base.step_name(step)
@@ -238,11 +244,11 @@ class S3Storage:
         return f"s3://{self.bucket}/{self.key(base.step_name(step))}"
 
     def incomplete_uploads(self) -> list[tuple[str, str]]:
-        """(key, upload id) of every multipart upload under the prefix that was never completed."""
+        """(key, upload id) of every multipart upload of a step under this root that was never completed."""
         found = []
         try:
             paginator = self.client.get_paginator("list_multipart_uploads")
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.key("")):
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.key("step-")):  # not exp10/ for exp1
                 found += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
         except _s3_errors() as e:
             raise _s3_error(e, "list uploads", self.uri) from None
