@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno as _errno
 import os
+import threading
 from typing import Any
 
 from SneppX_ALG import errors
@@ -169,14 +170,19 @@ CUDART_SONAME = "libcudart.so.12"
 _CUDART_IN_WHEEL = os.path.join("nvidia", "cuda_runtime", "lib", CUDART_SONAME)
 
 
+def wheel_library_candidates(in_wheel: str, soname: str, override: str, sys_path: list[str],
+                             env: dict[str, str]) -> list[str]:
+    """Where to look for an NVIDIA library, in order: $override alone if set, else `in_wheel` (e.g.
+    nvidia/nccl/lib/libnccl.so.2) under any sys.path entry (`nvidia` is a namespace package), then the soname."""
+    if env.get(override):
+        return [env[override]]
+    found = [os.path.join(entry or ".", in_wheel) for entry in sys_path]
+    return [path for path in found if os.path.isfile(path)] + [soname]
+
+
 def cudart_candidates(sys_path: list[str], env: dict[str, str]) -> list[str]:
-    """Where to look for libcudart, in order: $SNEPPX_CUDART alone if set, else the
-    nvidia-cuda-runtime-cu12 wheel on any sys.path entry (`nvidia` is a namespace package), then the soname."""
-    override = env.get("SNEPPX_CUDART")
-    if override:
-        return [override]
-    found = [os.path.join(entry or ".", _CUDART_IN_WHEEL) for entry in sys_path]
-    return [path for path in found if os.path.isfile(path)] + [CUDART_SONAME]
+    """Where to look for libcudart: $SNEPPX_CUDART, the nvidia-cuda-runtime-cu12 wheel, the soname."""
+    return wheel_library_candidates(_CUDART_IN_WHEEL, CUDART_SONAME, "SNEPPX_CUDART", sys_path, env)
 
 
 def _raise_cuda(code: int, what: str) -> None:
@@ -306,6 +312,359 @@ def _pointer(data: Any, *, writable: bool) -> tuple[Any, int | None]:
         return ffi.cast("void *", data), None
     buf = ffi.from_buffer("char[]", data, require_writable=writable)
     return buf, len(buf)
+
+
+# ---- heartbeats (heartbeat.c, blake2s.c) and the node lifecycle (elastic.c) -------------------------------
+
+HB_DROP_REASONS: tuple[str, ...] = tuple(ffi.string(lib.sx_hb_drop_name(i)).decode() for i in range(lib.SX_HB_NDROPS))
+HB_STATES = {lib.SX_HB_UNKNOWN: "unknown", lib.SX_HB_HEALTHY: "healthy", lib.SX_HB_SUSPECTED: "suspected",
+             lib.SX_HB_CONFIRMED: "confirmed"}
+HB_EVENTS = {lib.SX_HB_EVENT_HEALTHY: "healthy", lib.SX_HB_EVENT_SUSPECTED: "suspected",
+             lib.SX_HB_EVENT_CONFIRMED: "confirmed", lib.SX_HB_EVENT_RESTARTED: "restarted"}
+HB_MODES = {lib.SX_HB_DIRECT: "direct", lib.SX_HB_GOSSIP: "gossip"}
+HB_KEY_BYTES = lib.SX_HB_KEY_BYTES
+HB_HEADER_BYTES = lib.SX_HB_HEADER_BYTES
+HB_MAX_DATAGRAM = lib.SX_HB_MAX_DATAGRAM
+_HB_PEER_FIELDS = ("addr", "port", "state_since_ns", "last_seen_ns", "last_alive_ns", "rtt_ns", "rtt_var_ns",
+                   "probes_sent", "acks_received", "pings_received", "accepted", "suspicions", "instance",
+                   "restarts", "incarnation")
+_HB_STAT_FIELDS = ("port", "instance", "incarnation", "generation", "sent", "send_errors", "received", "accepted",
+                   "relayed", "stalls", "events")
+_EVENT_BATCH = 64
+
+
+def blake2s(data: Any, *, key: bytes = b"", digest_size: int = 32) -> bytes:
+    """Keyed BLAKE2s (RFC 7693) as the heartbeat computes it; the same bytes as hashlib.blake2s."""
+    if not 1 <= digest_size <= 32 or len(key) > 32:
+        raise ValueError(f"BLAKE2s takes a digest of 1-32 bytes and a key of at most 32, not {digest_size}/{len(key)}")
+    buf = as_buffer(data)
+    out = ffi.new("uint8_t[]", digest_size)
+    raise_for(lib.sx_blake2s(out, digest_size, key, len(key), buf, len(buf)), "blake2s")
+    return bytes(ffi.buffer(out, digest_size))
+
+
+def _raise_elastic(code: int, what: str) -> None:
+    if code == lib.SX_ENET:
+        err = lib.sx_last_errno()
+        raise errors.HeartbeatSocketError(err, f"{what}: {os.strerror(err) if err else 'socket error'}")
+    if code == lib.SX_ETIMEDOUT:
+        raise TimeoutError(what)
+    raise_for(code, what)
+
+
+class Heartbeat:
+    """One heartbeat monitor in C (see sx_hb_* in sneppx.h): a bound UDP socket and, once started, its thread.
+
+    peers: (IPv4 as int, port) pairs. Times are CLOCK_MONOTONIC nanoseconds. The memory is freed when the
+    object is garbage; stop() ends the thread and frees the port at once.
+    """
+
+    def __init__(self, *, bind_addr: int, bind_port: int, peers: list[tuple[int, int]], key: bytes, job_tag: bytes,
+                 interval_ns: int, timeout_ns: int, probe_timeout_ns: int, suspicion_ns: int, direct_limit: int,
+                 indirect_probes: int, retransmits: int, generation: int):
+        if len(key) != HB_KEY_BYTES or len(job_tag) != 16:
+            raise ValueError(f"the heartbeat key must be {HB_KEY_BYTES} bytes and the job tag 16")
+        for name, value in (("interval_ns", interval_ns), ("timeout_ns", timeout_ns), ("retransmits", retransmits)):
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, not {value}")
+        cfg = ffi.new("sx_hb_config *")
+        cfg.bind_addr, cfg.bind_port = bind_addr, bind_port
+        cfg.interval_ns, cfg.timeout_ns = interval_ns, timeout_ns
+        cfg.probe_timeout_ns, cfg.suspicion_ns = probe_timeout_ns, suspicion_ns
+        cfg.direct_limit, cfg.indirect_probes, cfg.retransmits = direct_limit, indirect_probes, retransmits
+        cfg.generation = generation
+        ffi.memmove(cfg.key, key, len(key))
+        ffi.memmove(cfg.job_tag, job_tag, 16)
+        self.npeers = len(peers)
+        addrs = ffi.new("uint32_t[]", [a for a, _ in peers] or [0])
+        ports = ffi.new("uint16_t[]", [p for _, p in peers] or [0])
+        out = ffi.new("sx_hb **")
+        code = lib.sx_hb_create(cfg, addrs, ports, len(peers), out)
+        ffi.memmove(cfg.key, bytes(len(key)), len(key))
+        _raise_elastic(code, "heartbeat socket")
+        self._hb = ffi.gc(out[0], lib.sx_hb_destroy)
+
+    def start(self) -> None:
+        _raise_elastic(lib.sx_hb_start(self._hb), "start heartbeat")
+
+    def stop(self) -> None:
+        lib.sx_hb_stop(self._hb)
+
+    def set_generation(self, generation: int) -> None:
+        _raise_elastic(lib.sx_hb_set_generation(self._hb, generation), f"set heartbeat generation {generation}")
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the whole monitor; `drops` by reason name, `mode` "direct" or "gossip"."""
+        out = ffi.new("sx_hb_stats *")
+        raise_for(lib.sx_hb_get_stats(self._hb, out), "heartbeat stats")
+        stats: dict[str, Any] = {name: int(getattr(out, name)) for name in _HB_STAT_FIELDS}
+        stats["mode"] = HB_MODES[out.mode]
+        stats["drops"] = {name: int(out.drops[i]) for i, name in enumerate(HB_DROP_REASONS)}
+        return stats
+
+    def peers(self) -> list[dict[str, Any]]:
+        """Every peer's state and counters, in the order given, from one consistent snapshot."""
+        out = ffi.new("sx_hb_peer[]", max(1, self.npeers))
+        raise_for(lib.sx_hb_get_peers(self._hb, out, self.npeers), "heartbeat peers")
+        rows = []
+        for i in range(self.npeers):
+            row: dict[str, Any] = {name: int(getattr(out[i], name)) for name in _HB_PEER_FIELDS}
+            row["state"] = HB_STATES[out[i].state]
+            rows.append(row)
+        return rows
+
+    def wait_events(self, after: int, timeout: float | None) -> list[dict[str, Any]]:
+        """Events with index > after (waits up to timeout seconds for the first; None = forever). [] on a timeout
+        or once stopped."""
+        out = ffi.new("sx_hb_event[]", _EVENT_BATCH)
+        count = ffi.new("size_t *")
+        timeout_ns = -1 if timeout is None else max(0, int(timeout * 1e9))
+        code = lib.sx_hb_wait_events(self._hb, after, out, _EVENT_BATCH, timeout_ns, count)
+        if code in (lib.SX_ETIMEDOUT, lib.SX_ESTATE):
+            return []
+        raise_for(code, "heartbeat events")
+        return [{"index": int(e.index), "kind": HB_EVENTS[e.kind], "peer": int(e.peer), "time_ns": int(e.time_ns),
+                 "generation": int(e.generation)} for e in (out[i] for i in range(count[0]))]
+
+
+LIFECYCLE_STATES: tuple[str, ...] = tuple(ffi.string(lib.sx_elastic_state_name(i)).decode() for i in range(lib.SX_EL_NSTATES))
+LIFECYCLE_EVENTS: tuple[str, ...] = tuple(ffi.string(lib.sx_elastic_event_name(i)).decode() for i in range(lib.SX_EL_NEVENTS))
+
+
+def lifecycle_new() -> Any:
+    """A fresh lifecycle machine (sx_elastic) in state "init", generation 0."""
+    machine = ffi.new("sx_elastic *")
+    lib.sx_elastic_init(machine)
+    return machine
+
+
+def lifecycle_next(state: str, event: str) -> str | None:
+    """The state `event` leads to from `state`, or None where it is illegal."""
+    code = lib.sx_elastic_next(LIFECYCLE_STATES.index(state), LIFECYCLE_EVENTS.index(event))
+    return None if code == lib.SX_ESTATE else LIFECYCLE_STATES[code]
+
+
+def lifecycle_fire(machine: Any, event: str, generation: int = 0) -> None:
+    """Applies event to the machine; LifecycleError if its state doesn't allow it (nothing changes then)."""
+    if event not in LIFECYCLE_EVENTS:
+        raise ValueError(f"unknown lifecycle event {event!r}; one of {', '.join(LIFECYCLE_EVENTS)}")
+    if generation < 0:
+        raise ValueError(f"generation must be >= 0, not {generation}")
+    state = LIFECYCLE_STATES[machine.state]
+    code = lib.sx_elastic_fire(machine, LIFECYCLE_EVENTS.index(event), generation)
+    if code == lib.SX_ESTATE:
+        raise errors.LifecycleError(f"event {event!r} is not allowed in state {state!r}", state=state, event=event)
+    if code == lib.SX_EINVAL:
+        raise ValueError(f"generation {generation} is not newer than the current {int(machine.generation)}")
+    raise_for(code, f"lifecycle event {event}")
+
+# ---- collectives: the TCP ring (comm.c) and NCCL (nccl.c) -------------------------------------------------
+
+COMM_DTYPES = {"float32": lib.SX_DTYPE_F32, "float64": lib.SX_DTYPE_F64, "int32": lib.SX_DTYPE_I32,
+               "int64": lib.SX_DTYPE_I64, "uint8": lib.SX_DTYPE_U8}
+REDUCE_DTYPES = ("float32", "float64", "int32", "int64")
+REDUCE_OPS = {"sum": lib.SX_OP_SUM, "max": lib.SX_OP_MAX, "min": lib.SX_OP_MIN}
+COMM_HEADER_BYTES = lib.SX_COMM_HEADER_BYTES
+COMM_MAGIC = lib.SX_COMM_MAGIC
+NCCL_UNIQUE_ID_BYTES = lib.SX_NCCL_UNIQUE_ID_BYTES
+NCCL_SONAME = "libnccl.so.2"
+_NCCL_IN_WHEEL = os.path.join("nvidia", "nccl", "lib", NCCL_SONAME)
+
+
+def shard_range(count: int, world_size: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of the shard of `count` elements that `rank` owns among `world_size` ranks:
+    start = floor(count * rank / world_size). The ring's segments and ZeRO's optimizer shards both use it."""
+    if not 0 <= rank < world_size or count < 0:
+        raise ValueError(f"rank {rank} of world size {world_size}, count {count}")
+    start, stop = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    lib.sx_shard_range(count, world_size, rank, start, stop)
+    return int(start[0]), int(stop[0])
+
+
+def raise_collective(code: int, what: str, *, rank: int | None, generation: int | None,
+                     peer: int | None = None) -> None:
+    """The typed CollectiveError for a comm.c/nccl.c status (no-op for SX_OK)."""
+    if code == lib.SX_OK:
+        return
+    where = {"rank": rank, "generation": generation, "peer": peer}
+    detail = ffi.string(lib.sx_strerror(code)).decode()
+    blame = f" (rank {peer})" if peer is not None else ""
+    message = f"{what} on rank {rank}, generation {generation}: {detail}{blame}"
+    if code == lib.SX_EPEER:
+        raise errors.PeerLostError(message, **where)
+    if code == lib.SX_ETIMEDOUT:
+        raise errors.CollectiveTimeoutError(message, **where)
+    if code == lib.SX_EABORTED:
+        raise errors.CollectiveAbortedError(message, **where)
+    if code == lib.SX_ESTALE:
+        raise errors.StaleGenerationError(message, **where)
+    if code == lib.SX_EPROTO:
+        raise errors.CommProtocolError(message, **where)
+    if code == lib.SX_ENCCL:
+        result = int(lib.sx_nccl_last_error())
+        text = ffi.string(lib.sx_nccl_error_string(result)).decode(errors="replace")
+        raise errors.NcclError(f"{message}: NCCL error {result}: {text}", nccl_error=result, **where)
+    if code in (lib.SX_ENODEV, lib.SX_ENOLIB, lib.SX_ECUDA):
+        _raise_cuda(code, what)
+    raise_for(code, what)
+
+
+def _check_buffer(data: Any, count: int, dtype: str, dtypes: tuple[str, ...] | dict[str, int]) -> Any:
+    if dtype not in dtypes:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(dtypes)}")
+    buf = as_buffer(data)
+    itemsize = 1 if dtype == "uint8" else int(dtype[-2:]) // 8
+    if count < 0 or count * itemsize > len(buf):
+        raise ValueError(f"{count} {dtype} elements do not fit a buffer of {len(buf)} bytes")
+    return buf
+
+
+class _Communicator:
+    """What the TCP ring's and NCCL's communicators share: one call at a time (a lock keeps C's rule), abort()
+    from any thread at any time without waiting for the running call, close() once that call has returned, and
+    every status turned into its CollectiveError at once."""
+
+    _abort: Any
+    _destroy: Any
+
+    def __init__(self, handle: Any, rank: int, world_size: int, generation: int):
+        self._handle = handle
+        self.rank, self.world_size, self.generation = rank, world_size, generation
+        self._lock = threading.Lock()  # one call at a time, and no close() during one
+        self._abort_lock = threading.Lock()  # held only for an instant: abort() never waits on a call
+
+    def _blamed(self) -> int | None:
+        """The rank the C side blames for a failure, when it knows one."""
+        return None
+
+    def _call(self, what: str, fn: Any, *args: Any) -> None:
+        with self._lock:
+            if self._handle == ffi.NULL:
+                raise errors.CollectiveAbortedError(f"{what}: the communicator is closed", rank=self.rank,
+                                                    generation=self.generation)
+            code = fn(self._handle, *args)
+            if code != lib.SX_OK:
+                raise_collective(code, what, rank=self.rank, generation=self.generation, peer=self._blamed())
+
+    def abort(self) -> None:
+        """Ends a running call and fails every later one."""
+        with self._abort_lock:
+            if self._handle != ffi.NULL:
+                type(self)._abort(self._handle)
+
+    def close(self) -> None:
+        """Releases the communicator once no call is running (abort() first to end one now)."""
+        with self._lock:
+            with self._abort_lock:
+                handle, self._handle = self._handle, ffi.NULL
+            if handle != ffi.NULL:
+                type(self)._destroy(handle)
+
+
+class Comm(_Communicator):
+    """One rank's end of the TCP ring (sx_comm_* in sneppx.h). Owns both sockets from construction on."""
+
+    _abort = lib.sx_comm_abort
+    _destroy = lib.sx_comm_destroy
+
+    def __init__(self, rank: int, world_size: int, generation: int, send_fd: int = -1, recv_fd: int = -1,
+                 chunk_bytes: int = 0):
+        out = ffi.new("sx_comm **")
+        code = lib.sx_comm_create(rank, world_size, generation, send_fd, recv_fd, chunk_bytes, out)
+        raise_collective(code, "create communicator", rank=rank, generation=generation)
+        super().__init__(out[0], rank, world_size, generation)
+
+    def _blamed(self) -> int | None:
+        peer = int(lib.sx_comm_failed_peer(self._handle))
+        return peer if peer >= 0 else None
+
+    def allreduce(self, data: Any, count: int, dtype: str, op: str, timeout: float) -> None:
+        buf = _check_buffer(data, count, dtype, REDUCE_DTYPES)
+        self._call("allreduce", lib.sx_comm_allreduce, buf, count, COMM_DTYPES[dtype], REDUCE_OPS[op], timeout)
+
+    def reduce_scatter(self, data: Any, count: int, dtype: str, op: str, timeout: float) -> None:
+        buf = _check_buffer(data, count, dtype, REDUCE_DTYPES)
+        self._call("reduce_scatter", lib.sx_comm_reduce_scatter, buf, count, COMM_DTYPES[dtype], REDUCE_OPS[op],
+                   timeout)
+
+    def allgather(self, data: Any, count: int, dtype: str, timeout: float) -> None:
+        buf = _check_buffer(data, count, dtype, COMM_DTYPES)
+        self._call("allgather", lib.sx_comm_allgather, buf, count, COMM_DTYPES[dtype], timeout)
+
+    def broadcast(self, data: Any, root: int, timeout: float) -> None:
+        buf = as_buffer(data)
+        self._call("broadcast", lib.sx_comm_broadcast, buf, len(buf), root, timeout)
+
+    def barrier(self, timeout: float) -> None:
+        self._call("barrier", lib.sx_comm_barrier, timeout)
+
+
+def nccl_candidates(sys_path: list[str], env: dict[str, str]) -> list[str]:
+    """Where to look for libnccl: $SNEPPX_NCCL, the nvidia-nccl-cu12 wheel, the soname."""
+    return wheel_library_candidates(_NCCL_IN_WHEEL, NCCL_SONAME, "SNEPPX_NCCL", sys_path, env)
+
+
+def nccl_load() -> str:
+    """Loads libnccl (first candidate that loads, 2.14.3 or newer) and returns the file it came from."""
+    import sys
+
+    for candidate in nccl_candidates(sys.path, dict(os.environ)):
+        if lib.sx_nccl_load(os.fsencode(candidate)) == lib.SX_OK:
+            return ffi.string(lib.sx_nccl_library()).decode()
+    raise errors.AcceleratorUnavailableError(
+        f"NCCL ({NCCL_SONAME}, 2.14.3 or newer) can't be loaded; install nvidia-nccl-cu12 (the `nccl` extra) "
+        "or set SNEPPX_NCCL to the library's path")
+
+
+def nccl_version() -> tuple[int, int, int]:
+    """The loaded NCCL's (major, minor, patch)."""
+    nccl_load()
+    out = ffi.new("int *")
+    raise_for(lib.sx_nccl_version(out), "ncclGetVersion")
+    code = int(out[0])  # X*10000 + Y*100 + Z since 2.9 (X*1000 + Y*100 + Z before; older than we load)
+    return code // 10000, code // 100 % 100, code % 100
+
+
+def nccl_unique_id() -> bytes:
+    """A fresh ncclUniqueId (rank 0 makes it; the store carries it to the others)."""
+    nccl_load()
+    out = ffi.new("unsigned char[]", NCCL_UNIQUE_ID_BYTES)
+    raise_collective(lib.sx_nccl_unique_id(out), "ncclGetUniqueId", rank=None, generation=None)
+    return bytes(ffi.buffer(out, NCCL_UNIQUE_ID_BYTES))
+
+
+class NcclComm(_Communicator):
+    """An NCCL communicator with an abort watchdog (sx_nccl_* in sneppx.h); calls take device pointers (ints)."""
+
+    _abort = lib.sx_nccl_abort
+    _destroy = lib.sx_nccl_destroy
+
+    def __init__(self, unique_id: bytes, rank: int, world_size: int, generation: int, *, device: int,
+                 timeout: float):
+        if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
+            raise ValueError(f"an NCCL unique id is {NCCL_UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+        nccl_load()
+        cuda_load()
+        out = ffi.new("sx_nccl **")
+        code = lib.sx_nccl_create(unique_id, rank, world_size, device, timeout, out)
+        raise_collective(code, "ncclCommInitRankConfig", rank=rank, generation=generation)
+        super().__init__(out[0], rank, world_size, generation)
+
+    def allreduce(self, pointer: int, count: int, dtype: str, op: str, timeout: float) -> None:
+        self._call("ncclAllReduce", lib.sx_nccl_allreduce, ffi.cast("void *", pointer), count, COMM_DTYPES[dtype],
+                   REDUCE_OPS[op], timeout)
+
+    def reduce_scatter(self, pointer: int, count: int, dtype: str, op: str, timeout: float) -> None:
+        self._call("ncclReduceScatter", lib.sx_nccl_reduce_scatter, ffi.cast("void *", pointer), count,
+                   COMM_DTYPES[dtype], REDUCE_OPS[op], timeout)
+
+    def allgather(self, pointer: int, count: int, dtype: str, timeout: float) -> None:
+        self._call("ncclAllGather", lib.sx_nccl_allgather, ffi.cast("void *", pointer), count, COMM_DTYPES[dtype],
+                   timeout)
+
+    def broadcast(self, pointer: int, nbytes: int, root: int, timeout: float) -> None:
+        self._call("ncclBroadcast", lib.sx_nccl_broadcast, ffi.cast("void *", pointer), nbytes, root, timeout)
+
 
 
 # ---- reads through the fault hook; ordering a copy after the producer's stream ----------------------------

@@ -198,6 +198,146 @@ class OperatorConfigError(SneppXError, ValueError):
     """The operator's own configuration (environment, command line) is invalid."""
 
 
+# --- file handles: a checkpoint reader or writer used after it is done ----------
+
+
+class CheckpointClosedError(SneppXError, ValueError):
+    """A CheckpointReader was used after close(), or a CheckpointWriter after commit() or abort().
+
+    A writer is single-use: once committed or aborted it never touches its path again; make a new one.
+    """
+
+
+# --- elastic: heartbeats, quorum, restarts, rollback, the node lifecycle -------
+
+
+class HeartbeatError(SneppXError):
+    """The heartbeat monitor can't run as configured."""
+
+
+class HeartbeatKeyError(HeartbeatError, ValueError):
+    """No usable heartbeat key: none given, unreadable, not hex, or shorter than 16 bytes. The message names
+    the environment variable to set (SNEPPX_HEARTBEAT_KEY_FILE or SNEPPX_HEARTBEAT_KEY)."""
+
+
+class HeartbeatConfigError(HeartbeatError, ValueError):
+    """A peer or bind address that can't be used (malformed, unresolvable, IPv6, a duplicate)."""
+
+
+class HeartbeatSocketError(HeartbeatError, OSError):
+    """The heartbeat socket can't be opened or bound (the address is in use or not on this host)."""
+
+
+class QuorumTimeoutError(SneppXError, TimeoutError):
+    """Too few members were healthy when the wait ended. `.missing` names the members not healthy,
+    `.healthy` those that were, `.needed` how many healthy members a quorum takes."""
+
+    def __init__(self, message: str, *, missing: list[str], healthy: list[str], needed: int):
+        super().__init__(message)
+        self.missing = missing
+        self.healthy = healthy
+        self.needed = needed
+
+
+class RestartBudgetExhaustedError(SneppXError):
+    """More failures than max_restarts allows; `.history` holds every failure (time, reason, delay)."""
+
+    def __init__(self, message: str, *, history: list[object]):
+        super().__init__(message)
+        self.history = history
+
+
+class RollbackLimitError(SneppXError):
+    """No committed checkpoint within the rollback depth validates; `.skipped` lists each step rolled back
+    past and why."""
+
+    def __init__(self, message: str, *, skipped: list[object]):
+        super().__init__(message)
+        self.skipped = skipped
+
+
+class LifecycleError(SneppXError, RuntimeError):
+    """An event that the node's lifecycle does not allow in its current state (e.g. `reconfigured` while
+    running): `.state` and `.event` name them."""
+
+    def __init__(self, message: str, *, state: str, event: str):
+        super().__init__(message)
+        self.state = state
+        self.event = event
+
+
+# --- several processes on one checkpoint root: writers, readers, commits ------
+
+
+class CommitUnknownError(StorageError):
+    """A commit's outcome could not be learned: the conditional PUT of the step's marker (or manifest) got no
+    clear answer and reading it back failed too. The step may or may not be committed; nothing was deleted
+    (cleanup removes the parts later if no marker appears)."""
+
+
+class ReadOnlyCoordinatorError(SneppXError, RuntimeError):
+    """save() on a CheckpointCoordinator opened with read_only=True (a reader: an evaluator, a tool)."""
+
+
+# --- collectives: the ranks of one membership generation computing together ----
+
+
+class CollectiveError(SneppXError):
+    """A collective operation failed. The process group is unusable after it: the next generation builds a new
+    one. `.rank` and `.generation` say whose group; `.peer` the rank blamed, when one is (else None)."""
+
+    def __init__(self, message: str, *, rank: int | None = None, generation: int | None = None,
+                 peer: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.generation = generation
+        self.peer = peer
+
+
+class PeerLostError(CollectiveError, ConnectionError):
+    """A peer's connection closed or reset during a collective: the peer died, left, or failed itself."""
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A collective (or the group's setup) passed its deadline: a peer is hung, stopped or unreachable."""
+
+
+class CollectiveAbortedError(CollectiveError):
+    """The group was aborted (`abort()`, e.g. from the heartbeat's thread), or failed in an earlier call."""
+
+
+class StaleGenerationError(CollectiveError):
+    """A message or connection came from another membership generation than this group's."""
+
+
+class CommProtocolError(CollectiveError):
+    """A peer sent bytes that are not the protocol, or the ranks called different collectives."""
+
+
+class CommAuthError(CollectiveError):
+    """A peer failed the job-key challenge: it does not hold this job's key."""
+
+
+class NcclError(CollectiveError):
+    """An NCCL call failed (`.nccl_error` holds the ncclResult_t); the communicator was aborted."""
+
+    def __init__(self, message: str, *, nccl_error: int = 0, **kwargs: int | None):
+        super().__init__(message, **kwargs)
+        self.nccl_error = nccl_error
+
+
+class StoreError(SneppXError):
+    """The rendezvous store could not be read or written."""
+
+
+class StoreKeyExistsError(StoreError):
+    """A create-only store key was already set (by another process, or an earlier attempt)."""
+
+
+class StoreTimeoutError(StoreError, TimeoutError):
+    """A store key was not set before the deadline (a peer never published it)."""
+
+
 # --- the checkpoint store: unreadable steps, untrusted signers, timelines -------
 
 
