@@ -21,3 +21,11 @@ def steps_to_delete(committed: list[int], *, new_step: int, max_to_keep: int | N
     if keep_every_n_steps:
         keep |= {s for s in ordered if s % keep_every_n_steps == 0}
     return [s for s in ordered if s not in keep and s < new_step]
+
+
+def set_aside_to_delete(set_aside: list[tuple[int, str]], *, max_to_keep: int | None) -> list[str]:
+    """Names of set-aside steps (`.invalid-*`, `.abandoned-*`, as (step, name)) beyond the newest max_to_keep
+    by step number: kept for inspection, bounded like the committed steps. max_to_keep None or 0 keeps all."""
+    if not max_to_keep or max_to_keep < 0:
+        return []
+    return [name for _, name in sorted(set_aside)[:-max_to_keep]]
