@@ -5,7 +5,7 @@ doesn't. Here every crash point of a recorded save is turned into the on-disk st
 allows, each is written into a fresh directory, and a check (a fresh coordinator restoring) runs on it. In the
 spirit of ALICE (Pillai et al., OSDI'14) and SQLite's crash-test VFS.
 
-Persistence model (what POSIX and Linux promise, no more; docs/TESTING.md, "Power-loss sweep"):
+Persistence model (what POSIX and Linux promise, no more; docs/TESTING.md, "Power loss"):
 
 * The tree before the log is durable.
 * A data op on a file (write, ftruncate, fallocate, open with O_TRUNC) is durable once an fsync or fdatasync
@@ -155,7 +155,8 @@ class Replay:
             try:
                 self.labels.append(self._replay(op))
             except (KeyError, ValueError, AssertionError) as e:
-                raise oplog.RecordingError(f"op {op.index} ({op}) can't be replayed: {e!r}") from None
+                what = f"{op.kind} {op.path or f'fd {op.fd}'}"
+                raise oplog.RecordingError(f"op {op.index} ({what}) can't be replayed: {e!r}") from None
         for effect in self.effects:
             effect.durable_after = self._durable_after(effect)
 

@@ -1,6 +1,6 @@
 """The persistence model itself (crashfs.py), on small hand-written op logs: what it lets a power cut keep or lose.
 
-Each test is one rule of the model (docs/TESTING.md, "Power-loss sweep") and checks the full set of crash
+Each test is one rule of the model (docs/TESTING.md, "Power loss") and checks the full set of crash
 states it allows at the end of the log, so a model that were too kind (missing states) or too harsh (states
 POSIX rules out) fails here before it could make the sweep pass or fail for the wrong reason.
 """

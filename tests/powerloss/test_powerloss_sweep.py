@@ -2,8 +2,8 @@
 
 A root holds step 7 (and leftovers of an earlier crash); a CheckpointCoordinator with max_to_keep=1, in its
 own process under the recording shim, saves step 8, so committing 8 deletes 7. For every crash point of the
-recorded log, every on-disk state the persistence model allows (crashfs.py; docs/TESTING.md, "Power-loss
-sweep") is written into a fresh directory and a fresh coordinator restores from it: it must get step 7 or step
+recorded log, every on-disk state the persistence model allows (crashfs.py; docs/TESTING.md, "Power loss")
+is written into a fresh directory and a fresh coordinator restores from it: it must get step 7 or step
 8, bit-exact, never a mix, never nothing, and never 7 once wait() had returned for 8.
 
 The planted bugs below are the ones a SIGKILL harness can't see (the page cache survives a kill): a commit
