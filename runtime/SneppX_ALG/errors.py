@@ -276,3 +276,11 @@ class CommitUnknownError(StorageError):
 
 class ReadOnlyCoordinatorError(SneppXError, RuntimeError):
     """save() on a CheckpointCoordinator opened with read_only=True (a reader: an evaluator, a tool)."""
+
+
+# --- interop: other formats and frameworks, tools over a checkpoint root -------
+
+
+class ForeignCheckpointError(CheckpointFormatError):
+    """A checkpoint in another format (a safetensors file or sharded index) can't be read as it is: the file is
+    malformed, or the index names files or tensors its shards don't hold."""
