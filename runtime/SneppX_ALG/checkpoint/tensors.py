@@ -192,6 +192,7 @@ class SafetensorsTensors(TensorSet):
 
     def __init__(self, path: str):
         super().__init__(path)
+        import ml_dtypes  # noqa: F401  (registers bfloat16 and float8 with numpy: safetensors' reader needs them)
         import safetensors
 
         self._error = safetensors.SafetensorError
