@@ -22,7 +22,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 def sneppx(*args: str) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("sneppx", path=str(pathlib.Path(sys.executable).parent))
     assert exe, "the sneppx console script is installed with the package"
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300, check=False)
 
 
 def model_state(seed: int = 0) -> dict[str, np.ndarray]:
@@ -139,7 +139,7 @@ def test_convert_both_ways_on_the_command_line(tmp_path: pathlib.Path) -> None:
     assert sneppx("validate", str(tmp_path / "m.snpx")).returncode == 0
     out = sneppx("convert", str(tmp_path / "m.snpx"), str(tmp_path / "hf"), "--max-shard-size", "1.5KiB")
     assert out.returncode == 0, out.stderr
-    assert sorted(os.listdir(tmp_path / "hf"))[-1] == "model.safetensors.index.json"
+    assert "model.safetensors.index.json" in os.listdir(tmp_path / "hf")
     assert sneppx("diff", str(tmp_path / "hf"), str(tmp_path / "m.safetensors")).returncode == 0
     assert sneppx("convert", "a.snpx", "b.snpx", "--max-shard-size", "lots").returncode == 2
     assert sneppx("convert", str(tmp_path / "m.safetensors"), str(tmp_path / "x.snpx"), "--max-shard-size",
