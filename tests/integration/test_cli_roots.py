@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from s3_servers import S3Server
 
 from SneppX_ALG import CheckpointCoordinator, generate_keypair
 from SneppX_ALG.checkpoint import signing
@@ -176,15 +177,18 @@ def test_gc_never_removes_the_newest_valid_step(tmp_path: pathlib.Path) -> None:
 # ---- both, on S3 (moto and the Versity gateway) ---------------------------------------------------------
 
 
-@pytest.mark.usefixtures("s3_env")
-def test_ls_and_gc_on_an_s3_root(s3_bucket: str) -> None:
+def test_ls_and_gc_on_an_s3_root(s3_env: S3Server, s3_bucket: str) -> None:
     root = f"s3://{s3_bucket}/jobs/run1"
     save(root, [100, 200, 300])
+    client = s3_env.client()
+    client.put_object(Bucket=s3_bucket, Key="jobs/run1/step-000000400/shard-00000.snpx", Body=b"x" * 10)
     code, listing = ls(root)
     assert code == 0 and listing["latest"] == 300
     assert [(r["step"], r["state"], r["check"]) for r in listing["steps"]] == [
-        (300, "committed", "full"), (200, "committed", "quick"), (100, "committed", "quick")]
-    assert all(r["bytes"] > 0 and r["age"] != "?" for r in listing["steps"])
+        (400, "uncommitted", None), (300, "committed", "full"), (200, "committed", "quick"),
+        (100, "committed", "quick")]
+    client.delete_object(Bucket=s3_bucket, Key="jobs/run1/step-000000400/shard-00000.snpx")
+    assert all(r["bytes"] > 0 and r["age"] != "?" for r in listing["steps"] if r["state"] == "committed")
     code, listing = ls(root, "--full")
     assert code == 0 and all(r["valid"] for r in listing["steps"])
     dry = json.loads(sneppx("gc", root, "--keep", "1", "--json").stdout)
@@ -192,3 +196,9 @@ def test_ls_and_gc_on_an_s3_root(s3_bucket: str) -> None:
     assert sneppx("gc", root, "--keep", "1", "--apply").returncode == 0
     with CheckpointCoordinator(root, read_only=True) as c:
         assert c.committed_steps() == [300]
+    shard = "jobs/run1/step-000000300/shard-00000.snpx"
+    blob = bytearray(client.get_object(Bucket=s3_bucket, Key=shard)["Body"].read())
+    blob[4096 + 10] ^= 0xFF
+    client.put_object(Bucket=s3_bucket, Key=shard, Body=bytes(blob))
+    code, listing = ls(root)
+    assert code == 1 and listing["latest"] is None and "CRC32C" in listing["why"]

@@ -21,7 +21,12 @@ from typing import Any
 from SneppX_ALG import errors, storage
 from SneppX_ALG.checkpoint import signing, validate
 from SneppX_ALG.cli import output
-from SneppX_ALG.coordinator import CheckpointCoordinator, timeline
+from SneppX_ALG.coordinator import CheckpointCoordinator
+
+try:  # TODO(merge i9-coord)
+    from SneppX_ALG.coordinator import timeline
+except ImportError:
+    timeline = None
 
 _NOTES = {"uncommitted": "no commit point: a save in flight, or left by a crash (a writer's cleanup removes it "
                          "once its writer is gone)",
@@ -127,6 +132,8 @@ def list_root(coord: CheckpointCoordinator, *, full: bool = False, quick: bool =
 
 
 def _stored_fence(store: storage.Storage) -> timeline.Fence | None:
+    if not hasattr(store, "read_record"):  # TODO(merge i9-coord): timelines arrive with it
+        return None
     raw = store.read_record(timeline.FENCE_RECORD)
     return timeline.decode_fence(raw, where=f"{store.uri}/{timeline.FENCE_RECORD}") if raw is not None else None
 

@@ -342,6 +342,39 @@ class CheckpointCoordinator:
             return self._info(candidate, manifest)
         return None
 
+    def retention_plan(self, max_to_keep: int, keep_every_n_steps: int | None = None) -> retention.Plan:
+        """What retention would delete now with these settings, as if the newest committed step had just been
+        saved (`sneppx gc`): the same rule the writer applies after each save, so it never deletes the newest
+        step that validates (found by reading steps newest first, as latest() does). Changes nothing."""
+        committed = self.committed_steps()
+        if not committed:
+            return retention.Plan([], [], [], None, {})
+        skipped_before = len(self.skipped)
+        newest = self.latest()
+        protected = frozenset() if newest is None else frozenset({newest.step})
+        doomed = retention.steps_to_delete(committed, new_step=committed[-1], max_to_keep=max_to_keep,
+                                           keep_every_n_steps=keep_every_n_steps, protected=protected)
+        invalid = {s.step: list(s.problems) for s in self.skipped[skipped_before:]}
+        return retention.Plan([s for s in committed if s not in doomed], doomed, [],
+                              None if newest is None else newest.step, invalid)
+
+    def apply_retention(self, plan: retention.Plan) -> None:
+        """Deletes what `plan` (from retention_plan) says; a step already gone is skipped."""
+        with self._lock:
+            self._check_open()
+            if self.read_only:
+                raise errors.ReadOnlyCoordinatorError(f"this coordinator reads {self.checkpoint_root} only "
+                                                      "(read_only=True): it can't delete")
+            self._engine.wait()
+            for step in plan.delete:
+                if step == plan.newest_valid:  # the plan's own promise, kept even for a hand-made plan
+                    continue
+                try:
+                    self._storage.delete(step)
+                except errors.CheckpointNotFoundError:
+                    continue
+                log.info("retention: deleted checkpoint step %d", step)
+
     def _info(self, step: int, manifest: dict[str, Any]) -> CheckpointInfo:
         location = (f"{self._storage.uri}/{storage.step_name(step)}")
         return CheckpointInfo(step, location, manifest.get("training_state"), manifest)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 
 def is_save_step(step: int, every: int | None, last_saved: int | None) -> bool:
     """True on multiples of `every` that were not saved already (every=None or 0: never)."""
@@ -21,3 +23,16 @@ def steps_to_delete(committed: list[int], *, new_step: int, max_to_keep: int | N
     if keep_every_n_steps:
         keep |= {s for s in ordered if s % keep_every_n_steps == 0}
     return [s for s in ordered if s not in keep and s < new_step]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What retention decided for a root: steps to `keep` and to `delete` (oldest first), set-aside entries to
+    remove, the newest step that validated (never deleted; None when none does) and the problems of the
+    steps read and found invalid on the way to it."""
+
+    keep: list[int]
+    delete: list[int]
+    remove_set_aside: list[str]
+    newest_valid: int | None
+    invalid: dict[int, list[str]]
