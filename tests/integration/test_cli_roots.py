@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 from s3_servers import S3Server
 
 from SneppX_ALG import CheckpointCoordinator, generate_keypair
