@@ -12,7 +12,8 @@ For each state size (MiB; --big adds 4096), in one run:
   with numpy's BLAS limited to one thread here, plus an in-place update of 16 MiB of the state);
 - peak host memory growth during save()+wait() as a fraction of the state (VmHWM reset per measure).
 S3: S3Storage.upload_file (parallel multipart, per-part CRC32C) vs boto3's upload_file (TransferManager
-defaults) of the same file to the same moto server on 127.0.0.1.
+defaults) of the same file to the same server on 127.0.0.1, on each test server in turn: moto (an emulation,
+itself the bottleneck) and the Versity S3 Gateway (a real S3 server writing to the local disk).
 """
 
 from __future__ import annotations
@@ -25,19 +26,18 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import pathlib
 import shutil
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from typing import Any
 
 import numpy as np
 
 from SneppX_ALG import _native, coordinator, storage
+from tests import s3_servers
 
 MiB = 1 << 20
 
@@ -173,53 +173,46 @@ def bench_size(total_mib: int, root: str) -> dict[str, float]:
     return out
 
 
-def bench_s3(size_mib: int, workdir: str) -> dict[str, float]:
+def bench_s3(size_mib: int, workdir: str) -> dict[str, dict[str, float] | str]:
+    """Upload GB/s per server kind ({"ours": ..., "boto3": ...}), or why that server was not measured."""
+    path = os.path.join(workdir, "shard.bin")
+    with open(path, "wb") as f:
+        f.writelines(os.urandom(MiB) for _ in range(size_mib))
+    os.environ.update(s3_servers.ENV)  # the dummy credentials both servers accept
+    results: dict[str, dict[str, float] | str] = {}
+    for kind in s3_servers.KINDS:
+        server_dir = tempfile.mkdtemp(prefix=f"{kind}-", dir=workdir)
+        try:
+            server = s3_servers.start(kind, pathlib.Path(server_dir))
+        except s3_servers.S3ServerError as e:
+            results[kind] = str(e).splitlines()[0]
+            continue
+        try:
+            results[kind] = upload_rates(server.client(), path, size_mib)
+        finally:
+            s3_servers.stop(server)
+            shutil.rmtree(server_dir, ignore_errors=True)
+    os.unlink(path)
+    return results
+
+
+def upload_rates(client: Any, path: str, size_mib: int) -> dict[str, float]:
     import boto3.s3.transfer
 
-    port = _free_port()
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
-        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-        client = storage.make_s3_client(endpoint_url=endpoint, region="us-east-1")
-        client.create_bucket(Bucket="bench")
-        path = os.path.join(workdir, "shard.bin")
-        with open(path, "wb") as f:
-            for _ in range(size_mib):
-                f.write(os.urandom(MiB))
-        ours = storage.S3Storage("s3://bench/ours", client=client)
-        results: dict[str, float] = {}
-        for name, fn in (
-            ("boto3", lambda i: client.upload_file(path, "bench", f"boto/{i}",
-                                                   Config=boto3.s3.transfer.TransferConfig())),
-            ("ours", lambda i: ours.upload_file(path, f"ours/{i}")),
-        ):
-            times = []
-            for i in range(2):
-                times.append(timed(lambda fn=fn, i=i: fn(i)))
-                client.delete_object(Bucket="bench", Key=f"{'boto' if name == 'boto3' else 'ours'}/{i}")
-            results[name] = size_mib * MiB / min(times) / 1e9
-        return results
-    finally:
-        server.terminate()
-        server.wait()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    client.create_bucket(Bucket="bench")
+    ours = storage.S3Storage("s3://bench/ours", client=client)
+    results: dict[str, float] = {}
+    for name, fn in (
+        ("boto3", lambda i: client.upload_file(path, "bench", f"boto3/{i}",
+                                               Config=boto3.s3.transfer.TransferConfig())),
+        ("ours", lambda i: ours.upload_file(path, f"ours/{i}")),
+    ):
+        times = []
+        for i in range(2):
+            times.append(timed(lambda fn=fn, i=i: fn(i)))
+            client.delete_object(Bucket="bench", Key=f"{name}/{i}")
+        results[name] = size_mib * MiB / min(times) / 1e9
+    return results
 
 
 def bench_d2h(size_mib: int) -> dict[str, float] | None:
@@ -266,9 +259,14 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['step_during'] * 1e3:.1f} / {r['step_alone'] * 1e3:.1f} ms "
                   f"({r['step_during'] / r['step_alone']:.2f}x, {int(r['steps_during'])} steps) | "
                   f"{r['peak_first']:.2f}, {r['peak_steady']:.2f}, {r['peak_bounded']:.2f} |", flush=True)
-        s3 = bench_s3(args.s3_mib, base)
-        print(f"\nS3 upload of {args.s3_mib} MiB to moto on 127.0.0.1: S3Storage.upload_file {s3['ours']:.2f} GB/s, "
-              f"boto3 upload_file {s3['boto3']:.2f} GB/s ({s3['ours'] / s3['boto3']:.2f}x)")
+        print(f"\n| S3 upload of {args.s3_mib} MiB on 127.0.0.1 | S3Storage.upload_file | boto3 upload_file | ratio |")
+        print("|---|---|---|---|")
+        for kind, r in bench_s3(args.s3_mib, base).items():
+            if isinstance(r, str):
+                print(f"| {kind} | not measured: {r} | | |")
+            else:
+                print(f"| {kind} | {r['ours']:.2f} GB/s | {r['boto3']:.2f} GB/s | {r['ours'] / r['boto3']:.2f}x |",
+                      flush=True)
         d2h = bench_d2h(1024)
         if d2h is None:
             print("\nD2H copy engine: no GPU on this machine (run on a GPU machine for the pinned D2H figures)")

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
+import s3_servers
+from s3_servers import S3Server, free_port
 
-# ---- S3: a real moto server process on 127.0.0.1, talked to over HTTP by boto3 ----------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# ---- S3: real S3 servers on 127.0.0.1 (moto and the Versity S3 Gateway), talked to over HTTP by boto3 ------
+# Every test that uses these fixtures runs once per server: test_x[moto], test_x[versitygw]. Each server
+# starts once per session (pytest groups the tests by server).
 
 
 @pytest.fixture
@@ -30,65 +20,19 @@ def unused_port() -> int:
     return free_port()
 
 
-@dataclass
-class S3Server:
-    endpoint: str
-    process: subprocess.Popen[bytes]
-
-    def client(self, **kwargs: Any) -> Any:
-        """A boto3 client for this server (path-style, dummy credentials, a region)."""
-        from SneppX_ALG import storage
-
-        return storage.make_s3_client(endpoint_url=self.endpoint, region="us-east-1", **kwargs)
-
-
-S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def start_moto_server(port: int | None = None, timeout: float = 60) -> S3Server:
-    """Starts `python -m moto.server` bound to 127.0.0.1 (never 0.0.0.0) and waits until it answers."""
-    port = port or free_port()
-    env = {**os.environ, **S3_ENV}
-    process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"moto server exited with {process.returncode} before it answered")
-        try:
-            with urllib.request.urlopen(endpoint + "/moto-api/", timeout=2):
-                return S3Server(endpoint, process)
-        except OSError:
-            if time.monotonic() > deadline:
-                process.kill()
-                raise RuntimeError(f"moto server did not answer on {endpoint} within {timeout}s") from None
-            time.sleep(0.1)
-
-
-def stop_process(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-@pytest.fixture(scope="session")
-def s3_server() -> Iterator[S3Server]:
-    server = start_moto_server()
+@pytest.fixture(scope="session", params=s3_servers.KINDS)
+def s3_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = s3_servers.start(request.param, tmp_path_factory.mktemp(request.param))
     try:
         yield server
     finally:
-        stop_process(server.process)
+        s3_servers.stop(server)
 
 
 @pytest.fixture
 def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
     """The usual AWS environment variables pointing boto3 at the test server."""
-    for key, value in {**S3_ENV, "AWS_ENDPOINT_URL": s3_server.endpoint}.items():
+    for key, value in {**s3_servers.ENV, "AWS_ENDPOINT_URL": s3_server.endpoint}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     return s3_server

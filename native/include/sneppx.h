@@ -25,6 +25,10 @@
 #define SX_ENOLIB -9      /* a dlopen'ed library is missing */
 #define SX_ECUDA -10      /* a CUDA call failed */
 #define SX_EPERM -11      /* permission denied */
+#define SX_ESTATE -12     /* not allowed in the current state (e.g. an illegal lifecycle transition) */
+#define SX_ETIMEDOUT -13  /* a wait ended at its deadline */
+#define SX_ENET -14       /* a socket call failed (see sx_last_errno), e.g. the address is in use */
+#define SX_EEOF -15       /* the file ended before the bytes asked for (sx_read_at) */
 
 const char *sx_strerror(int code);
 /* errno of the last failed system call in this thread (0 if none). */
@@ -137,8 +141,177 @@ void sx_copier_free(sx_copier *c, void *p);
  * cudaMemcpyAsync loop. Returns only when every byte has landed. */
 int sx_copier_copy(sx_copier *c, void *dst, const void *src, size_t len, int kind, uint32_t *crc);
 
+/* ---- keyed BLAKE2s (RFC 7693; blake2s.c) ------------------------------- */
+/* outlen 1..32 bytes, keylen 0..32 bytes. The heartbeat MAC is outlen 16 with
+ * the job's 32-byte key. */
+int sx_blake2s(void *out, size_t outlen, const void *key, size_t keylen, const void *in, size_t inlen);
+/* 1 if the len bytes at a and b are equal; time depends on len only. */
+int sx_equal_ct(const void *a, const void *b, size_t len);
+
+/* ---- heartbeats: failure detection over UDP (heartbeat.c) --------------- */
+/* One monitor = one UDP socket and one C thread that sends, receives,
+ * authenticates and decides suspicion without the GIL. Wire format and the
+ * detection bounds: docs/ELASTIC.md ("Failure detection"). IPv4; addresses
+ * are host-order uint32 and ports host-order uint16. Times are CLOCK_MONOTONIC
+ * nanoseconds (the clock of Python's time.monotonic_ns on Linux). */
+#define SX_HB_VERSION 1
+#define SX_HB_MAGIC 0x42485853u  /* "SXHB" read as a little-endian uint32 */
+#define SX_HB_HEADER_BYTES 88
+#define SX_HB_ENTRY_BYTES 24     /* one piggybacked membership update */
+#define SX_HB_MAX_ENTRIES 8
+#define SX_HB_MAC_BYTES 16
+#define SX_HB_MAX_DATAGRAM 296   /* header + 8 entries + MAC */
+#define SX_HB_MIN_KEY 16
+#define SX_HB_KEY_BYTES 32       /* longer keys are hashed to this by the caller */
+
+/* datagram types */
+#define SX_HB_PING 1             /* "are you there?": the receiver answers with an ACK */
+#define SX_HB_ACK 2              /* echoes the PING's sequence, send time and target */
+#define SX_HB_PING_REQ 3         /* gossip mode: "ping target for me" (indirect probe) */
+#define SX_HB_FLAG_RELAYED 1     /* an ACK forwarded by the member asked with PING_REQ */
+
+/* peer states; also the states of piggybacked membership updates */
+#define SX_HB_UNKNOWN 0          /* not heard from yet */
+#define SX_HB_HEALTHY 1
+#define SX_HB_SUSPECTED 2
+#define SX_HB_CONFIRMED 3        /* gossip mode: suspected for longer than the suspicion timeout */
+
+/* modes */
+#define SX_HB_DIRECT 0           /* every peer probed every interval (peers <= direct_limit) */
+#define SX_HB_GOSSIP 1           /* SWIM: one probe per interval, indirect probes, piggybacked suspicion */
+
+/* why a datagram was dropped (indexes into sx_hb_stats.drops) */
+#define SX_HB_DROP_TRUNCATED 0   /* shorter than its header says */
+#define SX_HB_DROP_OVERSIZED 1   /* longer than SX_HB_MAX_DATAGRAM or than its header says */
+#define SX_HB_DROP_BAD_MAGIC 2   /* not a SneppX heartbeat at all (random bytes) */
+#define SX_HB_DROP_BAD_VERSION 3
+#define SX_HB_DROP_BAD_MAC 4     /* wrong key or altered bytes */
+#define SX_HB_DROP_WRONG_JOB 5
+#define SX_HB_DROP_UNKNOWN_SENDER 6  /* the source address is not a peer */
+#define SX_HB_DROP_STALE_GENERATION 7
+#define SX_HB_DROP_REPLAY 8      /* a sequence number already seen, older than the window, or our own */
+#define SX_HB_DROP_REORDERED 9   /* older than the newest seen from that sender: carries no news */
+#define SX_HB_DROP_UNSOLICITED 10  /* an ACK for no probe of ours, or a PING meant for another member */
+#define SX_HB_DROP_MALFORMED 11  /* authentic but impossible fields (unknown type, flags) */
+#define SX_HB_DROP_BUSY 12       /* a PING_REQ with every relay slot in use */
+#define SX_HB_NDROPS 13
+
+/* membership events */
+#define SX_HB_EVENT_HEALTHY 1    /* first heard from, or back after a suspicion */
+#define SX_HB_EVENT_SUSPECTED 2
+#define SX_HB_EVENT_CONFIRMED 3  /* gossip mode: suspicion not refuted in time */
+#define SX_HB_EVENT_RESTARTED 4  /* the peer's datagrams come from a new process (instance) */
+
+typedef struct {
+    uint32_t bind_addr;          /* 0 = every interface */
+    uint16_t bind_port;          /* 0 = any free port (see sx_hb_port) */
+    uint64_t interval_ns;        /* between probe rounds */
+    uint64_t timeout_ns;         /* direct mode: silence before suspicion */
+    uint64_t probe_timeout_ns;   /* gossip mode: wait for a direct ACK before indirect probes */
+    uint64_t suspicion_ns;       /* gossip mode: suspected -> confirmed */
+    uint32_t direct_limit;       /* more peers than this: gossip mode */
+    uint32_t indirect_probes;    /* gossip mode: members asked to probe a silent target */
+    uint32_t retransmits;        /* gossip mode: times each membership update is piggybacked */
+    uint64_t generation;         /* datagrams from older generations are dropped */
+    uint8_t key[32];             /* SX_HB_KEY_BYTES */
+    uint8_t job_tag[16];         /* BLAKE2s-128 of the job id */
+} sx_hb_config;
+
+typedef struct {
+    uint32_t addr;
+    uint16_t port;
+    int state;                   /* SX_HB_UNKNOWN .. SX_HB_CONFIRMED */
+    int64_t state_since_ns;
+    int64_t last_seen_ns;        /* last accepted datagram from it; -1 never */
+    int64_t last_alive_ns;       /* newest proof of life (send time of a probe it answered); -1 never */
+    uint64_t rtt_ns;             /* smoothed round-trip time (RFC 6298); 0 until measured */
+    uint64_t rtt_var_ns;
+    uint64_t probes_sent, acks_received, pings_received, accepted;
+    uint64_t suspicions;         /* times it went healthy/unknown -> suspected */
+    uint64_t instance;           /* random id of its current process; 0 until heard */
+    uint64_t restarts;           /* times that id changed */
+    uint64_t incarnation;        /* gossip mode: its SWIM incarnation as known here */
+} sx_hb_peer;
+
+typedef struct {
+    int mode;
+    uint16_t port;
+    uint64_t instance, incarnation, generation;
+    uint64_t sent, send_errors, received, accepted;
+    uint64_t drops[16];          /* by SX_HB_DROP_*; the first SX_HB_NDROPS are used */
+    uint64_t relayed;            /* gossip mode: indirect probes answered for others */
+    uint64_t stalls;             /* times our own thread was not scheduled for over 2 intervals */
+    uint64_t events;             /* index of the newest event */
+} sx_hb_stats;
+
+typedef struct {
+    uint64_t index;              /* 1, 2, 3... per monitor */
+    int kind;                    /* SX_HB_EVENT_* */
+    uint32_t peer;               /* index in the peer list */
+    int64_t time_ns;
+    uint64_t generation;
+} sx_hb_event;
+
+typedef struct sx_hb sx_hb;
+
+/* Binds the socket (SX_ENET if it can't: address in use, not local). The
+ * peers are copied; an entry equal to the bound address is SX_EINVAL. */
+int sx_hb_create(const sx_hb_config *cfg, const uint32_t *addrs, const uint16_t *ports, size_t npeers,
+                 sx_hb **out);
+/* Starts the thread (once; SX_ESTATE after a stop). */
+int sx_hb_start(sx_hb *hb);
+/* Stops and joins the thread, closes the socket and wakes every waiter; idempotent. */
+int sx_hb_stop(sx_hb *hb);
+/* Stops, closes and frees. */
+void sx_hb_destroy(sx_hb *hb);
+/* The generation stamped on datagrams; lower ones are refused (SX_EINVAL). */
+int sx_hb_set_generation(sx_hb *hb, uint64_t generation);
+int sx_hb_get_stats(sx_hb *hb, sx_hb_stats *out);
+/* Copies all peers (n = the count given to create) in one consistent snapshot. */
+int sx_hb_get_peers(sx_hb *hb, sx_hb_peer *out, size_t n);
+/* Events with index > after, oldest first, at most max: waits up to
+ * timeout_ns (< 0: forever) for the first one. SX_ETIMEDOUT when none came,
+ * SX_ESTATE once stopped. Events older than the last 4096 are gone (the
+ * index shows the gap). */
+int sx_hb_wait_events(sx_hb *hb, uint64_t after, sx_hb_event *out, size_t max, int64_t timeout_ns, size_t *n);
+const char *sx_hb_drop_name(int reason);
+
+/* ---- the elastic lifecycle of one node (elastic.c) ---------------------- */
+/* A pure state machine, no I/O: the ElasticTrainer feeds it events and acts
+ * on the states. Illegal transitions return SX_ESTATE and change nothing.
+ * Table and reasons: docs/ELASTIC.md ("Lifecycle"). */
+#define SX_EL_INIT 0
+#define SX_EL_JOINING 1
+#define SX_EL_RUNNING 2
+#define SX_EL_RECONFIGURING 3
+#define SX_EL_STOPPED 4
+#define SX_EL_FAILED 5
+#define SX_EL_NSTATES 6
+
+#define SX_EL_JOIN 0
+#define SX_EL_LEAVE 1
+#define SX_EL_PEER_FAILED 2
+#define SX_EL_TIMEOUT 3
+#define SX_EL_RECONFIGURED 4
+#define SX_EL_BUDGET_EXHAUSTED 5
+#define SX_EL_NEVENTS 6
+
+typedef struct {
+    int state;
+    uint64_t generation;         /* membership generation: raised by each `reconfigured` */
+    uint64_t transitions;        /* legal events applied */
+} sx_elastic;
+
+void sx_elastic_init(sx_elastic *m);
+/* Applies event; generation matters for RECONFIGURED only (0 = current + 1,
+ * otherwise it must be higher than the current one, or SX_EINVAL). */
+int sx_elastic_fire(sx_elastic *m, int event, uint64_t generation);
+/* The state event leads to from state, or SX_ESTATE if it is illegal there. */
+int sx_elastic_next(int state, int event);
+const char *sx_elastic_state_name(int state);
+const char *sx_elastic_event_name(int event);
+
 /* ---- reads with the fault hook, and producer-stream ordering (issue 9) ---- */
-#define SX_EEOF -12       /* the file ended before the bytes asked for */
 #define SX_SITE_READ 16u  /* fault-hook site in front of every read(2) of sx_read_at */
 
 /* Reads exactly len bytes at offset into buf through the fault hook's "read" site (short reads and

@@ -9,6 +9,7 @@
 #define _GNU_SOURCE
 #include "sneppx.h"
 #include "split.h"
+#include "status.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -26,6 +27,7 @@
 
 static __thread int last_errno;
 int sx_last_errno(void) { return last_errno; }
+void sx_record_errno(int e) { last_errno = e; }
 
 const char *sx_strerror(int code) {
     switch (code) {
@@ -41,6 +43,9 @@ const char *sx_strerror(int code) {
     case SX_ENOLIB: return "library not found";
     case SX_ECUDA: return "CUDA error";
     case SX_EPERM: return "permission denied";
+    case SX_ESTATE: return "not allowed in the current state";
+    case SX_ETIMEDOUT: return "timed out";
+    case SX_ENET: return "socket error";
     case SX_EEOF: return "unexpected end of file";
     default: return "unknown error";
     }

@@ -13,7 +13,8 @@ The environment each rank's containers get (the contract with the in-pod runtime
     SNEPPX_GENERATION                   membership generation; ranks of older generations must stop
     MASTER_ADDR, MASTER_PORT            rank 0's stable DNS name through the headless Service
     SNEPPX_HEARTBEAT_KEY_FILE           the per-job HMAC key for heartbeats (a mounted Secret)
-    SNEPPX_CHECKPOINT_URI               file:///var/lib/sneppx/checkpoints or s3://bucket/prefix
+    SNEPPX_CHECKPOINT_URI               file:///var/lib/sneppx/checkpoints (the PVC's mount) or
+                                        s3://bucket/<prefix>, s3://bucket/<namespace>/<job> without one
     SNEPPX_SAVE_EVERY_N_STEPS, SNEPPX_MAX_TO_KEEP, SNEPPX_CHECKPOINT_VALIDATION, SNEPPX_ROLLBACK_DEPTH
     AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL   (S3 storage only)
 """
@@ -26,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from SneppX_ALG import errors
+from sneppx_operator import restricted
 
 GROUP = "sneppx.io"
 VERSION = "v1alpha1"
@@ -63,25 +65,16 @@ OPERATOR_ENV_NAMES = frozenset(
     }
 )
 
-# The restricted Pod Security profile (https://kubernetes.io/docs/concepts/security/pod-security-standards/),
-# enforced on every container whatever the template says: training code should never need more.
-SECCOMP_RUNTIME_DEFAULT = {"type": "RuntimeDefault"}
-RESTRICTED_CONTAINER_SECURITY = {
-    "allowPrivilegeEscalation": False,
-    "privileged": False,
-    "capabilities": {"drop": ["ALL"]},
-    "readOnlyRootFilesystem": True,
-    "runAsNonRoot": True,
-    "seccompProfile": SECCOMP_RUNTIME_DEFAULT,
-}
-
 
 def service_name(job_name: str) -> str:
     return job_name
 
 
-def secret_name(job_name: str) -> str:
-    return f"{job_name}-heartbeat"
+def secret_name(job_name: str, job_uid: str) -> str:
+    """The heartbeat Secret's name carries the job's uid, so no one else's Secret can be taken for it: the
+    operator may not read Secrets (least privilege), so it can't check a Secret's owner the way it checks
+    a Service's or a Pod's."""
+    return f"{job_name}-heartbeat-{job_uid[:8]}"
 
 
 def pod_name(job_name: str, rank: int) -> str:
@@ -146,16 +139,19 @@ def build_secret(job_name: str, namespace: str, job_uid: str, heartbeat_key: byt
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _metadata(secret_name(job_name), namespace, job_name, job_uid),
+        "metadata": _metadata(secret_name(job_name, job_uid), namespace, job_name, job_uid),
         "data": {HEARTBEAT_KEY: base64.b64encode(heartbeat_key).decode("ascii")},
     }
 
 
-def checkpoint_uri(spec: Mapping[str, Any]) -> str:
+def checkpoint_uri(job_name: str, namespace: str, spec: Mapping[str, Any]) -> str:
+    """Where the ranks keep checkpoints. Without an S3 prefix each job gets its own, <namespace>/<job>:
+    jobs sharing a bucket must never see (or retire) each other's steps."""
     storage = spec["checkpoint"]["storage"]
     if "s3" in storage:
         s3 = storage["s3"]
-        return f"s3://{s3['bucket']}/{s3.get('prefix', '')}"
+        prefix = s3.get("prefix") or f"{namespace}/{job_name}"
+        return f"s3://{s3['bucket']}/{prefix}"
     return f"file://{CHECKPOINT_DIR}"
 
 
@@ -178,7 +174,7 @@ def rank_env(
         _env("MASTER_ADDR", master_addr(job_name, namespace)),
         _env("MASTER_PORT", elastic.get("port", 29500)),
         _env("SNEPPX_HEARTBEAT_KEY_FILE", f"{HEARTBEAT_DIR}/{HEARTBEAT_KEY}"),
-        _env("SNEPPX_CHECKPOINT_URI", checkpoint_uri(spec)),
+        _env("SNEPPX_CHECKPOINT_URI", checkpoint_uri(job_name, namespace, spec)),
         _env("SNEPPX_SAVE_EVERY_N_STEPS", checkpoint.get("saveEveryNSteps", 1000)),
         _env("SNEPPX_MAX_TO_KEEP", checkpoint.get("maxToKeep", 3)),
         _env("SNEPPX_CHECKPOINT_VALIDATION", checkpoint.get("validation", "Full")),
@@ -196,10 +192,15 @@ def rank_env(
     return env
 
 
-def _volumes(job_name: str, spec: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(
+    job_name: str, job_uid: str, spec: Mapping[str, Any]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(pod volumes, container mounts) the operator adds: heartbeat key, a writable /tmp, checkpoints."""
     volumes: list[dict[str, Any]] = [
-        {"name": VOLUME_HEARTBEAT, "secret": {"secretName": secret_name(job_name), "defaultMode": 0o440}},
+        {
+            "name": VOLUME_HEARTBEAT,
+            "secret": {"secretName": secret_name(job_name, job_uid), "defaultMode": 0o440},
+        },
         # readOnlyRootFilesystem leaves no writable scratch space otherwise.
         {"name": VOLUME_TMP, "emptyDir": {}},
     ]
@@ -217,30 +218,8 @@ def _volumes(job_name: str, spec: Mapping[str, Any]) -> tuple[list[dict[str, Any
     return volumes, mounts
 
 
-def restrict_container(container: Mapping[str, Any]) -> dict[str, Any]:
-    """The container with the restricted profile forced on; user/group ids the template chose are kept."""
-    restricted = copy.deepcopy(dict(container))
-    security = dict(restricted.get("securityContext") or {})
-    security.update(copy.deepcopy(RESTRICTED_CONTAINER_SECURITY))
-    restricted["securityContext"] = security
-    return restricted
-
-
 def _check_template(pod_spec: Mapping[str, Any]) -> None:
-    """Refuse what the restricted profile forbids and the operator can't fix without changing its meaning."""
-    for host_namespace in ("hostNetwork", "hostPID", "hostIPC"):
-        if pod_spec.get(host_namespace):
-            raise errors.JobSpecError(
-                f"spec.template.spec.{host_namespace} is not allowed: ranks run restricted"
-            )
-    contexts = [("spec.template.spec.securityContext", pod_spec.get("securityContext") or {})]
-    contexts += [
-        (f"container {c.get('name')!r}", c.get("securityContext") or {})
-        for c in [*(pod_spec.get("initContainers") or []), *pod_spec["containers"]]
-    ]
-    for where, context in contexts:
-        if context.get("runAsUser") == 0:
-            raise errors.JobSpecError(f"{where} sets runAsUser: 0; ranks must run as a non-root user")
+    """Refuse templates that use the names and paths of the operator's own volumes."""
     taken = {volume.get("name") for volume in pod_spec.get("volumes") or []} & RESERVED_VOLUMES
     if taken:
         raise errors.JobSpecError(
@@ -264,7 +243,8 @@ def build_pod(
     world_size: int,
     generation: int,
 ) -> dict[str, Any]:
-    """One rank's pod: the user's template plus rank env, operator volumes and the restricted profile.
+    """One rank's pod: the user's template plus rank env, operator volumes and the restricted profile's
+    defaults. Raises JobSpecError when the result would break the profile (restricted.check).
 
     restartPolicy is Never because restarts are the operator's decision (a group restart with backoff
     and a budget), not the kubelet's.
@@ -273,17 +253,18 @@ def build_pod(
     pod_spec = copy.deepcopy(dict(template["spec"]))
     _check_template(pod_spec)
     template_meta = template.get("metadata") or {}
+    annotations = dict(template_meta.get("annotations") or {})
     labels = {**(template_meta.get("labels") or {}), LABEL_RANK: str(rank), LABEL_GENERATION: str(generation)}
     metadata = _metadata(pod_name(job_name, rank), namespace, job_name, job_uid, labels)
-    if template_meta.get("annotations"):
-        metadata["annotations"] = dict(template_meta["annotations"])
+    if annotations:
+        metadata["annotations"] = annotations
 
-    volumes, mounts = _volumes(job_name, spec)
+    volumes, mounts = _volumes(job_name, job_uid, spec)
     env = rank_env(job_name, namespace, spec, rank, world_size, generation)
     env_names = {item["name"] for item in env}
 
     def with_rank_env(container: Mapping[str, Any]) -> dict[str, Any]:
-        built = restrict_container(container)
+        built = restricted.with_container_defaults(container)
         kept = [item for item in built.get("env") or [] if item["name"] not in env_names | OPERATOR_ENV_NAMES]
         built["env"] = [*env, *kept]
         built["volumeMounts"] = [*mounts, *(built.get("volumeMounts") or [])]
@@ -291,14 +272,15 @@ def build_pod(
 
     pod_spec["containers"] = [with_rank_env(c) for c in pod_spec["containers"]]
     if pod_spec.get("initContainers"):
-        pod_spec["initContainers"] = [restrict_container(c) for c in pod_spec["initContainers"]]
+        pod_spec["initContainers"] = [
+            restricted.with_container_defaults(c) for c in pod_spec["initContainers"]
+        ]
     pod_spec["volumes"] = [*volumes, *(pod_spec.get("volumes") or [])]
-    pod_security = dict(pod_spec.get("securityContext") or {})
-    pod_security.update({"runAsNonRoot": True, "seccompProfile": SECCOMP_RUNTIME_DEFAULT})
-    pod_spec["securityContext"] = pod_security
+    pod_spec["securityContext"] = restricted.with_pod_defaults(pod_spec.get("securityContext"))
     pod_spec["hostname"] = pod_name(job_name, rank)
     pod_spec["subdomain"] = service_name(job_name)
     pod_spec["restartPolicy"] = "Never"
-    # Ranks don't call the Kubernetes API unless the template asks for a token explicitly.
+    # Ranks don't call the Kubernetes API with the namespace's ServiceAccount (a token is refused below).
     pod_spec.setdefault("automountServiceAccountToken", False)
+    restricted.check(pod_spec, annotations)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}

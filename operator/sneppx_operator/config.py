@@ -24,6 +24,7 @@ FINALIZER = "sneppx.io/finalizer"
 ANNOTATION_PREFIX = "sneppx.io"
 RESYNC_ENV = "SNEPPX_RESYNC_SECONDS"
 DEFAULT_RESYNC_SECONDS = 10.0
+MAX_RETRY_DELAY_SECONDS = 300.0
 
 
 def resync_seconds(environ: Mapping[str, str] = os.environ) -> float:
@@ -38,6 +39,13 @@ def resync_seconds(environ: Mapping[str, str] = os.environ) -> float:
     if not 0.1 <= value <= 3600:
         raise errors.OperatorConfigError(f"{RESYNC_ENV}={raw!r} must be between 0.1 and 3600 seconds")
     return value
+
+
+def retry_delay(retry: int, environ: Mapping[str, str] = os.environ) -> float:
+    """Backoff before retrying a pass the API server refused: the resync interval, doubled per retry
+    (kopf counts them), capped at MAX_RETRY_DELAY_SECONDS, so a job stuck on a quota or a name clash
+    costs a few API calls an hour, not one per resync."""
+    return min(resync_seconds(environ) * 2 ** min(retry, 32), MAX_RETRY_DELAY_SECONDS)
 
 
 def apply(settings: kopf.OperatorSettings) -> None:

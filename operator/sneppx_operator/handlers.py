@@ -35,26 +35,35 @@ def job_pods(
 @kopf.on.resume(*RESOURCE)
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE, field="spec")
-def reconcile_job(body: kopf.Body, job_pods: kopf.Index, patch: kopf.Patch, **_: Any) -> None:
-    _reconcile(body, job_pods, patch)
+def reconcile_job(body: kopf.Body, job_pods: kopf.Index, patch: kopf.Patch, retry: int, **_: Any) -> None:
+    _reconcile(body, job_pods, patch, retry)
 
 
 @kopf.timer(*RESOURCE, interval=config.resync_seconds(), initial_delay=config.resync_seconds())
-def resync_job(body: kopf.Body, job_pods: kopf.Index, patch: kopf.Patch, **_: Any) -> None:
-    _reconcile(body, job_pods, patch)
+def resync_job(body: kopf.Body, job_pods: kopf.Index, patch: kopf.Patch, retry: int, **_: Any) -> None:
+    _reconcile(body, job_pods, patch, retry)
 
 
 @kopf.on.delete(*RESOURCE)
-def delete_job(name: str, namespace: str, **_: Any) -> None:
-    k8s.apply(namespace, reconcile.cleanup_actions(name, k8s.list_pod_names(namespace, name)))
+def delete_job(body: kopf.Body, name: str, namespace: str, uid: str, retry: int, **_: Any) -> None:
+    actions = reconcile.cleanup_actions(name, uid, k8s.list_job_pods(namespace, name))
+    refused = k8s.apply(namespace, actions).refused
+    if refused is not None:  # the finalizer stays until the job's objects are gone
+        message = reconcile.describe_refusal(refused)
+        k8s.post_events(body, [reconcile.Event("Warning", "FailedDelete", message)])
+        raise kopf.TemporaryError(message, delay=config.retry_delay(retry))
 
 
-def _reconcile(body: kopf.Body, job_pods: kopf.Index, patch: kopf.Patch) -> None:
+def _reconcile(body: kopf.Body, job_pods: kopf.Index, patch: kopf.Patch, retry: int) -> None:
     job = reconcile.Job.from_body(body)
     observed = list(job_pods.get((job.namespace, job.name), []))
-    plan = reconcile.plan(
-        job, observed, now=datetime.datetime.now(datetime.UTC), heartbeat_key=secrets.token_bytes(32)
-    )
-    done = k8s.apply(job.namespace, plan.actions)
-    k8s.post_events(body, reconcile.events_for(done, job.status.get("phase"), plan.status))
-    patch.status.update(reconcile.status_patch(job.status, plan.status))
+    now = datetime.datetime.now(datetime.UTC)
+    plan = reconcile.plan(job, observed, now=now, heartbeat_key=secrets.token_bytes(32))
+    settled = reconcile.settle(job, plan, k8s.apply(job.namespace, plan.actions), now=now)
+    k8s.post_events(body, settled.events)
+    patch.status.update(reconcile.status_patch(job.status, settled.status))
+    # kopf writes the status patch whether or not the handler raises; raising picks kopf's retry policy.
+    if settled.error is not None and settled.retryable:
+        raise kopf.TemporaryError(settled.error, delay=config.retry_delay(retry))
+    if settled.error is not None:
+        raise kopf.PermanentError(settled.error)

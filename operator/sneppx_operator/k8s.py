@@ -1,12 +1,14 @@
 """The only module that calls the Kubernetes API (besides kopf's own watching and status patches).
 
 Why one module: every side effect the operator has on a cluster is here, each call is idempotent
-(creating what exists is success, deleting what is gone is success), and everything above it is pure
-and testable without a cluster. Calls are synchronous: kopf runs sync handlers in a thread pool.
+(creating what the job already has is success, deleting what is gone is success), it never touches an
+object the job doesn't control, and everything above it is pure and testable without a cluster. Calls
+are synchronous: kopf runs sync handlers in a thread pool.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -51,56 +53,134 @@ def _core() -> kubernetes.client.CoreV1Api:
     return kubernetes.client.CoreV1Api(api)
 
 
+# What the operator may read (the chart's RBAC): Secrets are not readable, so a Secret's owner can't be
+# checked; the job's Secret carries the job's uid in its name instead (builders.secret_name).
+def _readers(core: kubernetes.client.CoreV1Api) -> dict[str, Any]:
+    return {"Pod": core.read_namespaced_pod, "Service": core.read_namespaced_service}
+
+
+def _read_meta(
+    core: kubernetes.client.CoreV1Api, kind: str, namespace: str, name: str
+) -> dict[str, Any] | None:
+    """The object's metadata (camelCase, as in a manifest); None when it is gone."""
+    try:
+        found = _readers(core)[kind](name, namespace)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return dict(core.api_client.sanitize_for_serialization(found.metadata))
+
+
+def _holder(meta: Mapping[str, Any]) -> str:
+    """Who controls an object, for a person: "StatefulSet postgres (uid ...)", or "" when nothing does."""
+    ref = next((r for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
+    return f"{ref.get('kind')} {ref.get('name')} (uid {ref.get('uid')})" if ref else ""
+
+
+class _NameInUse(Exception):
+    def __init__(self, holder: str) -> None:
+        super().__init__(holder)
+        self.holder = holder
+
+
 def create(body: Mapping[str, Any]) -> bool:
-    """Create a namespaced Pod, Service or Secret. False when it already exists (409)."""
+    """Create a namespaced Pod, Service or Secret. False when this job's object is already there; raises
+    _NameInUse when the name is held by an object the job (the body's controller) doesn't control."""
     core = _core()
     creators = {
         "Pod": core.create_namespaced_pod,
         "Service": core.create_namespaced_service,
         "Secret": core.create_namespaced_secret,
     }
+    kind, namespace, name = str(body["kind"]), body["metadata"]["namespace"], body["metadata"]["name"]
     try:
-        creators[str(body["kind"])](body["metadata"]["namespace"], dict(body))
+        creators[kind](namespace, dict(body))
     except ApiException as exc:
-        if exc.status == 409:
-            return False
-        raise
-    return True
+        if exc.status != 409:
+            raise
+    else:
+        return True
+    if kind not in _readers(core):  # a Secret: its name carries the job's uid
+        return False
+    existing = _read_meta(core, kind, namespace, name)
+    job_uid = reconcile.controller_uid(body["metadata"])
+    if existing is not None and reconcile.controller_uid(existing) != job_uid:
+        raise _NameInUse(_holder(existing))
+    return False  # the job's own (or deleted in between: the next pass creates it)
 
 
-def delete(kind: str, namespace: str, name: str) -> bool:
-    """Delete a namespaced Pod, Service or Secret. False when it is already gone (404)."""
+def delete(namespace: str, action: reconcile.Delete) -> bool:
+    """Delete a namespaced Pod, Service or Secret the job controls. False when it is already gone or isn't
+    the job's: a readable object is checked first, and its uid goes into the delete's preconditions so an
+    object recreated under the same name in between is left alone."""
     core = _core()
     deleters = {
         "Pod": core.delete_namespaced_pod,
         "Service": core.delete_namespaced_service,
         "Secret": core.delete_namespaced_secret,
     }
+    uid = action.uid
+    if uid is None and action.kind in _readers(core):
+        existing = _read_meta(core, action.kind, namespace, action.name)
+        if existing is None or reconcile.controller_uid(existing) != action.owner_uid:
+            return False
+        uid = existing.get("uid")
+    options = kubernetes.client.V1DeleteOptions(preconditions=kubernetes.client.V1Preconditions(uid=uid))
     try:
-        deleters[kind](name, namespace)
+        deleters[action.kind](action.name, namespace, body=options if uid else None)
     except ApiException as exc:
-        if exc.status == 404:
+        if exc.status in (404, 409):  # gone, or (409) a different object now holds the name
             return False
         raise
     return True
 
 
-def apply(namespace: str, actions: Iterable[reconcile.Action]) -> list[reconcile.Action]:
-    """Carry out the actions in order; return those that changed something."""
+def apply(namespace: str, actions: Iterable[reconcile.Action]) -> reconcile.Outcome:
+    """Carry out the actions in order until one is refused. API refusals are returned, not raised, so
+    reconcile.settle() can put them into status and events; only a failure to reach the API raises."""
     done: list[reconcile.Action] = []
     for action in actions:
-        if isinstance(action, reconcile.Create):
-            changed = create(action.body)
-        else:
-            changed = delete(action.kind, namespace, action.name)
+        try:
+            changed = (
+                create(action.body) if isinstance(action, reconcile.Create) else delete(namespace, action)
+            )
+        except _NameInUse as clash:
+            refusal = reconcile.Refusal(action, 409, "name in use", name_in_use=True, holder=clash.holder)
+            return reconcile.Outcome(tuple(done), refusal)
+        except ApiException as exc:
+            return reconcile.Outcome(
+                tuple(done), reconcile.Refusal(action, int(exc.status or 0), _message(exc))
+            )
         if changed:
             done.append(action)
-    return done
+    return reconcile.Outcome(tuple(done))
 
 
-def list_pod_names(namespace: str, job_name: str) -> list[str]:
-    pods = _core().list_namespaced_pod(namespace, label_selector=f"{builders.LABEL_JOB}={job_name}")
-    return [pod.metadata.name for pod in pods.items]
+def _message(exc: ApiException) -> str:
+    """The API server's own message (its Status object), which says what to fix; else the HTTP reason."""
+    try:
+        return str(json.loads(exc.body)["message"])
+    except (TypeError, ValueError, KeyError):
+        return str(exc.reason or exc)
+
+
+def list_job_pods(namespace: str, job_name: str) -> list[reconcile.ObservedPod]:
+    """The pods labelled with the job's name, as the index sees them (their controllers still to check)."""
+    core = _core()
+    pods = core.list_namespaced_pod(namespace, label_selector=f"{builders.LABEL_JOB}={job_name}")
+    observed = []
+    for pod in pods.items:
+        manifest = core.api_client.sanitize_for_serialization(pod)
+        summary = reconcile.observe_pod(
+            manifest["metadata"]["name"],
+            manifest["metadata"],
+            manifest.get("spec") or {},
+            manifest.get("status") or {},
+        )
+        if summary is not None:
+            observed.append(summary)
+    return observed
 
 
 def post_events(body: kopf.Body | Mapping[str, Any], events: Sequence[reconcile.Event]) -> None:

@@ -14,6 +14,8 @@ from SneppX_ALG.checkpoint import (
     verify_checkpoint,
 )
 from SneppX_ALG.coordinator import CheckpointCoordinator
+from SneppX_ALG.elastic.fault_tolerance import FaultToleranceManager
+from SneppX_ALG.elastic.heartbeat import HeartbeatMonitor
 from SneppX_ALG.errors import SneppXError
 from SneppX_ALG.model import SyntheticLanguage, Trainer, Transformer
 
@@ -21,6 +23,8 @@ __all__ = [
     "CheckpointCoordinator",
     "CheckpointReader",
     "CheckpointWriter",
+    "FaultToleranceManager",
+    "HeartbeatMonitor",
     "SignedUpdateManager",
     "SneppXError",
     "SyntheticLanguage",

@@ -198,6 +198,87 @@ class OperatorConfigError(SneppXError, ValueError):
     """The operator's own configuration (environment, command line) is invalid."""
 
 
+# --- file handles: a checkpoint reader or writer used after it is done ----------
+
+
+class CheckpointClosedError(SneppXError, ValueError):
+    """A CheckpointReader was used after close(), or a CheckpointWriter after commit() or abort().
+
+    A writer is single-use: once committed or aborted it never touches its path again; make a new one.
+    """
+
+
+# --- elastic: heartbeats, quorum, restarts, rollback, the node lifecycle -------
+
+
+class HeartbeatError(SneppXError):
+    """The heartbeat monitor can't run as configured."""
+
+
+class HeartbeatKeyError(HeartbeatError, ValueError):
+    """No usable heartbeat key: none given, unreadable, not hex, or shorter than 16 bytes. The message names
+    the environment variable to set (SNEPPX_HEARTBEAT_KEY_FILE or SNEPPX_HEARTBEAT_KEY)."""
+
+
+class HeartbeatConfigError(HeartbeatError, ValueError):
+    """A peer or bind address that can't be used (malformed, unresolvable, IPv6, a duplicate)."""
+
+
+class HeartbeatSocketError(HeartbeatError, OSError):
+    """The heartbeat socket can't be opened or bound (the address is in use or not on this host)."""
+
+
+class QuorumTimeoutError(SneppXError, TimeoutError):
+    """Too few members were healthy when the wait ended. `.missing` names the members not healthy,
+    `.healthy` those that were, `.needed` how many healthy members a quorum takes."""
+
+    def __init__(self, message: str, *, missing: list[str], healthy: list[str], needed: int):
+        super().__init__(message)
+        self.missing = missing
+        self.healthy = healthy
+        self.needed = needed
+
+
+class RestartBudgetExhaustedError(SneppXError):
+    """More failures than max_restarts allows; `.history` holds every failure (time, reason, delay)."""
+
+    def __init__(self, message: str, *, history: list[object]):
+        super().__init__(message)
+        self.history = history
+
+
+class RollbackLimitError(SneppXError):
+    """No committed checkpoint within the rollback depth validates; `.skipped` lists each step rolled back
+    past and why."""
+
+    def __init__(self, message: str, *, skipped: list[object]):
+        super().__init__(message)
+        self.skipped = skipped
+
+
+class LifecycleError(SneppXError, RuntimeError):
+    """An event that the node's lifecycle does not allow in its current state (e.g. `reconfigured` while
+    running): `.state` and `.event` name them."""
+
+    def __init__(self, message: str, *, state: str, event: str):
+        super().__init__(message)
+        self.state = state
+        self.event = event
+
+
+# --- several processes on one checkpoint root: writers, readers, commits ------
+
+
+class CommitUnknownError(StorageError):
+    """A commit's outcome could not be learned: the conditional PUT of the step's marker (or manifest) got no
+    clear answer and reading it back failed too. The step may or may not be committed; nothing was deleted
+    (cleanup removes the parts later if no marker appears)."""
+
+
+class ReadOnlyCoordinatorError(SneppXError, RuntimeError):
+    """save() on a CheckpointCoordinator opened with read_only=True (a reader: an evaluator, a tool)."""
+
+
 # --- the checkpoint store: unreadable steps, untrusted signers, timelines -------
 
 

@@ -125,6 +125,10 @@ def attacks() -> dict[str, tuple[bytes, str, str]]:
     a["too_many_tensors"] = (build([], table_raw=b'{"tensors":[' + b",".join([b"0"] * (format.MAX_TENSORS + 1))
                                    + b'],"metadata":{},"config":null}'), "LimitExceededError", "tensors, limit")
     a["metadata_not_strings"] = (build(ok, metadata={"n": 1}), "CorruptTableError", "strings")
+    # "\ud800" escapes: valid JSON, but no UTF-8 text; a reader that kept them could never write them again
+    a["metadata_lone_surrogate"] = (build(ok, metadata={"note": "\ud800"}), "CorruptTableError", "not valid Unicode")
+    a["config_lone_surrogate"] = (build(ok, config={"vocab": {"\udc80": 3}}), "CorruptTableError",
+                                  "not valid Unicode")
     a["shard_out_of_bounds"] = (build([entry("w", global_shape=[3], global_offset=[2])]), "CorruptTableError",
                                 "does not fit")
     a["data_corrupt"] = (build([entry("w", data=b"\x00" * 16)], data=b"\x01" + b"\x00" * 15),

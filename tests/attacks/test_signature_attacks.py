@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -286,6 +287,50 @@ def test_trusted_signature_over_a_table_without_digests_is_refused(tmp_path: pat
     table_bytes = format.encode_table(stripped)
     reassemble(path, data, table_bytes, signing._sign(signing.TABLE_DOMAIN, table_bytes, trusted[0]))
     assert_refused(manager, path, errors.DigestMismatchError, "carries no digest")
+
+
+# --- a table too costly to parse: the signature is checked over its raw bytes first -------------------------
+
+
+def forged_block(kind: str, trusted) -> bytes:
+    if kind == "unsigned":
+        return b""
+    kid = signing.key_id(trusted[1] if kind == "trusted key id, forged signature" else signing.generate_keypair()[1])
+    return signing.encode_block([signing.SignatureEntry(signing.ALG_ED25519, kid, bytes(64))])
+
+
+@pytest.mark.parametrize("kind, error, match", [
+    ("trusted key id, forged signature", errors.BadSignatureError, "does not verify"),
+    ("untrusted key", errors.UntrustedKeyError, "not among"),
+    ("unsigned", errors.MissingSignatureError, "not signed"),
+])
+def test_a_huge_forged_table_is_refused_before_it_is_parsed(tmp_path: pathlib.Path, trusted, manager, monkeypatch,
+                                                            kind: str, error: type, match: str) -> None:
+    """16 MiB of `{}` entries cost 362 MiB and 8 s to parse before the signature was looked at. The order of
+    the checks is asserted (the table is never parsed); the memory bound is a backstop with a wide margin:
+    reading the table costs about twice its size, parsing it more than twenty times."""
+    entries = (16 << 20) // 3
+    table = b'{"tensors":[' + b",".join([b"{}"] * entries) + b'],"metadata":{},"config":null}'
+    path = tmp_path / "huge.snpx"
+    reassemble(path, bytes(format.DATA_OFFSET), table, forged_block(kind, trusted))
+    parsed: list[str | None] = []
+    real_decode = format.decode_table
+
+    def spy(raw: bytes, header: format.Header, *, path: str | None = None) -> format.Table:
+        parsed.append(path)
+        return real_decode(raw, header, path=path)
+
+    monkeypatch.setattr(format, "decode_table", spy)
+    tracemalloc.start()
+    try:
+        assert_refused(manager, path, error, match)
+        with pytest.raises(error):
+            verify.check_checkpoint(path, manager.trusted_keys)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert str(path) not in parsed, "the forged table was parsed before its signature was checked"
+    assert peak < 4 * len(table), f"peak {peak >> 20} MiB for a {len(table) >> 20} MiB table"
 
 
 # --- who signed, and which checkpoint ---------------------------------------------------------------------

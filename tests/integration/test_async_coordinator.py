@@ -11,7 +11,15 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from SneppX_ALG import CheckpointCoordinator, Transformer, _native, coordinator, errors, storage
+from SneppX_ALG import (
+    CheckpointCoordinator,
+    Transformer,
+    _native,
+    coordinator,
+    errors,
+    storage,
+    validate_checkpoint,
+)
 
 MiB = 1 << 20
 
@@ -241,6 +249,25 @@ def test_a_step_without_manifest_or_with_a_lying_manifest_is_skipped(tmp_path) -
     assert {s.step for s in coord.skipped} == {2, 3}
 
 
+def test_a_flipped_bit_in_the_training_state_of_an_unsigned_step_is_caught(tmp_path) -> None:
+    """The manifest's checksum covers what no tensor CRC does: the training state (data position, epoch)."""
+    with CheckpointCoordinator(tmp_path, max_to_keep=None) as coord:
+        for step in (1, 2):
+            coord.save({"w": np.full(4, step)}, step=step, training_state={"data_position": 123456 + step})
+    path = tmp_path / "step-000000002" / "manifest.json"
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"123458") + 5
+    raw[at] ^= 0x01  # "123458" -> "123459": still JSON, still a number, another data position
+    path.write_bytes(bytes(raw))
+    coord = CheckpointCoordinator(tmp_path)
+    assert any("checksum mismatch" in p for p in coord.validate(2))
+    info = coord.latest()
+    assert info.step == 1 and info.training_state == {"data_position": 123457}
+    assert [s.step for s in coord.skipped] == [2]
+    ok, problems = validate_checkpoint(tmp_path / "step-000000002")
+    assert not ok and "checksum mismatch" in problems[0]
+
+
 def test_leftovers_of_an_interrupted_save_are_invisible_and_cleaned_at_start(tmp_path) -> None:
     with CheckpointCoordinator(tmp_path) as coord:
         coord.save({"w": np.ones(4)}, step=1)
@@ -281,6 +308,23 @@ def test_bad_arguments_are_refused_up_front(tmp_path) -> None:
         with pytest.raises(errors.UnsupportedTensorError):
             coord.save(["not", "a", "state"], step=1)
     assert coordinator.CheckpointCoordinator(tmp_path).committed_steps() == []
+
+
+@pytest.mark.parametrize("key, reason", [("emb\x00", "NUL"), ("emb\udc80", "not valid Unicode"),
+                                         ("x" * 1025, "longer than 1024 bytes")])
+def test_a_tensor_name_the_format_refuses_fails_the_save_that_passed_it(tmp_path, key, reason) -> None:
+    """Checked in save() by the format's own rule, not first on the background thread, whose error used to
+    surface as the failure of the next, correct save()."""
+    with CheckpointCoordinator(tmp_path, max_to_keep=None) as coord:
+        with pytest.raises(errors.UnsupportedTensorError, match=reason):
+            coord.save({"ok": np.ones(4), key: np.ones(4)}, step=1)
+        coord.save({"ok": np.ones(4)}, step=2)
+        coord.wait()
+        assert coord.committed_steps() == [2]
+    restored: dict = {}
+    with CheckpointCoordinator(tmp_path) as resumed:
+        assert resumed.restore(restored).step == 2
+    np.testing.assert_array_equal(restored["ok"], np.ones(4))
 
 
 def test_close_on_another_thread_waits_for_a_save_in_progress(tmp_path) -> None:

@@ -8,10 +8,12 @@ import shutil
 import subprocess
 import sys
 
+import google_crc32c
 import numpy as np
 import pytest
 
 from SneppX_ALG import CheckpointWriter
+from SneppX_ALG.checkpoint import format
 
 
 def sneppx(*args: str) -> subprocess.CompletedProcess[str]:
@@ -53,6 +55,35 @@ def test_inspect_shows_tensors_and_metadata(good: pathlib.Path) -> None:
     assert info["tensors"][0] == {"name": "layer0.w", "dtype": "float32", "shape": [8, 16], "bytes": 512,
                                   "offset": 4096, "crc32c": info["tensors"][0]["crc32c"]}
     assert info["metadata"] == {"run": "cli", "step": "42"} and info["config"] == {"dim": 8}
+
+
+def test_inspect_json_offsets_and_crcs_match_values_computed_independently(good: pathlib.Path) -> None:
+    """Offsets from the layout rule of docs/FORMAT.md (tensor 0 at 4096, the next at the following 4096
+    boundary), CRC32Cs from another implementation (google-crc32c) over the arrays the fixture wrote."""
+    w, b = np.ones((8, 16), np.float32), np.zeros(16, np.float16)
+    info = json.loads(sneppx("inspect", str(good), "--json").stdout)
+    assert [{k: t[k] for k in ("name", "offset", "bytes", "crc32c")} for t in info["tensors"]] == [
+        {"name": "layer0.w", "offset": 4096, "bytes": 512, "crc32c": f"{google_crc32c.value(w.tobytes()):08x}"},
+        {"name": "layer0.b", "offset": 8192, "bytes": 32, "crc32c": f"{google_crc32c.value(b.tobytes()):08x}"},
+    ]
+    assert info["file_bytes"] == good.stat().st_size and info["version"] == "1.0" and info["signed"] is False
+
+
+def test_sign_of_a_table_with_a_lone_surrogate_exits_1_with_a_message(tmp_path: pathlib.Path) -> None:
+    """Another tool wrote metadata "\\ud800" (valid JSON, not UTF-8 text): refused with a typed error, not a
+    UnicodeEncodeError traceback from re-encoding the table, and the file is left as it was."""
+    table = b'{"tensors":[],"metadata":{"note":"\\ud800"},"config":null}'
+    header = format.Header(file_size=format.DATA_OFFSET + len(table), table_offset=format.DATA_OFFSET,
+                           table_length=len(table), table_crc32c=google_crc32c.value(table))
+    path = tmp_path / "other-tool.snpx"
+    path.write_bytes(format.encode_header(header).ljust(format.DATA_OFFSET, b"\0") + table)
+    before = path.read_bytes()
+    key = tmp_path / "k.pem"
+    assert sneppx("keygen", str(key)).returncode == 0
+    result = sneppx("sign", str(path), "--key", str(key))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("sneppx sign: CorruptTableError") and "not valid Unicode" in result.stderr
+    assert path.read_bytes() == before
 
 
 def test_inspect_bad_file_exits_1_with_reason(tmp_path: pathlib.Path) -> None:

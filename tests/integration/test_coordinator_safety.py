@@ -1,4 +1,4 @@
-"""What the checkpoint store must never do, on real files and a real moto S3 server (issue 9).
+"""What the checkpoint store must never do, on real files and real S3 servers (moto, versitygw) (issue 9).
 
 Retention never deletes the newest step that validates; a coordinator that could only save steps it would
 itself reject is refused; a restore to an older step starts a new timeline whose abandoned steps are fenced
@@ -259,7 +259,11 @@ def test_a_fence_cut_short_by_a_kill_still_hides_the_abandoned_steps_and_the_nex
     assert result.returncode == -9, result.stderr + result.stdout
     names = step_dirs(tmp_path)
     assert timeline.FENCE_RECORD in names and storage.step_name(4000) in names  # cut before any move
-    reader = CheckpointCoordinator(tmp_path, cleanup_on_start=False)
+    assert [n for n in names if n.startswith(".tmp-step-000002100-")]
+    CheckpointCoordinator(tmp_path).close()  # a start's cleanup: the dead writer's temporary directory only
+    names = step_dirs(tmp_path)
+    assert timeline.FENCE_RECORD in names and not [n for n in names if n.startswith(".tmp-")]
+    reader = CheckpointCoordinator(tmp_path, read_only=True)
     assert reader.committed_steps() == [1000, 2000]
     got = empty_state()
     assert reader.latest().step == 2000 and reader.restore(got).step == 2000
@@ -276,6 +280,9 @@ def test_restoring_the_newest_step_or_only_reading_fences_nothing(tmp_path) -> N
     reader = CheckpointCoordinator(tmp_path)
     reader.restore(empty_state(), step=1)  # an evaluator looking at an old step, never saving
     reader.close()
+    with CheckpointCoordinator(tmp_path, read_only=True) as evaluator:  # a reader's restore is not a rollback
+        assert evaluator.restore(empty_state(), step=1).step == 1
+        assert evaluator.latest().step == 3 and evaluator.committed_steps() == [1, 2, 3]
     with CheckpointCoordinator(tmp_path, max_to_keep=None, staging_bytes=2 * MiB) as coord:
         assert coord.restore(empty_state()).step == 3
         coord.save(state_for(4), step=4)
@@ -378,6 +385,23 @@ def test_a_shard_changed_in_place_while_it_loads_is_refused(tmp_path, keys, monk
 # ---- item 10: can't read now is not "bad" ------------------------------------------------------------------
 
 
+def test_a_shard_that_is_a_fifo_is_refused_not_waited_on(tmp_path) -> None:
+    """A named pipe where a shard should be: opening it for reading would wait forever for a writer.
+    Checked in a child process, so a regression fails by its timeout instead of hanging the suite."""
+    save_steps(str(tmp_path), [1, 2])
+    shard = tmp_path / storage.step_name(2) / SHARD
+    shard.unlink()
+    os.mkfifo(shard)
+    script = textwrap.dedent(f"""
+        from SneppX_ALG import CheckpointCoordinator
+        coord = CheckpointCoordinator({str(tmp_path)!r}, read_only=True)
+        print(coord.latest().step, coord.skipped[0].problems[0])
+    """)
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.startswith("1 ") and "FIFO" in out.stdout, out.stdout
+
+
 @pytest.fixture
 def fast_retries(monkeypatch):
     monkeypatch.setattr(steps, "READ_BACKOFF_S", 0.001)
@@ -465,6 +489,80 @@ def test_rollback_fencing_and_set_aside_bounds_on_s3(s3_bucket, s3_env, tmp_path
     assert sorted(n for n in names if n.startswith("step-")) == [storage.step_name(3100)]
     # set-aside steps are bounded like committed ones: max_to_keep=1 keeps the newest (4000's)
     assert [storage.parse_set_aside_name(n) for n in names if n.startswith(".")] == [4000]
+
+
+def test_an_invalid_committed_s3_step_is_set_aside_so_its_number_is_saved_again(s3_bucket, s3_env,
+                                                                                  tmp_path) -> None:
+    """No restore: a save finds its step committed but invalid. Setting it aside moves all of its objects,
+    manifest.json included, out of the step's keys, so the new manifest (created with If-None-Match) and
+    marker commit."""
+    client = s3_env.client()
+    root = f"s3://{s3_bucket}/inv"
+    kwargs = {"s3_client": client, "staging_dir": str(tmp_path)}
+    save_steps(root, [1, 2], **kwargs)
+    key = f"inv/{storage.step_name(2)}/{SHARD}"
+    body = bytearray(client.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
+    body[4096 + 3] ^= 0x40
+    client.put_object(Bucket=s3_bucket, Key=key, Body=bytes(body))
+    with CheckpointCoordinator(root, max_to_keep=None, staging_bytes=2 * MiB, **kwargs) as coord:
+        coord.save(state_for(20), step=2)
+    names = s3_names(client, s3_bucket, "inv")
+    assert [storage.parse_set_aside_name(n) for n in names if n.startswith(".invalid-")] == [2]
+    got = empty_state()
+    assert CheckpointCoordinator(root, read_only=True, **kwargs).restore(got).step == 2
+    assert got["embed"].tobytes() == state_for(20)["embed"].tobytes()
+
+
+def test_s3_cleanup_leaves_the_fence_record_and_set_aside_steps_alone(s3_bucket, s3_env, tmp_path) -> None:
+    """A fence cut short after its first move: the record and the set-aside step are not leftovers of a
+    crashed save; a start's cleanup removes the crashed save's objects only, and the next writer finishes
+    the fence."""
+    client = s3_env.client()
+    root = f"s3://{s3_bucket}/fc"
+    kwargs = {"s3_client": client, "staging_dir": str(tmp_path)}
+    save_steps(root, [1, 2, 3], **kwargs)
+    store = storage.S3Storage(root, client=client, staging_dir=str(tmp_path))
+    store.write_record(timeline.FENCE_RECORD, timeline.encode_fence(timeline.Fence(1, (2, 3))))
+    store.set_aside(3, "abandoned")
+    crashed = f"fc/{storage.step_name(9)}/{SHARD}"
+    client.put_object(Bucket=s3_bucket, Key=crashed, Body=b"a crashed save's shard")
+    assert f"s3://{s3_bucket}/{crashed}" in store.cleanup()
+    names = s3_names(client, s3_bucket, "fc")
+    assert timeline.FENCE_RECORD in names and storage.step_name(9) not in names
+    assert [storage.parse_set_aside_name(n) for n in names if n.startswith(".abandoned-")] == [3]
+    reader = CheckpointCoordinator(root, read_only=True, **kwargs)
+    assert reader.committed_steps() == [1] and reader.latest().step == 1
+    with CheckpointCoordinator(root, max_to_keep=None, staging_bytes=2 * MiB, **kwargs) as writer:
+        writer.save(state_for(2), step=2)  # sets the old step 2 aside first, then commits its own
+    names = s3_names(client, s3_bucket, "fc")
+    assert timeline.FENCE_RECORD not in names
+    assert sorted(storage.parse_set_aside_name(n) for n in names if n.startswith(".abandoned-")) == [2, 3]
+    got = empty_state()
+    assert CheckpointCoordinator(root, read_only=True, **kwargs).restore(got).step == 2
+    assert_is_state(got, 2)
+
+
+def test_a_set_aside_copy_cut_short_is_bounded_by_retention_not_left_behind(s3_bucket, s3_env,
+                                                                           tmp_path) -> None:
+    """Large objects are set aside by a multipart copy; a process killed mid-copy leaves an incomplete upload
+    under the set-aside name. Cleanup leaves it (it can't tell it from a live copy); retention counts it as
+    a set-aside step and aborts it once it is beyond max_to_keep."""
+    client = s3_env.client()
+    root = f"s3://{s3_bucket}/cut"
+    kwargs = {"s3_client": client, "staging_dir": str(tmp_path)}
+    save_steps(root, [1, 2], **kwargs)
+    partial = f"cut/.abandoned-step-000000001-deadbeef/{SHARD}"
+    upload = client.create_multipart_upload(Bucket=s3_bucket, Key=partial)["UploadId"]
+    client.upload_part(Bucket=s3_bucket, Key=partial, UploadId=upload, PartNumber=1, Body=b"x" * (5 << 20))
+    store = storage.S3Storage(root, client=client, staging_dir=str(tmp_path))
+    store.set_aside(2, "invalid")
+    assert [step for step, _ in store.set_aside_steps()] == [1, 2]
+    store.cleanup()
+    assert [u["Key"] for u in client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])] == [partial]
+    with CheckpointCoordinator(root, max_to_keep=1, staging_bytes=2 * MiB, **kwargs) as coord:
+        coord.save(state_for(3), step=3)
+    assert client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+    assert [step for step, _ in store.set_aside_steps()] == [2]
 
 
 def test_a_read_error_on_an_s3_step_is_raised_not_skipped(s3_bucket, s3_env, tmp_path, fast_retries) -> None:

@@ -1,10 +1,12 @@
 """S3 crash consistency: the server dies mid-upload, and the saving client dies mid-upload.
 
-"The server" the client talks to is a TCP forwarder process in front of moto that SIGKILLs itself after a
-chosen number of uploaded bytes: from the client's side that is a server killed mid-upload, while moto
-keeps the half-done multipart upload, so we can check that no checkpoint was committed and that the next
-coordinator start aborts the orphaned upload. The client-side test SIGKILLs a saving process at seeded
-random times.
+On both test servers (moto and the Versity S3 Gateway), "the server" the client talks to is a TCP forwarder
+process in front of the real one that SIGKILLs itself after a chosen number of uploaded bytes: from the
+client's side that is a server killed mid-upload, while the real server keeps the half-done multipart upload,
+so we can check that no checkpoint was committed and that the next coordinator start aborts the orphaned
+upload. The gateway keeps what it was sent on disk, so it is also killed for real (SIGKILL) and restarted
+over its directory; moto keeps everything in memory and would come back empty. The client-side test
+SIGKILLs a saving process at seeded random times.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 
 import numpy as np
 import pytest
+import s3_servers
 
 from SneppX_ALG import CheckpointCoordinator, errors, storage
 
@@ -129,6 +132,51 @@ def test_server_killed_mid_upload_commits_nothing_and_leaves_no_orphan_after_res
         coord.close()
     finally:
         stop_process(proxy)
+
+
+def test_the_gateway_killed_mid_upload_and_restarted_over_its_data_commits_nothing(tmp_path, monkeypatch) -> None:
+    for key, value in s3_servers.ENV.items():
+        monkeypatch.setenv(key, value)
+    port = s3_servers.free_port()
+    server = s3_servers.start("versitygw", tmp_path, port=port)
+    try:
+        client = server.client(max_attempts=1, connect_timeout=2, read_timeout=20)
+        client.create_bucket(Bucket="killed")
+        root = "s3://killed/k"
+        with CheckpointCoordinator(root, s3_client=client) as coord:
+            coord.save(state_for(1), step=1)
+
+        acknowledged: list[int] = []
+
+        def kill_server_after_two_parts(**_) -> None:
+            acknowledged.append(1)
+            if len(acknowledged) == 2:
+                os.kill(server.process.pid, signal.SIGKILL)
+
+        client.meta.events.register("after-call.s3.UploadPart", kill_server_after_two_parts)
+        coord = CheckpointCoordinator(root, s3_client=client, cleanup_on_start=False)
+        coord._storage.part_bytes = 5 * MiB  # five parts
+        coord.save(state_for(2), step=2)
+        with pytest.raises(errors.StorageError, match="S3"):
+            coord.wait()
+        assert server.process.wait(30) == -signal.SIGKILL
+
+        server = s3_servers.start("versitygw", tmp_path, port=port)  # the same directory, the same port
+        direct = server.client()
+        store = storage.S3Storage(root, client=direct)
+        assert store.committed_steps() == [1], "a step was committed although the server died mid-upload"
+        assert len(store.incomplete_uploads()) == 1, "the orphaned upload should have survived the crash"
+        coord = CheckpointCoordinator(root, s3_client=direct)
+        assert store.incomplete_uploads() == []
+        assert [o["Key"] for o in direct.list_objects_v2(Bucket="killed")["Contents"]
+                if "step-000000002" in o["Key"]] == []
+        assert_restores(coord, 1)
+        coord.save(state_for(2), step=2)
+        coord.wait()
+        assert_restores(coord, 2)
+        coord.close()
+    finally:
+        s3_servers.stop(server)
 
 
 CLIENT = textwrap.dedent("""

@@ -1,4 +1,4 @@
-"""Signed multi-file checkpoints from CheckpointCoordinator: real files and a real moto S3 server, no mocks.
+"""Signed multi-file checkpoints from CheckpointCoordinator: real files and real S3 servers, no mocks.
 
 A signed step is a directory (or S3 prefix) whose manifest.json lists every shard's size and BLAKE3 digest
 and whose manifest.sig signs those exact bytes. These tests change bytes the way an attacker would and check that a
@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from SneppX_ALG import CheckpointCoordinator, _native, checkpoint, errors, storage
+from SneppX_ALG.checkpoint import manifest as manifest_codec
 from SneppX_ALG.checkpoint import signing, verify
 
 MiB = 1 << 20
@@ -118,7 +119,8 @@ def tamper_shard_byte(step_dir: pathlib.Path, keys: tuple) -> None:
 def tamper_manifest(step_dir: pathlib.Path, keys: tuple) -> None:
     manifest = json.loads((step_dir / "manifest.json").read_bytes())
     manifest["training_state"] = {"step": 999}  # still a well-formed manifest, pointing at the same shards
-    (step_dir / "manifest.json").write_bytes(json.dumps(manifest).encode())
+    # with its checksum made again, as anyone changing it on purpose would: the checksum is for accidents
+    (step_dir / "manifest.json").write_bytes(manifest_codec.encode_manifest(manifest))
 
 
 def tamper_signature(step_dir: pathlib.Path, keys: tuple) -> None:
@@ -322,7 +324,7 @@ def test_sneppx_verify_a_step_directory_exit_codes(tmp_path, keys) -> None:
     assert sneppx("verify", str(good), "-k", str(tmp_path / "junk.pem")).returncode == 2
 
 
-# ---- S3 (a real moto server over HTTP on 127.0.0.1) ------------------------------------------------------
+# ---- S3 (moto and the Versity S3 Gateway over HTTP on 127.0.0.1; each test runs on both) ----------------
 
 
 def s3_objects(client, bucket: str) -> list[str]:

@@ -7,6 +7,7 @@ install; the parent then checks that the old or the new version is installed, ne
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -21,8 +22,8 @@ import threading
 import numpy as np
 import pytest
 
-from SneppX_ALG import checkpoint, errors
-from SneppX_ALG.checkpoint import signing, updates, verify
+from SneppX_ALG import _native, checkpoint, errors
+from SneppX_ALG.checkpoint import format, signing, updates, verify
 
 NOW = 1_800_000_000.0  # a fixed clock: 2027-01-15
 
@@ -189,6 +190,180 @@ def test_corrupt_state_file_is_a_typed_error(tmp_path: pathlib.Path, keys, manag
     state.write_text(json.dumps(doc))
     with pytest.raises(errors.StorageError, match="outside versions"):
         manager.current()
+
+
+# --- a hostile or changing update file --------------------------------------------------------------------
+
+
+class StagedCopyWatch:
+    """Watches the native writer that install_update copies an update into (files under versions/ only), and
+    lets a test act as another writer of the source at a chosen point of the copy."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, versions: str) -> None:
+        self.opened: list[str] = []
+        self.before_append: list = []  # f(start, end) before the bytes [start, end) of the copy are written
+        self.after_append: list = []
+        watch, real = self, _native.NativeFile
+
+        class Watched(real):  # type: ignore[misc, valid-type]
+            def __init__(self, path: str, **kwargs) -> None:
+                super().__init__(path, **kwargs)
+                self.watched = os.path.dirname(path) == versions
+                if self.watched:
+                    watch.opened.append(path)
+
+            def append(self, data) -> int:
+                start, end = self.size, self.size + memoryview(data).nbytes
+                for hook in watch.before_append if self.watched else ():
+                    hook(start, end)
+                crc = super().append(data)
+                for hook in watch.after_append if self.watched else ():
+                    hook(start, end)
+                return crc
+
+        monkeypatch.setattr(_native, "NativeFile", Watched)
+
+
+@pytest.fixture
+def copy_watch(manager: updates.SignedUpdateManager, monkeypatch: pytest.MonkeyPatch) -> StagedCopyWatch:
+    return StagedCopyWatch(monkeypatch, os.path.join(manager.install_dir, updates.VERSIONS_DIR))
+
+
+def test_a_source_changed_during_the_copy_is_refused_because_the_copy_is_what_is_verified(
+        tmp_path: pathlib.Path, keys, manager, copy_watch: StagedCopyWatch) -> None:
+    """Another writer flips a weight byte of the source just before the copy reads it and puts it back just
+    after: the source verifies again by the end, the staged copy holds the flipped byte. Verifying the source
+    instead of the copy would install corrupt weights."""
+    manager.install_update(make_update(tmp_path / "v1.snpx", keys[0], "1", seed=1))
+    update = make_update(tmp_path / "v2.snpx", keys[0], "2", seed=2, size=5 << 20)  # 20 MiB: several pieces
+    with checkpoint.CheckpointReader(update) as r:
+        embed = r.entry("embed")
+    target = embed.offset + embed.length - 1000  # read by a later piece than the first
+    original = update.read_bytes()[target]
+    changed: list[str] = []
+
+    def flip(start: int, end: int) -> None:
+        if not changed:
+            with open(update, "r+b") as f:
+                f.seek(target)
+                f.write(bytes([original ^ 0x01]))
+            changed.append("flipped")
+
+    def restore(start: int, end: int) -> None:
+        if changed == ["flipped"] and start <= target < end:
+            with open(update, "r+b") as f:
+                f.seek(target)
+                f.write(bytes([original]))
+            changed.append("restored")
+
+    copy_watch.before_append.append(flip)
+    copy_watch.after_append.append(restore)
+    with pytest.raises(errors.ChecksumMismatchError, match="'embed'") as caught:
+        manager.install_update(update)
+    assert changed == ["flipped", "restored"] and caught.value.path == str(update)
+    assert verify.verify_checkpoint(update, [keys[1]]) == (True, [])  # the source is fine again...
+    assert manager.current().version == "1"  # ...and what was copied was refused
+    assert len(copy_watch.opened) == 2  # v1's copy and v2's
+    assert installed_files(manager) == [os.path.basename(manager.current().path)]  # v2's copy is gone
+
+
+@pytest.mark.parametrize("update", ["unsigned", "untrusted key", "forged version", "replayed version",
+                                    "expired"])
+def test_a_refused_update_is_never_copied(tmp_path: pathlib.Path, keys, manager, copy_watch: StagedCopyWatch,
+                                          update: str) -> None:
+    """The cheap checks (signature over the table, then version and expiry) run on the source before any byte
+    of it is copied: a forged or replayed multi-GB file costs one read of its table."""
+    manager.install_update(make_update(tmp_path / "v5.snpx", keys[0], "5", seed=5))
+    assert len(copy_watch.opened) == 1
+    path = tmp_path / "bad.snpx"
+    if update == "unsigned":
+        make_update(path, None, "6")
+    elif update == "untrusted key":
+        make_update(path, signing.generate_keypair()[0], "6")
+    elif update == "forged version":
+        make_update(path, keys[0], "6")
+        raw = path.read_bytes().replace(b'"sneppx.version":"6"', b'"sneppx.version":"7"')
+        with checkpoint.CheckpointReader(path, verify=False) as r:
+            header = r.header
+        table = raw[header.table_offset:header.table_offset + header.table_length]
+        fixed = dataclasses.replace(header, table_crc32c=_native.crc32c(table))
+        path.write_bytes(format.encode_header(fixed) + raw[format.HEADER_SIZE:])  # every CRC right again
+        assert checkpoint.validate_checkpoint(path) == (True, [])
+    elif update == "replayed version":
+        make_update(path, keys[0], "4")
+    else:
+        make_update(path, keys[0], "6", expires="2027-01-01T00:00:00Z")
+    with pytest.raises((errors.SignatureError, errors.UpdateRejectedError)):
+        manager.install_update(path)
+    assert copy_watch.opened[1:] == [], "the update was copied before it was refused"
+    assert manager.current().version == "5"
+
+
+def test_a_fifo_is_refused_without_blocking_while_the_install_lock_is_held(tmp_path: pathlib.Path, keys,
+                                                                          manager) -> None:
+    fifo = tmp_path / "update.snpx"
+    os.mkfifo(fifo)
+    outcome: list[BaseException] = []
+
+    def install() -> None:
+        try:
+            manager.install_update(fifo)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            outcome.append(e)
+
+    thread = threading.Thread(target=install, daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():  # blocked in open() holding the lock: let it go, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(10)
+        pytest.fail("install_update waited for a writer on a FIFO while holding the install lock")
+    assert isinstance(outcome[0], errors.CheckpointFormatError) and "FIFO" in str(outcome[0]), outcome
+    assert outcome[0].path == str(fifo)
+    # the lock was released: the next install goes through
+    assert manager.install_update(make_update(tmp_path / "v1.snpx", keys[0], "1")) == "1"
+
+
+TRUNCATING_CHILD = textwrap.dedent("""
+    import os, subprocess, sys
+    from SneppX_ALG import _native, errors
+    from SneppX_ALG.checkpoint import updates
+    pub, install_dir, source = sys.argv[1:4]
+    versions = os.path.join(install_dir, updates.VERSIONS_DIR)
+    real = _native.NativeFile
+
+    class TruncatedBeforeTheFirstCopy(real):
+        def append(self, data):
+            if os.path.dirname(self.path) == versions and self.size == 0:
+                # another process truncates the source after the checks, as the copy starts
+                subprocess.run([sys.executable, "-c", "import os, sys; os.truncate(sys.argv[1], 4096)", source],
+                               check=True)
+            return super().append(data)
+
+    _native.NativeFile = TruncatedBeforeTheFirstCopy
+    manager = updates.SignedUpdateManager([pub], install_dir, clock=lambda: 1_800_000_000.0)
+    try:
+        manager.install_update(source)
+    except errors.SneppXError as e:
+        print(type(e).__name__, e)
+""")
+
+
+def test_an_update_truncated_during_the_copy_is_a_typed_error_not_a_sigbus(tmp_path: pathlib.Path, keys) -> None:
+    """The installer runs in a child process: a copy through a memory map dies with SIGBUS here."""
+    pub = tmp_path / "trusted.pub"
+    signing.save_public_key(pub, keys[1])
+    install_dir = tmp_path / "installed"
+    updates.SignedUpdateManager([pub], install_dir).install_update(make_update(tmp_path / "v1.snpx", keys[0], "1"))
+    v2 = make_update(tmp_path / "v2.snpx", keys[0], "2", seed=2, size=3 << 20)  # 12 MiB: more than one piece
+    result = subprocess.run([sys.executable, "-c", TRUNCATING_CHILD, str(pub), str(install_dir), str(v2)],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, f"the installer died with {result.returncode}: {result.stderr[-2000:]}"
+    assert result.stdout.startswith("TruncatedCheckpointError") and "while it was copied" in result.stdout
+    assert v2.stat().st_size == 4096  # it really was truncated
+    manager = updates.SignedUpdateManager([pub], install_dir)
+    assert manager.current().version == "1"
+    assert installed_files(manager) == [os.path.basename(manager.current().path)]  # no staged copy left
 
 
 # --- SIGKILL at seeded points of an install --------------------------------------------------------------

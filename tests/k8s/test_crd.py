@@ -156,6 +156,115 @@ INVALID = [
         "env names starting with SNEPPX_ are set by the operator",
     ),
     ("missing-elastic", _delete("spec.elastic"), "spec.elastic: Required value"),
+    # The restricted Pod Security profile, refused at apply time with the field's path.
+    *[
+        (f"restricted-{case}", _set(f"spec.template.spec.{path}", value), expected)
+        for case, path, value, expected in [
+            ("host-network", "hostNetwork", True, "spec.template.spec.hostNetwork: Invalid value"),
+            ("host-pid", "hostPID", True, "hostPID is not allowed"),
+            ("host-ipc", "hostIPC", True, "hostIPC is not allowed"),
+            (
+                "token",
+                "automountServiceAccountToken",
+                True,
+                "automountServiceAccountToken: true is not allowed",
+            ),
+            (
+                "host-path",
+                "volumes",
+                [{"name": "root", "hostPath": {"path": "/"}}],
+                "spec.template.spec.volumes[0]: Invalid value: hostPath volumes are not allowed",
+            ),
+            ("pod-non-root", "securityContext", {"runAsNonRoot": False}, "runAsNonRoot must not be false"),
+            ("pod-root", "securityContext", {"runAsUser": 0}, "runAsUser must not be 0"),
+            (
+                "pod-seccomp",
+                "securityContext",
+                {"seccompProfile": {"type": "Unconfined"}},
+                "securityContext.seccompProfile.type: Invalid value",
+            ),
+            (
+                "selinux-type",
+                "securityContext",
+                {"seLinuxOptions": {"type": "spc_t"}},
+                "seLinuxOptions.type must be container_t",
+            ),
+            (
+                "selinux-role",
+                "securityContext",
+                {"seLinuxOptions": {"role": "sysadm_r"}},
+                "seLinuxOptions.role is not allowed",
+            ),
+            (
+                "apparmor",
+                "securityContext",
+                {"appArmorProfile": {"type": "Unconfined"}},
+                "appArmorProfile.type must be RuntimeDefault or Localhost",
+            ),
+            (
+                "sysctl",
+                "securityContext",
+                {"sysctls": [{"name": "kernel.msgmax", "value": "65536"}]},
+                "sysctl kernel.msgmax is not allowed",
+            ),
+            (
+                "host-process",
+                "securityContext",
+                {"windowsOptions": {"hostProcess": True}},
+                "windowsOptions.hostProcess is not allowed",
+            ),
+            (
+                "privileged",
+                "containers.0.securityContext",
+                {"privileged": True},
+                "containers[0].securityContext.privileged: Invalid value: true: privileged containers are not allowed",
+            ),
+            (
+                "escalation",
+                "containers.0.securityContext",
+                {"allowPrivilegeEscalation": True},
+                "allowPrivilegeEscalation must be false",
+            ),
+            (
+                "capability",
+                "containers.0.securityContext",
+                {"capabilities": {"add": ["NET_BIND_SERVICE", "SYS_ADMIN"]}},
+                "capabilities.add may only hold NET_BIND_SERVICE",
+            ),
+            (
+                "proc-mount",
+                "containers.0.securityContext",
+                {"procMount": "Unmasked"},
+                "procMount must be Default",
+            ),
+            (
+                "container-root",
+                "containers.0.securityContext",
+                {"runAsUser": 0},
+                "containers[0].securityContext.runAsUser: Invalid value",
+            ),
+            (
+                "host-port",
+                "containers.0.ports",
+                [{"containerPort": 80, "hostPort": 80}],
+                "containers[0].ports[0].hostPort: Invalid value: 80: hostPort is not allowed",
+            ),
+            (
+                "init-privileged",
+                "initContainers",
+                [{"name": "init", "image": "x", "securityContext": {"privileged": True}}],
+                "initContainers[0].securityContext.privileged: Invalid value",
+            ),
+        ]
+    ],
+    (
+        "apparmor-annotation",
+        _set(
+            "spec.template.metadata",
+            {"annotations": {"container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"}},
+        ),
+        "AppArmor annotations must be runtime/default or localhost/<profile>",
+    ),
     ("name-too-long", _set("metadata.name", "a" * 51), "metadata.name must be at most 50 characters"),
     ("name-not-dns-label", _set("metadata.name", "my.job"), "metadata.name must be a DNS label"),
     ("name-starts-with-digit", _set("metadata.name", "1job"), "metadata.name must be a DNS label"),
@@ -239,6 +348,40 @@ def test_mutable_fields_can_change(api: kubernetes.client.ApiClient, namespace: 
     assert patched["spec"]["suspend"] is True
     assert patched["spec"]["elastic"]["maxNodes"] == 4
     assert patched["spec"]["checkpoint"]["maxToKeep"] == 5
+
+
+def test_what_the_restricted_profile_allows_is_accepted(
+    api: kubernetes.client.ApiClient, namespace: str
+) -> None:
+    job = k8s_helpers.valid_job()
+    job["spec"]["template"]["metadata"] = {
+        "annotations": {"container.apparmor.security.beta.kubernetes.io/trainer": "localhost/train"}
+    }
+    job["spec"]["template"]["spec"].update(
+        automountServiceAccountToken=False,
+        hostNetwork=False,
+        securityContext={
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "Localhost", "localhostProfile": "profiles/train.json"},
+            "seLinuxOptions": {"type": "container_t", "level": "s0:c1,c2"},
+            "sysctls": [{"name": "net.ipv4.tcp_keepalive_time", "value": "60"}],
+        },
+        volumes=[{"name": "data", "emptyDir": {}}],
+    )
+    job["spec"]["template"]["spec"]["containers"][0].update(
+        ports=[{"containerPort": 8080}],
+        securityContext={
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"add": ["NET_BIND_SERVICE"], "drop": ["ALL"]},
+            "procMount": "Default",
+        },
+    )
+    stored = _create(api, namespace, job)
+    assert stored["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 1000, (
+        "unlisted fields are kept"
+    )
 
 
 def test_unknown_fields_are_refused_by_strict_apply(cluster: k8s_cluster.Cluster, namespace: str) -> None:

@@ -8,6 +8,7 @@ status themselves (k8s_helpers.mark_pod_ready) where a kubelet would.
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -84,6 +85,20 @@ def _exists(call: Any, *args: Any) -> bool:
     return True
 
 
+def _delete_job_and_wait(api: kubernetes.client.ApiClient, namespace: str, name: str) -> None:
+    _custom(api).delete_namespaced_custom_object(
+        k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, name
+    )
+    k8s_helpers.wait_for(
+        lambda: not _exists(_get_job, api, namespace, name), "the job to go (finalizer released)"
+    )
+
+
+def _secret_name(job: dict[str, Any]) -> str:
+    """The heartbeat Secret's name carries the job's uid (no one else's Secret can be taken for it)."""
+    return f"{job['metadata']['name']}-heartbeat-{job['metadata']['uid'][:8]}"
+
+
 def _env(container: Any) -> dict[str, str]:
     return {e.name: e.value for e in container.env if e.value is not None}
 
@@ -102,7 +117,7 @@ def test_new_job_gets_service_secret_and_restricted_pods(
     assert service.spec.cluster_ip == "None", "the Service must be headless"
     assert service.spec.selector == {JOB_LABEL: "train"}
     assert service.spec.publish_not_ready_addresses is True
-    secret = core.read_namespaced_secret("train-heartbeat", namespace)
+    secret = core.read_namespaced_secret(_secret_name(job), namespace)
     assert len(base64.b64decode(secret.data["heartbeat-key"])) == 32
     for owned in (service, secret, *pods):
         refs = owned.metadata.owner_references
@@ -146,18 +161,14 @@ def test_status_and_printer_columns_fill_in(
 ) -> None:
     _create_job(api, namespace, k8s_helpers.valid_job("cols", max_nodes=2, min_nodes=2))
     k8s_helpers.wait_for(lambda: len(_pods(api, namespace, "cols")) == 2, "2 rank pods")
-    status = k8s_helpers.wait_for(
-        lambda: (s := _status_of(api, namespace, "cols")).get("phase") == "Pending" and s, "phase Pending"
-    )
+    status = _wait_for_phase(api, namespace, "cols", "Pending")
     assert status["readyDesired"] == "0/2"
     assert status["quorum"] == {"healthyPercent": 0, "met": False}
 
     core = kubernetes.client.CoreV1Api(api)
     for pod in _pods(api, namespace, "cols"):
         k8s_helpers.mark_pod_ready(core, namespace, pod.metadata.name)
-    status = k8s_helpers.wait_for(
-        lambda: (s := _status_of(api, namespace, "cols")).get("phase") == "Running" and s, "phase Running"
-    )
+    status = _wait_for_phase(api, namespace, "cols", "Running")
     job = _get_job(api, namespace, "cols")
     assert status["observedGeneration"] == job["metadata"]["generation"]
     assert status["readyDesired"] == "2/2" and status["readyNodes"] == 2 and status["desiredNodes"] == 2
@@ -190,20 +201,17 @@ def test_status_and_printer_columns_fill_in(
 def test_suspend_deletes_pods_keeps_job_and_resume_recreates_them(
     api: kubernetes.client.ApiClient, namespace: str, operator: kopf.testing.KopfRunner
 ) -> None:
-    _create_job(api, namespace, k8s_helpers.valid_job("pause", max_nodes=2))
+    job = _create_job(api, namespace, k8s_helpers.valid_job("pause", max_nodes=2))
     k8s_helpers.wait_for(lambda: len(_pods(api, namespace, "pause")) == 2, "2 rank pods")
 
     _patch_job(api, namespace, "pause", {"spec": {"suspend": True}})
     k8s_helpers.wait_for(lambda: not _pods(api, namespace, "pause"), "pods deleted on suspend")
-    status = k8s_helpers.wait_for(
-        lambda: (s := _status_of(api, namespace, "pause")).get("phase") == "Suspended" and s,
-        "phase Suspended",
-    )
+    status = _wait_for_phase(api, namespace, "pause", "Suspended")
     assert status["readyDesired"] == "0/0"
     assert {c["type"]: c["status"] for c in status["conditions"]}["Suspended"] == "True"
     core = kubernetes.client.CoreV1Api(api)
     assert _exists(core.read_namespaced_service, "pause", namespace), "suspend must keep the Service"
-    assert _exists(core.read_namespaced_secret, "pause-heartbeat", namespace), "suspend must keep the Secret"
+    assert _exists(core.read_namespaced_secret, _secret_name(job), namespace), "suspend must keep the Secret"
     k8s_helpers.wait_for(
         lambda: any(e[1] == "Suspended" for e in _events(api, namespace, "pause")), "a Suspended event"
     )
@@ -228,22 +236,17 @@ def test_scale_down_deletes_the_highest_ranks(
 def test_delete_removes_pods_service_and_secret(
     api: kubernetes.client.ApiClient, namespace: str, operator: kopf.testing.KopfRunner
 ) -> None:
-    _create_job(api, namespace, k8s_helpers.valid_job("gone", max_nodes=2))
+    job = _create_job(api, namespace, k8s_helpers.valid_job("gone", max_nodes=2))
     k8s_helpers.wait_for(lambda: len(_pods(api, namespace, "gone")) == 2, "2 rank pods")
     core = kubernetes.client.CoreV1Api(api)
     k8s_helpers.wait_for(
-        lambda: _exists(core.read_namespaced_secret, "gone-heartbeat", namespace), "the Secret"
+        lambda: _exists(core.read_namespaced_secret, _secret_name(job), namespace), "the Secret"
     )
 
-    _custom(api).delete_namespaced_custom_object(
-        k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, "gone"
-    )
-    k8s_helpers.wait_for(
-        lambda: not _exists(_get_job, api, namespace, "gone"), "the job to go (finalizer released)"
-    )
+    _delete_job_and_wait(api, namespace, "gone")
     assert _pods(api, namespace, "gone") == []
     assert not _exists(core.read_namespaced_service, "gone", namespace)
-    assert not _exists(core.read_namespaced_secret, "gone-heartbeat", namespace)
+    assert not _exists(core.read_namespaced_secret, _secret_name(job), namespace)
 
 
 def test_invalid_template_fails_the_job_with_a_warning_and_recovers_when_fixed(
@@ -252,9 +255,7 @@ def test_invalid_template_fails_the_job_with_a_warning_and_recovers_when_fixed(
     job = k8s_helpers.valid_job("bad", max_nodes=1)
     job["spec"]["template"]["spec"]["volumes"] = [{"name": "sneppx-tmp", "emptyDir": {}}]
     _create_job(api, namespace, job)
-    status = k8s_helpers.wait_for(
-        lambda: (s := _status_of(api, namespace, "bad")).get("phase") == "Failed" and s, "phase Failed"
-    )
+    status = _wait_for_phase(api, namespace, "bad", "Failed")
     ready = {c["type"]: c for c in status["conditions"]}["Ready"]
     assert ready["reason"] == "InvalidSpec" and "reserved" in ready["message"]
     warnings = k8s_helpers.wait_for(
@@ -266,3 +267,267 @@ def test_invalid_template_fails_the_job_with_a_warning_and_recovers_when_fixed(
 
     _patch_job(api, namespace, "bad", {"spec": {"template": {"spec": {"volumes": []}}}})
     k8s_helpers.wait_for(lambda: len(_pods(api, namespace, "bad")) == 1, "the pod once the spec is fixed")
+
+
+def _condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == type_), {})
+
+
+def _wait_for_phase(
+    api: kubernetes.client.ApiClient, namespace: str, name: str, phase: str
+) -> dict[str, Any]:
+    return k8s_helpers.wait_for(
+        lambda: (s := _status_of(api, namespace, name)).get("phase") == phase and s, f"phase {phase}"
+    )
+
+
+def _wait_for_resource_failure(
+    api: kubernetes.client.ApiClient, namespace: str, name: str, reason: str, detail: str = ""
+) -> dict[str, Any]:
+    """The job's ResourceFailure condition once it has `reason` and `detail` in its message."""
+
+    def probe() -> dict[str, Any]:
+        failure = _condition(_status_of(api, namespace, name), "ResourceFailure")
+        return failure if failure.get("reason") == reason and detail in failure.get("message", "") else {}
+
+    return k8s_helpers.wait_for(probe, f"a ResourceFailure condition with reason {reason}")
+
+
+def _wait_for_warning(api: kubernetes.client.ApiClient, namespace: str, name: str, reason: str) -> None:
+    k8s_helpers.wait_for(
+        lambda: [e for e in _events(api, namespace, name) if e[:2] == ("Warning", reason)],
+        f"a {reason} warning event",
+    )
+
+
+def _restricted_pod(name: str, labels: dict[str, str], owner: dict[str, Any]) -> dict[str, Any]:
+    """Someone else's pod that passes the namespace's restricted Pod Security admission."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels, "ownerReferences": [owner]},
+        "spec": {
+            "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [
+                {
+                    "name": "db",
+                    "image": "example.org/db:1",
+                    "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                }
+            ],
+        },
+    }
+
+
+def _someone_else(core: kubernetes.client.CoreV1Api, namespace: str) -> dict[str, Any]:
+    """A controller ownerReference to an object that isn't the job (a ConfigMap stands in for any owner)."""
+    owner = core.create_namespaced_config_map(namespace, {"metadata": {"name": "someone-else"}})
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "name": "someone-else",
+        "uid": owner.metadata.uid,
+        "controller": True,
+    }
+
+
+def test_objects_someone_else_owns_survive_a_job_of_the_same_name(
+    api: kubernetes.client.ApiClient, namespace: str, operator: kopf.testing.KopfRunner
+) -> None:
+    core = kubernetes.client.CoreV1Api(api)
+    owner = _someone_else(core, namespace)
+    service = core.create_namespaced_service(
+        namespace, {"metadata": {"name": "postgres"}, "spec": {"ports": [{"port": 5432}]}}
+    )
+    secret = core.create_namespaced_secret(
+        namespace,
+        {"metadata": {"name": "postgres-heartbeat", "ownerReferences": [owner]}, "data": {"k": "dg=="}},
+    )
+    # A look-alike: the job's labels, someone else's controller. It must be neither counted nor deleted.
+    labels = {JOB_LABEL: "postgres", "sneppx.io/rank": "0", "sneppx.io/membership-generation": "1"}
+    pod = core.create_namespaced_pod(namespace, _restricted_pod("postgres-0", labels, owner))
+
+    _create_job(api, namespace, k8s_helpers.valid_job("postgres", max_nodes=1))
+    failure = _wait_for_resource_failure(api, namespace, "postgres", "NameInUse")
+    assert failure["status"] == "True"
+    assert (
+        'Service "postgres" already exists and is not controlled by this job (it has no controller)'
+        in (failure["message"])
+    )
+    _wait_for_warning(api, namespace, "postgres", "NameInUse")
+    assert _status_of(api, namespace, "postgres")["readyNodes"] == 0, "the look-alike pod is not a rank"
+
+    _delete_job_and_wait(api, namespace, "postgres")
+    assert core.read_namespaced_service("postgres", namespace).metadata.uid == service.metadata.uid
+    assert core.read_namespaced_secret("postgres-heartbeat", namespace).metadata.uid == secret.metadata.uid
+    assert core.read_namespaced_pod("postgres-0", namespace).metadata.uid == pod.metadata.uid
+
+
+def test_a_pod_name_someone_else_holds_is_reported_with_its_controller(
+    api: kubernetes.client.ApiClient, namespace: str, operator: kopf.testing.KopfRunner
+) -> None:
+    core = kubernetes.client.CoreV1Api(api)
+    owner = _someone_else(core, namespace)
+    pod = core.create_namespaced_pod(namespace, _restricted_pod("db-0", {"app": "db"}, owner))
+    job = _create_job(api, namespace, k8s_helpers.valid_job("db", max_nodes=1))
+    failure = _wait_for_resource_failure(api, namespace, "db", "NameInUse")
+    assert failure["message"].startswith('Pod "db-0" already exists and is not controlled by this job')
+    assert f"its controller is ConfigMap someone-else (uid {owner['uid']})" in failure["message"]
+
+    _delete_job_and_wait(api, namespace, "db")
+    assert core.read_namespaced_pod("db-0", namespace).metadata.uid == pod.metadata.uid
+    assert not _exists(core.read_namespaced_service, "db", namespace), "the job's own Service goes"
+    assert not _exists(core.read_namespaced_secret, _secret_name(job), namespace), "and its Secret"
+
+
+def test_a_quota_refusal_reaches_status_and_events_and_clears_when_the_quota_allows(
+    api: kubernetes.client.ApiClient, namespace: str, operator: kopf.testing.KopfRunner
+) -> None:
+    core = kubernetes.client.CoreV1Api(api)
+    core.create_namespaced_resource_quota(
+        namespace, {"metadata": {"name": "pods"}, "spec": {"hard": {"pods": "1"}}}
+    )
+    # No controller-manager here: play the quota controller and publish the quota's status once.
+    core.patch_namespaced_resource_quota_status(
+        "pods", namespace, {"status": {"hard": {"pods": "1"}, "used": {"pods": "0"}}}
+    )
+    _create_job(api, namespace, k8s_helpers.valid_job("quota", max_nodes=2))
+    failure = _wait_for_resource_failure(api, namespace, "quota", "FailedCreate")
+    assert failure["message"].startswith('the API server refused to create Pod "quota-1" (403)')
+    assert "exceeded quota: pods" in failure["message"]
+    _wait_for_warning(api, namespace, "quota", "FailedCreate")
+    assert [p.metadata.name for p in _pods(api, namespace, "quota")] == ["quota-0"]
+
+    core.patch_namespaced_resource_quota("pods", namespace, {"spec": {"hard": {"pods": "2"}}})
+    core.patch_namespaced_resource_quota_status("pods", namespace, {"status": {"hard": {"pods": "2"}}})
+    k8s_helpers.wait_for(lambda: len(_pods(api, namespace, "quota")) == 2, "rank 1 once the quota allows it")
+    k8s_helpers.wait_for(
+        lambda: not _condition(_status_of(api, namespace, "quota"), "ResourceFailure"),
+        "the condition to clear",
+    )
+
+
+def test_a_pod_the_api_server_rejects_fails_the_job_until_the_spec_is_fixed(
+    api: kubernetes.client.ApiClient, namespace: str, operator: kopf.testing.KopfRunner
+) -> None:
+    job = k8s_helpers.valid_job("rejected", max_nodes=1)
+    job["spec"]["template"]["spec"]["containers"][0]["name"] = (
+        "Not_A_DNS_Label"  # the CRD can't tell; Pods can
+    )
+    _create_job(api, namespace, job)
+    status = _wait_for_phase(api, namespace, "rejected", "Failed")
+    ready = _condition(status, "Ready")
+    assert ready["reason"] == "InvalidSpec"
+    assert ready["message"].startswith('the API server refused to create Pod "rejected-0" (422)')
+    assert "Not_A_DNS_Label" in ready["message"]
+    _wait_for_warning(api, namespace, "rejected", "InvalidSpec")
+    fixed = [{"name": "trainer", "image": "example.org/train:1"}]
+    _patch_job(api, namespace, "rejected", {"spec": {"template": {"spec": {"containers": fixed}}}})
+    k8s_helpers.wait_for(
+        lambda: len(_pods(api, namespace, "rejected")) == 1, "the pod once the spec is fixed"
+    )
+
+
+def test_a_new_size_is_a_new_membership_generation_with_one_world_size(
+    api: kubernetes.client.ApiClient, namespace: str, operator: kopf.testing.KopfRunner
+) -> None:
+    _create_job(api, namespace, k8s_helpers.valid_job("grow", max_nodes=2))
+    k8s_helpers.wait_for(lambda: len(_pods(api, namespace, "grow")) == 2, "2 rank pods")
+    _patch_job(api, namespace, "grow", {"spec": {"elastic": {"maxNodes": 3}}})
+
+    def membership() -> list[tuple[str, str]]:
+        return [
+            (_env(p.spec.containers[0])["SNEPPX_GENERATION"], _env(p.spec.containers[0])["WORLD_SIZE"])
+            for p in _pods(api, namespace, "grow")
+        ]
+
+    assert k8s_helpers.wait_for(
+        lambda: (m := membership()) == [("2", "3")] * 3 and m, "generation 2 of size 3"
+    )
+    status = k8s_helpers.wait_for(
+        lambda: (s := _status_of(api, namespace, "grow")).get("membershipGeneration") == 2 and s, "status"
+    )
+    assert status["worldSize"] == 3
+    k8s_helpers.wait_for(
+        lambda: [e for e in _events(api, namespace, "grow") if e[1] == "MembershipChanged"],
+        "a MembershipChanged event",
+    )
+
+
+def test_a_generation_whose_ranks_all_failed_fails_the_job_with_their_exit_codes(
+    api: kubernetes.client.ApiClient, namespace: str, operator: kopf.testing.KopfRunner
+) -> None:
+    _create_job(api, namespace, k8s_helpers.valid_job("crash", max_nodes=2))
+    pods = k8s_helpers.wait_for(lambda: (p := _pods(api, namespace, "crash")) and len(p) == 2 and p, "2 pods")
+    core = kubernetes.client.CoreV1Api(api)
+    for pod, (code, reason) in zip(pods, [(1, "Error"), (137, "OOMKilled")], strict=True):
+        core.patch_namespaced_pod_status(  # play kubelet: the training container exited
+            pod.metadata.name,
+            namespace,
+            {
+                "status": {
+                    "phase": "Failed",
+                    "containerStatuses": [
+                        {
+                            "name": "trainer",
+                            "image": "example.org/train:1",
+                            "imageID": "",
+                            "ready": False,
+                            "restartCount": 0,
+                            "state": {"terminated": {"exitCode": code, "reason": reason}},
+                        }
+                    ],
+                }
+            },
+        )
+    status = _wait_for_phase(api, namespace, "crash", "Failed")
+    failed = _condition(status, "Failed")
+    assert failed["reason"] == "RanksFailed"
+    assert "rank 0: exit code 1, Error; rank 1: exit code 137, OOMKilled" in failed["message"]
+    assert [(r["rank"], r.get("exitCode")) for r in status["ranks"]] == [(0, 1), (1, 137)]
+    assert status.get("completionTime")
+    _wait_for_warning(api, namespace, "crash", "RanksFailed")
+
+
+def test_test_namespaces_enforce_the_restricted_profile(
+    api: kubernetes.client.ApiClient, namespace: str
+) -> None:
+    """The oracle the operator's pods are checked by: the API server's own PodSecurity admission."""
+    bare = {"metadata": {"name": "bare"}, "spec": {"containers": [{"name": "c", "image": "example.org/x:1"}]}}
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        kubernetes.client.CoreV1Api(api).create_namespaced_pod(namespace, bare)
+    assert refused.value.status == 403
+    assert 'violates PodSecurity "restricted:latest"' in json.loads(refused.value.body)["message"]
+
+
+def test_choices_the_restricted_profile_allows_pass_pod_security_admission(
+    api: kubernetes.client.ApiClient, namespace: str, operator: kopf.testing.KopfRunner
+) -> None:
+    job = k8s_helpers.valid_job("choices", max_nodes=1)
+    job["spec"]["template"]["spec"]["securityContext"] = {
+        "runAsUser": 1000,
+        "seccompProfile": {"type": "Localhost", "localhostProfile": "profiles/train.json"},
+        "seLinuxOptions": {"type": "container_t"},
+        "sysctls": [{"name": "net.ipv4.tcp_keepalive_time", "value": "60"}],
+    }
+    job["spec"]["template"]["spec"]["containers"][0]["securityContext"] = {
+        "capabilities": {"add": ["NET_BIND_SERVICE"]}
+    }
+    _create_job(api, namespace, job)
+    pod = k8s_helpers.wait_for(lambda: (p := _pods(api, namespace, "choices")) and p[0], "the pod")
+    assert pod.spec.security_context.seccomp_profile.type == "Localhost"
+    assert pod.spec.containers[0].security_context.capabilities.add == ["NET_BIND_SERVICE"]
+
+
+def test_what_only_the_operator_can_check_fails_the_job_with_its_message(
+    api: kubernetes.client.ApiClient, namespace: str, operator: kopf.testing.KopfRunner
+) -> None:
+    job = k8s_helpers.valid_job("nfs", max_nodes=1)
+    job["spec"]["template"]["spec"]["volumes"] = [
+        {"name": "data", "nfs": {"server": "127.0.0.1", "path": "/"}}
+    ]
+    _create_job(api, namespace, job)  # the CRD can't list every volume type; the builder can
+    status = _wait_for_phase(api, namespace, "nfs", "Failed")
+    ready = _condition(status, "Ready")
+    assert ready["reason"] == "InvalidSpec" and "volume 'data' is a nfs volume" in ready["message"]
+    assert _pods(api, namespace, "nfs") == []

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Builds the real Kubernetes test binaries (kube-apiserver, kubectl, etcd, helm)
-# from the pinned Go modules beside this script, once per version, into
-# ~/.cache/sneppx/bin/<tool>-<version>. Prints the bin directory on stdout.
+# Builds the real test binaries (kube-apiserver, kubectl, etcd, helm, and versitygw,
+# the S3 server) from the pinned Go modules beside this script, once per version,
+# into ~/.cache/sneppx/bin/<tool>-<version>. Prints the bin directory on stdout.
 # Idempotent: a cached binary is never rebuilt.
+# Usage: build.sh [TOOL...]   (no TOOL: all of them; e.g. `build.sh versitygw`)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cache="${SNEPPX_CACHE:-$HOME/.cache/sneppx}/bin"
 mkdir -p "$cache"
 export GOFLAGS="-mod=mod -buildvcs=false" CGO_ENABLED=0
+wanted=" ${*:-kube-apiserver kubectl etcd helm versitygw} "
 
 version_of() {  # version of a required module in a tools go.mod
   awk -v m="$2" '$1==m || ($1=="require" && $2==m) {print ($1=="require") ? $3 : $2; exit}' "$here/$1/go.mod"
@@ -16,6 +18,7 @@ version_of() {  # version of a required module in a tools go.mod
 build() {  # build <tools dir> <package> <binary> <version> [ldflags]
   local dir=$1 pkg=$2 bin=$3 ver=$4 ldflags=${5:-}
   local out="$cache/$bin-$ver"
+  [[ $wanted == *" $bin "* ]] || return 0
   if [ ! -x "$out" ]; then
     echo "building $bin $ver (cold build, several minutes)..." >&2
     (cd "$here/$dir" && go build -trimpath -ldflags "-s -w $ldflags" -o "$out.tmp" "$pkg") >&2
@@ -39,4 +42,6 @@ for pkg in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
   helm_flags="$helm_flags -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$k8s_minor"
 done
 build helm helm.sh/helm/v3/cmd/helm helm "$helm_v" "$helm_flags"
+vgw=$(version_of versitygw github.com/versity/versitygw)
+build versitygw github.com/versity/versitygw/cmd/versitygw versitygw "$vgw" "-X main.Version=$vgw"
 echo "$cache"

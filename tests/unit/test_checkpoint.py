@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import os
 import pathlib
+import threading
 
 import numpy as np
 import pytest
@@ -273,3 +274,136 @@ def test_a_failed_write_can_not_be_committed(tmp_path: pathlib.Path) -> None:
     with pytest.raises(errors.StorageError, match="nothing was committed"):
         writer.commit()
     assert not path.exists() and os.listdir(tmp_path) == []
+
+
+# ---- a writer is single-use; a reader owns its file until closed or collected ------------------------------
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("finish", ["commit", "abort"])
+def test_a_writer_is_single_use_after_commit_or_abort(tmp_path: pathlib.Path, finish: str) -> None:
+    path = tmp_path / "w.snpx"
+    with CheckpointWriter(path, metadata={"v": "old"}) as w:
+        w.write("w", np.arange(66_000, dtype=np.float32))  # ~264 KB
+    before = path.read_bytes()
+    writer = CheckpointWriter(path, metadata={"v": "new"})
+    writer.write("w", np.ones(10, np.float32))
+    getattr(writer, finish)()
+    after_finish = path.read_bytes()
+    assert (after_finish == before) == (finish == "abort")
+    with pytest.raises(errors.CheckpointClosedError, match="single-use"):
+        writer.write("x", np.zeros(3))
+    with pytest.raises(errors.CheckpointClosedError, match=finish):
+        writer.commit()  # before the fix: a fresh temp file with the old table, renamed over `path`
+    writer.abort()  # nothing to undo: a no-op, never an unlink of `path`
+    assert path.read_bytes() == after_finish and validate_checkpoint(path) == (True, [])
+    assert os.listdir(tmp_path) == ["w.snpx"]  # no temporary file either
+
+
+@pytest.mark.parametrize("finish", ["commit", "abort"])
+def test_leaving_with_after_an_explicit_commit_or_abort_does_nothing(tmp_path: pathlib.Path, finish: str) -> None:
+    """The reported loss: a 266 KB valid file replaced by a 4 KB invalid one when `with` committed again."""
+    path = tmp_path / "model.snpx"
+    weights = np.random.default_rng(0).standard_normal(66_000).astype(np.float32)
+    with CheckpointWriter(path, metadata={"v": "1"}) as w:
+        w.write("w", weights)
+    good = path.read_bytes()
+    assert len(good) > 260_000
+    with CheckpointWriter(path, metadata={"v": "2"}) as w:
+        w.write("w", weights + 1)
+        getattr(w, finish)()
+    assert validate_checkpoint(path) == (True, [])
+    with CheckpointReader(path) as r:
+        assert r.metadata == {"v": "2" if finish == "commit" else "1"}
+        np.testing.assert_array_equal(r.read("w"), weights + 1 if finish == "commit" else weights)
+    assert os.path.getsize(path) == len(good)
+    assert os.listdir(tmp_path) == ["model.snpx"]
+
+
+def test_a_failed_commit_leaves_a_finished_writer(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "f.snpx"
+    writer = CheckpointWriter(path)
+    writer.write("a", np.zeros(4))
+    _native.fault_arm("fsync", 1, "EIO")
+    try:
+        with pytest.raises(errors.DurabilityError):
+            writer.commit()
+    finally:
+        _native.fault_arm("write", 0, "kill")
+    with pytest.raises(errors.CheckpointClosedError, match="commit failed"):
+        writer.commit()  # a retry would write the table over nothing
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_reader_dropped_without_close_closes_its_file(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "r.snpx"
+    with CheckpointWriter(path) as w:
+        w.write("a", np.arange(100, dtype=np.int64))
+    baseline = open_fds()
+    for _ in range(50):
+        reader = CheckpointReader(path)
+        assert reader.names() == ["a"]
+        del reader  # no close(): its finalizer closes the file
+    assert open_fds() == baseline
+    kept = CheckpointReader(path).read("a")  # the reader is gone at once, its array stays valid
+    np.testing.assert_array_equal(kept, np.arange(100))
+    del kept  # the mapping (and the descriptor Python's mmap keeps) goes with the last array
+    assert open_fds() == baseline
+
+
+def test_reading_after_close_is_a_typed_error_and_earlier_arrays_stay_valid(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "r.snpx"
+    with CheckpointWriter(path) as w:
+        w.write("a", np.arange(10, dtype=np.int32))
+        w.write("b", np.ones(3))
+    reader = CheckpointReader(path)
+    a = reader.read("a")
+    reader.close()
+    reader.close()  # idempotent
+    for use in (lambda: reader.read("b"), lambda: reader.raw("a"), lambda: reader.read("a"), reader.read_all,
+                lambda: reader.padding_is_zero(reader.entry("b")), reader.fileno):
+        with pytest.raises(errors.CheckpointClosedError, match="closed"):
+            use()
+    np.testing.assert_array_equal(a, np.arange(10))  # still mapped: it was handed out before close()
+    assert reader.names() == ["a", "b"] and reader.metadata == {}  # the table was read at open
+
+
+def test_a_fifo_is_refused_at_once_instead_of_waiting_for_a_writer(tmp_path: pathlib.Path) -> None:
+    fifo = tmp_path / "pipe.snpx"
+    os.mkfifo(fifo)
+    outcome: list[object] = []
+    thread = threading.Thread(target=lambda: outcome.append(validate_checkpoint(fifo)), daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():  # blocked in open(): let it go (a writer end that closes at once), then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(10)
+        pytest.fail("validate_checkpoint waited for a writer on a FIFO")
+    ok, problems = outcome[0]  # type: ignore[misc]
+    assert not ok and "FIFO" in problems[0] and "not a checkpoint file" in problems[0]
+    with pytest.raises(errors.CheckpointFormatError, match="FIFO"):
+        CheckpointReader(fifo)
+
+
+@pytest.mark.parametrize("metadata, config", [
+    ({"note": "\ud800"}, None),
+    ({"\udc80": "x"}, None),
+    ({}, {"tokenizer": {"unk": "\udfff"}}),
+    ({}, {"\ud800": 1}),
+])
+def test_text_that_utf8_cannot_store_is_refused_when_the_writer_is_made(tmp_path: pathlib.Path, metadata: dict,
+                                                                        config: object) -> None:
+    """A lone surrogate is a Python str but not Unicode text: refused up front, not at commit with an untyped
+    UnicodeEncodeError after every tensor was written."""
+    path = tmp_path / "s.snpx"
+    with pytest.raises(errors.UnsupportedTensorError, match="not valid Unicode"), \
+            CheckpointWriter(path, metadata=metadata, config=config) as w:
+        w.write("a", np.zeros(1 << 16))
+    assert os.listdir(tmp_path) == []
+    with CheckpointWriter(path, metadata={"note": "emoji \U0001f600 and é"}, config={"s": "\U0001f600"}) as w:
+        w.write("a", np.zeros(1))  # a surrogate *pair* in JSON is one real character: fine
+    with CheckpointReader(path) as r:
+        assert r.metadata == {"note": "emoji \U0001f600 and é"} and r.config == {"s": "\U0001f600"}

@@ -182,6 +182,41 @@ def test_garbage_manifests_are_manifest_errors(raw: bytes) -> None:
         manifest_codec.decode_manifest(raw, step=1, where="m")
 
 
+def test_every_byte_of_a_manifest_is_covered_by_its_checksum() -> None:
+    """Flip each bit of an encoded manifest in turn: every result is refused (no JSON, a bad field, a checksum
+    mismatch, or bytes that are not the canonical encoding), never decoded into something else."""
+    m = good_manifest()
+    raw = manifest_codec.encode_manifest(m)
+    assert json.loads(raw)["checksum"] == manifest_codec.manifest_checksum(m)
+    for index in range(len(raw)):
+        for bit in range(8):
+            flipped = bytearray(raw)
+            flipped[index] ^= 1 << bit
+            with pytest.raises(errors.ManifestError):
+                manifest_codec.decode_manifest(bytes(flipped), step=7, where="m")
+
+
+def test_a_manifest_changed_in_meaning_but_not_form_fails_its_checksum() -> None:
+    doc = json.loads(manifest_codec.encode_manifest(good_manifest()))
+    doc["training_state"] = {"pos": 2}
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()  # canonical, old checksum
+    with pytest.raises(errors.ManifestError, match="checksum mismatch"):
+        manifest_codec.decode_manifest(raw, step=7, where="m")
+    doc["training_state"] = {"pos": 1}
+    spaced = json.dumps(doc, sort_keys=True).encode()  # the same document, other bytes
+    with pytest.raises(errors.ManifestError, match="canonical"):
+        manifest_codec.decode_manifest(spaced, step=7, where="m")
+    del doc["checksum"]
+    with pytest.raises(errors.ManifestError, match="no checksum"):
+        manifest_codec.decode_manifest(json.dumps(doc).encode(), step=7, where="m")
+
+
+def test_version_1_manifests_written_before_the_checksum_still_decode() -> None:
+    m = {**good_manifest(), "version": 1}
+    raw = json.dumps(m).encode()
+    assert manifest_codec.decode_manifest(raw, step=7, where="m") == m
+
+
 # ---- state trees ---------------------------------------------------------------------------------------------------
 
 

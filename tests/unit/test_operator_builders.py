@@ -83,34 +83,158 @@ def test_pod_identity_owner_and_labels() -> None:
     assert built["spec"]["automountServiceAccountToken"] is False
 
 
-def test_restricted_profile_is_forced_over_a_permissive_template() -> None:
+def test_restricted_defaults_fill_what_the_template_leaves_unset() -> None:
     job = spec()
-    job["template"]["spec"]["securityContext"] = {"runAsUser": 1000, "seccompProfile": {"type": "Unconfined"}}
-    job["template"]["spec"]["initContainers"] = [
-        {"name": "init", "image": "x", "securityContext": {"privileged": True}}
-    ]
-    job["template"]["spec"]["containers"][0]["securityContext"] = {
-        "allowPrivilegeEscalation": True,
-        "privileged": True,
-        "capabilities": {"add": ["SYS_ADMIN"]},
-        "readOnlyRootFilesystem": False,
-        "runAsGroup": 2000,
-    }
+    job["template"]["spec"]["initContainers"] = [{"name": "init", "image": "x"}]
     built = pod(job)["spec"]
-    assert built["securityContext"] == {
-        "runAsUser": 1000,
-        "runAsNonRoot": True,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
+    assert built["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
     for container in [*built["containers"], *built["initContainers"]]:
-        security = container["securityContext"]
-        assert security["allowPrivilegeEscalation"] is False
-        assert security["privileged"] is False
-        assert security["capabilities"] == {"drop": ["ALL"]}
-        assert security["readOnlyRootFilesystem"] is True
-        assert security["runAsNonRoot"] is True
-        assert security["seccompProfile"] == {"type": "RuntimeDefault"}
-    assert built["containers"][0]["securityContext"]["runAsGroup"] == 2000, "ids the template chose are kept"
+        assert container["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
+        }
+
+
+def test_choices_the_restricted_profile_allows_are_kept() -> None:
+    job = spec()
+    job["template"]["spec"]["securityContext"] = {
+        "runAsUser": 1000,
+        "seccompProfile": {"type": "Localhost", "localhostProfile": "profiles/train.json"},
+        "seLinuxOptions": {"type": "container_t", "level": "s0:c1,c2"},
+        "sysctls": [{"name": "net.ipv4.tcp_keepalive_time", "value": "60"}],
+    }
+    job["template"]["spec"]["containers"][0]["securityContext"] = {
+        "capabilities": {"add": ["NET_BIND_SERVICE"], "drop": ["NET_RAW"]},
+        "runAsGroup": 2000,
+        "appArmorProfile": {"type": "RuntimeDefault"},
+        "readOnlyRootFilesystem": False,
+    }
+    job["template"]["spec"]["containers"][0]["ports"] = [{"containerPort": 8080}]
+    built = pod(job)["spec"]
+    assert built["securityContext"]["seccompProfile"]["type"] == "Localhost", "a Localhost profile is kept"
+    assert built["securityContext"]["runAsUser"] == 1000 and built["securityContext"]["runAsNonRoot"] is True
+    security = built["containers"][0]["securityContext"]
+    assert security["capabilities"] == {"add": ["NET_BIND_SERVICE"], "drop": ["ALL", "NET_RAW"]}
+    assert security["runAsGroup"] == 2000 and security["appArmorProfile"] == {"type": "RuntimeDefault"}
+    assert security["readOnlyRootFilesystem"] is True, "the operator's read-only root is not negotiable"
+
+
+FORBIDDEN = [
+    ("hostPath", lambda t: t.update(volumes=[{"name": "d", "hostPath": {"path": "/"}}]), "'d' is a hostPath"),
+    ("nfs", lambda t: t.update(volumes=[{"name": "d", "nfs": {"server": "x", "path": "/"}}]), "'d' is a nfs"),
+    ("hostIPC", lambda t: t.update(hostIPC=True), "hostIPC is not allowed"),
+    ("token", lambda t: t.update(automountServiceAccountToken=True), "automountServiceAccountToken: true"),
+    (
+        "pod-non-root-false",
+        lambda t: t.update(securityContext={"runAsNonRoot": False}),
+        "runAsNonRoot: false",
+    ),
+    (
+        "pod-seccomp",
+        lambda t: t.update(securityContext={"seccompProfile": {"type": "Unconfined"}}),
+        "seccompProfile.type: 'Unconfined'",
+    ),
+    (
+        "selinux-type",
+        lambda t: t.update(securityContext={"seLinuxOptions": {"type": "spc_t"}}),
+        "seLinuxOptions.type: 'spc_t'",
+    ),
+    (
+        "selinux-user",
+        lambda t: t.update(securityContext={"seLinuxOptions": {"user": "system_u"}}),
+        "seLinuxOptions.user",
+    ),
+    (
+        "sysctl",
+        lambda t: t.update(securityContext={"sysctls": [{"name": "kernel.msgmax", "value": "1"}]}),
+        "'kernel.msgmax', not one of the safe sysctls",
+    ),
+    (
+        "windows-host-process",
+        lambda t: t.update(securityContext={"windowsOptions": {"hostProcess": True}}),
+        "windowsOptions.hostProcess: true",
+    ),
+    ("privileged", lambda t: _trainer(t, privileged=True), "'trainer' sets securityContext.privileged: true"),
+    (
+        "escalation",
+        lambda t: _trainer(t, allowPrivilegeEscalation=True),
+        "'trainer' sets securityContext.allowPrivilegeEscalation: true",
+    ),
+    (
+        "capability",
+        lambda t: _trainer(t, capabilities={"add": ["NET_BIND_SERVICE", "SYS_ADMIN"]}),
+        r"adds capabilities \['SYS_ADMIN'\]",
+    ),
+    ("container-non-root", lambda t: _trainer(t, runAsNonRoot=False), "'trainer' sets runAsNonRoot: false"),
+    (
+        "container-seccomp",
+        lambda t: _trainer(t, seccompProfile={"type": "Unconfined"}),
+        "'trainer' sets seccompProfile.type: 'Unconfined'",
+    ),
+    (
+        "apparmor",
+        lambda t: _trainer(t, appArmorProfile={"type": "Unconfined"}),
+        "'trainer' sets appArmorProfile.type: 'Unconfined'",
+    ),
+    ("proc-mount", lambda t: _trainer(t, procMount="Unmasked"), "procMount: 'Unmasked'"),
+    (
+        "host-port",
+        lambda t: t["containers"][0].update(ports=[{"containerPort": 80, "hostPort": 80}]),
+        "'trainer' sets hostPort: 80",
+    ),
+    (
+        "probe-host",
+        lambda t: t["containers"][0].update(livenessProbe={"httpGet": {"host": "10.0.0.1", "port": 80}}),
+        "livenessProbe.httpGet.host",
+    ),
+    (
+        "init-privileged",
+        lambda t: t.update(
+            initContainers=[{"name": "init", "image": "x", "securityContext": {"privileged": True}}]
+        ),
+        "'init' sets securityContext.privileged: true",
+    ),
+]
+
+
+def _trainer(template_spec: dict[str, Any], **security: Any) -> None:
+    template_spec["containers"][0]["securityContext"] = security
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"), [(m, e) for _, m, e in FORBIDDEN], ids=[i for i, _, _ in FORBIDDEN]
+)
+def test_what_the_restricted_profile_forbids_is_refused_not_rewritten(mutate: Any, message: str) -> None:
+    job = spec()
+    mutate(job["template"]["spec"])
+    with pytest.raises(errors.JobSpecError, match=message) as refused:
+        pod(job)
+    assert "restricted Pod Security profile" in str(refused.value)
+
+
+def test_an_unconfined_apparmor_annotation_is_refused() -> None:
+    job = spec()
+    job["template"]["metadata"]["annotations"] = {
+        "container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"
+    }
+    with pytest.raises(errors.JobSpecError, match="is 'unconfined'"):
+        pod(job)
+    job["template"]["metadata"]["annotations"]["container.apparmor.security.beta.kubernetes.io/trainer"] = (
+        "localhost/train"
+    )
+    assert pod(job)["metadata"]["annotations"]
+
+
+def test_every_violation_is_named_at_once() -> None:
+    job = spec()
+    job["template"]["spec"].update(hostPID=True, volumes=[{"name": "d", "hostPath": {"path": "/"}}])
+    _trainer(job["template"]["spec"], privileged=True)
+    with pytest.raises(errors.JobSpecError) as refused:
+        pod(job)
+    assert str(refused.value).count(";") == 2, str(refused.value)
 
 
 @pytest.mark.parametrize(
@@ -168,7 +292,7 @@ def test_every_container_gets_env_and_mounts_and_template_volumes_are_kept() -> 
         "sneppx-checkpoints",
         "data",
     ]
-    assert built["volumes"][0]["secret"] == {"secretName": "train-heartbeat", "defaultMode": 0o440}
+    assert built["volumes"][0]["secret"] == {"secretName": "train-heartbeat-uid-1", "defaultMode": 0o440}
     assert built["volumes"][2]["persistentVolumeClaim"] == {"claimName": "ckpt"}
     for container in built["containers"]:
         assert env_of(container)["RANK"] == "1"
@@ -201,6 +325,16 @@ def test_s3_storage_env_takes_credentials_from_the_secret() -> None:
     assert "sneppx-checkpoints" not in [v["name"] for v in built["volumes"]]
 
 
+def test_s3_without_a_prefix_gets_one_per_namespace_and_job() -> None:
+    s3 = {"bucket": "b", "credentialsSecretRef": {"name": "creds"}}
+    for unset in ({}, {"prefix": ""}):
+        job = spec(checkpoint={"storage": {"s3": {**s3, **unset}}})
+        assert env_of(pod(job)["spec"]["containers"][0])["SNEPPX_CHECKPOINT_URI"] == "s3://b/ns/train"
+    assert builders.checkpoint_uri("other", "team-b", spec(checkpoint={"storage": {"s3": s3}})) == (
+        "s3://b/team-b/other"
+    )
+
+
 def test_building_a_pod_does_not_change_the_spec() -> None:
     job = spec()
     before = copy.deepcopy(job)
@@ -223,7 +357,7 @@ def test_headless_service_selects_the_job_and_publishes_unready_ranks() -> None:
 def test_secret_holds_the_heartbeat_key() -> None:
     key = bytes(range(32))
     secret = builders.build_secret("train", "ns", "uid-1", key)
-    assert secret["metadata"]["name"] == "train-heartbeat"
+    assert secret["metadata"]["name"] == "train-heartbeat-uid-1"
     assert base64.b64decode(secret["data"]["heartbeat-key"]) == key
     assert secret["metadata"]["ownerReferences"][0]["kind"] == "ElasticTrainingJob"
 

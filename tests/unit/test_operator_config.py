@@ -46,6 +46,12 @@ def test_bad_resync_interval_is_a_typed_error(raw: str) -> None:
         config.resync_seconds({config.RESYNC_ENV: raw})
 
 
+def test_retry_delay_doubles_from_the_resync_interval_and_is_capped() -> None:
+    environ = {config.RESYNC_ENV: "10"}
+    assert [config.retry_delay(retry, environ) for retry in range(7)] == [10, 20, 40, 80, 160, 300, 300]
+    assert config.retry_delay(10_000, environ) == config.MAX_RETRY_DELAY_SECONDS
+
+
 def test_command_line_defaults_to_all_namespaces_without_peering() -> None:
     args = entry.parse_args([])
     assert args.namespace == [] and args.peering is None and args.liveness is None
@@ -79,7 +85,7 @@ def test_only_k8s_module_calls_the_kubernetes_client() -> None:
 
 
 def test_builders_and_reconcile_are_pure() -> None:
-    for name in ("builders.py", "reconcile.py"):
+    for name in ("builders.py", "reconcile.py", "restricted.py"):
         top = _top(_imports(OPERATOR / name))
         assert not top & {"kopf", "kubernetes", "os", "socket", "subprocess", "requests", "secrets"}, name
         modules = _imports(OPERATOR / name)

@@ -46,9 +46,29 @@ def job(
 
 
 def observed(
-    rank: int, *, ready: bool = False, generation: int = 1, phase: str = "Running", terminating: bool = False
+    rank: int,
+    *,
+    ready: bool = False,
+    generation: int = 1,
+    phase: str = "Running",
+    terminating: bool = False,
+    controller: str | None = "uid-1",
+    exit_code: int | None = None,
+    reason: str | None = None,
 ) -> reconcile.ObservedPod:
-    return reconcile.ObservedPod(f"train-{rank}", rank, generation, phase, ready, terminating, f"node-{rank}")
+    return reconcile.ObservedPod(
+        f"train-{rank}",
+        rank,
+        generation,
+        phase,
+        ready,
+        terminating,
+        f"node-{rank}",
+        uid=f"pod-uid-{rank}",
+        controller_uid=controller,
+        exit_code=exit_code,
+        reason=reason,
+    )
 
 
 def kinds(plan: reconcile.Plan) -> list[tuple[str, str, str]]:
@@ -63,7 +83,7 @@ def test_new_job_creates_service_then_secret_then_one_pod_per_rank() -> None:
     plan = reconcile.plan(job(max_nodes=3), [], now=NOW, heartbeat_key=KEY)
     assert kinds(plan) == [
         ("create", "Service", "train"),
-        ("create", "Secret", "train-heartbeat"),
+        ("create", "Secret", "train-heartbeat-uid-1"),
         ("create", "Pod", "train-0"),
         ("create", "Pod", "train-1"),
         ("create", "Pod", "train-2"),
@@ -149,7 +169,7 @@ def test_stale_generations_and_ranks_above_the_size_are_deleted_and_missing_rank
         ("delete", "Pod", "train-1"),
         ("delete", "Pod", "train-5"),
         ("create", "Service", "train"),
-        ("create", "Secret", "train-heartbeat"),
+        ("create", "Secret", "train-heartbeat-uid-1"),
         ("create", "Pod", "train-1"),
     ]
 
@@ -241,12 +261,12 @@ def test_observe_pod_reads_rank_generation_readiness_and_deletion() -> None:
 
 
 def test_cleanup_deletes_pods_service_and_secret() -> None:
-    actions = reconcile.cleanup_actions("train", ["train-1", "train-0"])
+    actions = reconcile.cleanup_actions("train", "uid-1", [observed(1), observed(0)])
     assert [(a.kind, a.name) for a in actions] == [
         ("Pod", "train-0"),
         ("Pod", "train-1"),
         ("Service", "train"),
-        ("Secret", "train-heartbeat"),
+        ("Secret", "train-heartbeat-uid-1"),
     ]
 
 
@@ -285,6 +305,7 @@ def _apply(pods: list[reconcile.ObservedPod], plan: reconcile.Plan) -> list[reco
                     "Pending",
                     False,
                     False,
+                    controller_uid=reconcile.controller_uid(body["metadata"]),
                 )
             )
     return kept
@@ -318,3 +339,239 @@ def test_one_plan_converges(pods: list[reconcile.ObservedPod], max_nodes: int, s
     expected = 0 if suspend else max_nodes
     assert sorted(p.rank for p in after) == list(range(expected))
     assert all(p.generation == 1 for p in after)
+
+
+# ---- ownership: only what the job controls ------------------------------------------------------------------
+
+
+def test_pods_the_job_does_not_control_are_neither_counted_nor_deleted() -> None:
+    foreign = [observed(0, ready=True, controller="someone-else"), observed(1, ready=True, controller=None)]
+    plan = reconcile.plan(job(), foreign, now=NOW, heartbeat_key=KEY)
+    assert not [a for a in plan.actions if isinstance(a, reconcile.Delete)], (
+        "someone else's pods are left alone"
+    )
+    assert ("create", "Pod", "train-0") in kinds(plan), "the job's own rank 0 is still missing"
+    assert plan.status["readyNodes"] == 0 and plan.status["ranks"] == []
+
+
+def test_deletes_carry_the_owner_and_the_observed_uid() -> None:
+    plan = reconcile.plan(job(max_nodes=1), [observed(0), observed(1)], now=NOW, heartbeat_key=KEY)
+    assert plan.actions == (reconcile.Delete("Pod", "train-1", "uid-1", "pod-uid-1"),)
+
+
+def test_cleanup_leaves_pods_of_other_controllers_alone() -> None:
+    actions = reconcile.cleanup_actions("train", "uid-1", [observed(0), observed(1, controller="other")])
+    assert actions == (
+        reconcile.Delete("Pod", "train-0", "uid-1", "pod-uid-0"),
+        reconcile.Delete("Service", "train", "uid-1"),
+        reconcile.Delete("Secret", "train-heartbeat-uid-1", "uid-1"),
+    )
+
+
+def test_controller_uid_is_the_controlling_owner_reference() -> None:
+    refs = [{"uid": "a", "controller": False}, {"uid": "b", "controller": True}]
+    assert reconcile.controller_uid({"ownerReferences": refs}) == "b"
+    assert reconcile.controller_uid({"ownerReferences": [{"uid": "a"}]}) is None
+    assert reconcile.controller_uid({}) is None
+
+
+def test_a_name_held_by_someone_else_is_reported_once_and_retried() -> None:
+    plan = reconcile.plan(job(), [], now=NOW, heartbeat_key=KEY)
+    service = plan.actions[0]
+    clash = reconcile.Refusal(service, 409, "name in use", name_in_use=True)
+    settled = reconcile.settle(job(), plan, reconcile.Outcome((), clash), now=NOW)
+    failure = conditions(settled.status)["ResourceFailure"]
+    assert failure["status"] == "True" and failure["reason"] == "NameInUse"
+    assert (
+        'Service "train" already exists and is not controlled by this job (it has no controller)'
+        in (failure["message"])
+    )
+    assert [(e.type, e.reason) for e in settled.events] == [
+        ("Normal", "PhaseChanged"),
+        ("Warning", "NameInUse"),
+    ]
+    assert settled.error == failure["message"] and settled.retryable
+
+    again = reconcile.plan(job(status=settled.status), [], now=LATER, heartbeat_key=KEY)
+    retried = reconcile.settle(job(status=settled.status), again, reconcile.Outcome((), clash), now=LATER)
+    assert retried.events == [], "a retry that meets the same clash posts nothing new"
+    assert reconcile.status_patch(settled.status, retried.status) == {}, "and writes nothing new"
+
+    cleared = reconcile.settle(job(status=settled.status), again, reconcile.Outcome(again.actions), now=LATER)
+    assert "ResourceFailure" not in conditions(cleared.status) and cleared.error is None
+
+
+def test_holder_of_a_clashing_name_is_named() -> None:
+    plan = reconcile.plan(job(), [], now=NOW, heartbeat_key=KEY)
+    refusal = reconcile.Refusal(
+        plan.actions[2], 409, "", name_in_use=True, holder="StatefulSet train (uid x)"
+    )
+    assert "its controller is StatefulSet train (uid x)" in reconcile.describe_refusal(refusal)
+
+
+# ---- API errors reach status and events -------------------------------------------------------------------
+
+
+def test_a_forbidden_create_is_a_retryable_failure_with_the_api_servers_message() -> None:
+    plan = reconcile.plan(job(), [], now=NOW, heartbeat_key=KEY)
+    quota = 'pods "train-1" is forbidden: exceeded quota: q, requested: pods=1, used: pods=1, limited: pods=1'
+    done = plan.actions[:3]
+    settled = reconcile.settle(
+        job(), plan, reconcile.Outcome(done, reconcile.Refusal(plan.actions[3], 403, quota)), now=NOW
+    )
+    failure = conditions(settled.status)["ResourceFailure"]
+    assert failure["reason"] == "FailedCreate" and "exceeded quota" in failure["message"]
+    assert failure["message"].startswith('the API server refused to create Pod "train-1" (403)')
+    assert settled.retryable and settled.status["phase"] == "Creating"
+    assert ("Warning", "FailedCreate") in [(e.type, e.reason) for e in settled.events]
+    assert ("Normal", "CreatedPods") in [(e.type, e.reason) for e in settled.events], "rank 0 was created"
+
+
+def test_a_pod_the_api_server_calls_invalid_fails_the_job_until_the_spec_is_edited() -> None:
+    plan = reconcile.plan(job(), [], now=NOW, heartbeat_key=KEY)
+    invalid = 'Pod "train-0" is invalid: spec.containers[0].name: Invalid value: "Bad_Name"'
+    settled = reconcile.settle(
+        job(),
+        plan,
+        reconcile.Outcome(plan.actions[:2], reconcile.Refusal(plan.actions[2], 422, invalid)),
+        now=NOW,
+    )
+    assert settled.status["phase"] == "Failed" and not settled.retryable
+    ready = conditions(settled.status)["Ready"]
+    assert ready["reason"] == "InvalidSpec" and "Bad_Name" in ready["message"]
+    assert conditions(settled.status)["Failed"]["reason"] == "InvalidSpec"
+    assert "completionTime" not in settled.status, "an invalid spec can still be fixed"
+    assert [(e.type, e.reason) for e in settled.events] == [("Warning", "InvalidSpec")]
+
+    same_spec = reconcile.plan(job(status=settled.status), [], now=LATER, heartbeat_key=KEY)
+    assert same_spec.actions == (), "the same spec is not sent again"
+    assert (
+        same_spec.status["phase"] == "Failed"
+        and "Bad_Name" in conditions(same_spec.status)["Ready"]["message"]
+    )
+    edited = reconcile.plan(job(status=settled.status, generation=2), [], now=LATER, heartbeat_key=KEY)
+    assert ("create", "Pod", "train-0") in kinds(edited)
+
+
+# ---- membership generations and world size ----------------------------------------------------------------
+
+
+def test_changing_max_nodes_starts_a_new_generation_and_replaces_every_rank() -> None:
+    first = reconcile.plan(job(max_nodes=2), [], now=NOW, heartbeat_key=KEY)
+    running = [observed(0, ready=True), observed(1, ready=True)]
+    grown = reconcile.plan(job(max_nodes=3, status=first.status), running, now=LATER, heartbeat_key=KEY)
+    assert grown.status["membershipGeneration"] == 2 and grown.status["worldSize"] == 3
+    assert [k for k in kinds(grown) if k[0] == "delete"] == [
+        ("delete", "Pod", "train-0"),
+        ("delete", "Pod", "train-1"),
+    ]
+    created = [a.body for a in grown.actions if isinstance(a, reconcile.Create) and a.kind == "Pod"]
+    assert [_pod_env(body)["WORLD_SIZE"] for body in created] == ["3", "3", "3"]
+    assert {_pod_env(body)["SNEPPX_GENERATION"] for body in created} == {"2"}
+    events = reconcile.events_for((), first.status["phase"], grown.status, first.status)
+    assert events[0] == reconcile.Event(
+        "Normal",
+        "MembershipChanged",
+        "membership generation 2 starts with world size 3 (was 2); ranks of generation 1 are replaced",
+    )
+
+
+def test_an_unchanged_size_keeps_the_generation() -> None:
+    first = reconcile.plan(job(max_nodes=2), [], now=NOW, heartbeat_key=KEY)
+    again = reconcile.plan(job(max_nodes=2, status=first.status), [observed(0)], now=LATER, heartbeat_key=KEY)
+    assert again.status["membershipGeneration"] == 1
+    assert kinds(again)[-1] == ("create", "Pod", "train-1"), "a lost rank comes back in the same generation"
+
+
+def _pod_env(body: Any) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in body["spec"]["containers"][0]["env"] if "value" in e}
+
+
+@settings(max_examples=100, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(1, 4), st.booleans()), min_size=1, max_size=6))
+def test_one_generation_never_has_two_world_sizes(sizes: list[tuple[int, bool]]) -> None:
+    """Whatever maxNodes and suspend edits happen, every pod ever created under one membership generation
+    carries the same WORLD_SIZE, and the pods present always belong to the current generation."""
+    status: dict[str, Any] = {}
+    pods: list[reconcile.ObservedPod] = []
+    world_of: dict[str, str] = {}
+    for max_nodes, suspend in sizes:
+        spec_job = job(max_nodes=max_nodes, suspend=suspend, status=status)
+        step = reconcile.plan(spec_job, pods, now=NOW, heartbeat_key=KEY)
+        for action in step.actions:
+            if isinstance(action, reconcile.Create) and action.kind == "Pod":
+                env = _pod_env(action.body)
+                assert world_of.setdefault(env["SNEPPX_GENERATION"], env["WORLD_SIZE"]) == env["WORLD_SIZE"]
+        pods, status = _apply(pods, step), step.status
+        assert all(p.generation == status["membershipGeneration"] for p in pods)
+        assert len(pods) == (0 if suspend else max_nodes)
+
+
+# ---- finished generations -------------------------------------------------------------------------------------
+
+
+def test_all_ranks_failed_fails_the_job_with_their_exit_codes_and_it_stays_failed() -> None:
+    pods = [
+        observed(0, phase="Failed", exit_code=1, reason="Error"),
+        observed(1, phase="Failed", exit_code=137, reason="OOMKilled"),
+    ]
+    plan = reconcile.plan(job(), pods, now=NOW, heartbeat_key=KEY)
+    assert plan.actions == () and plan.status["phase"] == "Failed"
+    failed = conditions(plan.status)["Failed"]
+    assert failed["reason"] == "RanksFailed" and conditions(plan.status)["Ready"]["reason"] == "RanksFailed"
+    assert (
+        "ranks [0, 1] failed (rank 0: exit code 1, Error; rank 1: exit code 137, OOMKilled)"
+        in failed["message"]
+    )
+    assert plan.status["completionTime"] == "2026-01-02T03:04:05Z"
+    assert plan.status["ranks"][1] == {
+        "rank": 1,
+        "pod": "train-1",
+        "phase": "Failed",
+        "ready": False,
+        "node": "node-1",
+        "exitCode": 137,
+        "reason": "OOMKilled",
+    }
+    warning = reconcile.events_for(plan.actions, "Running", plan.status)
+    assert [(e.type, e.reason) for e in warning] == [("Warning", "RanksFailed")]
+    assert reconcile.plan(job(status=plan.status), pods, now=LATER, heartbeat_key=KEY) == reconcile.Plan(
+        (), {}
+    )
+
+
+def test_a_generation_that_ends_with_one_failure_has_failed() -> None:
+    pods = [observed(0, phase="Succeeded", exit_code=0), observed(1, phase="Failed", exit_code=2)]
+    plan = reconcile.plan(job(), pods, now=NOW, heartbeat_key=KEY)
+    assert (
+        plan.status["phase"] == "Failed"
+        and "ranks [1] failed (rank 1: exit code 2)" in (conditions(plan.status)["Failed"]["message"])
+    )
+
+
+def test_a_failed_rank_while_others_still_run_is_not_the_end() -> None:
+    plan = reconcile.plan(
+        job(), [observed(0, ready=True), observed(1, phase="Failed")], now=NOW, heartbeat_key=KEY
+    )
+    assert plan.status["phase"] == "Pending" and plan.actions == ()
+
+
+def test_observe_pod_reads_controller_exit_code_and_reason() -> None:
+    meta = {
+        "uid": "p1",
+        "labels": {"sneppx.io/rank": "0", "sneppx.io/membership-generation": "1"},
+        "ownerReferences": [{"uid": "uid-1", "controller": True}],
+    }
+    spec = {"containers": [{"name": "trainer"}, {"name": "sidecar"}]}
+    status = {
+        "phase": "Failed",
+        "containerStatuses": [
+            {"name": "sidecar", "state": {"terminated": {"exitCode": 0}}},
+            {"name": "trainer", "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}},
+        ],
+    }
+    pod = reconcile.observe_pod("train-0", meta, spec, status)
+    assert pod is not None
+    assert (pod.uid, pod.controller_uid, pod.exit_code, pod.reason) == ("p1", "uid-1", 137, "OOMKilled")
+    evicted = reconcile.observe_pod("train-0", meta, spec, {"phase": "Failed", "reason": "Evicted"})
+    assert evicted is not None and evicted.exit_code is None and evicted.reason == "Evicted"

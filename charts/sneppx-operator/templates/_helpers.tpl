@@ -66,8 +66,13 @@ watched through one label-selected watch.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete"]
+# get: a Service whose name is taken is checked for its controller before it is adopted or deleted.
 - apiGroups: [""]
-  resources: ["services", "secrets"]
+  resources: ["services"]
+  verbs: ["get", "create", "delete"]
+# Never readable: the job's Secret is recognised by its name, which carries the job's uid.
+- apiGroups: [""]
+  resources: ["secrets"]
   verbs: ["create", "delete"]
 - apiGroups: [""]
   resources: ["events"]

@@ -3,18 +3,21 @@
 `CheckpointWriter` streams tensors through the native writer (O_DIRECT where the filesystem allows it,
 CRC32C computed as the bytes are copied) into a temporary name and commits with fsync, rename and a
 directory fsync, so a reader sees either the whole file or none. `CheckpointReader` maps the file and hands
-out zero-copy, read-only arrays, verifying each tensor's CRC32C on first read. `validate_checkpoint` checks
+out zero-copy, read-only arrays, verifying each tensor's CRC32C on first read (and, given trusted keys, the
+table's signature before parsing it and each tensor's digest). `validate_checkpoint` checks
 every byte without loading anything and never raises for a bad file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno as errno_module
 import math
 import mmap
 import os
 import secrets
 import stat
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -71,6 +74,9 @@ class CheckpointWriter:
     leaves no file at `path` (and the previous file there, if any, untouched). A failed fsync fails the write.
     With `signing_key` (an Ed25519 private key), a digest of every tensor is computed in the same pass and the
     table is signed (see checkpoint/signing.py).
+
+    A writer is single-use: after `commit()` or `abort()` (explicit, or a failed commit), `write` and `commit`
+    raise `CheckpointClosedError` and never touch `path` again, and leaving the `with` block does nothing.
     """
 
     def __init__(self, path: str | os.PathLike[str], metadata: dict[str, str] | None = None, config: Any = None,
@@ -91,19 +97,29 @@ class CheckpointWriter:
         self._broken: BaseException | None = None
         self._tmp = ""
         self.committed = False
+        self._finished = ""  # why the writer is done ("committed", "aborted", ...): it never writes again
 
     def __enter__(self) -> CheckpointWriter:
         self.open()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._finished:
+            return  # an explicit commit() or abort() inside the block already decided
         if exc_type is None:
             self.commit()
         else:
             self.abort()
 
+    def _check_not_finished(self) -> None:
+        if self._finished:
+            raise errors.CheckpointClosedError(
+                f"this CheckpointWriter for {self.path} is done ({self._finished}); a writer is single-use, so "
+                "nothing more is written: make a new CheckpointWriter")
+
     def open(self) -> None:
         """Creates the temporary file next to `path` (done by `with`)."""
+        self._check_not_finished()
         if self._file is not None:
             return
         directory, base = os.path.split(os.path.abspath(self.path))
@@ -201,21 +217,30 @@ class CheckpointWriter:
             file, self._file = self._file, None
             file.finish()
         except BaseException:
-            self.abort()
+            self._finished = "its commit failed"
+            self._drop()
             raise
         try:
             _native.rename_durable(self._tmp, self.path)
         except BaseException:
+            self._finished = "its commit failed"
             storage.unlink_quietly(self._tmp)
             raise
+        self._finished = "committed"
         self.committed = True
 
     def abort(self) -> None:
-        """Drops everything written; nothing appears at `path`."""
+        """Drops everything written; nothing appears at `path`. Does nothing after a commit."""
+        if self._finished:
+            return
+        self._finished = "aborted"
+        self._drop()
+
+    def _drop(self) -> None:
         if self._file is not None:
             file, self._file = self._file, None
             file.abort()
-        elif self._tmp and not self.committed:
+        elif self._tmp:
             storage.unlink_quietly(self._tmp)
 
     def __del__(self) -> None:
@@ -227,49 +252,80 @@ def _new_digest(algorithm: str | None) -> Any:
     return signing.new_digest(algorithm or signing.DIGEST_ALGORITHM)
 
 
-def _open_checked(path: str) -> tuple[int, int]:
-    """Opens a checkpoint file for reading; typed errors for missing paths and directories."""
+def open_checked(path: str, *, follow_symlinks: bool = True) -> tuple[int, int]:
+    """Opens a checkpoint file for reading: (descriptor, size). Typed errors for missing paths, directories
+    and anything else that is not a regular file (and, with follow_symlinks=False, a symbolic link: a
+    step's shards are files its writer made). Opened non-blocking, so a FIFO (or device) is refused instead of
+    waiting forever for a writer; other OSErrors (EIO, EMFILE, ...) propagate: they are not a verdict."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, flags)
     except FileNotFoundError:
         raise errors.CheckpointNotFoundError(f"no checkpoint at {path}: file not found", path=path) from None
     except IsADirectoryError:
         raise errors.CheckpointFormatError("is a directory, not a checkpoint file", path=path) from None
     except PermissionError as e:
         raise errors.StorageError(f"can't read {path}: {e.strerror}", path=path, errno=e.errno) from None
-    st = os.fstat(fd)
-    if stat.S_ISDIR(st.st_mode):
+    except OSError as e:
+        if e.errno == errno_module.ELOOP and not follow_symlinks:
+            raise errors.CheckpointFormatError("is a symbolic link, not a checkpoint file",
+                                               path=path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            raise errors.CheckpointFormatError(f"is {kind}, not a checkpoint file", path=path)
+        os.set_blocking(fd, True)
+    except BaseException:
         os.close(fd)
-        raise errors.CheckpointFormatError("is a directory, not a checkpoint file", path=path)
+        raise
     return fd, st.st_size
+
+
+_FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket",
+               stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """What a file's first and last blocks say: the header, the table and signature bytes, the table."""
+    """What a file's first and last blocks say: the header, the table and signature bytes, the table, and
+    (when trusted keys were given) which of them signed it."""
 
     head: bytes  # the header block, bytes 0..DATA_OFFSET (or the whole file when it is shorter)
     header: format.Header
     table: bytes
     signature: bytes
     decoded: format.Table
+    signer: bytes | None = None
 
 
-def read_layout(fd: int, size: int, path: str,
-                pread: Callable[[int, int, int], bytes] = os.pread) -> Layout:
+def read_layout(fd: int, size: int, path: str, pread: Callable[[int, int, int], bytes] = os.pread, *,
+                trusted_keys: Any = None) -> Layout:
     """Reads and checks the header block, the table and the signature block of an open file of `size`
-    bytes (`pread(fd, n, offset)` reads them); the typed error of the first check that fails."""
+    bytes (`pread(fd, n, offset)` reads them); the typed error of the first check that fails.
+
+    The table's bytes are checked (length, CRC32C) before anything looks at them; with `trusted_keys`, the
+    signature over those raw bytes is checked next, before they are parsed (a forged file costs one read of
+    its table, never a parse), and after parsing every tensor must carry a digest."""
     head = pread(fd, min(size, format.DATA_OFFSET), 0)
     header = format.decode_header(head, actual_size=size, path=path)
     if head[format.HEADER_SIZE:].strip(b"\x00"):
         raise errors.NonZeroPaddingError("header padding (bytes 64..4095) is not zero", path=path)
-    tail = pread(fd, header.table_length + header.signature_length, header.table_offset)
-    table, signature = tail[: header.table_length], tail[header.table_length:]
+    table = pread(fd, header.table_length, header.table_offset)  # two reads: no copy of a large table sliced
+    signature = pread(fd, header.signature_length, header.table_offset + header.table_length)
     if len(signature) != header.signature_length:
         raise errors.TruncatedCheckpointError("signature block is truncated", path=path)
     if signature and _native.crc32c(signature) != header.signature_crc32c:
         raise errors.ChecksumMismatchError("signature block fails its CRC32C", path=path)
-    return Layout(head, header, table, signature, format.decode_table(table, header, path=path))
+    format.check_table_bytes(table, header, path=path)
+    signer = None
+    if trusted_keys is not None:
+        signer = signing.check_signature(signing.TABLE_DOMAIN, table, signature, trusted_keys, path=path)
+    decoded = format.decode_table(table, header, path=path)
+    if trusted_keys is not None:
+        signing.check_digest_coverage(decoded.tensors, path=path)
+    return Layout(head, header, table, signature, decoded, signer)
 
 
 class CheckpointReader:
@@ -277,20 +333,29 @@ class CheckpointReader:
 
     `read(name)` returns a read-only numpy array over the file's memory map (zero-copy) after checking the
     tensor's CRC32C (once per tensor per reader). Arrays stay valid after `close()`; copy them (`np.array`)
-    to own writable memory.
+    to own writable memory. Reading after `close()` raises `CheckpointClosedError`. A reader that is dropped
+    without `close()` closes its file when it is garbage-collected.
+
+    With `trusted_keys`, the table's signature is checked over the raw table bytes before they are parsed (a
+    forged file costs one read of its table, never a parse), every tensor must carry a digest, and `read`
+    checks the tensor's digest as well as its CRC32C; `signer` is the id of the trusted key that signed.
+    The file is mapped only when tensor data is first read.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True):
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True, trusted_keys: Any = None):
         self.path = os.fspath(path)
         self.verify = verify
-        self._fd, size = _open_checked(self.path)
+        self.signer: bytes | None = None
+        self._fd, size = open_checked(self.path)
+        # Closes the file when the reader is garbage-collected without close(); close() runs it early.
+        self._close_fd = weakref.finalize(self, os.close, self._fd)
+        self._map: mmap.mmap | None = None
         try:
-            layout = read_layout(self._fd, size, self.path)
+            layout = read_layout(self._fd, size, self.path, trusted_keys=trusted_keys)
             self.header, self.table_bytes, self.signature_block = layout.header, layout.table, layout.signature
-            self.table = layout.decoded
-            self._mmap = mmap.mmap(self._fd, size, prot=mmap.PROT_READ)
+            self.table, self.signer = layout.decoded, layout.signer
         except BaseException:
-            os.close(self._fd)
+            self.close()
             raise
         self._entries = {t.name: t for t in self.table.tensors}
         self._verified: set[str] = set()
@@ -301,14 +366,40 @@ class CheckpointReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def fileno(self) -> int:
+        """The descriptor the header and table were read from (to copy exactly the file that was checked)."""
+        self._check_open()
+        return self._fd
+
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self._fd < 0:
+            return
+        self._fd = -1
+        self._close_fd()
+        if self._map is not None:
             try:
-                self._mmap.close()
+                self._map.close()
             except BufferError:
                 pass  # arrays handed out still use the mapping; it is unmapped when they are gone
+            self._map = None
+
+    def _check_open(self) -> None:
+        if self._fd < 0:
+            raise errors.CheckpointClosedError(f"{self.path}: this CheckpointReader is closed; arrays read "
+                                               "before close() stay valid, new reads need a new reader")
+
+    @property
+    def _mmap(self) -> mmap.mmap:
+        """The whole file, mapped read-only on first use."""
+        self._check_open()
+        if self._map is None:
+            try:
+                self._map = mmap.mmap(self._fd, self.header.file_size, prot=mmap.PROT_READ)
+            except ValueError:  # Python checks the length against the file's size now
+                raise errors.TruncatedCheckpointError(
+                    f"file is shorter than its header's {self.header.file_size} bytes: it was truncated after it "
+                    "was opened", path=self.path) from None
+        return self._map
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -339,11 +430,12 @@ class CheckpointReader:
         return memoryview(self._mmap)[entry.offset:entry.offset + entry.length]
 
     def read(self, name: str, *, verify: bool | None = None) -> np.ndarray:
-        """The tensor as a read-only numpy array over the mapping, CRC-verified unless verify=False."""
+        """The tensor as a read-only numpy array over the mapping, CRC-verified unless verify=False (and
+        digest-verified too when the reader was opened with trusted_keys)."""
         entry = self.entry(name)
         data = self.raw(name)
         if (self.verify if verify is None else verify) and name not in self._verified:
-            problems = check_tensor(self, entry)
+            problems = check_tensor(self, entry, digest=self.signer is not None)
             if problems:
                 raise problems[0]
             self._verified.add(name)

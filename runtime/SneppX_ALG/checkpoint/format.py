@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -210,13 +211,39 @@ def check_metadata(metadata: Any, *, path: str | None = None) -> dict[str, str]:
     for k, v in metadata.items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise errors.CorruptTableError(f"metadata entry {k!r}: keys and values must be strings", path=path)
-        if len(k.encode("utf-8", "surrogatepass")) > MAX_METADATA_KEY_BYTES:
+        try:
+            key_bytes, value_bytes = len(k.encode("utf-8")), len(v.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise errors.CorruptTableError(
+                f"metadata entry {k!r} is not valid Unicode: it holds a lone surrogate, which UTF-8 can't store",
+                path=path) from None
+        if key_bytes > MAX_METADATA_KEY_BYTES:
             raise errors.LimitExceededError(f"metadata key {k[:40]!r}... longer than {MAX_METADATA_KEY_BYTES} bytes",
                                             path=path)
-        if len(v.encode("utf-8", "surrogatepass")) > MAX_METADATA_VALUE_BYTES:
+        if value_bytes > MAX_METADATA_VALUE_BYTES:
             raise errors.LimitExceededError(f"metadata value of {k!r} longer than {MAX_METADATA_VALUE_BYTES} bytes",
                                             path=path)
     return dict(metadata)
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """True when a string anywhere in a JSON value (dict keys too) can't be encoded as UTF-8: it holds a lone
+    UTF-16 surrogate, which Python strings and JSON escapes ("\\ud800") allow but the table's UTF-8 does not.
+    Iterative, like _depth."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
 
 def _depth(value: Any, limit: int) -> int:
@@ -241,6 +268,9 @@ def check_config(config: Any) -> None:
     if json.loads(text) != config:
         raise errors.UnsupportedTensorError(
             "config is not JSON-safe: it changes in a JSON round trip (tuples, non-string keys, subclasses?)")
+    if _has_lone_surrogate(config):
+        raise errors.UnsupportedTensorError(
+            "config is not JSON-safe: a string in it is not valid Unicode (a lone surrogate, which UTF-8 can't store)")
     if _depth(config, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise errors.LimitExceededError(f"config nests deeper than {MAX_JSON_DEPTH}")
 
@@ -339,8 +369,9 @@ def _decode_entry(raw: Any, index: int, path: str | None) -> TensorEntry:
                        global_offset, digest)
 
 
-def decode_table(raw: bytes, header: Header, *, path: str | None = None) -> Table:
-    """Checks the table CRC, parses it strictly, and checks the canonical layout against the header."""
+def check_table_bytes(raw: bytes, header: Header, *, path: str | None = None) -> None:
+    """The table bytes are all there and match their CRC32C: checked before anything else looks at them (a
+    verifier checks the signature over these raw bytes next, and parses them only after that)."""
     if len(raw) != header.table_length:
         raise errors.TruncatedCheckpointError(
             f"table is {len(raw)} bytes, header says {header.table_length}", path=path)
@@ -348,6 +379,17 @@ def decode_table(raw: bytes, header: Header, *, path: str | None = None) -> Tabl
     if crc != header.table_crc32c:
         raise errors.CorruptTableError(
             f"table CRC32C mismatch (stored {header.table_crc32c:#010x}, computed {crc:#010x})", path=path)
+
+
+# A lone surrogate can reach a parsed string only through a JSON escape (the bytes themselves are strict UTF-8),
+# so the walk that looks for one runs only when the table holds such an escape.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def decode_table(raw: bytes, header: Header, *, path: str | None = None) -> Table:
+    """Checks the table bytes (check_table_bytes), parses them strictly, and checks the canonical layout
+    against the header."""
+    check_table_bytes(raw, header, path=path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -358,6 +400,9 @@ def decode_table(raw: bytes, header: Header, *, path: str | None = None) -> Tabl
         raise errors.LimitExceededError("table JSON nests too deeply", path=path) from None
     except ValueError as e:
         raise errors.CorruptTableError(f"table is not valid JSON: {e}", path=path) from None
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(doc):
+        raise errors.CorruptTableError("table holds a string that is not valid Unicode (an escaped lone "
+                                       "surrogate such as \\ud800, which UTF-8 can't store)", path=path)
     if not isinstance(doc, dict) or set(doc) != _TABLE_KEYS:
         found = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
         raise errors.CorruptTableError(f"table must be an object with keys {sorted(_TABLE_KEYS)}, got {found}",

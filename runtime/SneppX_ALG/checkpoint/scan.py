@@ -14,9 +14,7 @@ process, and the fault hook's "read" site covers every byte (tests inject EIO wi
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
-import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -37,38 +35,19 @@ class ShardScan:
     digest: str | None  # "<alg>:<hex>" of the whole file, when asked for
 
 
-def open_shard(path: str) -> int:
-    """A read descriptor for a regular file; CheckpointNotFoundError when it is missing, CheckpointFormatError
-    when it is a symbolic link or not a regular file (a step's shards are files its writer made)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise errors.CheckpointNotFoundError(f"shard {path} is missing", path=path) from None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise errors.CheckpointFormatError("is a symbolic link, not a shard file", path=path) from None
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise errors.CheckpointFormatError("is not a regular file", path=path)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def scan_shard(path: str, into: Callable[[format.TensorEntry], memoryview | None] | None = None, *,
                digest: str | None = None) -> ShardScan:
     """Reads the shard at `path` once, in file order, checking every tensor's CRC32C and padding.
 
     `into(entry)`: a writable byte buffer of `entry.length` bytes that receives the tensor (kept), or None to
     only check it. `digest`: an algorithm name ("blake3") to hash the whole file with, as it is read.
-    Raises the typed error of a bad header or table, CheckpointNotFoundError for a missing file, and
-    StorageError/OSError when the file can't be read (not a verdict on its bytes)."""
-    fd = open_shard(path)
+    Raises the typed error of a bad header or table, CheckpointNotFoundError for a missing file,
+    CheckpointFormatError for a symbolic link or anything not a regular file (file.open_checked: a FIFO is
+    refused, never waited on), and StorageError/OSError when the file can't be read (not a verdict on its
+    bytes)."""
+    fd, size = file.open_checked(path, follow_symlinks=False)  # never a FIFO waited on, never a link followed
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        size = os.fstat(fd).st_size
 
         def pread(fd: int, n: int, offset: int) -> bytes:
             buffer = bytearray(n)

@@ -12,11 +12,14 @@ Layout of `install_dir`:
     versions/<v>-<id>.snpx  installed files (read-only); only those named by state.json are kept
     .lock                flock: one install at a time
 
-An install copies the update into `versions/` under a temporary name (so a file changed on its source after
-it was checked can't slip in: the copy is what is verified), fsyncs it, renames it into place, and then
-replaces state.json by writing a temporary file, fsync, rename and directory fsync. A process killed at any
-point leaves state.json naming either the old install or the new one; leftovers are removed by the next
-install.
+The update file is untrusted until checked: it must be a regular file (a FIFO or device is refused, never
+waited on while the install lock is held), its signature is checked over the raw table bytes before the table
+is parsed, and it is copied with pread, never memory-mapped (a file truncated during the copy is a typed
+error, not a SIGBUS). An install copies the update into `versions/` under a temporary name (so a file changed
+on its source after it was checked can't slip in: the copy is what is verified), fsyncs it, renames it into
+place, and then replaces state.json by writing a temporary file, fsync, rename and directory fsync. A process
+killed at any point leaves state.json naming either the old install or the new one; leftovers are removed by
+the next install.
 
 Version policy: an update must be newer than every version ever installed here (the high-water mark), not
 just the current one, so that after a `rollback()` the version that was rolled back from can't be replayed
@@ -29,7 +32,6 @@ import contextlib
 import datetime as dt
 import fcntl
 import json
-import mmap
 import os
 import re
 import secrets
@@ -50,6 +52,7 @@ LOCK_NAME = ".lock"
 _TMP_MARK = ".tmp-"
 _VERSION_RE = re.compile(r"^[0-9]{1,18}(\.[0-9]{1,18}){0,7}$")
 _MAX_STATE_BYTES = 1 << 20
+_COPY_PIECE = 8 << 20  # the native writer's buffer size: each read fills one write
 
 
 # --- pure decisions ------------------------------------------------------------------------------------
@@ -230,15 +233,14 @@ class SignedUpdateManager:
                                                path=path)
         with self._locked():
             self._remove_leftovers()
-            current, previous, high_water = self._state()
-            # Cheap checks on the source first (header, table, signature, version): a forged or replayed
-            # update is refused before gigabytes are copied. The copy is checked again in full below.
-            with file.CheckpointReader(path, verify=False) as reader:
-                signing.check_signature(signing.TABLE_DOMAIN, reader.table_bytes, reader.signature_block,
-                                        self.trusted_keys, path=path)
+            current, _, high_water = self._state()
+            # Cheap checks on the source first (a regular file; header, the signature over the raw table bytes
+            # before they are parsed, then the table and the version): a forged or replayed update is refused
+            # before gigabytes are copied. The copy, from the descriptor just checked, is checked in full below.
+            with file.CheckpointReader(path, verify=False, trusted_keys=self.trusted_keys) as reader:
                 check_update_policy(reader.metadata, high_water=high_water, now=self.clock(), force=force,
                                     require_expiry=self.require_expiry)
-            staged = self._stage(path)
+                staged = self._stage(reader)
             try:
                 verified = verify.check_checkpoint(staged, self.trusted_keys)
                 version = check_update_policy(verified.metadata, high_water=high_water, now=self.clock(),
@@ -274,17 +276,30 @@ class SignedUpdateManager:
             self._remove_unreferenced()
             return previous
 
-    def _stage(self, source: str) -> str:
-        """Copies `source` into versions/ under a temporary name through the native writer, fsynced."""
+    def _stage(self, source: file.CheckpointReader) -> str:
+        """Copies the checked update into versions/ under a temporary name through the native writer, fsynced.
+
+        Exactly the `file_size` bytes its header gives, read with pread from the descriptor the checks used
+        (never a memory map: the source is untrusted, and a file truncated under a map kills the process
+        with SIGBUS). A file that shrinks while it is copied is a TruncatedCheckpointError."""
         staged = os.path.join(self.install_dir, VERSIONS_DIR, f"{_TMP_MARK}{secrets.token_hex(8)}.snpx")
+        size, fd = source.header.file_size, source.fileno()
         out = _native.NativeFile(staged)
         try:
-            with open(source, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size:
-                    with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
-                        for start in range(0, size, 64 << 20):
-                            out.append(view[start:start + (64 << 20)])
+            piece = memoryview(bytearray(min(size, _COPY_PIECE)))
+            offset = 0
+            while offset < size:
+                try:
+                    count = os.preadv(fd, [piece[:size - offset]], offset)
+                except OSError as e:
+                    raise errors.StorageError(f"can't read the update {source.path}: {e.strerror or e}",
+                                              path=source.path, errno=e.errno) from None
+                if count == 0:
+                    raise errors.TruncatedCheckpointError(
+                        f"file shrank to {offset} bytes while it was copied (its header says {size}): it was "
+                        "truncated during the install", path=source.path)
+                out.append(piece[:count])  # append copies the bytes, so the buffer is reused at once
+                offset += count
             out.finish()
         except BaseException:
             out.abort()

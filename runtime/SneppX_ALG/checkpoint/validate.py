@@ -66,10 +66,10 @@ def _validate_step(path: str, step: int, trusted_keys: Any) -> tuple[bool, list[
 
 def check_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None = None,
                ) -> tuple[dict[str, Any] | None, list[str]]:
-    """(manifest, problems) for a step directory: manifest, every shard's bytes, and that the manifest's
-    pieces are exactly the shard entries with the same CRCs. With trusted_keys, first the signature over
-    the manifest bytes, then the size and digest of every file the manifest lists, and that every shard is
-    among them.
+    """(manifest, problems) for a step directory: manifest (its checksum, and on S3 that the `COMMITTED`
+    marker was written for these manifest bytes), every shard's bytes, and that the manifest's pieces are
+    exactly the shard entries with the same CRCs. With trusted_keys, first the signature over the manifest
+    bytes, then the size and digest of every file the manifest lists, and that every shard is among them.
 
     Raises CheckpointUnreadableError when a file can't be read now (an I/O error other than a missing file):
     that says nothing about the step's bytes, so it is never reported as a problem."""
@@ -115,6 +115,13 @@ def _scan_step_files(local: str, step: int, trusted_keys: dict[bytes, Any] | Non
             signing.check_manifest_signature(raw, _read_signature(local), trusted_keys, path=local)
         except errors.SneppXError as e:
             return None, [f"{type(e).__name__}: {e}"], None
+    try:
+        with open(storage.fetched_marker_path(local), "rb") as f:  # S3 steps: the marker, next to them
+            problem = storage.marker_problem(f.read(storage.MAX_MANIFEST_BYTES + 1), raw, step)
+    except FileNotFoundError:
+        problem = None
+    if problem is not None:
+        return None, [problem], None
     try:
         manifest = manifest_codec.decode_manifest(raw, step=step, where=path)
     except errors.ManifestError as e:

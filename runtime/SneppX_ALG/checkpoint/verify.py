@@ -33,24 +33,24 @@ def check_checkpoint(path: str | os.PathLike[str], trusted_keys: Any, *,
                      progress: Callable[[int, int], None] | None = None) -> Verified:
     """Verifies a checkpoint file or signed directory; raises the typed error of the first failed check.
 
-    File: header, table and signature CRCs and layout (CheckpointReader), then the signature over the table
-    (before reading any data, so a forged file costs nothing), then every tensor's CRC32C, padding and digest
+    File: header, table and signature CRCs, then the signature over the raw table bytes (before the table is
+    parsed or any data is read, so a forged file costs one read of its table), then the table's layout and
+    digest coverage (all in CheckpointReader), then every tensor's CRC32C, padding and digest
     (file.check_tensor). `progress(done, total)` is called as a file's bytes are checked.
     """
     path = os.fspath(path)
     if os.path.isdir(path):
         return check_manifest(path, trusted_keys)
     keys = signing.trusted_key_set(trusted_keys)
-    with file.CheckpointReader(path, verify=False) as reader:
-        signer = signing.check_signature(signing.TABLE_DOMAIN, reader.table_bytes, reader.signature_block, keys, path=path)
-        signing.check_digest_coverage(reader.table.tensors, path=path)
+    with file.CheckpointReader(path, verify=False, trusted_keys=keys) as reader:
+        assert reader.signer is not None
         for entry in reader.table.tensors:
             problems = file.check_tensor(reader, entry, digest=True)
             if problems:
                 raise problems[0]
             if progress is not None:
                 progress(entry.offset + entry.length, reader.header.table_offset)
-        return Verified(path, signer, dict(reader.metadata), reader.config)
+        return Verified(path, reader.signer, dict(reader.metadata), reader.config)
 
 
 def verify_checkpoint(path: str | os.PathLike[str], trusted_keys: Any, *,

@@ -54,7 +54,7 @@ def cli_sign(args: argparse.Namespace) -> int:
         return 2
     try:
         kid = verify.sign_checkpoint(args.path, key)
-    except errors.SneppXError as e:
+    except (errors.SneppXError, OSError) as e:  # OSError: e.g. no permission to write next to the file
         print(f"sneppx sign: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print(f"signed {args.path} with key {kid.hex()}")

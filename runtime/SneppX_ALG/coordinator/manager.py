@@ -81,8 +81,11 @@ class CheckpointCoordinator:
     staging_bytes: host memory for the snapshot (default 1 GiB). States up to this size make save() cost one
         copy; larger states stream through it, so save() returns when the rest is written.
     device: "auto" (pinned staging and GPU copies when a CUDA device is usable), "cpu", or a CUDA device index.
-    cleanup_on_start: remove what a crash left (temp directories, incomplete S3 uploads); leave it on in one
-        process per root only.
+    cleanup_on_start: remove what crashed saves left (temp directories, incomplete S3 uploads, objects of steps
+        without a marker) whose writer is provably gone: safe with other coordinators saving to the same root
+        (storage/lease.py). Default: on, except with read_only.
+    read_only: a reader (an evaluator, a tool): never cleans up and never saves (save() raises
+        ReadOnlyCoordinatorError); latest(), restore() and validate() work as usual.
     signing_key: an Ed25519 private key (or an unencrypted PEM path): every step is signed, a detached `manifest.sig`
         over manifest.json (which lists each shard's size and BLAKE3 digest) written before the commit point.
         Without it, steps are saved without shard digests (they cost a read-back of every shard) and can't be
@@ -96,12 +99,14 @@ class CheckpointCoordinator:
     def __init__(self, checkpoint_root: str | os.PathLike[str], save_every_n_steps: int | None = None,
                  max_to_keep: int | None = 5, async_save: bool = True, *, keep_every_n_steps: int | None = None,
                  staging_bytes: int = plan.DEFAULT_STAGING_BYTES, device: str | int = "auto", copy_threads: int = 0,
-                 s3_client: Any = None, staging_dir: str | None = None, cleanup_on_start: bool = True,
-                 signing_key: Any = None, trusted_keys: Any = None):
+                 s3_client: Any = None, staging_dir: str | None = None, cleanup_on_start: bool | None = None,
+                 signing_key: Any = None, trusted_keys: Any = None, read_only: bool = False):
         for name, value in (("save_every_n_steps", save_every_n_steps), ("max_to_keep", max_to_keep),
                             ("keep_every_n_steps", keep_every_n_steps)):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a non-negative int or None, not {value!r}")
+        if read_only and cleanup_on_start:
+            raise ValueError("a read_only coordinator never cleans up: drop cleanup_on_start")
         if staging_bytes < 2 * 4096:
             raise ValueError(f"staging_bytes must be at least 8 KiB, not {staging_bytes}")
         self.checkpoint_root = os.fspath(checkpoint_root)
@@ -110,6 +115,7 @@ class CheckpointCoordinator:
         self.keep_every_n_steps = keep_every_n_steps
         self.async_save = async_save
         self.staging_bytes = staging_bytes
+        self.read_only = read_only
         self.skipped: list[SkippedCheckpoint] = []
         self.last_saved_step: int | None = None
         self._signing_key = _private_key(signing_key)
@@ -124,7 +130,7 @@ class CheckpointCoordinator:
                 "step this coordinator saved would fail its own validation, and retention would have no valid "
                 "step to keep. Add its public key to trusted_keys (after a key rotation, keep the old one too).")
         self._storage = storage.open_storage(self.checkpoint_root, s3_client=s3_client, staging_dir=staging_dir)
-        if cleanup_on_start:
+        if cleanup_on_start if cleanup_on_start is not None else not read_only:
             for leftover in self._storage.cleanup():
                 log.info("removed leftover of an interrupted save: %s", leftover)
         self._copier = self._make_copier(device, copy_threads)
@@ -187,6 +193,9 @@ class CheckpointCoordinator:
         training_state: JSON-safe data resumed with the weights (data position, RNG state, ...)."""
         with self._lock:
             self._check_open()
+            if self.read_only:
+                raise errors.ReadOnlyCoordinatorError(f"this coordinator reads {self.checkpoint_root} only "
+                                                      "(read_only=True): it can't save")
             self._raise_background_error()
             if not isinstance(step, (int, np.integer)) or step < 0:
                 raise ValueError(f"step must be a non-negative int, not {step!r}")
@@ -209,6 +218,7 @@ class CheckpointCoordinator:
                 size = plan.choose_buffer_bytes(state_bytes, self.staging_bytes)
                 worker.pool = engine.StagingPool(self._copier, size, self.staging_bytes // size)
             buffers = plan.plan_pieces(specs, worker.pool.size)
+            state.check_entry_names(p for b in buffers for p in b)
             job = engine.Job(step, specs, [p for b in buffers for p in b], values, kind, training_state)
             with worker._idle:
                 worker.steps.add(step)
@@ -323,7 +333,9 @@ class CheckpointCoordinator:
         Every byte loaded is the byte validated: each shard is read once, into the arrays handed to `obj`,
         and checked as it lands. Restoring a step older than others on the timeline starts a new timeline:
         before this coordinator's next save commits, the newer steps are fenced off and moved aside, so
-        neither latest() nor a restart returns them again (docs/FORMAT.md, "Timelines and fencing")."""
+        neither latest() nor a restart returns them again (docs/FORMAT.md, "Timelines and fencing"). A
+        read_only coordinator never saves, so its restore is a look at a step, not a rollback: it fences
+        nothing, and its latest() still sees the newer steps."""
         self._engine.wait()  # the fence a restore makes is over this coordinator's own saves too
         # An explicit step may be one that an earlier restore here abandoned, as long as no save fenced it.
         current = self._steps.visible(include_pending=step is None)
@@ -356,6 +368,8 @@ class CheckpointCoordinator:
                 obj.load_state_dict(tree)
             else:
                 raise errors.UnsupportedTensorError(f"can't restore into a {type(obj).__name__}")
+            if self.read_only:
+                return self._info(candidate, manifest)
             fence = timeline.fence_after(candidate, current, invalid)
             self._steps.start_timeline(candidate, fence)
             if fence is not None:

@@ -8,7 +8,7 @@ only one that knows about the shapes a user's state can take.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -136,6 +136,17 @@ def check_json_safe(value: Any, what: str) -> None:
 def tensor_spec(path: tuple[str, ...], leaf: np.ndarray | DeviceArray) -> plan.TensorSpec:
     dtype = leaf.dtype
     return plan.TensorSpec(path, format.dtype_name(dtype), tuple(int(d) for d in leaf.shape), dtype.itemsize)
+
+
+def check_entry_names(pieces: Iterable[plan.Piece]) -> None:
+    """Every shard entry name passes the format's own rule (format.check_name: no NUL, valid Unicode, length),
+    so a state key the writer would refuse fails the save() that passed it, not the background write (whose
+    error would then fail the next save())."""
+    for piece in pieces:
+        try:
+            format.check_name(piece.entry)
+        except errors.CorruptTableError as e:
+            raise errors.UnsupportedTensorError(f"can't save this state: {e.reason}") from None
 
 
 def set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:

@@ -19,6 +19,7 @@ from SneppX_ALG import _native
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"
 COMMITTED = "COMMITTED"
+COMMIT_FORMAT = "sneppx.commit"
 MAX_MANIFEST_BYTES = 256 << 20  # the coordinator's limit too: a larger manifest is refused when read
 STEP_RE = re.compile(r"^step-(\d{9,})$")
 TMP_PREFIX = ".tmp-step-"
@@ -126,20 +127,56 @@ def is_plain_name(name: str) -> bool:
     return bool(name) and "/" not in name and "\\" not in name and "\x00" not in name and not name.startswith(".")
 
 
-def manifest_shards(path: str) -> list[str]:
-    """The plain shard names a fetched manifest lists ([] when it is missing or unreadable: validating the
-    step then says what is wrong). Only these are fetched, so an odd key under a step prefix can't name a
-    local path."""
+def manifest_shards(manifest: bytes) -> list[str]:
+    """The plain shard names a manifest lists ([] when it is unreadable: validating the step then says what
+    is wrong). Only these are uploaded, checked at a commit and fetched, so an odd key under a step prefix
+    can't name a local path."""
     try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read(MAX_MANIFEST_BYTES + 1))
-    except (OSError, ValueError, RecursionError):
+        doc = json.loads(manifest[:MAX_MANIFEST_BYTES + 1])
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return []
     shards = doc.get("shards") if isinstance(doc, dict) else None
     if not isinstance(shards, list):
         return []
     return [s for s in shards if isinstance(s, str) and is_plain_name(s) and s not in (MANIFEST, SIGNATURE,
                                                                                        COMMITTED)]
+
+
+def fetched_marker_path(step_dir: str) -> str:
+    """Where `open_step()` of a backend with commit markers (S3) puts the step's marker: next to the step's
+    local directory, not in it (the directory holds exactly the files the manifest names)."""
+    return os.path.normpath(step_dir) + "." + COMMITTED
+
+
+def commit_record(step: int, writer: str, manifest: bytes) -> bytes:
+    """The body of an S3 step's `COMMITTED` marker: which writer committed which manifest.json (its size and
+    CRC32C), so that a reader can check the manifest is the one committed and a writer can recognise its own
+    marker when the answer to its PUT was lost (docs/FORMAT.md, "S3 steps: the commit marker")."""
+    return json.dumps({"format": COMMIT_FORMAT, "step": step, "writer": writer,
+                       "manifest": _manifest_id(manifest)}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def marker_problem(marker: bytes, manifest: bytes, step: int) -> str | None:
+    """Why a `COMMITTED` marker does not vouch for these manifest bytes, or None when it does. A marker
+    written before commit records existed is a copy of the manifest itself, and must equal it."""
+    if marker == manifest:
+        return None
+    try:
+        record = json.loads(marker)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        record = None
+    if not isinstance(record, dict) or record.get("format") != COMMIT_FORMAT:
+        return f"{COMMITTED} of step {step} is not a commit record"
+    if record.get("step") != step:
+        return f"{COMMITTED} of step {step} says step {record.get('step')!r}"
+    if record.get("manifest") != _manifest_id(manifest):
+        return (f"{COMMITTED} of step {step} was written for another {MANIFEST} ({record.get('manifest')!r}, "
+                f"this one {_manifest_id(manifest)}): the manifest was replaced after the commit")
+    return None
+
+
+def _manifest_id(manifest: bytes) -> dict[str, object]:
+    return {"size": len(manifest), "crc32c": f"{_native.crc32c(manifest):08x}"}
 
 
 def remove_tree(path: str) -> None:

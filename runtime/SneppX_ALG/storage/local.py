@@ -1,4 +1,9 @@
-"""Steps as directories under a local root (a disk, a PVC, an NFS mount): temp dir, fsync, rename."""
+"""Steps as directories under a local root (a disk, a PVC, an NFS mount): temp dir, fsync, rename.
+
+A temporary directory is named for its owner (`.tmp-step-<step>-<writer>-<host>-<pid>-<pid start>`) and
+touched by its writer while the save runs (storage/lease.py), so `cleanup()` removes only directories whose
+writer is gone.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +11,17 @@ import contextlib
 import errno as errno_module
 import os
 import secrets
+import time
 from collections.abc import Iterator
 
 from SneppX_ALG import _native, errors
-from SneppX_ALG.storage import base
+from SneppX_ALG.storage import base, lease
 
 
 class LocalStorage:
     """Steps as directories under a local root (a disk, a PVC, an NFS mount)."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, *, lease_expiry_s: float = lease.LEASE_EXPIRY_S):
         self.root = os.path.abspath(root)
         self.uri = self.root
         try:
@@ -23,6 +29,16 @@ class LocalStorage:
         except OSError as e:
             raise errors.StorageError(f"can't create checkpoint root {self.root}: {e.strerror}", path=self.root,
                                       errno=e.errno) from None
+        self.lease_expiry_s = lease_expiry_s
+        self.lease = lease.WriterLease(publish=self._touch, refresh=self._touch, withdraw=lambda: None,
+                                       expiry_s=lease_expiry_s)
+        self._in_flight: dict[int, str] = {}  # step -> its temporary directory
+
+    def _touch(self) -> None:
+        """The writer's sign of life: the mtime of each temporary directory it has in flight."""
+        for path in list(self._in_flight.values()):
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(path)
 
     def step_path(self, step: int) -> str:
         return os.path.join(self.root, base.step_name(step))
@@ -36,21 +52,41 @@ class LocalStorage:
         return sorted(steps)
 
     def begin(self, step: int) -> base.PendingStep:
-        tmp = os.path.join(self.root, f"{base.TMP_PREFIX}{step:09d}-{os.getpid()}-{secrets.token_hex(4)}")
+        self.lease.hold(step)
+        tmp = os.path.join(self.root, f"{base.TMP_PREFIX}{step:09d}-{self.lease.owner().name()}")
         try:
-            os.mkdir(tmp)
+            os.mkdir(tmp)  # the claim: named for its owner, created whole
         except OSError as e:
+            self.lease.release(step)
             raise _os_error(e, tmp) from None
+        self._in_flight[step] = tmp
         return base.PendingStep(step=step, local_dir=tmp)
 
+    def _end(self, step: int) -> None:
+        self._in_flight.pop(step, None)
+        self.lease.release(step)
+
     def finalize(self, pending: base.PendingStep, manifest: bytes, signature: bytes | None = None) -> str:
+        try:
+            return self._finalize(pending, manifest, signature)
+        finally:
+            self._end(pending.step)
+
+    def _finalize(self, pending: base.PendingStep, manifest: bytes, signature: bytes | None) -> str:
         final = self.step_path(pending.step)
+        parts = {shard: self._size(pending.local_dir, shard) for shard in base.manifest_shards(manifest)}
         base.write_durable(os.path.join(pending.local_dir, base.MANIFEST), manifest)
+        parts[base.MANIFEST] = len(manifest)
         if signature is not None:  # before the commit point: a committed signed step always has its signature
             base.write_durable(os.path.join(pending.local_dir, base.SIGNATURE), signature)
+            parts[base.SIGNATURE] = len(signature)
         if os.path.lexists(final):
             raise errors.CheckpointExistsError(f"{final} is already committed; a step is never overwritten",
                                                path=final)
+        for name, size in parts.items():  # nothing was removed under us (a cleaner that judged us gone)
+            if self._size(pending.local_dir, name) != size:
+                raise errors.StorageError(f"{name} in {pending.local_dir} changed size before the commit",
+                                          path=pending.local_dir)
         try:
             _native.rename_durable(pending.local_dir, final)  # the commit point
         except BaseException:
@@ -58,6 +94,15 @@ class LocalStorage:
                 self._uncommit(final, pending.local_dir)
             raise
         return final
+
+    @staticmethod
+    def _size(directory: str, name: str) -> int:
+        path = os.path.join(directory, name)
+        try:
+            return os.stat(path).st_size
+        except FileNotFoundError:
+            raise errors.StorageError(f"{path} is missing at the commit: removed since it was written (by a "
+                                      "cleanup that judged this writer gone?)", path=path) from None
 
     def _uncommit(self, final: str, tmp: str) -> None:
         """The rename happened but its fsync failed: the step must not stay visible as committed. Renamed
@@ -76,6 +121,7 @@ class LocalStorage:
 
     def abort(self, pending: base.PendingStep) -> None:
         base.remove_tree(pending.local_dir)
+        self._end(pending.step)
 
     @contextlib.contextmanager
     def open_step(self, step: int) -> Iterator[str]:
@@ -127,12 +173,32 @@ class LocalStorage:
         _native.fsync_path(self.root)
 
     def cleanup(self) -> list[str]:
+        """Removes what crashed or failed saves left: temporary directories whose writer is gone (by name: a
+        dead process on this host, this process's own finished saves, or no sign of life for lease_expiry_s;
+        a name without an owner, from an older version, counts as gone) and `.deleting-*` directories
+        (invisible already: removing one twice is harmless). Set-aside steps and the coordinator's FENCE
+        record are not leftovers: retention bounds the first, the next writer finishes the second."""
         removed = []
         for entry in os.scandir(self.root):
-            if entry.name.startswith((base.TMP_PREFIX, base.DELETING_PREFIX)):
-                base.remove_tree(entry.path)
-                removed.append(entry.path)
+            if entry.name.startswith(base.TMP_PREFIX):
+                step, _, owner_name = entry.name[len(base.TMP_PREFIX):].partition("-")
+                owner = lease.Owner.from_name(owner_name)
+                if owner is not None and step.isdigit() and lease.still_writing(
+                        owner, int(step), self._age(entry.path), self.lease_expiry_s):
+                    continue
+            elif not entry.name.startswith(base.DELETING_PREFIX):
+                continue
+            base.remove_tree(entry.path)
+            removed.append(entry.path)
         return removed
+
+    @staticmethod
+    def _age(path: str) -> float:
+        """Seconds since `path` was last touched, by this host's clock (0 if it is gone: nothing to judge)."""
+        try:
+            return max(0.0, time.time() - os.stat(path).st_mtime)
+        except FileNotFoundError:
+            return 0.0
 
 
 def _os_error(e: OSError, path: str) -> errors.StorageError:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import contextlib
+import datetime
+import email.utils
 import json
 import os
 import tempfile
@@ -12,7 +14,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from SneppX_ALG import _native, errors
-from SneppX_ALG.storage import base
+from SneppX_ALG.storage import base, lease
+
+LEASE_FORMAT = "sneppx.lease"
 
 
 def make_s3_client(*, endpoint_url: str | None = None, region: str | None = None, max_connections: int = 16,
@@ -55,10 +59,15 @@ class S3Storage:
     Why stage to a local file: an SNPX header records sizes known only at the end, and S3 objects are
     immutable, so the file is finished (and its CRCs known) before upload; parts then go up in parallel
     straight from the page cache, each with its CRC32C for the server to check.
+
+    Every key this object lists, writes or deletes is under `prefix + "/"` (`key()` builds them all), and
+    within it only `step-NNNNNNNNN/...`, `.lease-*`, set-aside steps (`.invalid-step-*/...`,
+    `.abandoned-step-*/...`) and the coordinator's records (`FENCE`): a root `s3://bkt/jobs/a` never touches
+    `jobs/ab/...`, and a bucket root (`s3://bkt`) owns just those keys at the top of the bucket, nothing else.
     """
 
-    def __init__(self, uri: str, *, client: Any = None, staging_dir: str | None = None, part_bytes: int = 16 << 20,
-                 threads: int = 4):
+    def __init__(self, uri: str, *, client: Any = None, staging_dir: str | None = None,
+                 part_bytes: int = 16 << 20, threads: int = 4, lease_expiry_s: float = lease.LEASE_EXPIRY_S):
         self.uri = uri.rstrip("/")
         self.bucket, self.prefix = parse_s3_uri(self.uri)
         self.client = client if client is not None else make_s3_client(max_connections=max(16, 2 * threads))
@@ -66,73 +75,177 @@ class S3Storage:
         self.part_bytes = max(5 << 20, part_bytes)  # S3's minimum part size (except the last)
         self.threads = max(1, threads)
         os.makedirs(self.staging_dir, exist_ok=True)
+        self.lease = lease.WriterLease(publish=self._publish_lease, refresh=self._publish_lease,
+                                       withdraw=self._withdraw_lease, expiry_s=lease_expiry_s)
 
     def key(self, *parts: str) -> str:
+        """`<prefix>/<parts joined by "/">` (no prefix: the parts alone)."""
         return "/".join(p for p in (self.prefix, *parts) if p)
 
-    def _list(self, prefix: str) -> Iterator[dict[str, Any]]:
+    def _step_of(self, key: str) -> int | None:
+        """The step a key of this root belongs to (`<prefix>/step-NNNNNNNNN/...`), else None."""
+        root = self.key("")
+        if root and not key.startswith(root + "/"):
+            return None
+        step_dir, slash, _ = key[len(root) + 1 if root else 0:].partition("/")
+        return base.parse_step_name(step_dir) if slash else None
+
+    def _list_pages(self, prefix: str) -> Iterator[dict[str, Any]]:
         try:
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
-                yield from page.get("Contents", [])
+            paginator = self.client.get_paginator("list_objects_v2")
+            yield from paginator.paginate(Bucket=self.bucket, Prefix=prefix)
         except _s3_errors() as e:
             raise _s3_error(e, "list", self.uri) from None
+
+    def _list(self, prefix: str) -> Iterator[dict[str, Any]]:
+        for page in self._list_pages(prefix):
+            yield from page.get("Contents", [])
 
     def _steps(self) -> tuple[set[int], set[int]]:
         """(all steps with any object, steps with a commit marker)."""
         seen, committed = set(), set()
-        step_prefix = self.key("step-")
-        strip = len(self.key("")) + 1 if self.prefix else 0
-        for obj in self._list(step_prefix):
-            step_dir, _, leaf = obj["Key"][strip:].partition("/")
-            step = base.parse_step_name(step_dir)
+        for obj in self._list(self.key("step-")):
+            step = self._step_of(obj["Key"])
             if step is None:
                 continue
             seen.add(step)
-            if leaf == base.COMMITTED:
+            if obj["Key"] == self.key(base.step_name(step), base.COMMITTED):
                 committed.add(step)
         return seen, committed
 
     def committed_steps(self) -> list[int]:
         return sorted(self._steps()[1])
 
+    # -- the writer's lease (storage/lease.py) --
+
+    def _lease_key(self, writer: str) -> str:
+        return self.key(lease.LEASE_PREFIX + writer)
+
+    def _publish_lease(self) -> None:
+        owner = self.lease.owner()
+        record = {"format": LEASE_FORMAT, "writer": owner.writer, "host": owner.host, "pid": owner.pid,
+                  "pid_start": owner.pid_start, "steps": sorted(self.lease.steps),
+                  "expiry_s": self.lease.expiry_s}
+        self._put(self._lease_key(owner.writer), json.dumps(record, sort_keys=True).encode())
+
+    def _withdraw_lease(self) -> None:
+        self._delete_keys([self._lease_key(self.lease.writer)])
+
+    def _leases(self) -> list[tuple[str, lease.Claim | None, float]]:
+        """(key, claim or None if unreadable, age by the server's clock) of every lease under the root."""
+        found = []
+        for page in self._list_pages(self.key(lease.LEASE_PREFIX)):
+            date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+            now = email.utils.parsedate_to_datetime(date) if date else datetime.datetime.now(datetime.UTC)
+            for obj in page.get("Contents", []):
+                got = self._get(obj["Key"])
+                claim = _parse_lease(got[0]) if got is not None else None
+                found.append((obj["Key"], claim, max(0.0, (now - obj["LastModified"]).total_seconds())))
+        return found
+
+    # -- writing a step --
+
     def begin(self, step: int) -> base.PendingStep:
-        local = tempfile.mkdtemp(prefix=f"{base.STAGE_PREFIX}{os.getpid()}-{step:09d}-", dir=self.staging_dir)
+        self.lease.hold(step)  # before anything of the step is uploaded
+        try:
+            local = tempfile.mkdtemp(prefix=f"{base.STAGE_PREFIX}{os.getpid()}-{step:09d}-",
+                                     dir=self.staging_dir)
+        except BaseException:
+            self.lease.release(step)
+            raise
         return base.PendingStep(step=step, local_dir=local)
 
     def finalize(self, pending: base.PendingStep, manifest: bytes, signature: bytes | None = None) -> str:
+        """Uploads the shards the manifest names, creates manifest.json (If-None-Match: the first writer of a
+        step owns it), puts manifest.sig, checks that every object is on the server as uploaded (size and
+        ETag), then creates `COMMITTED` (If-None-Match): the commit point.
+
+        On failure, what this writer uploaded is deleted unless another writer may own those keys now (it
+        created the manifest or the marker first, or changed an object since), or unless the commit's outcome
+        is unknown (CommitUnknownError): then the next cleanup removes them if no marker appears."""
         name = base.step_name(pending.step)
         marker = self.key(name, base.COMMITTED)
-        uploaded: list[str] = []
+        uploaded: dict[str, tuple[int, str]] = {}  # key -> (size, ETag) as the server acknowledged it
         try:
             if self._exists(marker):
                 raise errors.CheckpointExistsError(f"s3://{self.bucket}/{marker} exists; a step is never "
                                                    "overwritten", path=self.uri)
-            for filename in sorted(os.listdir(pending.local_dir)):
-                if filename.endswith(".tmp") or filename.startswith("."):
-                    continue
-                key = self.key(name, filename)
-                self.upload_file(os.path.join(pending.local_dir, filename), key)
-                uploaded.append(key)
-            self._put(self.key(name, base.MANIFEST), manifest)
-            uploaded.append(self.key(name, base.MANIFEST))
+            for shard in base.manifest_shards(manifest):
+                path = os.path.join(pending.local_dir, shard)
+                if not os.path.isfile(path):
+                    raise errors.StorageError(f"{path}, named by the manifest, was not written", path=path)
+                key = self.key(name, shard)
+                uploaded[key] = (os.path.getsize(path), self.upload_file(path, key))
+            key = self.key(name, base.MANIFEST)
+            etag = self._create(key, manifest)
+            if etag is None:
+                uploaded.clear()  # another writer's step: the shard keys may hold its objects now; keep them
+                raise errors.CheckpointExistsError(
+                    f"s3://{self.bucket}/{key} is another writer's (committed, being committed, or left by "
+                    "an interrupted save that cleanup will remove)", path=self.uri)
+            uploaded[key] = (len(manifest), etag)
             if signature is not None:  # before the marker: a committed signed step always has its signature
-                self._put(self.key(name, base.SIGNATURE), signature)
-                uploaded.append(self.key(name, base.SIGNATURE))
-            try:
-                self._put(marker, manifest, if_none_match=True)  # the commit point
-            except errors.CheckpointExistsError:
-                uploaded.clear()  # lost the race: those keys may hold the winner's objects now; keep them
-                raise
+                key = self.key(name, base.SIGNATURE)
+                uploaded[key] = (len(signature), self._put(key, signature))
+            self._check_parts(name, uploaded)
+            if self._create(marker, base.commit_record(pending.step, self.lease.writer, manifest)) is None:
+                uploaded.clear()
+                raise errors.CheckpointExistsError(
+                    f"s3://{self.bucket}/{marker} was committed by another writer", path=self.uri)
+        except errors.CommitUnknownError:
+            raise  # the marker may be there: the parts stay
         except BaseException:
             with contextlib.suppress(errors.StorageError):  # best effort: cleanup() gets the rest
-                self._delete_keys(uploaded)
+                self._delete_keys(list(uploaded))
             raise
         finally:
             base.remove_tree(pending.local_dir)
+            self.lease.release(pending.step)
         return f"s3://{self.bucket}/{self.key(name)}"
+
+    def _check_parts(self, name: str, uploaded: dict[str, tuple[int, str]]) -> None:
+        """Every object this writer uploaded for the step is on the server with the size and ETag it was given
+        (none removed by a cleanup that judged this writer gone, none replaced by another writer)."""
+        present = {obj["Key"]: (obj["Size"], obj["ETag"].strip('"'))
+                   for obj in self._list(self.key(name) + "/")}
+        for key, (size, etag) in uploaded.items():
+            if key not in present:
+                raise errors.StorageError(f"s3://{self.bucket}/{key} is gone before the commit (removed by a "
+                                          "cleanup that judged this writer gone?)", path=self.uri)
+            if present[key] != (size, etag.strip('"')):
+                uploaded.clear()  # someone else's object now: delete nothing
+                raise errors.StorageError(f"s3://{self.bucket}/{key} was replaced before the commit (another "
+                                          "writer of the same step?)", path=self.uri)
+
+    def _create(self, key: str, body: bytes) -> str | None:
+        """PUTs `body` at `key` only if no object is there (If-None-Match: *). Returns the ETag when the
+        object there is ours, None when it is someone else's.
+
+        An answer that doesn't say (a timeout or reset after the request went out, a 5xx, or a 412 that may
+        be the retry of our own applied PUT) is settled by reading the key back: our bytes -> ours; other
+        bytes -> someone else's; nothing there -> the PUT did not happen (its error is raised). If that read
+        fails too: CommitUnknownError."""
+        try:
+            return self._put(key, body, if_none_match=True)
+        except errors.CheckpointExistsError:
+            failure: errors.StorageError | None = None
+        except errors.StorageError as e:
+            failure = e
+        try:
+            current = self._get(key)
+        except errors.StorageError as e:
+            why = failure or "412 Precondition Failed"
+            raise errors.CommitUnknownError(f"s3://{self.bucket}/{key}: the PUT's outcome is unknown ({why}) "
+                                            f"and reading it back failed ({e})", path=self.uri) from None
+        if current is None:
+            if failure is not None:
+                raise failure
+            return None  # there a moment ago (412), gone now: not ours
+        return current[1] if current[0] == body else None
 
     def abort(self, pending: base.PendingStep) -> None:
         base.remove_tree(pending.local_dir)
+        self.lease.release(pending.step)
 
     def _exists(self, key: str) -> bool:
         try:
@@ -143,25 +256,37 @@ class S3Storage:
                 return False
             raise _s3_error(e, "head", self.uri) from None
 
-    def _put(self, key: str, body: bytes, *, if_none_match: bool = False) -> None:
+    def _get(self, key: str, *, limit: int | None = None) -> tuple[bytes, str] | None:
+        """(body, ETag) of a small object (its first `limit` bytes), or None if there is none."""
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=key)
+            return response["Body"].read(limit), response["ETag"]
+        except _s3_errors() as e:
+            if _error_code(e) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise _s3_error(e, f"get {key}", self.uri) from None
+
+    def _put(self, key: str, body: bytes, *, if_none_match: bool = False) -> str:
+        """PUTs one object; returns its ETag."""
         extra = {"IfNoneMatch": "*"} if if_none_match else {}
         try:
-            self.client.put_object(Bucket=self.bucket, Key=key, Body=body, ChecksumCRC32C=_crc32c_b64(body),
-                                   **extra)
+            response = self.client.put_object(Bucket=self.bucket, Key=key, Body=body,
+                                              ChecksumCRC32C=_crc32c_b64(body), **extra)
         except _s3_errors() as e:
-            if if_none_match and _error_code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
-                raise errors.CheckpointExistsError(f"s3://{self.bucket}/{key} was committed by another writer",
+            conflict = _error_code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict")
+            if if_none_match and conflict:
+                raise errors.CheckpointExistsError(f"s3://{self.bucket}/{key} was written by another writer",
                                                    path=self.uri) from None
             raise _s3_error(e, f"put {key}", self.uri) from None
+        return str(response["ETag"])
 
-    def upload_file(self, path: str, key: str) -> None:
+    def upload_file(self, path: str, key: str) -> str:
         """Uploads one local file: a single PUT when small, else parallel multipart with per-part CRC32C.
-        A failed multipart upload is aborted before the error propagates."""
+        A failed multipart upload is aborted before the error propagates. Returns the object's ETag."""
         size = os.path.getsize(path)
         if size <= self.part_bytes:
             with open(path, "rb") as f:
-                self._put(key, f.read())
-            return
+                return self._put(key, f.read())
         try:
             upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key,
                                                             ChecksumAlgorithm="CRC32C")["UploadId"]
@@ -182,8 +307,9 @@ class S3Storage:
         try:
             with concurrent.futures.ThreadPoolExecutor(max_workers=min(self.threads, count)) as pool:
                 parts = list(pool.map(upload_part, range(1, count + 1)))
-            self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id,
-                                                  MultipartUpload={"Parts": parts})
+            response = self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id,
+                                                             MultipartUpload={"Parts": parts})
+            return str(response["ETag"])
         except BaseException as e:  # abort on anything, then re-raise
             with contextlib.suppress(*_s3_errors()):
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
@@ -193,25 +319,37 @@ class S3Storage:
         finally:
             os.close(fd)
 
+    # -- reading and deleting --
+
     @contextlib.contextmanager
     def open_step(self, step: int) -> Iterator[str]:
-        """Downloads a committed step into a temporary local directory for reading and validation."""
+        """Downloads a committed step (manifest, signature and the shards the manifest names) into a temporary
+        local directory named like the step, for reading and validation; its marker goes next to it
+        (base.fetched_marker_path), where validation checks it against the manifest."""
         name = base.step_name(step)
-        if not self._exists(self.key(name, base.COMMITTED)):
+        marker = self._get(self.key(name, base.COMMITTED))
+        if marker is None:
             raise errors.CheckpointNotFoundError(f"no committed checkpoint for step {step} in {self.uri}",
                                                  path=self.uri)
-        local = tempfile.mkdtemp(prefix=f"{base.STAGE_PREFIX}{os.getpid()}-fetch-", dir=self.staging_dir)
+        fetched = tempfile.mkdtemp(prefix=f"{base.STAGE_PREFIX}{os.getpid()}-fetch-", dir=self.staging_dir)
+        local = os.path.join(fetched, name)
         try:
+            os.mkdir(local)
+            with open(base.fetched_marker_path(local), "wb") as f:
+                f.write(marker[0])
             present = {obj["Key"][len(self.key(name)) + 1:] for obj in self._list(self.key(name) + "/")}
             for leaf in (base.MANIFEST, base.SIGNATURE):
                 if leaf in present:
                     self._download(self.key(name, leaf), os.path.join(local, leaf))
-            for leaf in manifest_shards(os.path.join(local, base.MANIFEST)):
+            manifest = b""
+            with contextlib.suppress(FileNotFoundError), open(os.path.join(local, base.MANIFEST), "rb") as f:
+                manifest = f.read(base.MAX_MANIFEST_BYTES + 1)
+            for leaf in base.manifest_shards(manifest):
                 if leaf in present:  # a missing shard is for validation to report
                     self._download(self.key(name, leaf), os.path.join(local, leaf))
             yield local
         finally:
-            base.remove_tree(local)
+            base.remove_tree(fetched)
 
     def _download(self, key: str, path: str) -> None:
         try:
@@ -220,22 +358,32 @@ class S3Storage:
             raise _s3_error(e, f"download of {key}", self.uri) from None
 
     def _delete_keys(self, keys: list[str]) -> None:
+        """Deletes keys in batches. A key the server could not delete comes back in the Errors of a 200
+        response, not as an exception: it fails the call (a step whose marker survived stays committed)."""
         for start in range(0, len(keys), 1000):
             batch = [{"Key": k} for k in keys[start:start + 1000]]
             try:
-                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+                failed = self.client.delete_objects(Bucket=self.bucket,
+                                                    Delete={"Objects": batch, "Quiet": True}).get("Errors")
             except _s3_errors() as e:
                 raise _s3_error(e, "delete", self.uri) from None
+            if failed:
+                raise errors.StorageError(f"S3 delete failed for {self.uri}: " + ", ".join(
+                    f"{f.get('Key')} ({f.get('Code')}: {f.get('Message')})" for f in failed), path=self.uri)
 
     def delete(self, step: int) -> None:
         name = base.step_name(step)
         self._delete_keys([self.key(name, base.COMMITTED)])  # invisible from here on
         self._delete_keys([obj["Key"] for obj in self._list(self.key(name) + "/")])
 
+    # -- setting steps aside, and records at the root (coordinator/timeline.py) --
+
     def set_aside(self, step: int, reason: str) -> str:
         """Moves a committed step out of the step namespace: its objects are copied (server-side) under
-        `.<reason>-step-...`, then its marker is deleted (invisible as a step from then on), then the rest.
-        S3 has no rename; a crash part-way leaves the step committed, or uncommitted leftovers."""
+        `.<reason>-step-...`, then its marker is deleted (invisible as a step from then on), then the rest,
+        manifest.json included, so the step's number can be saved again (its manifest is created with
+        If-None-Match). S3 has no rename; a crash part-way leaves the step committed (and a partial copy that
+        retention bounds like any set-aside step), or objects of an uncommitted step that cleanup removes."""
         name, aside = base.step_name(step), base.set_aside_name(step, reason)
         keys = [obj["Key"] for obj in self._list(self.key(name) + "/")]
         marker = self.key(name, base.COMMITTED)
@@ -253,29 +401,33 @@ class S3Storage:
         return f"s3://{self.bucket}/{self.key(aside)}"
 
     def set_aside_steps(self) -> list[tuple[int, str]]:
-        """(step, name) of every set-aside step under the prefix."""
+        """(step, name) of every set-aside step of this root (listed by their own prefixes only), including a
+        copy a killed process left as incomplete multipart uploads (large objects are copied in parts): so
+        retention bounds those too, and cleanup, which can't tell them from a live copy, never has to."""
         found = set()
-        strip = len(self.key("")) + 1 if self.prefix else 0
-        for obj in self._list(self.key(".")):
-            name = obj["Key"][strip:].partition("/")[0]
-            step = base.parse_set_aside_name(name)
-            if step is not None:
-                found.add((step, name))
+        root = self.key("")
+        for reason in base.SET_ASIDE_REASONS:
+            prefix = self.key(f".{reason}-step-")
+            keys = [obj["Key"] for obj in self._list(prefix)] + [key for key, _ in self._uploads(prefix)]
+            for key in keys:
+                name = key[len(root) + 1 if root else 0:].partition("/")[0]
+                step = base.parse_set_aside_name(name)
+                if step is not None:
+                    found.add((step, name))
         return sorted(found)
 
     def remove_set_aside(self, name: str) -> None:
+        """Removes a set-aside step: its incomplete uploads (a copy cut short), then its objects."""
         if base.parse_set_aside_name(name) is None:
             raise ValueError(f"{name!r} is not a set-aside step")
-        self._delete_keys([obj["Key"] for obj in self._list(self.key(name) + "/")])
+        prefix = self.key(name) + "/"
+        for key, upload_id in self._uploads(prefix):
+            self._abort_upload(key, upload_id)
+        self._delete_keys([obj["Key"] for obj in self._list(prefix)])
 
     def read_record(self, name: str) -> bytes | None:
-        try:
-            body = self.client.get_object(Bucket=self.bucket, Key=self.key(name))["Body"]
-            return bytes(body.read(base.MAX_MANIFEST_BYTES + 1))
-        except _s3_errors() as e:
-            if _error_code(e) in ("404", "NoSuchKey", "NotFound"):
-                return None
-            raise _s3_error(e, f"get {self.key(name)}", self.uri) from None
+        got = self._get(self.key(name), limit=base.MAX_MANIFEST_BYTES + 1)
+        return None if got is None else got[0]
 
     def write_record(self, name: str, data: bytes) -> None:
         self._put(self.key(name), data)
@@ -283,38 +435,87 @@ class S3Storage:
     def remove_record(self, name: str) -> None:
         self._delete_keys([self.key(name)])
 
-    def incomplete_uploads(self) -> list[tuple[str, str]]:
-        """(key, upload id) of every multipart upload under the prefix that was never completed."""
+    def _uploads(self, prefix: str) -> list[tuple[str, str]]:
+        """(key, upload id) of every multipart upload under `prefix` that was never completed."""
         found = []
         try:
             paginator = self.client.get_paginator("list_multipart_uploads")
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.key("")):
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
                 found += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
         except _s3_errors() as e:
             raise _s3_error(e, "list uploads", self.uri) from None
         return found
 
+    def _abort_upload(self, key: str, upload_id: str) -> bool:
+        """Aborts an upload; False when it is gone already (aborted or completed since it was listed)."""
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except _s3_errors() as e:
+            if _error_code(e) == "NoSuchUpload":
+                return False
+            raise _s3_error(e, f"abort upload of {key}", self.uri) from None
+        return True
+
+    def incomplete_uploads(self) -> list[tuple[str, str]]:
+        """(key, upload id) of every multipart upload of this root's steps that was never completed."""
+        return [(key, upload_id) for key, upload_id in self._uploads(self.key("step-"))
+                if self._step_of(key) is not None]
+
     def cleanup(self) -> list[str]:
-        removed = []
-        for key, upload_id in self.incomplete_uploads():
-            try:
-                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
-            except _s3_errors() as e:
-                if _error_code(e) == "NoSuchUpload":
-                    continue  # aborted or completed since it was listed (e.g. by the writer it belonged to)
-                raise _s3_error(e, f"abort upload of {key}", self.uri) from None
-            removed.append(f"upload {upload_id} of s3://{self.bucket}/{key}")
+        """Removes what crashed or failed saves left, where no live writer claims the step (storage/lease.py):
+        incomplete multipart uploads, objects of steps without a marker, abandoned leases, and staging
+        directories of dead processes on this machine.
+
+        Uploads and steps are listed before the leases are read: a writer publishes its claim before it
+        uploads anything of a step and withdraws it only after the step's marker is written or its uploads
+        ended, so whatever was listed either is claimed in what is read next or has a marker by now (looked
+        up again just before a step's objects are deleted)."""
+        uploads = self.incomplete_uploads()
         seen, committed = self._steps()
-        for step in sorted(seen - committed):
+        leases = self._leases()
+        claimed: set[int] = set()
+        for _, claim, age in leases:
+            if claim is not None:
+                claimed |= claim.standing(age)
+        removed = []
+        for key, upload_id in uploads:
+            if self._step_of(key) in claimed:
+                continue
+            if not self._abort_upload(key, upload_id):
+                continue  # aborted or completed since it was listed (e.g. by the writer it belonged to)
+            removed.append(f"upload {upload_id} of s3://{self.bucket}/{key}")
+        for step in sorted(seen - committed - claimed):
+            if self._exists(self.key(base.step_name(step), base.COMMITTED)):
+                continue  # committed since it was listed
             keys = [obj["Key"] for obj in self._list(self.key(base.step_name(step)) + "/")]
             self._delete_keys(keys)
             removed += [f"s3://{self.bucket}/{k}" for k in keys]
+        for key, claim, age in leases:
+            if claim is None or claim.is_abandoned(age):
+                self._delete_keys([key])
+                removed.append(f"s3://{self.bucket}/{key}")
         for entry in os.scandir(self.staging_dir):
             pid = entry.name[len(base.STAGE_PREFIX):].split("-", 1)[0]
             if entry.name.startswith(base.STAGE_PREFIX) and pid.isdigit() and not base.pid_alive(int(pid)):
                 base.remove_tree(entry.path)
                 removed.append(entry.path)
         return removed
+
+
+def _parse_lease(raw: bytes) -> lease.Claim | None:
+    """The claim a lease object records, or None when it is not one (it then claims nothing)."""
+    try:
+        record = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if not (isinstance(record, dict) and record.get("format") == LEASE_FORMAT
+            and isinstance(record.get("writer"), str) and isinstance(record.get("host"), str)
+            and isinstance(record.get("pid"), int) and isinstance(record.get("pid_start"), (int, type(None)))
+            and isinstance(record.get("steps"), list) and all(isinstance(s, int) for s in record["steps"])
+            and isinstance(record.get("expiry_s"), (int, float))):
+        return None
+    owner = lease.Owner(record["writer"], record["host"], record["pid"], record["pid_start"])
+    return lease.Claim(owner, frozenset(record["steps"]), float(record["expiry_s"]))
 
 
 def _s3_errors() -> tuple[type[Exception], ...]:
@@ -327,19 +528,3 @@ def _s3_errors() -> tuple[type[Exception], ...]:
 def _error_code(e: Exception) -> str:
     response = getattr(e, "response", None) or {}
     return str(response.get("Error", {}).get("Code", ""))
-
-
-def manifest_shards(path: str) -> list[str]:
-    """The plain shard names a fetched manifest lists ([] when it is missing or unreadable: validating the
-    step then says what is wrong). Only these are fetched, so an odd key under a step prefix can't name a
-    local path."""
-    try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read(base.MAX_MANIFEST_BYTES + 1))
-    except (OSError, ValueError, RecursionError):
-        return []
-    shards = doc.get("shards") if isinstance(doc, dict) else None
-    if not isinstance(shards, list):
-        return []
-    return [s for s in shards if isinstance(s, str) and base.is_plain_name(s) and s not in (base.MANIFEST, base.SIGNATURE,
-                                                                                       base.COMMITTED)]

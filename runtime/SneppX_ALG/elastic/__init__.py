@@ -1,0 +1,3 @@
+"""Elastic training: who is alive (heartbeat), when to go on (fault_tolerance), what a node may do next
+(lifecycle). The public names are re-exported by `SneppX_ALG`; import the modules here by name.
+"""

@@ -1,0 +1,65 @@
+"""Lifecycle: the states one node of an elastic job goes through, and which events may move it.
+
+The rules live in C (native/src/elastic.c, one table) so that everything that reacts to membership agrees on
+them; this class is the Python face the ElasticTrainer uses. States: init, joining, running, reconfiguring,
+stopped, failed. Events: join, leave, peer_failed, timeout, reconfigured, budget_exhausted. Each
+`reconfigured` starts a new membership generation. An event the current state doesn't allow raises
+LifecycleError and changes nothing. The table, with the reason for each entry, is in docs/ELASTIC.md.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from SneppX_ALG import _native
+
+STATES = _native.LIFECYCLE_STATES
+EVENTS = _native.LIFECYCLE_EVENTS
+FINAL_STATES = frozenset({"stopped", "failed"})
+
+
+def next_state(state: str, event: str) -> str | None:
+    """The state `event` leads to from `state`, or None where it is not allowed."""
+    return _native.lifecycle_next(state, event)
+
+
+class Lifecycle:
+    """One node's lifecycle machine; safe to use from several threads."""
+
+    def __init__(self) -> None:
+        self._machine = _native.lifecycle_new()
+        self._lock = threading.Lock()
+
+    @property
+    def state(self) -> str:
+        return STATES[int(self._machine.state)]
+
+    @property
+    def generation(self) -> int:
+        """The membership generation: 0 until the first `reconfigured`."""
+        return int(self._machine.generation)
+
+    @property
+    def transitions(self) -> int:
+        return int(self._machine.transitions)
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINAL_STATES
+
+    def allowed_events(self) -> list[str]:
+        """The events the current state accepts."""
+        state = self.state
+        return [event for event in EVENTS if next_state(state, event) is not None]
+
+    def fire(self, event: str, generation: int | None = None) -> str:
+        """Applies event and returns the new state. generation: for `reconfigured`, the generation the new
+        membership has (default: current + 1; it must be newer). LifecycleError if the state forbids it."""
+        if generation is not None and event != "reconfigured":
+            raise ValueError(f"only 'reconfigured' takes a generation, not {event!r}")
+        with self._lock:
+            _native.lifecycle_fire(self._machine, event, generation or 0)
+            return self.state
+
+    def __repr__(self) -> str:
+        return f"Lifecycle({self.state}, generation {self.generation})"
