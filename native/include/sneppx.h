@@ -28,6 +28,7 @@
 #define SX_ESTATE -12     /* not allowed in the current state (e.g. an illegal lifecycle transition) */
 #define SX_ETIMEDOUT -13  /* a wait ended at its deadline */
 #define SX_ENET -14       /* a socket call failed (see sx_last_errno), e.g. the address is in use */
+#define SX_EEOF -15       /* the file ended before the bytes asked for (sx_read_at) */
 
 const char *sx_strerror(int code);
 /* errno of the last failed system call in this thread (0 if none). */
@@ -309,5 +310,27 @@ int sx_elastic_fire(sx_elastic *m, int event, uint64_t generation);
 int sx_elastic_next(int state, int event);
 const char *sx_elastic_state_name(int state);
 const char *sx_elastic_event_name(int event);
+
+/* ---- reads with the fault hook, and producer-stream ordering (issue 9) ---- */
+#define SX_SITE_READ 16u  /* fault-hook site in front of every read(2) of sx_read_at */
+
+/* Reads exactly len bytes at offset into buf through the fault hook's "read" site (short reads and
+ * EINTR are continued), so a failing read is an error code, never a SIGBUS as from a memory map. *crc,
+ * if non-NULL, is continued with the bytes, each piece hashed right after it lands (in cache).
+ * SX_EEOF when the file ends first. */
+int sx_read_at(int fd, void *buf, size_t len, uint64_t offset, uint32_t *crc);
+/* As sx_fault_arm, but `times` consecutive matching calls from the countdown-th on fail (a persistent
+ * fault; times 1 is sx_fault_arm). */
+void sx_fault_arm_times(unsigned site_mask, long countdown, long times, int action);
+
+/* Orders the copier's later copies after the work queued so far on a producer's stream (the
+ * __cuda_array_interface__ "stream" value: 1 the legacy default stream, 2 the per-thread default
+ * stream, else a cudaStream_t): records an event on it and makes the copier's stream wait for the
+ * event, without blocking the caller. SX_EINVAL for stream 0 (ambiguous) or a host copier. */
+int sx_copier_wait_stream(sx_copier *c, uintptr_t stream);
+/* Streams and asynchronous memset, for tests and benchmarks (work to order a copy after). */
+int sx_cuda_stream_create(int device, uintptr_t *out);
+int sx_cuda_stream_destroy(int device, uintptr_t stream);
+int sx_cuda_memset_async(int device, void *dst, int value, size_t len, uintptr_t stream);
 
 #endif

@@ -265,6 +265,7 @@ class LifecycleError(SneppXError, RuntimeError):
         self.state = state
         self.event = event
 
+
 # --- several processes on one checkpoint root: writers, readers, commits ------
 
 
@@ -276,6 +277,34 @@ class CommitUnknownError(StorageError):
 
 class ReadOnlyCoordinatorError(SneppXError, RuntimeError):
     """save() on a CheckpointCoordinator opened with read_only=True (a reader: an evaluator, a tool)."""
+
+
+# --- the checkpoint store: unreadable steps, untrusted signers, timelines -------
+
+
+class CheckpointUnreadableError(StorageError):
+    """A committed step could not be read (an I/O error such as EIO, EMFILE or ESTALE: not a verdict on its
+    bytes), even after bounded retries. Nothing was skipped or rolled back past; `.step` names the step."""
+
+    def __init__(self, message: str, *, step: int | None = None, path: str | None = None,
+                 errno: int | None = None):
+        super().__init__(message, path=path, errno=errno)
+        self.step = step
+
+
+class SigningKeyNotTrustedError(SneppXError, ValueError):
+    """A coordinator's signing_key is not among its own trusted_keys (or it has trusted_keys and saves
+    unsigned): every step it saved would fail its own validation."""
+
+
+class CommittedStepInvalidError(StorageError):
+    """A step this coordinator committed does not validate when read back: storage did not keep what was
+    written. Retention kept the newest step that does validate."""
+
+
+class FenceRecordError(CheckpointFormatError):
+    """The root's fence record (docs/FORMAT.md, "Timelines and fencing") is not one SneppX wrote: which steps
+    are abandoned can't be known, so no step is returned as the latest."""
 
 
 # --- interop: other formats and frameworks, tools over a checkpoint root -------

@@ -21,12 +21,7 @@ from typing import Any
 from SneppX_ALG import errors, storage
 from SneppX_ALG.checkpoint import signing, validate
 from SneppX_ALG.cli import output
-from SneppX_ALG.coordinator import CheckpointCoordinator
-
-try:  # TODO(merge i9-coord)
-    from SneppX_ALG.coordinator import timeline
-except ImportError:
-    timeline = None
+from SneppX_ALG.coordinator import CheckpointCoordinator, timeline
 
 _NOTES = {"uncommitted": "no commit point: a save in flight, or left by a crash (a writer's cleanup removes it "
                          "once its writer is gone)",
@@ -132,8 +127,6 @@ def list_root(coord: CheckpointCoordinator, *, full: bool = False, quick: bool =
 
 
 def _stored_fence(store: storage.Storage) -> timeline.Fence | None:
-    if not hasattr(store, "read_record"):  # TODO(merge i9-coord): timelines arrive with it
-        return None
     raw = store.read_record(timeline.FENCE_RECORD)
     return timeline.decode_fence(raw, where=f"{store.uri}/{timeline.FENCE_RECORD}") if raw is not None else None
 
@@ -226,17 +219,17 @@ def cmd_gc(args: argparse.Namespace) -> int:
         output.fail("gc", e)
         return output.TROUBLE
     report = {"root": args.root, "applied": args.apply, "keep": plan.keep, "delete": plan.delete,
-              "remove_set_aside": plan.remove_set_aside, "newest_valid": plan.newest_valid,
+              "remove_set_aside": plan.remove_set_aside, "newest_valid": plan.protected,
               "invalid": {str(step): problems for step, problems in plan.invalid.items()}}
     if args.json:
         print(json.dumps(report, indent=2))
         return output.OK
     verb = "deleted" if args.apply else "would delete"
     print(f"{args.root}: keeping {len(plan.keep)} step(s) {plan.keep}")
-    if plan.newest_valid is not None:
-        print(f"  step {plan.newest_valid} is the newest valid step: never deleted")
-    else:
-        print("  no committed step validates: nothing is protected as the newest valid one")
+    if plan.protected is not None:
+        print(f"  step {plan.protected} is the newest valid step: never deleted")
+    elif plan.delete:
+        print("  no committed step validates: none is kept as the newest valid one")
     for step in plan.delete:
         print(f"  {verb} step {step}")
     for name in plan.remove_set_aside:

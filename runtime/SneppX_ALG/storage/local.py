@@ -137,18 +137,47 @@ class LocalStorage:
         _native.rename_durable(path, doomed)  # invisible from here on, even if the removal is cut short
         base.remove_tree(doomed)
 
-    def quarantine(self, step: int) -> str:
-        """Moves a committed but invalid step out of the way (kept for inspection as `.invalid-...`)."""
-        path = self.step_path(step)
-        aside = os.path.join(self.root, f".invalid-{base.step_name(step)}-{secrets.token_hex(4)}")
-        _native.rename_durable(path, aside)
+    def set_aside(self, step: int, reason: str) -> str:
+        """Moves a committed step out of the step namespace, kept for inspection as `.<reason>-step-...`
+        (one durable rename: invisible as a step from then on)."""
+        aside = os.path.join(self.root, base.set_aside_name(step, reason))
+        _native.rename_durable(self.step_path(step), aside)
         return aside
+
+    def set_aside_steps(self) -> list[tuple[int, str]]:
+        """(step, name) of every set-aside step under the root."""
+        found = []
+        for entry in os.scandir(self.root):
+            step = base.parse_set_aside_name(entry.name)
+            if step is not None and entry.is_dir(follow_symlinks=False):
+                found.append((step, entry.name))
+        return sorted(found)
+
+    def remove_set_aside(self, name: str) -> None:
+        if base.parse_set_aside_name(name) is None:
+            raise ValueError(f"{name!r} is not a set-aside step")
+        base.remove_tree(os.path.join(self.root, name))
+
+    def read_record(self, name: str) -> bytes | None:
+        try:
+            with open(os.path.join(self.root, name), "rb") as f:
+                return f.read(base.MAX_MANIFEST_BYTES + 1)
+        except FileNotFoundError:
+            return None
+
+    def write_record(self, name: str, data: bytes) -> None:
+        base.write_durable(os.path.join(self.root, name), data)
+
+    def remove_record(self, name: str) -> None:
+        base.unlink_quietly(os.path.join(self.root, name))
+        _native.fsync_path(self.root)
 
     def cleanup(self) -> list[str]:
         """Removes what crashed or failed saves left: temporary directories whose writer is gone (by name: a
         dead process on this host, this process's own finished saves, or no sign of life for lease_expiry_s;
         a name without an owner, from an older version, counts as gone) and `.deleting-*` directories
-        (invisible already: removing one twice is harmless)."""
+        (invisible already: removing one twice is harmless). Set-aside steps and the coordinator's FENCE
+        record are not leftovers: retention bounds the first, the next writer finishes the second."""
         removed = []
         for entry in os.scandir(self.root):
             if entry.name.startswith(base.TMP_PREFIX):
