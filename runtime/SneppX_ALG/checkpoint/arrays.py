@@ -32,6 +32,8 @@ _DL_DEVICES = {2: "a CUDA GPU", 4: "an OpenCL device", 7: "a Vulkan device", 8: 
                10: "an ROCm GPU", 13: "a CUDA GPU (managed memory)", 14: "a oneAPI device"}
 _DL_UINT, _DL_BFLOAT = 1, 4
 _CAPSULE, _CAPSULE_VERSIONED = b"dltensor", b"dltensor_versioned"
+# numpy reads DLPack 1.0 ("versioned") capsules from 2.1 on; before, only the legacy kind
+_NUMPY_TAKES_VERSIONED = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
 
 
 class _DLDataType(ctypes.Structure):
@@ -99,9 +101,13 @@ def _from_dlpack(tensor: Any) -> np.ndarray:
             "(torch: .cpu(), jax: jax.device_get, cupy: .get()), or save it with CheckpointCoordinator.save, "
             "which copies GPU tensors to its staging memory itself")
     try:
-        try:
-            capsule = tensor.__dlpack__(max_version=(1, 0))
-        except TypeError:  # a producer older than DLPack 1.0 takes no max_version
+        capsule = None
+        if _NUMPY_TAKES_VERSIONED:
+            try:
+                capsule = tensor.__dlpack__(max_version=(1, 0))
+            except TypeError:  # a producer older than DLPack 1.0 takes no max_version
+                pass
+        if capsule is None:
             capsule = tensor.__dlpack__()
         dtype = _dl_dtype(capsule)
         bfloat16 = (dtype.code, dtype.bits, dtype.lanes) == (_DL_BFLOAT, 16, 1)

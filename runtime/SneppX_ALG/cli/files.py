@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -41,8 +42,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     results = []
     for path in args.paths:
         try:
-            with output.local_path(path) as local, \
-                    output.progress_bar(path, output.file_size(local), not args.json) as progress:
+            with output.local_path(path) as local, output.progress_bar(  # files report progress; steps don't
+                    path, output.file_size(local) if os.path.isfile(local) else 0, not args.json) as progress:
                 ok, problems = validate.validate_checkpoint(local, trusted_keys=trusted, progress=progress)
         except (errors.SneppXError, OSError, ValueError) as e:
             ok, problems = False, [f"{type(e).__name__}: {e}"]
