@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # End to end on a kind cluster, for machines with Docker. (The project's CI has no Docker: tests/k8s
-# runs the same checks against a real kube-apiserver + etcd instead; this script is not run there.)
+# runs the same checks against a real kube-apiserver + etcd instead, and tests/image builds this image
+# with buildah and runs the operator from it; this script is not run there.)
 #
 # Builds the image, loads it into a fresh kind cluster, installs the chart, runs a small
 # ElasticTrainingJob in a namespace that enforces the restricted Pod Security profile, and checks

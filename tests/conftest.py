@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import queue
+import signal
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import s3_servers
@@ -44,3 +49,41 @@ def s3_bucket(s3_env: S3Server) -> str:
     name = f"test-{uuid.uuid4().hex[:16]}"
     s3_env.client().create_bucket(Bucket=name)
     return name
+
+
+# ---- rank processes: the collectives and data-parallel tests ------------------------------------------------------
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+class Ranks:
+    """Rank processes started with spawn (no forked threads or sockets), killed if a test leaves them behind."""
+
+    def __init__(self) -> None:
+        self.processes: dict[int, Any] = {}
+        self.results: Any = SPAWN.Queue()
+
+    def start(self, rank: int, target: Callable[..., None], *args: Any) -> None:
+        process = SPAWN.Process(target=target, args=args, daemon=True)
+        process.start()
+        self.processes[rank] = process
+
+    def get(self, timeout: float = 300) -> Any:
+        try:
+            return self.results.get(timeout=timeout)
+        except queue.Empty:
+            dead = {r: p.exitcode for r, p in self.processes.items() if not p.is_alive()}
+            raise AssertionError(f"no report from the ranks within {timeout}s (exited: {dead})") from None
+
+    def close(self) -> None:
+        for process in self.processes.values():
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGKILL)
+            process.join(30)
+
+
+@pytest.fixture
+def ranks() -> Iterator[Ranks]:
+    started = Ranks()
+    yield started
+    started.close()

@@ -28,7 +28,13 @@
 #define SX_ESTATE -12     /* not allowed in the current state (e.g. an illegal lifecycle transition) */
 #define SX_ETIMEDOUT -13  /* a wait ended at its deadline */
 #define SX_ENET -14       /* a socket call failed (see sx_last_errno), e.g. the address is in use */
-#define SX_EEOF -15       /* the file ended before the bytes asked for (sx_read_at) */
+
+#define SX_EPEER -15      /* a peer's connection closed or reset: the peer died or left (see sx_comm_failed_peer) */
+#define SX_EABORTED -16   /* aborted (sx_comm_abort), or the communicator failed earlier */
+#define SX_ESTALE -17     /* a message from another membership generation */
+#define SX_EPROTO -18     /* a malformed message, or ranks that called different collectives */
+#define SX_ENCCL -19      /* an NCCL call failed (see sx_nccl_last_error) */
+#define SX_EEOF -20       /* the file ended before the bytes asked for (sx_read_at) */
 
 const char *sx_strerror(int code);
 /* errno of the last failed system call in this thread (0 if none). */
@@ -310,6 +316,94 @@ int sx_elastic_fire(sx_elastic *m, int event, uint64_t generation);
 int sx_elastic_next(int state, int event);
 const char *sx_elastic_state_name(int state);
 const char *sx_elastic_event_name(int event);
+
+/* ---- collectives: a TCP ring between the ranks of one generation (comm.c) ----
+ * Each rank holds two connected stream sockets, authenticated and handed over
+ * by the caller: send_fd to rank+1 and recv_fd from rank-1 (mod world_size).
+ * allreduce = reduce-scatter then allgather around the ring (bandwidth
+ * optimal: each rank sends 2(N-1)/N of the data), pipelined in frames of
+ * chunk_bytes so a rank forwards a frame as soon as it has reduced it.
+ * Every frame carries the generation and a sequence number, checked on
+ * arrival. Every call has a deadline. sx_comm_abort(), from any thread,
+ * makes the running call and every later one return SX_EABORTED at once and
+ * shuts the sockets, so the neighbours fail too (SX_EPEER) instead of waiting
+ * out their deadlines. After any failure the communicator only fails: build a
+ * new one for the next generation. One call at a time per communicator.
+ * On failure, the contents of buf are unspecified. */
+#define SX_DTYPE_F32 0
+#define SX_DTYPE_F64 1
+#define SX_DTYPE_I32 2
+#define SX_DTYPE_I64 3
+#define SX_DTYPE_U8 4     /* broadcast and allgather only */
+#define SX_OP_SUM 0       /* integers wrap around, as in numpy */
+#define SX_OP_MAX 1
+#define SX_OP_MIN 2
+#define SX_COMM_HEADER_BYTES 32
+#define SX_COMM_MAGIC 0x31435853u /* "SXC1" little-endian */
+
+typedef struct sx_comm sx_comm;
+
+/* Takes ownership of both fds (closed by sx_comm_destroy, also on failure);
+ * world_size 1 takes -1 for both. chunk_bytes: payload per frame, rounded
+ * down to a multiple of 8; 0 = 1 MiB. */
+int sx_comm_create(int rank, int world_size, uint64_t generation, int send_fd, int recv_fd, size_t chunk_bytes,
+                   sx_comm **out);
+/* Never while a call is running on c: sx_comm_abort() first, then wait for it. */
+void sx_comm_destroy(sx_comm *c);
+/* Thread-safe and async-signal-safe; idempotent. */
+void sx_comm_abort(sx_comm *c);
+/* The rank blamed for the first failure (the peer whose connection broke or
+ * who sent a bad frame), or -1. */
+int sx_comm_failed_peer(const sx_comm *c);
+
+/* In place over count elements. reduce_scatter leaves rank r's shard of buf
+ * (sx_shard_range(count, world, r)) reduced over all ranks and the rest
+ * unspecified; allgather fills every shard of buf from the rank that owns it. */
+int sx_comm_allreduce(sx_comm *c, void *buf, size_t count, int dtype, int op, double timeout_s);
+int sx_comm_reduce_scatter(sx_comm *c, void *buf, size_t count, int dtype, int op, double timeout_s);
+int sx_comm_allgather(sx_comm *c, void *buf, size_t count, int dtype, double timeout_s);
+/* nbytes from root's buf into everyone's, along the ring. */
+int sx_comm_broadcast(sx_comm *c, void *buf, size_t nbytes, int root, double timeout_s);
+/* Returns when every rank has entered it. */
+int sx_comm_barrier(sx_comm *c, double timeout_s);
+/* The shard of count elements that rank owns among world ranks: [*start, *stop),
+ * start = floor(count * rank / world), exact for any count < 2^64. */
+void sx_shard_range(uint64_t count, int world_size, int rank, uint64_t *start, uint64_t *stop);
+
+/* ---- NCCL, dlopen'ed (nccl.c) --------------------------------------------
+ * Communicators are non-blocking (ncclConfig_t.blocking = 0), with the
+ * config's size/magic/version set for the loaded library. A watchdog thread
+ * per communicator polls ncclCommGetAsyncError; on an error, a passed
+ * deadline or sx_nccl_abort() it calls ncclCommAbort, so a call waiting on
+ * the GPU returns instead of hanging. A communicator that failed is only ever
+ * aborted, never ncclCommDestroy'ed. sx_cuda_load() must have succeeded first
+ * (streams come from the CUDA runtime). */
+#define SX_NCCL_UNIQUE_ID_BYTES 128
+typedef struct sx_nccl sx_nccl;
+
+/* Loads libnccl from path (NULL or "" = the soname libnccl.so.2); once loaded,
+ * later calls are no-ops. SX_ENOLIB if missing or older than 2.14.3. */
+int sx_nccl_load(const char *path);
+const char *sx_nccl_library(void);
+/* The loaded library's version code (e.g. 23203 for 2.32.3). */
+int sx_nccl_version(int *version);
+int sx_nccl_unique_id(unsigned char *id); /* SX_NCCL_UNIQUE_ID_BYTES bytes */
+/* The last ncclResult_t seen by this thread and NCCL's text for it. */
+int sx_nccl_last_error(void);
+const char *sx_nccl_error_string(int result);
+/* Joins the communicator of world_size ranks named by id on `device`;
+ * returns when every rank has joined, or fails at the deadline (aborted). */
+int sx_nccl_create(const unsigned char *id, int rank, int world_size, int device,
+                   double timeout_s, sx_nccl **out);
+/* Aborts a communicator that failed or is running; destroys one that is idle. */
+void sx_nccl_destroy(sx_nccl *n);
+void sx_nccl_abort(sx_nccl *n);
+/* On device memory, in place; they return once the GPU has finished. */
+int sx_nccl_allreduce(sx_nccl *n, void *buf, size_t count, int dtype, int op, double timeout_s);
+int sx_nccl_broadcast(sx_nccl *n, void *buf, size_t nbytes, int root, double timeout_s);
+/* As sx_comm_*: NCCL's own layout (equal shards), so count must divide by world_size. */
+int sx_nccl_reduce_scatter(sx_nccl *n, void *buf, size_t count, int dtype, int op, double timeout_s);
+int sx_nccl_allgather(sx_nccl *n, void *buf, size_t count, int dtype, double timeout_s);
 
 /* ---- reads with the fault hook, and producer-stream ordering (issue 9) ---- */
 #define SX_SITE_READ 16u  /* fault-hook site in front of every read(2) of sx_read_at */

@@ -279,6 +279,65 @@ class ReadOnlyCoordinatorError(SneppXError, RuntimeError):
     """save() on a CheckpointCoordinator opened with read_only=True (a reader: an evaluator, a tool)."""
 
 
+# --- collectives: the ranks of one membership generation computing together ----
+
+
+class CollectiveError(SneppXError):
+    """A collective operation failed. The process group is unusable after it: the next generation builds a new
+    one. `.rank` and `.generation` say whose group; `.peer` the rank blamed, when one is (else None)."""
+
+    def __init__(self, message: str, *, rank: int | None = None, generation: int | None = None,
+                 peer: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.generation = generation
+        self.peer = peer
+
+
+class PeerLostError(CollectiveError, ConnectionError):
+    """A peer's connection closed or reset during a collective: the peer died, left, or failed itself."""
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A collective (or the group's setup) passed its deadline: a peer is hung, stopped or unreachable."""
+
+
+class CollectiveAbortedError(CollectiveError):
+    """The group was aborted (`abort()`, e.g. from the heartbeat's thread), or failed in an earlier call."""
+
+
+class StaleGenerationError(CollectiveError):
+    """A message or connection came from another membership generation than this group's."""
+
+
+class CommProtocolError(CollectiveError):
+    """A peer sent bytes that are not the protocol, or the ranks called different collectives."""
+
+
+class CommAuthError(CollectiveError):
+    """A peer failed the job-key challenge: it does not hold this job's key."""
+
+
+class NcclError(CollectiveError):
+    """An NCCL call failed (`.nccl_error` holds the ncclResult_t); the communicator was aborted."""
+
+    def __init__(self, message: str, *, nccl_error: int = 0, **kwargs: int | None):
+        super().__init__(message, **kwargs)
+        self.nccl_error = nccl_error
+
+
+class StoreError(SneppXError):
+    """The rendezvous store could not be read or written."""
+
+
+class StoreKeyExistsError(StoreError):
+    """A create-only store key was already set (by another process, or an earlier attempt)."""
+
+
+class StoreTimeoutError(StoreError, TimeoutError):
+    """A store key was not set before the deadline (a peer never published it)."""
+
+
 # --- the checkpoint store: unreadable steps, untrusted signers, timelines -------
 
 

@@ -1,4 +1,4 @@
-"""The Dockerfile, checked without Docker (none here; scripts/e2e-kind.sh builds it where Docker exists):
+"""The Dockerfile, read without building it (tests/image builds and runs it, where buildah can be had):
 multi-stage, compiler only in the build stage, a numeric non-root user, and every path it copies exists
 and gets past .dockerignore."""
 

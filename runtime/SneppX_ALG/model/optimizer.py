@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -18,11 +18,15 @@ class AdamW:
     """
 
     def __init__(self, params: Mapping[str, np.ndarray], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01):
+                 eps: float = 1e-8, weight_decay: float = 0.01, decayed: Iterable[str] | None = None):
+        """`decayed` names the parameters weight decay applies to; by default those with ndim >= 2. A sharded
+        optimizer holding flat pieces of matrices names them (model/data_parallel.py)."""
         if not (lr >= 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1 and eps > 0 and weight_decay >= 0):
             raise errors.ModelConfigError(
                 f"AdamW hyperparameters out of range: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.decayed = frozenset(name for name, value in params.items() if value.ndim >= 2) if decayed is None \
+            else frozenset(decayed)
         self.m = {name: np.zeros_like(value) for name, value in params.items()}
         self.v = {name: np.zeros_like(value) for name, value in params.items()}
         self.step_count = 0
@@ -44,7 +48,7 @@ class AdamW:
             g *= g
             g *= dt(1.0 - beta2)
             v += g
-            if value.ndim >= 2 and self.weight_decay:
+            if name in self.decayed and self.weight_decay:
                 value *= dt(1.0 - lr * self.weight_decay)
             denom = np.sqrt(v)
             denom *= dt(inv_sqrt_bc2)

@@ -42,11 +42,16 @@ def learning_rate(step: int, base_lr: float, warmup_steps: int) -> float:
     return base_lr * step / warmup_steps
 
 
+def clip_scale(norm: float, max_norm: float) -> float | None:
+    """The factor that brings a gradient of L2 norm `norm` down to max_norm, or None when it needs none."""
+    return max_norm / (norm + 1e-6) if max_norm > 0 and norm > max_norm else None
+
+
 def clip_by_global_norm(grads: Mapping[str, np.ndarray], max_norm: float) -> float:
     """Scales grads in place so their global L2 norm is at most max_norm; returns the norm before clipping."""
     norm = math.sqrt(sum(float(np.vdot(g, g)) for g in grads.values()))
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
+    scale = clip_scale(norm, max_norm)
+    if scale is not None:
         for g in grads.values():
             g *= g.dtype.type(scale)
     return norm
@@ -60,6 +65,18 @@ class StepResult:
     lr: float
     tokens: int
     seconds: float
+
+
+def run_steps(train_step: Callable[[], StepResult], num_steps: int,
+              on_step: Callable[[StepResult], None] | None = None) -> list[float]:
+    """Calls train_step num_steps times and on_step after each; returns the losses. Every trainer's train()."""
+    losses = []
+    for _ in range(num_steps):
+        result = train_step()
+        losses.append(result.loss)
+        if on_step is not None:
+            on_step(result)
+    return losses
 
 
 class Trainer:
@@ -103,13 +120,7 @@ class Trainer:
 
     def train(self, num_steps: int, on_step: Callable[[StepResult], None] | None = None) -> list[float]:
         """Runs num_steps steps; calls on_step after each (for progress bars and periodic checkpoints)."""
-        losses = []
-        for _ in range(num_steps):
-            result = self.train_step()
-            losses.append(result.loss)
-            if on_step is not None:
-                on_step(result)
-        return losses
+        return run_steps(self.train_step, num_steps, on_step)
 
     # --- the TrainingStateOwner protocol the model calls ---
 

@@ -1,0 +1,205 @@
+"""Collectives: allreduce bus bandwidth of the TCP ring against MPICH and memcpy; data-parallel scaling 1 -> 2 ranks.
+
+    python -m bench comm                          # 2 ranks; 64 KiB .. 64 MiB; DP scaling on the recipe-1 model
+    python -m bench comm -- --world 4 --iterations 20 --sizes 1048576 16777216
+
+Allreduce: each rank process allreduces a float32 array in place; an iteration is timed between a barrier and the
+allreduce's return on every rank, and its time is the slowest rank's; the figure is the median over iterations.
+Bus bandwidth is size x 2(N-1)/N / time (the nccl-tests convention: the bytes each rank must send, so the
+figure is comparable across world sizes). Against it, in the same run:
+- MPICH's MPI_Allreduce (mpi4py + the `mpich` wheel, launched with its mpiexec.gforker), the same sizes and
+  timing, as the MPI a user would pick instead, twice: as it runs by default on one machine (shared memory between
+  the ranks), and over the same transport as the ring (MPIR_CVAR_NOLOCAL=1: libfabric's tcp provider, pinned to
+  `lo`), which is what it does between machines;
+- memcpy (numpy copyto of the same size): the physical ceiling of moving those bytes once in memory on this host.
+
+Data-parallel scaling: DataParallelTrainer steps of the recipe-1 model (global batch 16 x 64 tokens) on 1 and on 2
+rank processes, each with one BLAS thread so that the ranks, not BLAS, are what scales. Speedup = step time at 1
+rank / step time at 2 ranks; the ideal is 2 on two idle cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from bench import common
+
+KEY = b"bench-comm-job-key-0123456789abc"
+DEFAULT_SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
+RECIPE = {"vocab_size": 1000, "dim": 128, "num_heads": 4, "num_layers": 2, "ffn_dim": 512, "max_seq_len": 64}
+ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# MPICH on one host talks through shared memory; any network endpoint it opens stays on the loopback interface.
+MPICH_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "lo", "UCX_NET_DEVICES": "lo"}
+
+
+def ring_rank(store_dir: str, rank: int, world: int, sizes: list[int], iterations: int, results: Any) -> None:
+    from SneppX_ALG.elastic import collectives, store
+
+    group = collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, key=KEY, timeout=300)
+    times = {}
+    for size in sizes:
+        data = np.ones(size // 4, np.float32)
+        group.allreduce(data)  # warm: pages touched, connections' buffers grown
+        times[size] = []
+        for _ in range(iterations):
+            group.barrier()
+            started = time.perf_counter()
+            group.allreduce(data)
+            times[size].append(time.perf_counter() - started)
+    results.put((rank, times))
+    group.close()
+
+
+def mpi_rank(sizes: list[int], iterations: int) -> None:
+    """Runs under mpiexec: the same loop with MPI_Allreduce; rank 0 prints every rank's times as JSON."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    times: dict[int, list[float]] = {}
+    for size in sizes:
+        data = np.ones(size // 4, np.float32)
+        comm.Allreduce(MPI.IN_PLACE, data, op=MPI.SUM)
+        times[size] = []
+        for _ in range(iterations):
+            comm.Barrier()
+            started = time.perf_counter()
+            comm.Allreduce(MPI.IN_PLACE, data, op=MPI.SUM)
+            times[size].append(time.perf_counter() - started)
+    everyone = comm.gather(times, root=0)
+    if comm.rank == 0:
+        print(json.dumps({"library": MPI.Get_library_version().splitlines()[0], "times": everyone}))
+
+
+def slowest_rank_median(per_rank: list[dict[int, list[float]]], size: int) -> float:
+    return statistics.median(max(rank[size][i] for rank in per_rank) for i in range(len(per_rank[0][size])))
+
+
+def spawn_ranks(world: int, target: Any, *args: Any) -> list[Any]:
+    """Runs target(store_dir, rank, world, *args, results) on `world` spawned processes; returns their reports."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    store_dir = tempfile.mkdtemp(prefix="bench-comm-")
+    saved = {k: os.environ.get(k) for k in ONE_THREAD}
+    os.environ.update(ONE_THREAD)  # inherited by the spawned ranks
+    try:
+        processes = [context.Process(target=target, args=(store_dir, rank, world, *args, results))
+                     for rank in range(world)]
+        for p in processes:
+            p.start()
+        reports = dict(results.get(timeout=1800) for _ in range(world))
+        for p in processes:
+            p.join()
+        return [reports[rank] for rank in range(world)]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def run_mpich(world: int, sizes: list[int], iterations: int,
+              over_tcp: bool) -> tuple[str, list[dict[int, list[float]]]] | None:
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec.gforker")
+    if not os.path.exists(mpiexec):
+        return None
+    command = [mpiexec, "-n", str(world), sys.executable, "-m", "bench.comm", "--mpi-rank",
+               "--iterations", str(iterations), "--sizes", *map(str, sizes)]
+    env = {**os.environ, **MPICH_ENV, **ONE_THREAD, **({"MPIR_CVAR_NOLOCAL": "1"} if over_tcp else {})}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800, check=True)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    per_rank = [{int(size): times for size, times in rank.items()} for rank in report["times"]]
+    return report["library"], per_rank
+
+
+def memcpy_seconds(size: int, iterations: int) -> float:
+    source, target = np.ones(size, np.uint8), np.empty(size, np.uint8)
+    np.copyto(target, source)
+    times = []
+    for _ in range(iterations):
+        started = time.perf_counter()
+        np.copyto(target, source)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def dp_rank(store_dir: str, rank: int, world: int, steps: int, results: Any) -> None:
+    from SneppX_ALG.elastic import collectives, store
+    from SneppX_ALG.model import data, data_parallel, transformer
+
+    group = collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, key=KEY, timeout=300)
+    model = transformer.Transformer(**RECIPE, seed=0)
+    language = data.SyntheticLanguage(vocab_size=RECIPE["vocab_size"], seq_len=64, num_sequences=512)
+    trainer = data_parallel.DataParallelTrainer(model, language, group, batch_size=16)
+    trainer.train(2)  # warm-up: workspaces, connections
+    times = []
+    for _ in range(steps):
+        group.barrier()
+        times.append(trainer.train_step().seconds)
+    results.put((rank, times))
+    group.close()
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench comm")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES, help="bytes")
+    parser.add_argument("--dp-steps", type=int, default=10)
+    parser.add_argument("--mpi-rank", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.mpi_rank:
+        mpi_rank(args.sizes, args.iterations)
+        return
+
+    world = args.world
+    print(f"machine: {common.cpu_model()}, {os.cpu_count()} CPUs; {world} ranks on 127.0.0.1; "
+          f"median of {args.iterations} iterations (slowest rank of each)")
+    ring = spawn_ranks(world, ring_rank, args.sizes, args.iterations)
+    mpich_shm = run_mpich(world, args.sizes, args.iterations, over_tcp=False)
+    mpich_tcp = run_mpich(world, args.sizes, args.iterations, over_tcp=True)
+    print(f"MPICH: {mpich_shm[0] if mpich_shm else 'not installed (pip install mpi4py mpich)'}\n")
+    factor = 2 * (world - 1) / world
+
+    def busbw(per_rank: list[dict[int, list[float]]] | None, size: int) -> float:
+        return size * factor / slowest_rank_median(per_rank, size) if per_rank else float("nan")
+
+    print("| size | SneppX ring (TCP) | MPICH over TCP | MPICH shared memory | memcpy | ring / MPICH TCP "
+          "| ring / MPICH shm | ring / memcpy |")
+    print("|---|---|---|---|---|---|---|---|")
+    for size in args.sizes:
+        ours = busbw(ring, size)
+        tcp = busbw(mpich_tcp[1] if mpich_tcp else None, size)
+        shm = busbw(mpich_shm[1] if mpich_shm else None, size)
+        copy = size / memcpy_seconds(size, args.iterations)
+        print(f"| {size >> 10} KiB | {ours / 1e9:.2f} GB/s | {tcp / 1e9:.2f} GB/s | {shm / 1e9:.2f} GB/s | "
+              f"{copy / 1e9:.2f} GB/s | {ours / tcp:.2f}x | {ours / shm:.2f}x | {ours / copy:.2f} |", flush=True)
+
+    step_times = {}
+    for ranks in (1, 2):
+        reports = spawn_ranks(ranks, dp_rank, args.dp_steps)
+        step_times[ranks] = statistics.median(max(r[i] for r in reports) for i in range(args.dp_steps))
+    tokens = 16 * 64
+    print(f"\nData-parallel, recipe-1 model, global batch 16 x 64, one BLAS thread per rank, median of "
+          f"{args.dp_steps} steps:")
+    print("| ranks | step ms | tokens/s | speedup |")
+    print("|---|---|---|---|")
+    for ranks, seconds in step_times.items():
+        print(f"| {ranks} | {seconds * 1e3:7.1f} | {tokens / seconds:9,.0f} | {step_times[1] / seconds:4.2f}x |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

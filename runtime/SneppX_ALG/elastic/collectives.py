@@ -1,0 +1,538 @@
+"""ProcessGroup: the ranks of one membership generation, and the collectives they run together.
+
+Why this module: data-parallel training needs allreduce, reduce-scatter, allgather, broadcast and barrier between
+processes whose membership changes from one generation to the next, and that fail fast, typed and abortable when
+a peer dies or hangs. The data path is C (native/src/comm.c, a pipelined TCP ring; native/src/nccl.c on GPUs);
+what is here is the rare part: finding the neighbours through a `store.Store`, connecting, and proving to each
+other that both hold the job's key. The protocol is described in docs/ELASTIC.md ("Collectives").
+
+Setup of the TCP ring, per rank r of N in generation g:
+1. listen on `host`, publish the address under `gen-g/comm/addr/r` in the store;
+2. read rank r+1's address, connect to it (the socket this rank sends on), and accept rank r-1's connection (the
+   one it receives on), both at once in one selector loop;
+3. on each connection, a challenge-response with HMAC-SHA256 over both nonces, both ranks and the generation;
+   the key never crosses the wire. A connection that is not the protocol, fails the challenge, or comes from
+   another generation or an unexpected rank is closed and counted in `refused`; the group goes on forming.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import math
+import os
+import secrets
+import selectors
+import socket
+import struct
+import time
+from collections import Counter
+from collections.abc import Generator, Mapping
+from typing import Any, Literal, Self
+
+import numpy as np
+
+from SneppX_ALG import _native, errors
+from SneppX_ALG.elastic import heartbeat
+from SneppX_ALG.elastic import store as store_lib
+
+DEFAULT_TIMEOUT = 300.0
+MAX_PENDING_HANDSHAKES = 64  # connections being vetted at once; beyond this the oldest is dropped
+
+PROTOCOL_VERSION = 1
+# Handshake messages, network byte order. HELLO: magic, version, reserved, generation, rank, world size, frame
+# payload bytes, client nonce. CHALLENGE: magic, generation, rank, server nonce, then the server's MAC.
+# RESPONSE: magic, the client's MAC. VERDICT: magic, one of the VERDICTS codes.
+HELLO = struct.Struct("!4sHHQIII32s")
+CHALLENGE_HEAD = struct.Struct("!4sQI32s")
+MAC_BYTES = 32
+RESPONSE = struct.Struct("!4s32s")
+VERDICT = struct.Struct("!4sI")
+HELLO_MAGIC, CHALLENGE_MAGIC, RESPONSE_MAGIC, VERDICT_MAGIC = b"SXH1", b"SXH2", b"SXH3", b"SXH4"
+ACCEPTED, STALE_GENERATION, UNEXPECTED_RANK, CHUNK_MISMATCH = 0, 1, 2, 3
+SERVER_LABEL = b"sneppx-comm-server\0"
+CLIENT_LABEL = b"sneppx-comm-client\0"
+
+Backend = Literal["tcp", "nccl"]
+
+
+def address_key(generation: int, rank: int) -> str:
+    return store_lib.generation_key(generation, f"comm/addr/{rank}")
+
+
+def nccl_id_key(generation: int) -> str:
+    return store_lib.generation_key(generation, "comm/nccl-unique-id")
+
+
+# ---- the handshake ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Identity:
+    """What a rank asserts, and checks of its neighbours, on a connection."""
+
+    key: bytes
+    generation: int
+    rank: int
+    world_size: int
+    chunk_bytes: int
+
+
+class _Refused(Exception):
+    """A connection to our listener that is not the left neighbour of this generation; `.reason` is counted."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, label + b"".join(parts), "sha256").digest()
+
+
+def _send_small(sock: socket.socket, data: bytes) -> None:
+    """Handshake messages are under 100 bytes: a fresh socket's buffer takes them whole, or the peer is bogus."""
+    if sock.send(data) != len(data):
+        raise ConnectionError("short send of a handshake message")
+
+
+# Each side of the handshake is a generator: it yields how many bytes it needs next, is sent exactly those bytes,
+# and returns when the connection is accepted (raising otherwise). One selector loop drives all of them.
+Steps = Generator[int, bytes, None]
+
+
+def _server_steps(sock: socket.socket, me: _Identity) -> Steps:
+    hello = yield HELLO.size
+    magic, version, _, generation, rank, world_size, chunk_bytes, _nonce = HELLO.unpack(hello)
+    if magic != HELLO_MAGIC or version != PROTOCOL_VERSION:
+        raise _Refused("not the protocol")
+    head = CHALLENGE_HEAD.pack(CHALLENGE_MAGIC, me.generation, me.rank, secrets.token_bytes(32))
+    _send_small(sock, head + _mac(me.key, SERVER_LABEL, hello, head))
+    magic, their_mac = RESPONSE.unpack((yield RESPONSE.size))
+    if magic != RESPONSE_MAGIC or not hmac.compare_digest(their_mac, _mac(me.key, CLIENT_LABEL, hello, head)):
+        raise _Refused("wrong key")
+    # Authenticated from here on, so the peer may learn why it is turned away.
+    left = (me.rank - 1) % me.world_size
+    verdict, reason = ACCEPTED, ""
+    if generation != me.generation:
+        verdict, reason = STALE_GENERATION, "stale generation"
+    elif rank != left or world_size != me.world_size:
+        verdict, reason = UNEXPECTED_RANK, "unexpected rank"
+    elif chunk_bytes != me.chunk_bytes:
+        verdict, reason = CHUNK_MISMATCH, "frame size differs"
+    _send_small(sock, VERDICT.pack(VERDICT_MAGIC, verdict))
+    if verdict != ACCEPTED:
+        raise _Refused(reason)
+
+
+def _client_steps(sock: socket.socket, me: _Identity, right: int) -> Steps:
+    def fail(kind: type[errors.CollectiveError], why: str) -> errors.CollectiveError:
+        return kind(f"setup of generation {me.generation}: rank {me.rank} -> rank {right}: {why}",
+                    rank=me.rank, generation=me.generation, peer=right)
+
+    hello = HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, 0, me.generation, me.rank, me.world_size, me.chunk_bytes,
+                       secrets.token_bytes(32))
+    _send_small(sock, hello)
+    challenge = yield CHALLENGE_HEAD.size + MAC_BYTES
+    head, their_mac = challenge[:CHALLENGE_HEAD.size], challenge[CHALLENGE_HEAD.size:]
+    magic, generation, rank, _nonce = CHALLENGE_HEAD.unpack(head)
+    if magic != CHALLENGE_MAGIC or not hmac.compare_digest(their_mac, _mac(me.key, SERVER_LABEL, hello, head)):
+        raise fail(errors.CommAuthError, "the listener at its address does not prove it holds the job key")
+    if generation != me.generation:
+        raise fail(errors.StaleGenerationError, f"the listener belongs to generation {generation}")
+    if rank != right:
+        raise fail(errors.CommProtocolError, f"the listener is rank {rank}")
+    _send_small(sock, RESPONSE.pack(RESPONSE_MAGIC, _mac(me.key, CLIENT_LABEL, hello, head)))
+    magic, verdict = VERDICT.unpack((yield VERDICT.size))
+    if magic != VERDICT_MAGIC or verdict != ACCEPTED:
+        kind = errors.StaleGenerationError if verdict == STALE_GENERATION else errors.CommProtocolError
+        why = {STALE_GENERATION: "it is in another generation", UNEXPECTED_RANK: "it expects another rank or world "
+               "size", CHUNK_MISMATCH: "its frame size differs"}.get(verdict, "malformed verdict")
+        raise fail(kind, f"refused: {why}")
+
+
+class _Conversation:
+    """Feeds one non-blocking socket's bytes to its handshake generator, exactly as many as it asks for."""
+
+    def __init__(self, sock: socket.socket, steps: Steps):
+        self.sock, self.steps = sock, steps
+        self.buffer = bytearray()
+        self.want = next(steps)
+
+    def on_readable(self) -> bool:
+        """Reads what is there; True once the handshake has succeeded. Raises what the generator raises."""
+        data = self.sock.recv(self.want - len(self.buffer))
+        if not data:
+            raise ConnectionError("closed during the handshake")
+        self.buffer += data
+        if len(self.buffer) < self.want:
+            return False
+        message = bytes(self.buffer)
+        self.buffer.clear()
+        try:
+            self.want = self.steps.send(message)
+        except StopIteration:
+            return True
+        return False
+
+
+def _address(store: store_lib.Store, generation: int, rank: int) -> tuple[str, int] | None:
+    """A rank's published listener address, or None while it has not published one."""
+    try:
+        value = json.loads(store.get(address_key(generation, rank), timeout=0))
+    except errors.StoreTimeoutError:
+        return None
+    return str(value["host"]), int(value["port"])
+
+
+def _tune(sock: socket.socket) -> socket.socket:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a barrier's frames must not wait for Nagle
+    return sock
+
+
+def connect_ring(listener: socket.socket, store: store_lib.Store, me: _Identity, deadline: float,
+                 refused: Counter[str]) -> tuple[socket.socket, socket.socket]:
+    """(send socket to rank+1, receive socket from rank-1), both authenticated; see the module docstring.
+
+    The listener is served from the start, also while rank+1's address is not yet in the store, so a connection
+    never waits on anything but its own handshake."""
+    right, left = (me.rank + 1) % me.world_size, (me.rank - 1) % me.world_size
+    right_address: tuple[str, int] | None = None
+    lookup_at, lookup_every = 0.0, 0.01
+    selector = selectors.DefaultSelector()
+    listener.setblocking(False)
+    selector.register(listener, selectors.EVENT_READ)
+    vetting: dict[socket.socket, _Conversation] = {}  # connections to our listener, oldest first
+    outgoing: socket.socket | None = None  # our connection to the right neighbour, until it is accepted
+    client: _Conversation | None = None
+    send_sock: socket.socket | None = None
+    recv_sock: socket.socket | None = None
+    next_attempt = 0.0
+
+    def drop(sock: socket.socket, reason: str) -> None:
+        selector.unregister(sock)
+        vetting.pop(sock).sock.close()
+        refused[reason] += 1
+
+    try:
+        while send_sock is None or recv_sock is None:
+            now = time.monotonic()
+            if now >= deadline:
+                missing = [f"reach rank {right}" + ("" if right_address else " (it never published its address)")
+                           ] if send_sock is None else []
+                missing += [f"hear from rank {left}"] if recv_sock is None else []
+                raise errors.CollectiveTimeoutError(
+                    f"setup of generation {me.generation}: rank {me.rank} could not {' or '.join(missing)} in time"
+                    f" (refused meanwhile: {dict(refused) or 'none'})", rank=me.rank, generation=me.generation)
+            if right_address is None and now >= lookup_at:  # polled with backoff: a store may be remote
+                right_address = _address(store, me.generation, right)
+                lookup_at, lookup_every = now + lookup_every, min(lookup_every * 2, 0.25)
+            if right_address is not None and send_sock is None and outgoing is None and now >= next_attempt:
+                outgoing = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                outgoing.setblocking(False)
+                outgoing.connect_ex(right_address)
+                selector.register(outgoing, selectors.EVENT_WRITE)
+            for selected, _ in selector.select(min(deadline - now, 0.05)):
+                sock = selected.fileobj
+                assert isinstance(sock, socket.socket)
+                if sock is listener:
+                    try:
+                        conn, _ = listener.accept()
+                    except BlockingIOError:
+                        continue
+                    conn.setblocking(False)
+                    if len(vetting) >= MAX_PENDING_HANDSHAKES:  # a flood: the oldest goes
+                        drop(next(iter(vetting)), "flood")
+                    vetting[conn] = _Conversation(conn, _server_steps(conn, me))
+                    selector.register(conn, selectors.EVENT_READ)
+                elif sock is outgoing and client is None:  # the connect finished, or failed
+                    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):  # nobody listening: try again soon
+                        selector.unregister(sock)
+                        sock.close()
+                        outgoing, next_attempt = None, time.monotonic() + 0.05
+                        continue
+                    selector.modify(sock, selectors.EVENT_READ)
+                    client = _Conversation(sock, _client_steps(sock, me, right))
+                elif sock is outgoing:
+                    assert client is not None
+                    try:
+                        accepted = client.on_readable()
+                    except OSError as e:
+                        raise errors.PeerLostError(
+                            f"setup of generation {me.generation}: rank {me.rank} -> rank {right}: {e}",
+                            rank=me.rank, generation=me.generation, peer=right) from None
+                    if accepted:
+                        selector.unregister(sock)
+                        send_sock, outgoing = sock, None
+                else:
+                    try:
+                        accepted = vetting[sock].on_readable()
+                    except _Refused as e:
+                        drop(sock, e.reason)
+                        continue
+                    except (OSError, struct.error):
+                        drop(sock, "not the protocol")
+                        continue
+                    if accepted:  # the left neighbour is here: nobody else may join this ring
+                        selector.unregister(sock)
+                        recv_sock = vetting.pop(sock).sock
+                        selector.unregister(listener)
+                        for other in list(vetting):
+                            drop(other, "late")
+        return _tune(send_sock), _tune(recv_sock)
+    except BaseException:
+        for sock in [*vetting, outgoing, send_sock, recv_sock]:
+            if sock is not None:
+                sock.close()
+        raise
+    finally:
+        selector.close()
+
+
+# ---- the group -------------------------------------------------------------------------------------------------
+
+
+class ProcessGroup:
+    """The ranks of one membership generation and the collectives they run together.
+
+    Every rank of the generation constructs one with the same `store`, `world_size` and `generation` and its own
+    `rank`; the constructor returns when the group is connected (or raises CollectiveTimeoutError at `timeout`).
+    Collectives work in place on C-contiguous numpy arrays and take a `timeout` (default: the group's); every
+    rank must call the same collectives in the same order. A failure raises a CollectiveError subclass on every
+    surviving rank (PeerLostError, CollectiveTimeoutError, CollectiveAbortedError, StaleGenerationError,
+    CommProtocolError) and leaves the group unusable: the next generation builds a new one.
+
+    backend="tcp" (CPU, any machine; needs the job key when world_size > 1) or "nccl" (GPU `device`; arrays are
+    staged through device memory, and objects with __cuda_array_interface__ are used in place). `abort()` may be
+    called from any thread.
+    """
+
+    def __init__(self, store: store_lib.Store, rank: int, world_size: int, generation: int = 0, *,
+                 backend: Backend = "tcp", key: bytes | str | None = None, host: str = "127.0.0.1",
+                 timeout: float = DEFAULT_TIMEOUT, chunk_bytes: int = 1 << 20, device: int = 0):
+        for name, value, low in (("world_size", world_size, 1), ("generation", generation, 0),
+                                 ("rank", rank, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if rank >= world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        if not timeout > 0 or timeout == float("inf"):
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+        if backend not in ("tcp", "nccl"):
+            raise ValueError(f"backend must be 'tcp' or 'nccl', got {backend!r}")
+        if not 8 <= chunk_bytes <= 1 << 30:
+            raise ValueError(f"chunk_bytes must be in 8..2^30, got {chunk_bytes}")
+        self.rank, self.world_size, self.generation = rank, world_size, generation
+        self.backend: Backend = backend
+        self.timeout = timeout
+        self.refused: Counter[str] = Counter()  # connections turned away during setup, by reason
+        self._staging: dict[str, Any] = {}  # nccl: device buffer for host arrays
+        self.device = device
+        deadline = time.monotonic() + timeout
+        if backend == "nccl":
+            self._comm: Any = self._connect_nccl(store, device, deadline)
+        else:
+            self._comm = self._connect_tcp(store, key, host, chunk_bytes & ~7, deadline)
+
+    def _connect_tcp(self, store: store_lib.Store, key: bytes | str | None, host: str, chunk_bytes: int,
+                     deadline: float) -> _native.Comm:
+        if self.world_size == 1:  # no peers: nothing to connect or authenticate
+            return _native.Comm(0, 1, self.generation, chunk_bytes=chunk_bytes)
+        # The job's one key, as the heartbeat reads it: key=, else $SNEPPX_HEARTBEAT_KEY_FILE, else the hex variable.
+        me = _Identity(heartbeat.load_key(key, os.environ), self.generation, self.rank, self.world_size, chunk_bytes)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+            listener.bind((host, 0))
+            listener.listen(MAX_PENDING_HANDSHAKES)
+            bound_host, port = listener.getsockname()[:2]
+            store.set(address_key(self.generation, self.rank), json.dumps({"host": bound_host, "port": port}).encode())
+            send_sock, recv_sock = connect_ring(listener, store, me, deadline, self.refused)
+        return _native.Comm(self.rank, self.world_size, self.generation, send_sock.detach(), recv_sock.detach(),
+                            chunk_bytes)
+
+    def _connect_nccl(self, store: store_lib.Store, device: int, deadline: float) -> _native.NcclComm:
+        if self.rank == 0:
+            unique_id = _native.nccl_unique_id()
+            store.set(nccl_id_key(self.generation), unique_id)
+        else:
+            try:
+                unique_id = store.get(nccl_id_key(self.generation), max(deadline - time.monotonic(), 0))
+            except errors.StoreTimeoutError as e:
+                raise errors.CollectiveTimeoutError(
+                    f"setup of generation {self.generation}: rank 0 never published the NCCL id ({e})",
+                    rank=self.rank, generation=self.generation, peer=0) from None
+        return _native.NcclComm(unique_id, self.rank, self.world_size, self.generation, device=device,
+                                timeout=max(deadline - time.monotonic(), 1e-3))
+
+    # --- collectives ---
+
+    def shard_range(self, count: int) -> tuple[int, int]:
+        """[start, stop) of the elements of a flat array of `count` that this rank owns in reduce_scatter and
+        allgather (the same rule as optimizer shards: start = floor(count * rank / world_size))."""
+        return _native.shard_range(count, self.world_size, self.rank)
+
+    def allreduce(self, array: np.ndarray, op: str = "sum", timeout: float | None = None) -> np.ndarray:
+        """Reduces `array` over all ranks, in place; every rank ends with the same bits. Returns `array`."""
+        dtype = _reduce_dtype(array, op)
+        if self.backend == "nccl":
+            return self._nccl(array, lambda p: self._comm.allreduce(p, _count(array), dtype, op, self._t(timeout)))
+        self._comm.allreduce(_host(array), array.size, dtype, op, self._t(timeout))
+        return array
+
+    def reduce_scatter(self, array: np.ndarray, op: str = "sum", timeout: float | None = None) -> np.ndarray:
+        """Reduces this rank's shard of the flattened `array` (see shard_range) over all ranks, in place, and
+        returns a view of it; the rest of `array` is left unspecified."""
+        dtype = _reduce_dtype(array, op)
+        start, stop = self.shard_range(array.size)
+        if self.backend == "nccl":
+            self._nccl_sharded(array, "reduce_scatter", lambda p, n: self._comm.reduce_scatter(
+                p, n, dtype, op, self._t(timeout)))
+        else:
+            self._comm.reduce_scatter(_host(array), array.size, dtype, op, self._t(timeout))
+        return array.reshape(-1)[start:stop]
+
+    def allgather(self, array: np.ndarray, timeout: float | None = None) -> np.ndarray:
+        """Fills every rank's shard of the flattened `array` from the rank that owns it, in place; returns `array`.
+        With a first axis of world_size, row r comes from rank r (torch's all_gather_into_tensor)."""
+        dtype = _dtype_name(array, _native.COMM_DTYPES)
+        if self.backend == "nccl":
+            self._nccl_sharded(array, "allgather", lambda p, n: self._comm.allgather(p, n, dtype, self._t(timeout)))
+        else:
+            self._comm.allgather(_host(array), array.size, dtype, self._t(timeout))
+        return array
+
+    def broadcast(self, array: np.ndarray, root: int = 0, timeout: float | None = None) -> np.ndarray:
+        """Copies root's `array` into every rank's, in place (any dtype: the bytes travel). Returns `array`."""
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"root {root} is outside world size {self.world_size}")
+        if self.backend == "nccl":
+            nbytes = _count(array) * np.dtype(_array_dtype(array)).itemsize
+            return self._nccl(array, lambda p: self._comm.broadcast(p, nbytes, root, self._t(timeout)))
+        self._comm.broadcast(_host(array), root, self._t(timeout))
+        return array
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Returns when every rank has entered the barrier."""
+        if self.backend == "nccl":
+            self.allreduce(np.zeros(1, np.int32), timeout=timeout)
+        else:
+            self._comm.barrier(self._t(timeout))
+
+    def abort(self) -> None:
+        """Ends a running collective at once (it raises CollectiveAbortedError) and fails every later one; the
+        peers' collectives fail too. Safe from any thread: the heartbeat calls it when a peer is suspected."""
+        self._comm.abort()
+
+    def close(self) -> None:
+        """Releases the connections (after a running collective ends: abort() first to end it now)."""
+        self._comm.close()
+        for pointer in self._staging.values():
+            _native.cuda_free(self.device, pointer[0])
+        self._staging.clear()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"ProcessGroup(rank={self.rank}, world_size={self.world_size}, generation={self.generation}, "
+                f"backend={self.backend!r})")
+
+    def _t(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else timeout
+
+    # --- NCCL: host arrays travel through a device buffer; device arrays are used where they are ---
+
+    def _device_buffer(self, nbytes: int) -> int:
+        have = self._staging.get("buffer")
+        if have is None or have[1] < nbytes:
+            if have is not None:
+                _native.cuda_free(self.device, have[0])
+                del self._staging["buffer"]
+            self._staging["buffer"] = (_native.cuda_malloc(self.device, max(nbytes, 1)), max(nbytes, 1))
+        return int(self._staging["buffer"][0])
+
+    def _nccl(self, array: Any, run: Any) -> Any:
+        pointer = _device_pointer(array)
+        if pointer is not None:
+            run(pointer)
+            return array
+        host = _host(array)
+        device = self._device_buffer(host.nbytes)
+        _native.cuda_memcpy(self.device, device, _native.address_of(host), host.nbytes, _native.COPY_H2D)
+        run(device)
+        _native.cuda_memcpy(self.device, _native.address_of(host), device, host.nbytes, _native.COPY_D2H)
+        return array
+
+    def _nccl_sharded(self, array: Any, what: str, run: Any) -> None:
+        """NCCL shards are equal: a host array is laid out in world_size slots of ceil(size / world_size)
+        elements on the device, each holding one shard_range shard, so results match the TCP ring's layout."""
+        world = self.world_size
+        pointer = _device_pointer(array)
+        if pointer is not None:
+            count = _count(array)
+            if count % world:
+                raise errors.UnsupportedTensorError(
+                    f"{what} of a device array needs a size divisible by world size {world}, got {count}")
+            run(pointer, count)
+            return
+        flat = _host(array).reshape(-1)
+        slot = -(-flat.size // world)
+        device = self._device_buffer(slot * world * flat.itemsize)
+        shards = [_native.shard_range(flat.size, world, r) for r in range(world)]
+        for r, (start, stop) in enumerate(shards):
+            if what == "reduce_scatter" or r == self.rank:
+                _native.cuda_memcpy(self.device, device + r * slot * flat.itemsize,
+                                    _native.address_of(flat[start:stop]), (stop - start) * flat.itemsize,
+                                    _native.COPY_H2D)
+        run(device, slot * world)
+        for r, (start, stop) in enumerate(shards):
+            if (r == self.rank) if what == "reduce_scatter" else (r != self.rank):
+                _native.cuda_memcpy(self.device, _native.address_of(flat[start:stop]),
+                                    device + r * slot * flat.itemsize, (stop - start) * flat.itemsize,
+                                    _native.COPY_D2H)
+
+
+def _dtype_name(array: Any, allowed: Mapping[str, int] | tuple[str, ...]) -> str:
+    name = np.dtype(_array_dtype(array)).name
+    if name not in allowed:
+        raise errors.UnsupportedTensorError(f"collectives take {', '.join(allowed)} arrays, not {name}")
+    return name
+
+
+def _reduce_dtype(array: Any, op: str) -> str:
+    if op not in _native.REDUCE_OPS:
+        raise ValueError(f"op must be one of {sorted(_native.REDUCE_OPS)}, got {op!r}")
+    return _dtype_name(array, _native.REDUCE_DTYPES)
+
+
+def _array_dtype(array: Any) -> Any:
+    interface = getattr(array, "__cuda_array_interface__", None)
+    return np.dtype(interface["typestr"]) if interface is not None else array.dtype
+
+
+def _count(array: Any) -> int:
+    """Elements of a numpy array or a device array (whose `size` may be a method, as torch's is)."""
+    interface = getattr(array, "__cuda_array_interface__", None)
+    return math.prod(interface["shape"]) if interface is not None else int(array.size)
+
+
+def _host(array: Any) -> np.ndarray:
+    """The array itself if collectives can write into it in place; UnsupportedTensorError otherwise."""
+    if not isinstance(array, np.ndarray):
+        raise errors.UnsupportedTensorError(f"collectives take numpy arrays, not {type(array).__name__}")
+    if not array.flags.c_contiguous or not array.flags.writeable:
+        raise errors.UnsupportedTensorError("collectives work in place: pass a C-contiguous, writable array")
+    return array
+
+
+def _device_pointer(array: Any) -> int | None:
+    """The device address of an object with __cuda_array_interface__ (CuPy, PyTorch, Numba), else None."""
+    interface = getattr(array, "__cuda_array_interface__", None)
+    if interface is None:
+        return None
+    if interface.get("strides") is not None:
+        raise errors.UnsupportedTensorError("collectives work in place: pass a C-contiguous device array")
+    return int(interface["data"][0])

@@ -1,0 +1,106 @@
+"""The small key-value store through which the ranks of a membership generation find each other.
+
+Why a Protocol of two calls: the same rendezvous must work on a laptop (a local directory), on a cluster with a
+shared filesystem, on S3 and inside Kubernetes (later issues add those stores). Keys are create-only: a value is
+written once and never changes, so readers need no locks, a retried write can't overwrite a peer's, and a key
+namespaced by generation (`generation_key`) can't be confused with the same name in another generation.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+from typing import Protocol
+
+from SneppX_ALG import errors
+
+MAX_KEY_LENGTH = 512
+MAX_VALUE_BYTES = 1 << 20
+# Path-like keys: components of letters, digits, '.', '_' and '-', each starting with a letter or digit (so no
+# '..', no hidden names, nothing that a directory store would read as a path outside its root).
+_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
+
+
+class Store(Protocol):
+    """Create-only keys with bytes values, visible to every rank of the job."""
+
+    def set(self, key: str, value: bytes) -> None:
+        """Creates `key`; StoreKeyExistsError if it exists already (its value is left as it was)."""
+        ...
+
+    def get(self, key: str, timeout: float) -> bytes:
+        """The value of `key`, waiting up to `timeout` seconds for someone to set it; StoreTimeoutError after."""
+        ...
+
+
+def check_key(key: str) -> str:
+    """Returns `key` if it is a valid store key; ValueError (naming the rule) otherwise."""
+    if not isinstance(key, str) or len(key) > MAX_KEY_LENGTH or not _KEY.fullmatch(key):
+        raise ValueError(f"store key {key!r} must be '/'-separated names of letters, digits, '.', '_' and '-', "
+                         f"each starting with a letter or digit, at most {MAX_KEY_LENGTH} characters")
+    return key
+
+
+def generation_key(generation: int, name: str) -> str:
+    """`name` inside the namespace of one membership generation."""
+    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
+        raise ValueError(f"generation must be an int >= 0, got {generation!r}")
+    return check_key(f"gen-{generation}/{name}")
+
+
+class DirectoryStore:
+    """A Store in a local (or shared, NFS) directory: one file per key.
+
+    set() writes a temporary file and hard-links it to the key's name: link() is atomic and fails if the name
+    exists, so a reader sees a whole value or nothing, and two writers of one key can't both win. Values are
+    rendezvous data (addresses, ids) that die with the generation, so they are not fsynced.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, poll_interval: float = 0.01):
+        self.root = os.fspath(root)
+        self.poll_interval = poll_interval
+        os.makedirs(self.root, exist_ok=True)
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *check_key(key).split("/"))
+
+    def set(self, key: str, value: bytes) -> None:
+        path = self._path(key)
+        if len(value) > MAX_VALUE_BYTES:
+            raise ValueError(f"store value for {key!r} is {len(value)} bytes; the limit is {MAX_VALUE_BYTES}")
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, temporary = tempfile.mkstemp(prefix=".set-", dir=os.path.dirname(path))
+        except OSError as e:
+            raise errors.StoreError(f"can't write store key {key!r} under {self.root}: {e}") from e
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(value)
+            os.link(temporary, path)
+        except FileExistsError:
+            raise errors.StoreKeyExistsError(f"store key {key!r} is already set (keys are create-only)") from None
+        except OSError as e:
+            raise errors.StoreError(f"can't write store key {key!r} under {self.root}: {e}") from e
+        finally:
+            os.unlink(temporary)
+
+    def get(self, key: str, timeout: float) -> bytes:
+        path = self._path(key)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with open(path, "rb") as f:
+                    value = f.read(MAX_VALUE_BYTES + 1)
+            except FileNotFoundError:
+                if time.monotonic() >= deadline:
+                    raise errors.StoreTimeoutError(
+                        f"store key {key!r} was not set within {timeout:g}s (under {self.root})") from None
+                time.sleep(self.poll_interval)
+                continue
+            except OSError as e:
+                raise errors.StoreError(f"can't read store key {key!r} under {self.root}: {e}") from e
+            if len(value) > MAX_VALUE_BYTES:
+                raise errors.StoreError(f"store key {key!r} holds more than {MAX_VALUE_BYTES} bytes")
+            return value

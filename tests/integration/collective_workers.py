@@ -1,0 +1,144 @@
+"""Bodies of the rank processes that tests/integration/test_collectives.py starts (a module of its own so each
+spawned process imports only this, numpy and SneppX, not pytest and the tests)."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from SneppX_ALG import _native, errors
+from SneppX_ALG.elastic import collectives, store
+
+KEY = b"collectives-test-job-key-32bytes"
+NUMPY_OPS = {"sum": np.sum, "max": np.max, "min": np.min}
+
+
+def connect(store_dir: str, rank: int, world: int, generation: int = 1, timeout: float = 120,
+            **kwargs: Any) -> collectives.ProcessGroup:
+    return collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, generation, key=KEY,
+                                    timeout=timeout, **kwargs)
+
+
+def rank_input(count: int, dtype: str, round_: int, rank: int) -> np.ndarray:
+    """What `rank` contributes in `round_`; any rank can make any other rank's, to compute the answer itself."""
+    rng = np.random.default_rng([round_, rank])
+    if dtype.startswith("int"):
+        return rng.integers(-10**6, 10**6, count).astype(dtype)
+    return rng.standard_normal(count).astype(dtype)
+
+
+def battery(store_dir: str, rank: int, world: int, rounds: int, results: Any) -> None:
+    """Every collective against numpy: the fixed sizes 0, 1, odd, world +- 1 and large, then `rounds` rounds of
+    random sizes, dtypes and ops (the same draws on every rank). Puts (rank, [failure, ...])."""
+    failures: list[str] = []
+    try:
+        group = connect(store_dir, rank, world, chunk_bytes=1 << 16)
+        draw = np.random.default_rng(7)
+        fixed = [0, 1, 1001, world + 1, max(world - 1, 0), (1 << 20) + 3]
+        for round_ in range(len(fixed) + rounds):
+            count = fixed[round_] if round_ < len(fixed) else int(draw.integers(0, 50_000))
+            dtype = ("float32", "float64", "int32", "int64")[round_ % 4]
+            op = ("sum", "max", "min")[int(draw.integers(0, 3))]
+            everyone = np.stack([rank_input(count, dtype, round_, r) for r in range(world)])
+            reduced = NUMPY_OPS[op](everyone, axis=0)
+            start, stop = group.shard_range(count)
+            from_owners = np.zeros(count, dtype)  # rank r's shard of rank r's input, for each r
+            for r in range(world):
+                lo, hi = _native.shard_range(count, world, r)
+                from_owners[lo:hi] = everyone[r][lo:hi]
+            gathered = np.zeros(count, dtype)
+            gathered[start:stop] = from_owners[start:stop]
+            root = round_ % world
+            outcomes = [
+                ("allreduce", group.allreduce(everyone[rank].copy(), op), reduced),
+                ("reduce_scatter", group.reduce_scatter(everyone[rank].copy(), op), reduced[start:stop]),
+                ("allgather", group.allgather(gathered), from_owners),
+                ("broadcast", group.broadcast(everyone[rank].copy(), root), everyone[root]),
+            ]
+            exact = dtype.startswith("int") or op != "sum"  # float sums: another order, another rounding
+            for what, got, want in outcomes:
+                if not (np.array_equal(got, want) if exact else np.allclose(got, want, rtol=1e-5, atol=1e-5)):
+                    failures.append(f"round {round_}: {what} of {count} {dtype} ({op}) differs from numpy")
+            group.barrier()
+        group.close()
+    except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+        failures.append(traceback.format_exc())
+    results.put((rank, failures))
+
+
+def allreduce_forever(store_dir: str, rank: int, world: int, op_timeout: float, results: Any) -> None:
+    """Connects, reports ("ready", rank), then allreduces 4 MiB until a collective fails; reports
+    ("failed", rank, error class name, blamed peer)."""
+    group = connect(store_dir, rank, world, timeout=op_timeout)
+    data = np.ones(1 << 20, np.float32)
+    group.barrier()
+    results.put(("ready", rank))
+    try:
+        while True:
+            group.allreduce(data)
+            data.fill(1.0)
+    except errors.CollectiveError as e:
+        results.put(("failed", rank, type(e).__name__, e.peer))
+
+
+def abort_while_peer_is_away(store_dir: str, rank: int, peer_may_go: Any, results: Any) -> None:
+    """Rank 0 enters an allreduce with a 10-minute deadline while rank 1 waits elsewhere; a thread of rank 0
+    aborts it. Rank 1 then enters the same allreduce and must learn at once that its peer is gone."""
+    group = connect(store_dir, rank, 2, timeout=600)
+    group.barrier()
+    data = np.ones(1000, np.float64)
+    if rank == 0:
+        import threading
+
+        threading.Timer(0.5, group.abort).start()
+        started = time.monotonic()
+    else:
+        peer_may_go.wait(300)
+        started = time.monotonic()
+    try:
+        group.allreduce(data)
+        results.put((rank, "no error", 0.0))
+    except errors.CollectiveError as e:
+        results.put((rank, type(e).__name__, time.monotonic() - started))
+
+
+def allreduce_once(store_dir: str, rank: int, world: int, results: Any) -> None:
+    """Connects, allreduces [rank + 1] * 8, reports (rank, result, refused-connection counts)."""
+    try:
+        group = connect(store_dir, rank, world)
+        data = np.full(8, rank + 1.0)
+        group.allreduce(data)
+        results.put((rank, data.tolist(), dict(group.refused)))
+        group.close()
+    except Exception:  # noqa: BLE001
+        results.put((rank, traceback.format_exc(), {}))
+
+
+# ---- data-parallel training (tests/integration/test_data_parallel.py) ------------------------------------------
+
+TINY_MODEL = {"vocab_size": 64, "dim": 32, "num_heads": 2, "num_layers": 2, "ffn_dim": 64, "max_seq_len": 16}
+TINY_DATA = {"vocab_size": 64, "seq_len": 16, "num_sequences": 256, "seed": 1}
+TRAINING = {"batch_size": 12, "seed": 5, "lr": 3e-3, "warmup_steps": 5}
+
+
+def train_data_parallel(store_dir: str, rank: int, world: int, steps: int, bucket_bytes: int, results: Any) -> None:
+    """Trains the tiny model for `steps` steps on `world` ranks; reports (rank, losses, params, pieces with their
+    moments, data position) or (rank, traceback)."""
+    from SneppX_ALG.model import data, data_parallel, transformer
+
+    try:
+        group = connect(store_dir, rank, world)
+        model = transformer.Transformer(**TINY_MODEL, seed=3)
+        trainer = data_parallel.DataParallelTrainer(model, data.SyntheticLanguage(**TINY_DATA), group,
+                                                    bucket_bytes=bucket_bytes, **TRAINING)
+        losses = trainer.train(steps)
+        pieces = [(p.name, p.start, p.stop, trainer.optimizer.m[p.name].copy(), trainer.optimizer.v[p.name].copy())
+                  for p in trainer.pieces]
+        position = {k: v.copy() for k, v in trainer.stream.state_dict().items()}
+        results.put((rank, losses, {k: v.copy() for k, v in model.params.items()}, pieces, position))
+        group.close()
+    except Exception:  # noqa: BLE001
+        results.put((rank, traceback.format_exc()))

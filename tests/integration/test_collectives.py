@@ -1,0 +1,151 @@
+"""ProcessGroup between real processes on 127.0.0.1: results against numpy, real SIGKILL and SIGSTOP of a rank,
+abort from a thread, and hostile connections during setup. The rank bodies live in collective_workers.py."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import multiprocessing
+import os
+import secrets
+import signal
+import socket
+import threading
+from typing import TYPE_CHECKING
+
+import collective_workers as workers
+import pytest
+
+from SneppX_ALG import errors
+from SneppX_ALG.elastic import collectives, store
+
+if TYPE_CHECKING:
+    from conftest import Ranks
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.mark.parametrize("world", range(1, 9))
+def test_every_collective_matches_numpy(tmp_path: os.PathLike[str], ranks: Ranks, world: int) -> None:
+    for rank in range(world):
+        ranks.start(rank, workers.battery, str(tmp_path), rank, world, 24, ranks.results)
+    reports = dict(ranks.get() for _ in range(world))
+    assert reports == {rank: [] for rank in range(world)}
+
+
+def test_sigkill_of_a_rank_mid_allreduce_fails_every_other_rank_with_peer_lost(tmp_path: os.PathLike[str],
+                                                                               ranks: Ranks) -> None:
+    """The deadline is 5 minutes: PeerLostError (not a timeout) shows each survivor heard of the death itself,
+    through the ring's shut connections, long before it."""
+    world, victim = 4, 2
+    for rank in range(world):
+        ranks.start(rank, workers.allreduce_forever, str(tmp_path), rank, world, 300.0, ranks.results)
+    assert sorted(ranks.get() for _ in range(world)) == [("ready", r) for r in range(world)]
+    os.kill(ranks.processes[victim].pid, signal.SIGKILL)
+    reports = sorted(ranks.get() for _ in range(world - 1))
+    assert [r[:3] for r in reports] == [("failed", r, "PeerLostError") for r in range(world) if r != victim]
+    # the first to notice is a neighbour of the victim and blames it; the news then travels around the ring, each
+    # rank blaming the neighbour whose connection shut
+    blamed = {rank: peer for _, rank, _, peer in reports}
+    assert victim in blamed.values()
+    assert all(peer in ((rank - 1) % world, (rank + 1) % world) for rank, peer in blamed.items())
+
+
+def test_sigstop_of_a_rank_times_out_the_others(tmp_path: os.PathLike[str], ranks: Ranks) -> None:
+    """A stopped rank keeps its connections open: only the deadline (3 s here) can end the others' wait. The
+    first to time out shuts its connections, so a rank may learn it as PeerLostError instead."""
+    world, victim = 3, 1
+    for rank in range(world):
+        ranks.start(rank, workers.allreduce_forever, str(tmp_path), rank, world, 3.0, ranks.results)
+    assert sorted(ranks.get() for _ in range(world)) == [("ready", r) for r in range(world)]
+    os.kill(ranks.processes[victim].pid, signal.SIGSTOP)
+    try:
+        reports = [ranks.get() for _ in range(world - 1)]
+    finally:
+        os.kill(ranks.processes[victim].pid, signal.SIGKILL)
+    kinds = {kind for _, _, kind, _ in reports}
+    assert "CollectiveTimeoutError" in kinds and kinds <= {"CollectiveTimeoutError", "PeerLostError"}
+    assert sorted(rank for _, rank, _, _ in reports) == [0, 2]
+
+
+def test_abort_from_a_thread_ends_the_call_and_the_peer_learns_at_once(tmp_path: os.PathLike[str],
+                                                                       ranks: Ranks) -> None:
+    """Both calls have a 10-minute deadline, past this test's timeout: only the abort can end them in time."""
+    peer_may_go = multiprocessing.get_context("spawn").Event()
+    for rank in range(2):
+        ranks.start(rank, workers.abort_while_peer_is_away, str(tmp_path), rank, peer_may_go, ranks.results)
+    assert ranks.get()[:2] == (0, "CollectiveAbortedError")
+    peer_may_go.set()
+    assert ranks.get()[:2] == (1, "PeerLostError")
+
+
+def handshake_as(address: tuple[str, int], key: bytes, generation: int, rank: int, world: int,
+                 *, answer_with: bytes | None = None) -> bytes:
+    """Plays a client of the documented handshake against a listener; returns what the listener sent last
+    (a verdict), or b"" when it closed the connection instead."""
+    with socket.create_connection(address, timeout=60) as sock:
+        hello = collectives.HELLO.pack(collectives.HELLO_MAGIC, collectives.PROTOCOL_VERSION, 0, generation, rank,
+                                       world, 1 << 20, secrets.token_bytes(32))
+        sock.sendall(hello)
+        challenge = b""
+        while len(challenge) < collectives.CHALLENGE_HEAD.size + collectives.MAC_BYTES:
+            challenge += sock.recv(200)
+        head = challenge[:collectives.CHALLENGE_HEAD.size]
+        mac = answer_with or hmac.new(key, collectives.CLIENT_LABEL + hello + head, "sha256").digest()
+        sock.sendall(collectives.RESPONSE.pack(collectives.RESPONSE_MAGIC, mac))
+        return b"" if closed_by_peer(sock) else sock.recv(100)
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """True when the other end closed (FIN, or RST because our bytes went unread); False if data is waiting."""
+    try:
+        return sock.recv(100, socket.MSG_PEEK) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_foreign_stale_and_garbage_connections_are_refused_and_the_group_forms(tmp_path: os.PathLike[str],
+                                                                               ranks: Ranks) -> None:
+    """Rank 0 of a world of 2 (generation 1) is started alone; while it waits for rank 1, this test connects to
+    its listener with garbage, a wrong key, the right key from generation 0, and a connection that never speaks.
+    Then rank 1 starts: the group forms and computes as if nothing had happened."""
+    ranks.start(0, workers.allreduce_once, str(tmp_path), 0, 2, ranks.results)
+    address = json.loads(store.DirectoryStore(tmp_path).get(collectives.address_key(1, 0), timeout=120))
+    listener = (address["host"], address["port"])
+    with socket.create_connection(listener, timeout=60) as garbage:
+        garbage.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(64))
+        assert closed_by_peer(garbage)
+    assert handshake_as(listener, workers.KEY, 1, 1, 2, answer_with=secrets.token_bytes(32)) == b""
+    stale = handshake_as(listener, workers.KEY, 0, 1, 2)
+    assert collectives.VERDICT.unpack(stale) == (collectives.VERDICT_MAGIC, collectives.STALE_GENERATION)
+    silent = socket.create_connection(listener, timeout=60)
+    try:
+        ranks.start(1, workers.allreduce_once, str(tmp_path), 1, 2, ranks.results)
+        reports = {rank: (result, refused) for rank, result, refused in (ranks.get(), ranks.get())}
+    finally:
+        silent.close()
+    assert reports[1] == ([3.0] * 8, {})
+    assert reports[0] == ([3.0] * 8, {"not the protocol": 1, "wrong key": 1, "stale generation": 1, "late": 1})
+
+
+def test_a_listener_without_the_key_is_not_trusted(tmp_path: os.PathLike[str]) -> None:
+    """The challenge is mutual: a rank refuses to send its data to an address whose listener can't prove the key
+    (here, a listener that answers with random bytes where the proof goes)."""
+    with socket.socket() as impostor:
+        impostor.bind(("127.0.0.1", 0))
+        impostor.listen(1)
+        host, port = impostor.getsockname()
+        s = store.DirectoryStore(tmp_path)
+        s.set(collectives.address_key(1, 1), json.dumps({"host": host, "port": port}).encode())
+
+        def answer() -> None:
+            conn, _ = impostor.accept()
+            with conn:
+                conn.recv(collectives.HELLO.size)
+                conn.sendall(collectives.CHALLENGE_HEAD.pack(collectives.CHALLENGE_MAGIC, 1, 1, bytes(32))
+                             + secrets.token_bytes(32))
+                conn.recv(100)
+
+        threading.Thread(target=answer, daemon=True).start()
+        with pytest.raises(errors.CommAuthError, match="does not prove"):
+            collectives.ProcessGroup(s, 0, 2, 1, key=workers.KEY, timeout=60)

@@ -1,0 +1,270 @@
+"""The TCP ring of native/src/comm.c through its wrapper (`_native.Comm`), with the ranks as threads of this
+process on socketpairs (cffi releases the GIL, so they really run at once), and the test itself playing a peer
+where a peer must misbehave. Real processes and real signals are in tests/integration/test_collectives.py."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from SneppX_ALG import _native, errors
+
+HEADER = struct.Struct("<IBBHQQII")  # docs/ELASTIC.md, "Frames": magic, op, flags, reserved, generation, seq, step, length
+OP_ALLREDUCE, OP_BROADCAST = 1, 4
+
+
+def make_ring(world: int, generation: int = 7, chunk_bytes: int = 0) -> list[_native.Comm]:
+    links = [socket.socketpair() for _ in range(world)]  # link r carries rank r -> rank r+1
+    comms = []
+    for rank in range(world):
+        if world == 1:
+            comms.append(_native.Comm(0, 1, generation, chunk_bytes=chunk_bytes))
+            continue
+        send = links[rank][0].detach()
+        recv = links[(rank - 1) % world][1].detach()
+        comms.append(_native.Comm(rank, world, generation, send, recv, chunk_bytes))
+    for a, b in links:
+        a.close()
+        b.close()
+    return comms
+
+
+def run_ranks(comms: list[_native.Comm], fn: Callable[[int, _native.Comm], Any]) -> list[Any]:
+    """fn(rank, comm) on one thread per rank; returns each result or the exception it raised."""
+    results: list[Any] = [None] * len(comms)
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, comms[rank])
+        except Exception as e:  # noqa: BLE001 - handed back to the test to assert on
+            results[rank] = e
+
+    threads = [threading.Thread(target=body, args=(rank,)) for rank in range(len(comms))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def inputs(world: int, count: int, dtype: str, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if dtype.startswith("int"):
+        return [rng.integers(-1000, 1000, count).astype(dtype) for _ in range(world)]
+    return [rng.standard_normal(count).astype(dtype) for _ in range(world)]
+
+
+NUMPY_OPS = {"sum": np.sum, "max": np.max, "min": np.min}
+
+
+@given(count=st.integers(0, 2**64 - 1), world=st.integers(1, 65536), data=st.data())
+def test_shard_range_is_floor_of_count_times_rank_over_world(count: int, world: int, data: Any) -> None:
+    rank = data.draw(st.integers(0, world - 1))
+    assert _native.shard_range(count, world, rank) == (count * rank // world, count * (rank + 1) // world)
+
+
+@pytest.mark.parametrize("world", range(1, 9))
+def test_allreduce_matches_numpy_for_every_size_dtype_and_op(world: int) -> None:
+    comms = make_ring(world, chunk_bytes=4096)  # small frames: many per step, so the pipelining is exercised
+    cases = [(count, dtype, op) for count in (0, 1, 2, world - 1, world + 1, 1001, 100_003)
+             for dtype in _native.REDUCE_DTYPES for op in ("sum", "max", "min")]
+    buffers = {}
+    for i, (count, dtype, _op) in enumerate(cases):
+        buffers[i] = inputs(world, count, dtype, seed=1000 * world + i)
+    outputs = {i: [b.copy() for b in buffers[i]] for i in buffers}
+
+    def body(rank: int, comm: _native.Comm) -> None:
+        for i, (count, dtype, op) in enumerate(cases):
+            comm.allreduce(outputs[i][rank], count, dtype, op, 60)
+
+    assert run_ranks(comms, body) == [None] * world
+    for i, (count, dtype, op) in enumerate(cases):
+        expected = NUMPY_OPS[op](np.stack(buffers[i]), axis=0) if count else np.zeros(0, dtype)
+        for rank in range(world):
+            # Every rank ends with the same bits; the sum is numpy's up to float rounding (another order).
+            assert np.array_equal(outputs[i][rank], outputs[i][0]), (count, dtype, op, rank)
+            if dtype.startswith("int") or op != "sum":
+                assert np.array_equal(outputs[i][rank], expected), (count, dtype, op, rank)
+            else:
+                np.testing.assert_allclose(outputs[i][rank], expected, rtol=1e-5, atol=1e-5)
+    for comm in comms:
+        comm.close()
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_reduce_scatter_allgather_broadcast_and_barrier(world: int) -> None:
+    comms = make_ring(world, chunk_bytes=64)
+    count = 37
+    data = inputs(world, count, "float64", seed=world)
+    scattered = [d.copy() for d in data]
+    gathered = [np.full(count, -1.0) for _ in range(world)]
+    truth = np.arange(count, dtype=np.float64)
+    for rank in range(world):
+        start, stop = _native.shard_range(count, world, rank)
+        gathered[rank][start:stop] = truth[start:stop]
+    broadcasts = {root: [np.frombuffer(bytes([root]) * 300 if r == root else bytes(300), np.uint8).copy()
+                         for r in range(world)] for root in range(world)}
+
+    def body(rank: int, comm: _native.Comm) -> None:
+        comm.reduce_scatter(scattered[rank], count, "float64", "sum", 60)
+        comm.allgather(gathered[rank], count, "float64", 60)
+        for root in range(world):
+            comm.broadcast(broadcasts[root][rank], root, 60)
+        comm.barrier(60)
+
+    assert run_ranks(comms, body) == [None] * world
+    total = np.sum(np.stack(data), axis=0)
+    for rank in range(world):
+        start, stop = _native.shard_range(count, world, rank)
+        np.testing.assert_allclose(scattered[rank][start:stop], total[start:stop], rtol=1e-12)
+        assert np.array_equal(gathered[rank], truth)
+        for root in range(world):
+            assert set(broadcasts[root][rank].tolist()) == {root}
+    for comm in comms:
+        comm.close()
+
+
+# ---- the test plays rank 1 of a world of 2 ---------------------------------------------------------------------
+
+
+class Peer:
+    """Rank 0's comm, with the test holding the other ends: `frames_in` receives what rank 0 sends, `out` is
+    where the test writes what rank 0 receives."""
+
+    def __init__(self, generation: int = 5, chunk_bytes: int = 1 << 20):
+        to_peer, self.frames_in = socket.socketpair()
+        self.out, from_peer = socket.socketpair()
+        self.comm = _native.Comm(0, 2, generation, to_peer.detach(), from_peer.detach(), chunk_bytes)
+        self.generation = generation
+
+    def call_in_thread(self, fn: Callable[[], None]) -> tuple[threading.Thread, list[BaseException]]:
+        raised: list[BaseException] = []
+
+        def body() -> None:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001
+                raised.append(e)
+
+        thread = threading.Thread(target=body)
+        thread.start()
+        return thread, raised
+
+    def close(self) -> None:
+        self.comm.close()
+        self.frames_in.close()
+        self.out.close()
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        more = sock.recv(n - len(data))
+        assert more, "rank 0 closed the connection"
+        data += more
+    return data
+
+
+def drain_to_end(sock: socket.socket) -> None:
+    """Reads what rank 0 sent until the end of the stream (a timeout here means it never shut the socket)."""
+    sock.settimeout(60)
+    while sock.recv(1 << 16):
+        pass
+
+
+def test_frames_carry_the_documented_header() -> None:
+    peer = Peer(generation=5)
+    values = np.arange(4, dtype=np.float32)
+    thread, raised = peer.call_in_thread(lambda: peer.comm.allreduce(values, 4, "float32", "sum", 60))
+    header = HEADER.unpack(recv_exactly(peer.frames_in, HEADER.size))
+    # step 0 of a ring allreduce: rank 0 sends segment r-1 = segment 1 = elements 2..3
+    assert header == (_native.COMM_MAGIC, OP_ALLREDUCE, 0, 0, 5, 1, 0, 8)
+    assert np.frombuffer(recv_exactly(peer.frames_in, 8), np.float32).tolist() == [2.0, 3.0]
+    peer.out.sendall(HEADER.pack(_native.COMM_MAGIC, OP_ALLREDUCE, 0, 0, 5, 1, 0, 8))
+    peer.out.sendall(np.array([10, 20], np.float32).tobytes())  # rank 1's elements 0..1
+    # step 1 (allgather): rank 0 sends its reduced segment 0, then receives segment 1 reduced by rank 1
+    assert HEADER.unpack(recv_exactly(peer.frames_in, HEADER.size)) == (
+        _native.COMM_MAGIC, OP_ALLREDUCE, 0, 0, 5, 1, 1, 8)
+    assert np.frombuffer(recv_exactly(peer.frames_in, 8), np.float32).tolist() == [10.0, 21.0]
+    peer.out.sendall(HEADER.pack(_native.COMM_MAGIC, OP_ALLREDUCE, 0, 0, 5, 1, 1, 8))
+    peer.out.sendall(np.array([7, 8], np.float32).tobytes())
+    thread.join(60)
+    assert not raised
+    assert values.tolist() == [10.0, 21.0, 7.0, 8.0]
+    peer.close()
+
+
+@pytest.mark.parametrize(("header", "error"), [
+    ((_native.COMM_MAGIC, OP_ALLREDUCE, 0, 0, 4, 1, 0, 8), errors.StaleGenerationError),   # generation 4, not 5
+    ((0xDEADBEEF, OP_ALLREDUCE, 0, 0, 5, 1, 0, 8), errors.CommProtocolError),              # not the magic
+    ((_native.COMM_MAGIC, OP_BROADCAST, 0, 0, 5, 1, 0, 8), errors.CommProtocolError),      # another collective
+    ((_native.COMM_MAGIC, OP_ALLREDUCE, 0, 0, 5, 2, 0, 8), errors.CommProtocolError),      # another call
+    ((_native.COMM_MAGIC, OP_ALLREDUCE, 0, 0, 5, 1, 0, 12), errors.CommProtocolError),     # another length
+])
+def test_a_bad_frame_fails_the_call_with_its_typed_error(header: tuple[int, ...], error: type[Exception]) -> None:
+    peer = Peer(generation=5)
+    values = np.zeros(4, np.float32)
+    thread, raised = peer.call_in_thread(lambda: peer.comm.allreduce(values, 4, "float32", "sum", 60))
+    peer.out.sendall(HEADER.pack(*header) + bytes(8))
+    thread.join(60)
+    assert len(raised) == 1 and isinstance(raised[0], error), raised
+    assert raised[0].peer == 1 and raised[0].generation == 5
+    # the failure shut the connection, so the neighbour learns at once, and the comm fails from now on
+    drain_to_end(peer.frames_in)
+    with pytest.raises(errors.CollectiveAbortedError):
+        peer.comm.barrier(60)
+    peer.close()
+
+
+def test_peer_closing_mid_call_is_peer_lost() -> None:
+    peer = Peer()
+    values = np.zeros(1 << 20, np.float32)
+    thread, raised = peer.call_in_thread(lambda: peer.comm.allreduce(values, values.size, "float32", "sum", 600))
+    recv_exactly(peer.frames_in, HEADER.size)
+    peer.out.close()
+    peer.frames_in.close()
+    thread.join(120)
+    assert len(raised) == 1 and isinstance(raised[0], errors.PeerLostError), raised
+    peer.comm.close()
+
+
+def test_silent_peer_times_out() -> None:
+    peer = Peer()
+    with pytest.raises(errors.CollectiveTimeoutError):
+        peer.comm.allreduce(np.zeros(8, np.float64), 8, "float64", "sum", 0.3)
+    peer.close()
+
+
+@pytest.mark.timeout(120)
+def test_abort_from_another_thread_ends_a_call_at_once() -> None:
+    """The call's own deadline is 10 minutes, past this test's timeout: only abort() can end it in time."""
+    peer = Peer()
+    thread, raised = peer.call_in_thread(lambda: peer.comm.barrier(600))
+    threading.Timer(0.2, peer.comm.abort).start()
+    thread.join(100)
+    assert len(raised) == 1 and isinstance(raised[0], errors.CollectiveAbortedError), raised
+    drain_to_end(peer.frames_in)  # the abort shut the socket: the neighbour sees it at once
+    with pytest.raises(errors.CollectiveAbortedError):
+        peer.comm.barrier(600)
+    peer.close()
+
+
+def test_arguments_are_checked_before_c() -> None:
+    comm = make_ring(1)[0]
+    with pytest.raises(ValueError, match="dtype"):
+        comm.allreduce(np.zeros(4, np.float16), 4, "float16", "sum", 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        comm.allreduce(np.zeros(4, np.float32), 5, "float32", "sum", 1)
+    with pytest.raises(ValueError):
+        comm.allreduce(np.zeros(4, np.float32), 4, "float32", "sum", 0)  # every call needs a deadline
+    comm.close()
+    with pytest.raises(errors.CollectiveAbortedError, match="closed"):
+        comm.barrier(1)
