@@ -35,6 +35,10 @@ once overwrite each other's objects (only the marker is conditional: one of them
 that way fails validation, never loads wrong bytes. What a writer that loses the marker race does *not* do
 is delete anything: the keys it wrote may now hold the winner's objects, so it can't prove they are its own
 (`cleanup()` at the next start removes what an uncommitted step left).
+
+Beside the steps, the same root holds small compare-and-swap records (`storage.record`, opened with
+`open_record_store`): the rendezvous of elastic jobs keeps its generations there under `rdzv/`, a name no
+step listing or cleanup ever touches.
 """
 
 from __future__ import annotations
@@ -54,13 +58,15 @@ from SneppX_ALG.storage.base import (
     unlink_quietly,
     write_durable,
 )
-from SneppX_ALG.storage.local import LocalStorage
-from SneppX_ALG.storage.s3 import S3Storage, make_s3_client, parse_s3_uri
+from SneppX_ALG.storage.local import LocalRecordStore, LocalStorage
+from SneppX_ALG.storage.record import Record, RecordStore
+from SneppX_ALG.storage.s3 import S3RecordStore, S3Storage, make_s3_client, parse_s3_uri
 
 __all__ = [
-    "COMMITTED", "MANIFEST", "MAX_MANIFEST_BYTES", "SIGNATURE", "LocalStorage", "PendingStep", "S3Storage",
-    "Storage", "is_plain_name", "make_s3_client", "open_storage", "parse_s3_uri", "parse_step_name",
-    "step_name", "unlink_quietly", "write_durable",
+    "COMMITTED", "MANIFEST", "MAX_MANIFEST_BYTES", "SIGNATURE", "LocalRecordStore", "LocalStorage", "PendingStep",
+    "Record", "RecordStore", "S3RecordStore", "S3Storage", "Storage", "is_plain_name", "make_s3_client",
+    "open_record_store", "open_storage", "parse_s3_uri", "parse_step_name", "step_name", "unlink_quietly",
+    "write_durable",
 ]
 
 
@@ -71,6 +77,18 @@ def open_storage(root: str, *, s3_client: Any = None, staging_dir: str | None = 
     if root.startswith("s3://"):
         return S3Storage(root, client=s3_client, staging_dir=staging_dir, part_bytes=upload_part_bytes,
                          threads=upload_threads)
+    return LocalStorage(_local_path(root))
+
+
+def open_record_store(root: str, *, s3_client: Any = None) -> RecordStore:
+    """The compare-and-swap records under the same roots `open_storage` takes (`s3://bucket/prefix`,
+    `file:///absolute/path`, a local directory)."""
+    if root.startswith("s3://"):
+        return S3RecordStore(root, client=s3_client)
+    return LocalRecordStore(_local_path(root))
+
+
+def _local_path(root: str) -> str:
     if root.startswith("file://"):
         root = root[len("file://"):]
         if not root.startswith("/"):
@@ -78,4 +96,4 @@ def open_storage(root: str, *, s3_client: Any = None, staging_dir: str | None = 
                              "file:///path (no host)")
     elif "://" in root:
         raise ValueError(f"unsupported checkpoint root {root!r}: use a local path or s3://bucket/prefix")
-    return LocalStorage(root)
+    return root
