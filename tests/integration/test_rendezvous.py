@@ -79,13 +79,13 @@ class Joining(threading.Thread):
         super().__init__(daemon=True)
         self.agent, self.kwargs = agent, kwargs
         self.membership: rendezvous.Membership | None = None
-        self.error: BaseException | None = None
+        self.error: Exception | None = None
         self.start()
 
     def run(self) -> None:
         try:
             self.membership = self.agent.join(**self.kwargs)
-        except BaseException as e:  # reported by result()
+        except Exception as e:  # reported by result()
             self.error = e
 
     def result(self) -> rendezvous.Membership:

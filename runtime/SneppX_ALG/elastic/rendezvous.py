@@ -403,7 +403,7 @@ class Rendezvous:
         `RendezvousClosedError` if the run was marked finished."""
         deadline = self._clock() + self.config.join_timeout
         gone = frozenset(suspects) - {self.agent_id}
-        self._raise_if_finished()
+        self._retrying(self._raise_if_finished, deadline)
         if previous is not None:
             generation = previous.generation + 1
         else:
@@ -485,7 +485,7 @@ class Rendezvous:
                 log.warning("%s: the store is unavailable (retrying until join_timeout): %s", self.agent_id, e)
             now = self._clock()
             if now >= deadline:
-                self._give_up(generation, seen)
+                return self._give_up(generation, seen)
             self._sleep(min(interval * self._random.uniform(0.8, 1.2), max(0.0, deadline - now)))
             interval = min(interval * 1.5, self.config.poll_max)
 
@@ -573,11 +573,16 @@ class Rendezvous:
                  ", ".join(membership.agent_ids))
         return self._outcome(generation, membership)
 
-    def _give_up(self, generation: int, seen: _Observation) -> None:
-        self._raise_if_finished()
+    def _give_up(self, generation: int, seen: _Observation) -> Membership:
+        """Withdraws this agent's join and raises `RendezvousTimeoutError`, unless a sealer included it in
+        the meantime (then that membership is returned)."""
         try:
+            self._raise_if_finished()
             if self._membership(generation) is None:
-                self.store.delete(join_key(self.run_id, generation, self.agent_id))  # best effort
+                self.store.delete(join_key(self.run_id, generation, self.agent_id))
+                sealed = self._membership(generation)  # sealed with us between the check and the delete?
+                if isinstance(sealed, Membership) and sealed.includes(self.agent_id, self.incarnation):
+                    return sealed
         except errors.RecordError as e:
             log.warning("%s: could not withdraw its join record: %s", self.agent_id, e)
         waiting_for = ""

@@ -258,12 +258,15 @@ class LocalRecordStore:
             if not numbers:
                 return None
             number = max(numbers)
+            path = os.path.join(directory, _version_name(number))
             try:
-                info = os.stat(os.path.join(directory, _version_name(number)), follow_symlinks=False)
+                info = os.stat(path, follow_symlinks=False)
             except FileNotFoundError:
                 continue  # cleaned up under us: newer versions exist, list again
             except OSError as e:
                 raise _record_error(e, key, directory) from None
+            if not stat.S_ISREG(info.st_mode):
+                raise errors.RecordCorruptError(f"{path} is not a regular file", key=key)
             return (number, info.st_size > 0)
         raise errors.RecordUnavailableError(f"{key} changed {MAX_READ_RETRIES} times while being read", key=key)
 
