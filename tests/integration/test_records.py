@@ -93,6 +93,31 @@ class Scenarios:
             assert store.read("counter") == current and current.value["n"] == n
         assert len(current.value["by"]) == 15  # no update was lost
 
+    def test_writers_incrementing_one_counter_with_retries_lose_no_increment(self, store, backend) -> None:
+        # Contention with progress: while one writer stalls (its write, its fsync), others move the record
+        # on by several versions. A store that let the stalled write land below the newest version would
+        # lose its increment.
+        if backend == "moto":
+            pytest.skip(MOTO_RACES)
+        writers, increments = 24, 8
+        store.create("counter", {"by": []})
+
+        def increment(i: int) -> None:
+            for n in range(increments):
+                while True:
+                    seen = store.read("counter")
+                    assert seen is not None
+                    try:
+                        store.swap("counter", {"by": [*seen.value["by"], f"{i}.{n}"]}, seen.version)
+                        break
+                    except errors.RecordConflictError:
+                        pass
+
+        race(writers, increment)
+        final = store.read("counter")
+        assert final is not None
+        assert sorted(final.value["by"]) == sorted(f"{i}.{n}" for i in range(writers) for n in range(increments))
+
 
 class TestOnADirectory(Scenarios):
     @pytest.fixture

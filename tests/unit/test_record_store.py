@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from SneppX_ALG import errors, storage
-from SneppX_ALG.storage import record
+from SneppX_ALG.storage import local, record
 
 
 @pytest.fixture
@@ -64,12 +64,19 @@ def test_keys_are_sorted_limited_and_only_live_records(store) -> None:
     assert store.keys("nothing/") == []
 
 
-def test_only_the_newest_two_versions_stay_on_disk(store) -> None:
+def test_superseded_versions_keep_their_names_until_the_retention_has_passed(store) -> None:
     current = store.create("k", {"n": 0})
-    for n in range(1, 40):
+    for n in range(1, 6):
         current = store.swap("k", {"n": n}, current.version)
-    assert versions(store, "k") == [".v000000039", ".v000000040"]
-    assert store.read("k") == current and current.value == {"n": 39}
+    assert len(versions(store, "k")) == 6  # all within the retention: no name can be taken twice
+    with pytest.raises(errors.RecordConflictError):
+        store.swap("k", {"n": 99}, "2")  # a writer that stalled since version 2: its successor's name is taken
+    old = os.stat(os.path.join(store.root, "k", ".v000000006")).st_mtime - local.RETENTION_S - 1
+    for name in versions(store, "k")[:4]:
+        os.utime(os.path.join(store.root, "k", name), (old, old))  # versions 1-4 superseded long ago
+    current = store.swap("k", {"n": 6}, current.version)
+    assert versions(store, "k") == [".v000000005", ".v000000006", ".v000000007"]
+    assert store.read("k") == current and current.value == {"n": 6}
 
 
 def test_a_link_whose_reply_was_lost_still_counts_as_ours(store, monkeypatch) -> None:

@@ -121,6 +121,7 @@ VERSION_RE = re.compile(r"^\.v(\d{9,})$")
 TRANSIENT_ERRNOS = frozenset({errno_module.ETIMEDOUT, errno_module.ESTALE, errno_module.EAGAIN,
                               errno_module.EINTR, errno_module.ENETDOWN, errno_module.ENETUNREACH,
                               errno_module.EHOSTUNREACH, errno_module.ECONNREFUSED, errno_module.ECONNRESET})
+RETENTION_S = 600.0  # how long a superseded version's name stays taken (see _remove_superseded)
 MAX_READ_RETRIES = 8  # a reader racing the cleanup of old versions lists again; more races than this is an error
 
 
@@ -140,8 +141,11 @@ class LocalRecordStore:
     lock manager and on lease recovery after a client dies.
 
     Readers list the key's directory and read the highest version, which is complete by construction.
-    After writing version N, a writer removes versions below N-1 (never the newest two), so a reader that
-    listed just before sees its file vanish only when two newer ones exist; it lists again. On NFS, a
+    Writers remove versions older than the newest two once they have been superseded for `RETENTION_S`
+    (10 minutes): a removed name could be linked again by a writer that checked the version before it and
+    then stalled, which would be a lost update, so names stay taken long past any such stall. A key
+    swapped every few seconds keeps a few hundred small files. A reader that listed just before a removal
+    sees its file vanish only when two newer ones exist; it lists again. On NFS, a
     client's attribute cache may show a directory listing a little stale (mount with `lookupcache=positive`
     or a short `actimeo` to see new records sooner): a stale read can only make a later swap fail with
     `RecordConflictError`, never succeed wrongly, because the LINK is decided by the server.
@@ -188,14 +192,17 @@ class LocalRecordStore:
     def swap(self, key: str, value: Mapping[str, Any], version: str) -> record.Record:
         data = record.encode(key, value)
         number = _version_number(key, version)
-        path = os.path.join(self._dir(key), _version_name(number))
+        directory = self._dir(key)
+        path = os.path.join(directory, _version_name(number))
         try:  # the version must exist and be a value, not a tombstone (else this would create a key)
             live = os.stat(path, follow_symlinks=False).st_size > 0
         except FileNotFoundError:
             live = False  # never existed, or cleaned up because newer versions exist
         except OSError as e:
             raise _record_error(e, key, path) from None
-        if not live or not self._write_version(key, number + 1, data):
+        # a newer version already there fails fast, before the write and fsync the link would waste
+        if (not live or os.path.lexists(os.path.join(directory, _version_name(number + 1)))
+                or not self._write_version(key, number + 1, data)):
             raise errors.RecordConflictError(f"{key} is no longer at version {version}", key=key)
         return record.Record(key, record.decode(key, data), str(number + 1))
 
@@ -322,9 +329,25 @@ class LocalRecordStore:
             raise _record_error(e, key, directory) from None
         finally:
             base.unlink_quietly(tmp)
-        for old in range(max(1, number - 16), number - 1):  # the recent leftovers; older ones are gone
-            base.unlink_quietly(os.path.join(directory, _version_name(old)))
+        self._remove_superseded(directory, number)
         return True
+
+    def _remove_superseded(self, directory: str, newest: int) -> None:
+        """Removes versions older than the newest two, once the newest is `RETENTION_S` younger than them
+        (by the file system's clock: the NFS server's, not this machine's). Removing a version frees its
+        name, and a writer that checked version N, stalled, and only then linked N+1 into a freed name
+        would write below the newest version, a lost update; so a name is freed only after it was
+        superseded for longer than any stall inside a swap we account for."""
+        try:
+            names = os.listdir(directory)
+            newest_time = os.stat(os.path.join(directory, _version_name(newest))).st_mtime
+            for number in sorted(int(m.group(1)) for name in names if (m := VERSION_RE.match(name))):
+                path = os.path.join(directory, _version_name(number))
+                if number >= newest - 1 or newest_time - os.stat(path).st_mtime <= RETENTION_S:
+                    return  # versions are written in order: the rest are younger still
+                base.unlink_quietly(path)
+        except OSError:
+            return  # cleanup is best effort; the next write tries again
 
     def _make_dirs(self, key: str, directory: str) -> None:
         """Creates the key's directories, each made durable in its parent (a record must survive a crash
