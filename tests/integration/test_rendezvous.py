@@ -184,11 +184,12 @@ class Scenarios:
                                                                              tmp_path) -> None:
         # a and b form generation 0 and stay; c comes later with min_nodes=1: it must not form generation 1
         # alone while a and b run (node 0 renews generation 0's lease), but wait for them to join it.
-        running = {a: start_agent(root, "late", a, tmp_path, "--min", "2", "--max", "3", "--last-call", "1",
-                                  "--stay", "15") for a in ("a", "b")}
+        # last call is long (8 s): generation 1 must seal at once when a and b have joined it (every member
+        # of generation 0 is there), not because b was slow to see c on a loaded machine
+        running = {a: start_agent(root, "late", a, tmp_path, "--min", "2", "--max", "3", "--last-call", "8",
+                                  "--stay", "20") for a in ("a", "b")}
         wait_for(lambda: (result_of(tmp_path, "a") or {}).get("memberships"), "a and b formed generation 0")
-        late = start_agent(root, "late", "c", tmp_path, "--min", "1", "--max", "3", "--last-call", "0.2",
-                           "--seal-grace", "0.2")
+        late = start_agent(root, "late", "c", tmp_path, "--min", "1", "--max", "3", "--last-call", "0.2")
         results = finish({**running, "c": late}, tmp_path)
         assert [m["members"] for m in results["a"]["memberships"]] == [["a", "b"], ["a", "b", "c"]]
         assert results["c"]["memberships"] == [results["a"]["memberships"][1] | {"node_rank": 2, "rank_offset": 2}]
@@ -200,7 +201,7 @@ class Scenarios:
                                   "--stay", "300") for a in ("a", "b")}
         wait_for(lambda: sealed_generations(store, "gone"), "a and b formed generation 0")
         late = start_agent(root, "gone", "c", tmp_path, "--min", "1", "--max", "3", "--last-call", "0.2",
-                           "--seal-grace", "0.2", "--lease-timeout", "2")
+                           "--lease-timeout", "2")
         wait_for(lambda: store.keys("rdzv/gone/g000000001/join/"), "c waits at generation 1")
         for process in running.values():  # the whole running generation dies at once
             process.send_signal(signal.SIGKILL)
@@ -236,14 +237,14 @@ class Scenarios:
         assert store.keys("rdzv/max/g000000001/join/") == []  # each withdrew its join when it gave up
 
     def test_join_timeout_raises_with_who_joined_and_withdraws_the_join(self, store) -> None:
-        joining = [Joining(make_agent(store, "short", a, min_nodes=3, max_nodes=3, join_timeout=1.5))
-                   for a in "ab"]
+        joining = [Joining(make_agent(store, "short", a, min_nodes=3, max_nodes=3, join_timeout=timeout))
+                   for a, timeout in (("a", 1.5), ("b", 4.0))]  # b withdraws after a has given up
         wait_for(lambda: all(not j.is_alive() for j in joining), "both gave up", timeout=60)
         for j in joining:
             assert isinstance(j.error, errors.RendezvousTimeoutError) and j.error.min_nodes == 3
             assert j.error.generation == 0
         assert joining[0].error.joined == ("a", "b")  # type: ignore[union-attr]  # a is the natural sealer
-        assert store.keys("rdzv/short/") == []
+        assert store.keys("rdzv/short/g000000000/join/") == []  # both withdrew their joins
 
     def test_survivors_of_a_failure_re_form_at_once_without_waiting_for_last_call(self, store) -> None:
         config = {"min_nodes": 2, "max_nodes": 3, "last_call": 600.0, "join_timeout": 60.0}
@@ -257,7 +258,8 @@ class Scenarios:
     # ---- generations: late, old, hostile -------------------------------------------------------------------
 
     def test_poll_sees_late_joiners_then_the_fence_closes_when_a_member_leaves(self, store) -> None:
-        running = [Joining(make_agent(store, "fence", a, min_nodes=2, max_nodes=3, last_call=0.3)) for a in "ab"]
+        # last call 5 s: after b joins generation 1, a has that long to join it too (this test's own calls)
+        running = [Joining(make_agent(store, "fence", a, min_nodes=2, max_nodes=3, last_call=5.0)) for a in "ab"]
         a, b = (j.agent for j in running)
         generation0 = running[0].result()
         late = Joining(make_agent(store, "fence", "c", min_nodes=1, max_nodes=3, last_call=0.2))

@@ -103,10 +103,10 @@ def test_over_max_the_members_of_the_previous_generation_come_first() -> None:
 
 def test_the_previous_generation_is_over_when_a_member_joins_or_its_lease_expires() -> None:
     before = membership("x", "y")
-    assert not rendezvous.previous_is_over(joins_of("a", "b"), before, lease_expired=False)
-    assert rendezvous.previous_is_over(joins_of("a", "y"), before, lease_expired=False)
-    assert rendezvous.previous_is_over(joins_of("a"), before, lease_expired=True)
-    assert rendezvous.previous_is_over(joins_of("a"), None, lease_expired=False)
+    assert not rendezvous.previous_is_over(["a", "b"], before, lease_expired=False)
+    assert rendezvous.previous_is_over(["a", "y"], before, lease_expired=False)
+    assert rendezvous.previous_is_over(["a"], before, lease_expired=True)
+    assert rendezvous.previous_is_over(["a"], None, lease_expired=False)
 
 
 @settings(max_examples=300)

@@ -9,6 +9,7 @@ Records of generation g of run R (keys of a `storage.record.RecordStore`):
 
     rdzv/R/g000000007/join/<agent_id>   one per agent, created by that agent: N agents, N writes, no contention
     rdzv/R/g000000007/membership        created once, by the first agent to seal: one per generation
+    rdzv/R/g000000007/sealer            renewed by whoever is sealing generation 7 while it forms
     rdzv/R/g000000007/alive             renewed by node 0 of generation 7 while it runs (compare-and-swap)
     rdzv/R/finished                     created when the run ends
 
@@ -16,12 +17,14 @@ Records of generation g of run R (keys of a `storage.record.RecordStore`):
    it (same agent id and incarnation), that is its generation. If g is sealed without it, or g's
    membership is not a valid record (the generation is then void, for every agent alike), it moves on to
    g+1: a late joiner waits for the next generation.
-2. It creates its join record at g and waits, reading g's membership with backoff.
-3. The natural sealer is the agent with the lowest id among the joins: it lists the joins at every poll
-   and seals as soon as `seal_decision` says so. Every other agent evaluates every `seal_grace` seconds;
-   the k-th lowest id seals once the decision has held for k * `seal_grace` (the k agents before it died
-   or hang), so backups step in one at a time instead of as a herd. Sealers may still race:
-   create-if-absent lets exactly one membership exist, and the losers read it.
+2. It creates its join record at g and waits, polling with backoff (up to `poll_cap`).
+3. The natural sealer is the agent with the lowest id among the joins: it renews the generation's
+   `sealer` record, lists and reads the joins at every poll, and seals as soon as `seal_decision` says so.
+   Every other agent only watches the `sealer` record; when it has stood still for k * `seal_grace`
+   seconds (or k times three of the sealer's own poll periods, which it writes there, if longer: a slow
+   store is not a dead sealer), the agent with the k-th lowest id takes over (the k before it died), so
+   backups step in one at a time instead of as a herd, and N waiting agents never each read N records.
+   Sealers may still race: create-if-absent lets exactly one membership exist, and the losers read it.
 4. Ranks follow from the sealed member list alone (sorted by agent id): node rank = position; global
    rank = the workers of all lower node ranks + local rank (node_rank * workers + local_rank when every
    node runs the same number of workers); world size = all workers.
@@ -41,12 +44,13 @@ failure; why a partitioned minority can't commit a checkpoint, with `check_fence
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import random
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +63,8 @@ RECORD_VERSION = 1
 MAX_NODES = 1024  # a membership of this many nodes stays well under storage.record.MAX_RECORD_BYTES
 MAX_WORKERS = 1024
 MAX_ADDRESS_CHARS = 300  # a DNS name (253) plus a port, or a bracketed IPv6 address and a port
+READ_THREADS = 16  # parallel reads of join records by a sealer
+MAX_PERIOD = 600.0  # the longest poll period a sealer's record may claim (a bigger one is ignored)
 GENERATION_DIGITS = 9  # g000000007: listings sort like numbers up to a billion generations
 INCARNATION_RE = re.compile(r"^[0-9a-f]{32}$")
 ADDRESS_RE = re.compile(r"^[\x21-\x7e]{1,300}$")  # printable ASCII, no spaces
@@ -148,16 +154,24 @@ class NextGeneration:
 
 @dataclass(frozen=True)
 class RendezvousConfig:
-    """Sizes and times of the rendezvous (seconds)."""
+    """Sizes and times of the rendezvous (seconds). Every agent of a run uses the same: whoever seals
+    applies its own, and the others judge its silence by their `seal_grace`."""
 
     min_nodes: int = 1
     max_nodes: int = 1
     last_call: float = 10.0  # after min_nodes joined, how long to wait for more (torchrun: 30 s)
     join_timeout: float = 600.0  # how long join() waits for a generation that includes this agent
-    seal_grace: float = 3.0  # how long the other agents give the natural sealer before sealing themselves
+    seal_grace: float = 3.0  # silence of the sealer's record after which the next agent in line takes over
     lease_timeout: float = 30.0  # silence of a running generation's `alive` record that means it is gone
     poll_interval: float = 0.05  # first wait between reads of the membership; grows 1.5x per poll ...
-    poll_max: float = 1.0  # ... up to this
+    poll_max: float = 1.0  # ... up to this, or to max_nodes / job_poll_rate if longer:
+    job_poll_rate: float = 50.0  # reads per second all waiting agents of a job make together, at most
+
+    @property
+    def poll_cap(self) -> float:
+        """The longest wait between two polls of one agent. It grows with the job so that N waiting agents
+        don't load the store (or the bill) N times as much: a store busy answering polls seals late."""
+        return max(self.poll_max, self.max_nodes / self.job_poll_rate)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_nodes <= self.max_nodes <= MAX_NODES:
@@ -170,6 +184,8 @@ class RendezvousConfig:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, not {value!r}")
         if not record.is_finite_number(self.poll_interval) or not 0 < self.poll_interval <= self.poll_max:
             raise ValueError(f"need 0 < poll_interval <= poll_max, got {self.poll_interval}, {self.poll_max}")
+        if not record.is_finite_number(self.job_poll_rate) or self.job_poll_rate <= 0:
+            raise ValueError(f"job_poll_rate must be a positive number, not {self.job_poll_rate!r}")
 
 
 def generation_prefix(run_id: str, generation: int) -> str:
@@ -190,6 +206,10 @@ def membership_key(run_id: str, generation: int) -> str:
 
 def lease_key(run_id: str, generation: int) -> str:
     return generation_prefix(run_id, generation) + "alive"
+
+
+def sealer_key(run_id: str, generation: int) -> str:
+    return generation_prefix(run_id, generation) + "sealer"
 
 
 def finished_key(run_id: str) -> str:
@@ -292,33 +312,40 @@ def choose_members(joins: Sequence[Join], previous: Membership | None, max_nodes
     return tuple(sorted((j.member for j in preferred[:max_nodes]), key=lambda m: m.agent_id))
 
 
-def previous_is_over(joins: Sequence[Join], previous: Membership | None, *, lease_expired: bool) -> bool:
+def previous_is_over(joined: Collection[str], previous: Membership | None, *, lease_expired: bool) -> bool:
     """Whether the generation before can no longer be running: there is none (or it is void), one of its
-    members has joined this one, or its lease expired."""
+    members (by agent id) has joined this one, or its lease expired."""
     if previous is None or lease_expired:
         return True
-    return any(j.member.agent_id in previous.agent_ids for j in joins)
+    return not set(previous.agent_ids).isdisjoint(joined)
+
+
+def should_seal(joined: Collection[str], suspected: Collection[str], previous: Membership | None, *,
+                previous_over: bool, min_nodes: int, max_nodes: int, last_call: float,
+                min_reached_for: float | None) -> bool:
+    """Whether to seal a generation now (rules in the module docstring).
+
+    `joined` are the agent ids of the valid join records; `suspected` the union of their suspects;
+    `previous` is the sealed generation before (None if there is none or it is void); `min_reached_for` is
+    how long the observer has seen at least `min_nodes` joins (None if it has not)."""
+    joined = set(joined)
+    if not joined or not previous_over:
+        return False
+    if len(joined) >= max_nodes:
+        return True
+    if len(joined) < min_nodes:
+        return False
+    if previous is not None and set(previous.agent_ids) - set(suspected) <= joined:
+        return True  # every member of the generation before that is not known to be gone is here
+    return min_reached_for is not None and min_reached_for >= last_call
 
 
 def seal_decision(joins: Sequence[Join], previous: Membership | None, *, previous_over: bool, min_nodes: int,
                   max_nodes: int, last_call: float, min_reached_for: float | None) -> tuple[Member, ...] | None:
-    """The members to seal a generation with now, or None to wait (rules in the module docstring).
-
-    `joins` are the valid join records (one per agent id); `previous` is the sealed generation before (None
-    if there is none or it is void); `min_reached_for` is how long the observer has seen at least
-    `min_nodes` joins (None if it has not)."""
-    if not joins or not previous_over:
-        return None
-    joined = {j.member.agent_id for j in joins}
-    if len(joined) >= max_nodes:
-        return choose_members(joins, previous, max_nodes)
-    if len(joined) < min_nodes:
-        return None
-    if previous is not None:
-        suspected = set().union(*(j.suspects for j in joins))
-        if set(previous.agent_ids) - suspected <= joined:
-            return choose_members(joins, previous, max_nodes)
-    if min_reached_for is not None and min_reached_for >= last_call:
+    """The members to seal a generation with now (`should_seal`, then `choose_members`), or None to wait."""
+    suspected: set[str] = set().union(*(j.suspects for j in joins))
+    if should_seal([j.member.agent_id for j in joins], suspected, previous, previous_over=previous_over,
+                   min_nodes=min_nodes, max_nodes=max_nodes, last_call=last_call, min_reached_for=min_reached_for):
         return choose_members(joins, previous, max_nodes)
     return None
 
@@ -329,16 +356,43 @@ VOID = "void"  # a generation whose membership record is not valid: every agent 
 
 
 @dataclass
+class _Watch:
+    """A record another agent renews, as this agent sees it: its version and since when (this agent's
+    clock) it has not changed. An absent or invalid record counts as one unchanging version."""
+
+    version: str | None = None
+    since: float | None = None
+    sealed: bool = False  # a `sealer` record that says the membership is written ...
+    period: float = 0.0  # ... and how long its writer's polls take
+
+
+@dataclass
+class _Beat:
+    """A record this agent renews (a generation's lease, a sealer's beat): what it last wrote, and when
+    it is due again."""
+
+    key: str
+    written: record.Record | None = None
+    due: float = 0.0
+    count: int = 0
+
+
+@dataclass
 class _Observation:
     """What one agent has seen of one generation while waiting for it to seal (its own clock)."""
 
     joins: dict[str, Join | None] = field(default_factory=dict)  # by key; None: an invalid record
     previous: Membership | None = None
     previous_read: bool = False
-    lease: tuple[str | None, float] | None = None  # (version of g-1's alive record, first seen at)
+    lease: _Watch = field(default_factory=_Watch)  # the generation before's `alive` record
+    sealer: _Watch = field(default_factory=_Watch)  # this generation's `sealer` record
+    beat: _Beat | None = None  # ours, while this agent is a sealer
     min_seen_at: float | None = None
-    natural: bool | None = None  # the lowest agent id among the joins, as last seen
-    decided_at: float | None = None  # since when the evaluations say "seal"
+    natural: bool | None = None  # this agent seals: it has the lowest id, or it took over ...
+    took_over: bool = False  # ... from a silent sealer
+    place: int | None = None  # this agent's place among the joins, while the sealer is silent
+    stepped_at: float | None = None  # while sealing: when the previous poll began
+    finished_checked_at: float = 0.0
     joined: tuple[str, ...] = ()
 
 
@@ -387,9 +441,7 @@ class Rendezvous:
         self._clock, self._sleep, self._wall_clock = clock, sleep, wall_clock
         self._random = random.Random()
         self._newest_seen = 0
-        self._lease: record.Record | None = None
-        self._lease_due = 0.0
-        self._renewals = 0
+        self._lease: _Beat | None = None
 
     # -- joining ------------------------------------------------------------------------------------------
 
@@ -466,101 +518,148 @@ class Rendezvous:
         raise errors.RendezvousError(f"{key} kept changing while {self.agent_id} wrote its join record")
 
     def _wait(self, generation: int, deadline: float) -> Membership | int:
-        """Waits for `generation` to seal, sealing it when this agent should."""
-        seen = _Observation()
+        """Waits for `generation` to seal, sealing it when this agent should.
+
+        The sealer (the lowest id among the joins, as it last saw them) renews the generation's `sealer`
+        record every `seal_grace / 3` seconds, polls at least every `seal_grace / 4`, lists the joins and
+        reads the membership at every poll,
+        reads each join record once, and seals; its last renewal says `sealed`. The others read only the
+        `sealer` record at each poll (one small read), and the membership once it says `sealed`. When it
+        has stood still for k * `seal_grace` (k: their place among the joins, from one listing), the
+        agent with the k-th lowest id takes over. N waiting agents never each list or read N records."""
+        seen = _Observation(finished_checked_at=self._clock())  # join() just checked
         interval = self.config.poll_interval
-        next_look = self._clock()
         while True:
             try:
-                sealed = self._membership(generation)
-                if sealed is not None:
-                    return self._outcome(generation, sealed)
-                now = self._clock()
-                if now >= next_look:
-                    outcome = self._look(generation, seen, now)
-                    if outcome is not None:
-                        return outcome
-                    next_look = now + (interval if seen.natural else self.config.seal_grace)
+                outcome = self._step(generation, seen, self._clock())
+                if outcome is not None:
+                    return outcome
             except errors.RecordUnavailableError as e:
                 log.warning("%s: the store is unavailable (retrying until join_timeout): %s", self.agent_id, e)
             now = self._clock()
             if now >= deadline:
                 return self._give_up(generation, seen)
-            self._sleep(min(interval * self._random.uniform(0.8, 1.2), max(0.0, deadline - now)))
-            interval = min(interval * 1.5, self.config.poll_max)
+            pause = interval * self._random.uniform(0.8, 1.2)
+            if seen.natural:
+                pause = min(pause, self.config.seal_grace / 4)  # a sealer renews its record on time
+            self._sleep(min(pause, max(0.0, deadline - now)))
+            interval = min(interval * 1.5, self.config.poll_cap)
 
-    def _look(self, generation: int, seen: _Observation, now: float) -> Membership | int | None:
-        """One evaluation of the seal decision; seals if this agent should. None: keep waiting."""
+    def _step(self, generation: int, seen: _Observation, now: float) -> Membership | int | None:
+        """One poll while waiting (see `_wait`). None: keep waiting."""
         prefix = join_prefix(self.run_id, generation)
-        if seen.natural is None:  # the first look lists one key: is this agent the lowest id?
+        if seen.natural is None:  # the first poll lists one key: is this agent the lowest id?
             seen.natural = self.store.keys(prefix, limit=1) == [prefix + self.agent_id]
-            if not seen.natural:
+        if not seen.natural:
+            if now - seen.finished_checked_at >= self.config.lease_timeout:
+                self._raise_if_finished()
+                seen.finished_checked_at = now
+            still = self._unchanged_for(sealer_key(self.run_id, generation), seen.sealer, now)
+            if seen.sealer.sealed:
+                sealed = self._membership(generation)
+                if sealed is not None:
+                    return self._outcome(generation, sealed)
+            # a slow store slows the sealer's loop down: it says how long its loop takes, and silence is
+            # judged against that too, so a busy store doesn't make every agent take over
+            grace = max(self.config.seal_grace, 3 * seen.sealer.period)
+            if still < grace:
+                seen.place = None
                 return None
-        elif not seen.natural:
-            self._raise_if_finished()  # others look every seal_grace: cheap enough to check the run too
-        joins = self._joins(generation, seen)
-        members = self._decide(generation, joins, seen, now)
-        ids = [j.member.agent_id for j in joins]
-        place = ids.index(self.agent_id) if self.agent_id in ids else len(ids)
-        seen.natural = place == 0
-        if members is None:
-            seen.decided_at = None
+            sealed = self._membership(generation)  # sealed by a sealer that died before saying so?
+            if sealed is not None:
+                return self._outcome(generation, sealed)
+            if seen.place is None:  # one listing per silence: this agent's place in the line of sealers
+                listed = [key[len(prefix):] for key in self.store.keys(prefix)]
+                seen.joined = tuple(listed)
+                seen.place = listed.index(self.agent_id) if self.agent_id in listed else len(listed)
+            if still < grace * seen.place:
+                return None
+            log.info("%s: the sealer of generation %d is silent; taking over", self.agent_id, generation)
+            seen.natural = seen.took_over = True
+        sealed = self._membership(generation)
+        if sealed is not None:
+            return self._outcome(generation, sealed)
+        if seen.beat is None:
+            seen.beat = _Beat(sealer_key(self.run_id, generation))
+        period = 0.0 if seen.stepped_at is None else round(now - seen.stepped_at, 3)
+        seen.stepped_at = now
+        self._renew(seen.beat, {"kind": "sealer", "generation": generation, "sealed": False, "period": period},
+                    self.config.seal_grace / 3, now)
+        keys = self.store.keys(prefix)
+        if keys and keys[0] != prefix + self.agent_id and not seen.took_over:
+            seen.natural = False  # a lower id joined since this agent first looked: it seals
             return None
-        seen.decided_at = now if seen.decided_at is None else seen.decided_at
-        if now - seen.decided_at >= self.config.seal_grace * place:  # the k-th lowest id steps in after k graces
-            return self._seal(generation, members)
-        return None
+        joins = self._read_joins(generation, keys, seen)
+        previous = self._previous(generation, seen)
+        suspected: set[str] = set().union(*(j.suspects for j in joins))
+        if not self._ready(generation, [j.member.agent_id for j in joins], suspected, previous, seen, now):
+            return None
+        outcome = self._seal(generation, choose_members(joins, previous, self.config.max_nodes))
+        if outcome is not None:  # tell the waiting agents to read the membership
+            seen.beat.due = 0.0
+            self._renew(seen.beat, {"kind": "sealer", "generation": generation, "sealed": True, "period": period},
+                        self.config.seal_grace / 3, now)
+        return outcome
 
-    def _joins(self, generation: int, seen: _Observation) -> list[Join]:
-        """The valid join records of a generation, sorted by agent id (each read once: joins are written
-        once per incarnation)."""
+    def _read_joins(self, generation: int, keys: list[str], seen: _Observation) -> list[Join]:
+        """The valid join records among the listed keys, sorted by agent id; each key is read once."""
         prefix = join_prefix(self.run_id, generation)
-        joins = []
-        for key in self.store.keys(prefix):
-            if key not in seen.joins:
-                try:
-                    stored = self.store.read(key)
-                    if stored is None:
-                        continue  # withdrawn since the listing
-                    seen.joins[key] = parse_join(stored.value, key=key, run_id=self.run_id, generation=generation,
-                                                 agent_id=key[len(prefix):])
-                except (errors.RecordCorruptError, errors.InvalidRendezvousRecordError) as e:
-                    log.warning("%s: ignoring an invalid join record: %s", self.agent_id, e)
-                    seen.joins[key] = None
-            join = seen.joins[key]
-            if join is not None:
-                joins.append(join)
+
+        def read(key: str) -> None:
+            try:
+                stored = self.store.read(key)
+                if stored is not None:  # else withdrawn since the listing
+                    seen.joins[key] = parse_join(stored.value, key=key, run_id=self.run_id,
+                                                 generation=generation, agent_id=key[len(prefix):])
+            except (errors.RecordCorruptError, errors.InvalidRendezvousRecordError) as e:
+                log.warning("%s: ignoring an invalid join record: %s", self.agent_id, e)
+                seen.joins[key] = None
+
+        new = [key for key in keys if key not in seen.joins]
+        if new:  # one request each, in parallel: on S3 a few hundred in a row would take seconds
+            with concurrent.futures.ThreadPoolExecutor(min(READ_THREADS, len(new))) as pool:
+                list(pool.map(read, new))
+        joins = [join for key in keys if (join := seen.joins.get(key)) is not None]
         seen.joined = tuple(j.member.agent_id for j in joins)
         return joins
 
-    def _decide(self, generation: int, joins: list[Join], seen: _Observation, now: float) -> tuple[Member, ...] | None:
+    def _previous(self, generation: int, seen: _Observation) -> Membership | None:
+        """The sealed generation before (read once; None if there is none, or it is void)."""
         if not seen.previous_read and generation > 0:
             previous = self._membership(generation - 1)
             seen.previous = previous if isinstance(previous, Membership) else None
             seen.previous_read = previous is not None  # absent now may still be sealed later
-        lease_expired = False
-        if seen.previous is not None and not previous_is_over(joins, seen.previous, lease_expired=False):
-            lease_expired = self._lease_expired(generation - 1, seen, now)
-        if len(joins) >= self.config.min_nodes:
+        return seen.previous
+
+    def _ready(self, generation: int, joined: list[str], suspected: set[str], previous: Membership | None,
+               seen: _Observation, now: float) -> bool:
+        """`should_seal` with what this agent has observed (its clock for last call and the lease)."""
+        over = previous_is_over(joined, previous, lease_expired=False)
+        if not over and previous is not None:
+            over = self._unchanged_for(lease_key(self.run_id, generation - 1), seen.lease,
+                                       now) >= self.config.lease_timeout
+        if len(joined) >= self.config.min_nodes:
             seen.min_seen_at = seen.min_seen_at if seen.min_seen_at is not None else now
         else:
             seen.min_seen_at = None
-        return seal_decision(
-            joins, seen.previous, previous_over=previous_is_over(joins, seen.previous, lease_expired=lease_expired),
-            min_nodes=self.config.min_nodes, max_nodes=self.config.max_nodes, last_call=self.config.last_call,
-            min_reached_for=None if seen.min_seen_at is None else now - seen.min_seen_at)
+        return should_seal(joined, suspected, previous, previous_over=over, min_nodes=self.config.min_nodes,
+                           max_nodes=self.config.max_nodes, last_call=self.config.last_call,
+                           min_reached_for=None if seen.min_seen_at is None else now - seen.min_seen_at)
 
-    def _lease_expired(self, generation: int, seen: _Observation, now: float) -> bool:
-        """Whether the `alive` record of a running generation has stayed unchanged for `lease_timeout`, as
-        timed by this agent's clock (an absent or invalid record counts as unchanged)."""
+    def _unchanged_for(self, key: str, watch: _Watch, now: float) -> float:
+        """How long (this agent's clock) the record under `key` has not changed; reads it once."""
         try:
-            stored = self.store.read(lease_key(self.run_id, generation))
+            stored = self.store.read(key)
             version = None if stored is None else stored.version
         except errors.RecordCorruptError:
-            version = "invalid"
-        if seen.lease is None or seen.lease[0] != version:
-            seen.lease = (version, now)
-        return now - seen.lease[1] >= self.config.lease_timeout
+            stored, version = None, "invalid"
+        value: dict[str, Any] = {} if stored is None else stored.value
+        watch.sealed = value.get("sealed") is True
+        period: Any = value.get("period")
+        watch.period = float(period) if record.is_finite_number(period) and 0 <= period <= MAX_PERIOD else 0.0
+        if watch.since is None or watch.version != version:
+            watch.version, watch.since = version, now
+        return now - watch.since
 
     def _seal(self, generation: int, members: tuple[Member, ...]) -> Membership | int | None:
         membership = Membership(self.run_id, generation, members, self.agent_id)
@@ -576,9 +675,13 @@ class Rendezvous:
     def _give_up(self, generation: int, seen: _Observation) -> Membership:
         """Withdraws this agent's join and raises `RendezvousTimeoutError`, unless a sealer included it in
         the meantime (then that membership is returned)."""
+        prefix = join_prefix(self.run_id, generation)
         try:
             self._raise_if_finished()
             if self._membership(generation) is None:
+                # who was there, for the error (the agents that only watched the sealer never listed)
+                seen.joined = tuple(key[len(prefix):] for key in self.store.keys(prefix))
+                self._previous(generation, seen)
                 self.store.delete(join_key(self.run_id, generation, self.agent_id))
                 sealed = self._membership(generation)  # sealed with us between the check and the delete?
                 if isinstance(sealed, Membership) and sealed.includes(self.agent_id, self.incarnation):
@@ -586,8 +689,7 @@ class Rendezvous:
         except errors.RecordError as e:
             log.warning("%s: could not withdraw its join record: %s", self.agent_id, e)
         waiting_for = ""
-        if seen.previous is not None and not previous_is_over(
-                [j for j in seen.joins.values() if j is not None], seen.previous, lease_expired=False):
+        if seen.previous is not None and not previous_is_over(seen.joined, seen.previous, lease_expired=False):
             waiting_for = (f"; generation {generation - 1} ({', '.join(seen.previous.agent_ids)}) is still running "
                            "and none of its members joined")
         raise errors.RendezvousTimeoutError(
@@ -604,7 +706,11 @@ class Rendezvous:
         waiting for a checkpoint boundary instead of forming a generation of their own."""
         if membership.members[0].agent_id == self.agent_id and membership.includes(self.agent_id,
                                                                                     self.incarnation):
-            self._renew_lease(membership)
+            key = lease_key(self.run_id, membership.generation)
+            if self._lease is None or self._lease.key != key:
+                self._lease = _Beat(key)
+            self._renew(self._lease, {"kind": "alive", "generation": membership.generation},
+                        self.config.lease_timeout / 4, self._clock())
         return self._next(membership)
 
     def check_fence(self, membership: Membership) -> None:
@@ -627,31 +733,30 @@ class Rendezvous:
         return NextGeneration(generation, membership_key(self.run_id, generation) in keys,
                               frozenset(joined & members), frozenset(joined - members))
 
-    def _renew_lease(self, membership: Membership) -> None:
-        key = lease_key(self.run_id, membership.generation)
-        now = self._clock()
-        if self._lease is not None and self._lease.key == key and now < self._lease_due:
+    def _renew(self, beat: _Beat, fields: dict[str, Any], period: float, now: float) -> None:
+        """Rewrites a record this agent renews (compare-and-swap on what it wrote last), if it is due. Only
+        that it changes matters to the agents watching it; a failed renewal is tried again next time."""
+        if beat.written is not None and now < beat.due:
             return
-        self._renewals += 1
-        value = {"version": RECORD_VERSION, "kind": "alive", "run_id": self.run_id,
-                 "generation": membership.generation, "agent_id": self.agent_id, "incarnation": self.incarnation,
-                 "renewals": self._renewals}
+        beat.count += 1
+        value = {"version": RECORD_VERSION, "run_id": self.run_id, "agent_id": self.agent_id,
+                 "incarnation": self.incarnation, "renewals": beat.count, **fields}
         try:
-            if self._lease is None or self._lease.key != key:
+            if beat.written is None:
                 try:
-                    existing = self.store.read(key)
+                    existing = self.store.read(beat.key)
                 except errors.RecordCorruptError:
-                    self.store.delete(key)
+                    self.store.delete(beat.key)
                     existing = None
-                self._lease = (self.store.create(key, value) if existing is None
-                               else self.store.swap(key, value, existing.version))
+                beat.written = (self.store.create(beat.key, value) if existing is None
+                                else self.store.swap(beat.key, value, existing.version))
             else:
-                self._lease = self.store.swap(key, value, self._lease.version)
-            self._lease_due = now + self.config.lease_timeout / 4
+                beat.written = self.store.swap(beat.key, value, beat.written.version)
+            beat.due = now + period
         except errors.RecordConflictError:
-            self._lease = None  # written by someone else since: read it at the next poll
+            beat.written = None  # written by someone else since: read it next time
         except errors.RecordUnavailableError as e:
-            log.warning("%s: could not renew generation %d's lease: %s", self.agent_id, membership.generation, e)
+            log.warning("%s: could not renew %s: %s", self.agent_id, beat.key, e)
 
     # -- the run as a whole --------------------------------------------------------------------------------
 
@@ -662,9 +767,11 @@ class Rendezvous:
         def opened(generation: int) -> bool:
             return bool(self.store.keys(generation_prefix(self.run_id, generation), limit=1))
 
-        low = self._newest_seen if opened(self._newest_seen) else 0
-        if low == 0 and not opened(0):
-            return None
+        low = self._newest_seen
+        if not opened(low):
+            if low == 0 or not opened(0):
+                return None
+            low = 0
         step = 1
         while low + step <= MAX_GENERATION and opened(low + step):
             low, step = low + step, step * 2
@@ -725,4 +832,4 @@ class Rendezvous:
                         generation=self._newest_seen, min_nodes=self.config.min_nodes) from e
                 log.warning("%s: the store is unavailable (retrying): %s", self.agent_id, e)
                 self._sleep(min(interval, deadline - now))
-                interval = min(interval * 2, self.config.poll_max)
+                interval = min(interval * 2, self.config.poll_cap)
