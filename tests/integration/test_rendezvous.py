@@ -85,7 +85,7 @@ class Joining(threading.Thread):
     def run(self) -> None:
         try:
             self.membership = self.agent.join(**self.kwargs)
-        except Exception as e:  # reported by result()
+        except Exception as e:  # noqa: BLE001 (any failure of the thread is re-raised by result())
             self.error = e
 
     def result(self) -> rendezvous.Membership:
