@@ -5,8 +5,8 @@
 Joins run RUN_ID in the record store at ROOT (a directory or s3://bucket/prefix; S3 settings come from the
 AWS environment variables), then, with --stay S, stays a member for S seconds the way an agent would:
 polls every 0.1 s (node 0 renews the generation's lease) and joins the next generation as soon as the
-running one is superseded, or late joiners wait for it and the world is below --max (scale-up, with no
-checkpoint boundary to wait for here). Every membership
+running one is superseded, or when late joiners have waited --boundary-every seconds (standing in for the
+next checkpoint boundary) and the world is below --max (scale-up). Every membership
 it was part of, or the typed error that ended it, goes to OUT as JSON (written whole, then renamed).
 """
 
@@ -49,6 +49,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seal-grace", type=float, default=3.0)
     parser.add_argument("--lease-timeout", type=float, default=30.0)
     parser.add_argument("--stay", type=float, default=0.0)
+    parser.add_argument("--boundary-every", type=float, default=0.0,
+                        help="scale up only this long after late joiners appeared (a checkpoint interval)")
     parser.add_argument("--runs", type=int, default=1, help="join runs RUN_ID-0 .. RUN_ID-(n-1) one after another")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"{args.agent_id} %(message)s")
@@ -67,11 +69,16 @@ def main(argv: list[str]) -> int:
             result["memberships"].append({"run_id": run_id, **describe(membership, args.agent_id)})
             write(args.out, result)
             until = time.monotonic() + args.stay
+            waiting_since: float | None = None
             while time.monotonic() < until:
                 time.sleep(0.1)
                 upcoming = rdzv.poll(membership)
-                if upcoming.superseded or (upcoming.waiting and len(membership.members) < args.max):
+                grow = bool(upcoming.waiting) and len(membership.members) < args.max
+                waiting_since = (waiting_since or time.monotonic()) if grow else None
+                at_boundary = waiting_since is not None and time.monotonic() - waiting_since >= args.boundary_every
+                if upcoming.superseded or at_boundary:
                     membership = rdzv.join(previous=membership)
+                    waiting_since = None
                     result["memberships"].append({"run_id": run_id, **describe(membership, args.agent_id)})
                     write(args.out, result)
     except errors.SneppXError as e:

@@ -184,10 +184,12 @@ class Scenarios:
                                                                              tmp_path) -> None:
         # a and b form generation 0 and stay; c comes later with min_nodes=1: it must not form generation 1
         # alone while a and b run (node 0 renews generation 0's lease), but wait for them to join it.
-        # last call is long (8 s): generation 1 must seal at once when a and b have joined it (every member
-        # of generation 0 is there), not because b was slow to see c on a loaded machine
+        # a and b scale up at their next "checkpoint boundary", 3 s after c appears: c, alone with min_nodes 1
+        # and a 0.2 s last call until then, must wait for them. Last call is long (8 s): generation 1 must seal
+        # at once when a and b have joined it (every member of generation 0 is there), not because b was slow
+        # to see c on a loaded machine.
         running = {a: start_agent(root, "late", a, tmp_path, "--min", "2", "--max", "3", "--last-call", "8",
-                                  "--stay", "20") for a in ("a", "b")}
+                                  "--stay", "25", "--boundary-every", "3") for a in ("a", "b")}
         wait_for(lambda: (result_of(tmp_path, "a") or {}).get("memberships"), "a and b formed generation 0")
         late = start_agent(root, "late", "c", tmp_path, "--min", "1", "--max", "3", "--last-call", "0.2")
         results = finish({**running, "c": late}, tmp_path)
@@ -300,28 +302,45 @@ class Scenarios:
         assert x.newest_generation() == 2
         x.check_fence(current)
 
-    def test_hostile_records_are_ignored_and_a_void_generation_is_skipped(self, root, store) -> None:
+    def test_a_restarted_agent_never_takes_its_predecessors_place(self, store) -> None:
+        first = {a: make_agent(store, "restart", a, min_nodes=2, max_nodes=2) for a in "xy"}
+        generation0 = {j.result() for j in [Joining(agent) for agent in first.values()]}.pop()
+        # x's process dies and a new one starts under the same agent id: generation 0 lists x, but not it
+        again = make_agent(store, "restart", "x", min_nodes=1, max_nodes=2, last_call=0.1)
+        current = again.join()
+        assert current.generation == 1 and current.includes("x", again.incarnation)
+        assert not generation0.includes("x", again.incarnation)
+        upcoming = first["y"].poll(generation0)  # y learns that generation 0 is over: x joined the next one
+        assert upcoming.superseded and upcoming.closing == frozenset("x")
+
+    def test_hostile_join_records_are_ignored(self, root, store) -> None:
         garbage = {
             "not-json": b"\x80\x81 not json", "array": b"[1, 2]", "nan": b'{"version": NaN}',
             "duplicate": b'{"version": 1, "version": 1}', "huge": b'{"pad": "' + b"x" * (2 << 20) + b'"}',
             "empty-object": b"{}", "deep": b"[" * 100_000 + b"]" * 100_000,
         }
-        join = rendezvous.join_to_json("evil", 1, rendezvous.Join(rendezvous.Member(
+        join = rendezvous.join_to_json("evil", 0, rendezvous.Join(rendezvous.Member(
             "0impostor", "0" * 32, "h", "h:1", 1, 0.0)))
         wrong = {"0impostor": join | {"member": join["member"] | {"agent_id": "a"}},  # under another's key
                  "0wrong-run": join | {"run_id": "other"}, "0bool-gen": join | {"generation": True},
                  "0many-workers": join | {"member": join["member"] | {"workers": 10**9}},
                  "0extra": join | {"extra": 1}}
-        for generation in (0, 1):
-            for name, data in garbage.items():
-                put_raw(root, f"rdzv/evil/g00000000{generation}/join/0{name}", data)
-            for name, value in wrong.items():
-                store.create(f"rdzv/evil/g00000000{generation}/join/{name}", value)
-        put_raw(root, "rdzv/evil/g000000000/membership", b'{"version": 1, "kind": "membership"}')
+        for name, data in garbage.items():  # all sort before "a": the first in line to seal is garbage
+            put_raw(root, f"rdzv/evil/g000000000/join/0{name}", data)
+        for name, value in wrong.items():
+            store.create(f"rdzv/evil/g000000000/join/{name}", value)
+        put_raw(root, "rdzv/evil/g000000000/sealer", b"garbage")
         put_raw(root, "rdzv/evil/finished", b"\xff")  # an invalid finished marker does not stop the run
-        put_raw(root, "rdzv/evil/g000000000/alive", b"garbage")
         joining = [Joining(make_agent(store, "evil", a, min_nodes=2, max_nodes=2, seal_grace=0.3,
                                       join_timeout=60)) for a in "ab"]
+        memberships = {j.result() for j in joining}
+        assert [(m.generation, m.agent_ids) for m in memberships] == [(0, ("a", "b"))]
+
+    def test_an_invalid_membership_voids_its_generation_for_every_agent(self, root, store) -> None:
+        put_raw(root, "rdzv/void/g000000000/membership", b'{"version": 1, "kind": "membership"}')
+        put_raw(root, "rdzv/void/g000000000/alive", b"garbage")
+        joining = [Joining(make_agent(store, "void", a, min_nodes=2, max_nodes=2, join_timeout=20))
+                   for a in "ab"]
         memberships = {j.result() for j in joining}
         assert [(m.generation, m.agent_ids) for m in memberships] == [(1, ("a", "b"))]
 

@@ -31,9 +31,12 @@ def membership(*agent_ids: str, generation: int = 0) -> rendezvous.Membership:
 def decide(joins: list[rendezvous.Join], previous: rendezvous.Membership | None = None, *, over: bool = True,
            min_nodes: int = 1, max_nodes: int = 4, last_call: float = 10.0,
            waited: float | None = None) -> tuple[str, ...] | None:
-    chosen = rendezvous.seal_decision(joins, previous, previous_over=over, min_nodes=min_nodes,
-                                      max_nodes=max_nodes, last_call=last_call, min_reached_for=waited)
-    return None if chosen is None else tuple(m.agent_id for m in chosen)
+    suspected: set[str] = set().union(*(j.suspects for j in joins))
+    if not rendezvous.should_seal([j.member.agent_id for j in joins], suspected, previous, previous_over=over,
+                                  min_nodes=min_nodes, max_nodes=max_nodes, last_call=last_call,
+                                  min_reached_for=waited):
+        return None
+    return tuple(m.agent_id for m in rendezvous.choose_members(joins, previous, max_nodes))
 
 
 # ---- ranks --------------------------------------------------------------------------------------------

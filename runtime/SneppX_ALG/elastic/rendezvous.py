@@ -19,7 +19,7 @@ Records of generation g of run R (keys of a `storage.record.RecordStore`):
    g+1: a late joiner waits for the next generation.
 2. It creates its join record at g and waits, polling with backoff (up to `poll_cap`).
 3. The natural sealer is the agent with the lowest id among the joins: it renews the generation's
-   `sealer` record, lists and reads the joins at every poll, and seals as soon as `seal_decision` says so.
+   `sealer` record, lists and reads the joins at every poll, and seals as soon as `should_seal` says so.
    Every other agent only watches the `sealer` record; when it has stood still for k * `seal_grace`
    seconds (or k times three of the sealer's own poll periods, which it writes there, if longer: a slow
    store is not a dead sealer), the agent with the k-th lowest id takes over (the k before it died), so
@@ -29,11 +29,11 @@ Records of generation g of run R (keys of a `storage.record.RecordStore`):
    rank = the workers of all lower node ranks + local rank (node_rank * workers + local_rank when every
    node runs the same number of workers); world size = all workers.
 
-The seal decision (`seal_decision`, pure). Generation g+1 seals only once generation g is over: a member of
-g (by agent id) has joined g+1, or g is void, or node 0 of g has not renewed g's `alive` record for
-`lease_timeout` seconds of the observer's own clock (no clocks are compared between machines). Until then
-agents that were not in g wait at g+1: the members of g see them with `poll` and join them at a checkpoint
-boundary. Then it seals when `max_nodes` agents joined; or at once when every member of g that no joiner
+The seal decision (`should_seal`, pure; `choose_members` picks who). Generation g+1 seals only once
+generation g is over: a member of g (by agent id) has joined g+1, or g is void, or node 0 of g has not
+renewed g's `alive` record for `lease_timeout` seconds of the observer's own clock (no clocks are compared
+between machines). Until then agents that were not in g wait at g+1: the members of g see them with `poll`
+and join them at a checkpoint boundary. Then it seals when `max_nodes` agents joined; or at once when every member of g that no joiner
 suspects to be gone has joined (and at least `min_nodes` did): survivors of a failure re-form without
 waiting; or when at least `min_nodes` joined and `last_call` seconds passed since the observer first saw
 that many. `join_timeout` bounds the wait (`RendezvousTimeoutError`).
@@ -338,16 +338,6 @@ def should_seal(joined: Collection[str], suspected: Collection[str], previous: M
     if previous is not None and set(previous.agent_ids) - set(suspected) <= joined:
         return True  # every member of the generation before that is not known to be gone is here
     return min_reached_for is not None and min_reached_for >= last_call
-
-
-def seal_decision(joins: Sequence[Join], previous: Membership | None, *, previous_over: bool, min_nodes: int,
-                  max_nodes: int, last_call: float, min_reached_for: float | None) -> tuple[Member, ...] | None:
-    """The members to seal a generation with now (`should_seal`, then `choose_members`), or None to wait."""
-    suspected: set[str] = set().union(*(j.suspects for j in joins))
-    if should_seal([j.member.agent_id for j in joins], suspected, previous, previous_over=previous_over,
-                   min_nodes=min_nodes, max_nodes=max_nodes, last_call=last_call, min_reached_for=min_reached_for):
-        return choose_members(joins, previous, max_nodes)
-    return None
 
 
 # ---- one agent's side of the protocol ------------------------------------------------------------------
