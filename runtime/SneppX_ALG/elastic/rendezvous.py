@@ -511,12 +511,12 @@ class Rendezvous:
         """Waits for `generation` to seal, sealing it when this agent should.
 
         The sealer (the lowest id among the joins, as it last saw them) renews the generation's `sealer`
-        record every `seal_grace / 3` seconds, polls at least every `seal_grace / 4`, lists the joins and
-        reads the membership at every poll,
-        reads each join record once, and seals; its last renewal says `sealed`. The others read only the
-        `sealer` record at each poll (one small read), and the membership once it says `sealed`. When it
-        has stood still for k * `seal_grace` (k: their place among the joins, from one listing), the
-        agent with the k-th lowest id takes over. N waiting agents never each list or read N records."""
+        record every `seal_grace / 3` seconds, polls at least every `seal_grace / 4`, reads the membership
+        and lists the joins at every poll, reads each join record once, and seals; its last renewal says
+        `sealed`. The others read only the `sealer` record at each poll (one small read), and the membership
+        once it says `sealed`. When it has stood still for k * `seal_grace` (k: their place among the
+        joins, from one listing), the agent with the k-th lowest id takes over. N waiting agents never each
+        list or read N records."""
         seen = _Observation(finished_checked_at=self._clock())  # join() just checked
         interval = self.config.poll_interval
         while True:
@@ -540,10 +540,10 @@ class Rendezvous:
         prefix = join_prefix(self.run_id, generation)
         if seen.natural is None:  # the first poll lists one key: is this agent the lowest id?
             seen.natural = self.store.keys(prefix, limit=1) == [prefix + self.agent_id]
+        if now - seen.finished_checked_at >= self.config.lease_timeout:
+            self._raise_if_finished()
+            seen.finished_checked_at = now
         if not seen.natural:
-            if now - seen.finished_checked_at >= self.config.lease_timeout:
-                self._raise_if_finished()
-                seen.finished_checked_at = now
             still = self._unchanged_for(sealer_key(self.run_id, generation), seen.sealer, now)
             if seen.sealer.sealed:
                 sealed = self._membership(generation)
