@@ -1,4 +1,5 @@
-"""Steps as prefixes in an S3 bucket: parallel multipart uploads, then a marker PUT with If-None-Match."""
+"""An S3 prefix: checkpoint steps (parallel multipart uploads, then a marker PUT with If-None-Match), and
+compare-and-swap records (conditional PUTs: If-None-Match to create, If-Match on the ETag to swap)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import email.utils
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from SneppX_ALG import _native, errors
-from SneppX_ALG.storage import base, lease
+from SneppX_ALG.storage import base, lease, record
 
 LEASE_FORMAT = "sneppx.lease"
 
@@ -123,10 +124,10 @@ class S3Storage:
 
     def _publish_lease(self) -> None:
         owner = self.lease.owner()
-        record = {"format": LEASE_FORMAT, "writer": owner.writer, "host": owner.host, "pid": owner.pid,
-                  "pid_start": owner.pid_start, "steps": sorted(self.lease.steps),
-                  "expiry_s": self.lease.expiry_s}
-        self._put(self._lease_key(owner.writer), json.dumps(record, sort_keys=True).encode())
+        claim = {"format": LEASE_FORMAT, "writer": owner.writer, "host": owner.host, "pid": owner.pid,
+                 "pid_start": owner.pid_start, "steps": sorted(self.lease.steps),
+                 "expiry_s": self.lease.expiry_s}
+        self._put(self._lease_key(owner.writer), json.dumps(claim, sort_keys=True).encode())
 
     def _withdraw_lease(self) -> None:
         self._delete_keys([self._lease_key(self.lease.writer)])
@@ -252,7 +253,7 @@ class S3Storage:
             self.client.head_object(Bucket=self.bucket, Key=key)
             return True
         except _s3_errors() as e:
-            if _error_code(e) in ("404", "NoSuchKey", "NotFound"):
+            if _error_code(e) in NOT_FOUND:
                 return False
             raise _s3_error(e, "head", self.uri) from None
 
@@ -262,7 +263,7 @@ class S3Storage:
             response = self.client.get_object(Bucket=self.bucket, Key=key)
             return response["Body"].read(limit), response["ETag"]
         except _s3_errors() as e:
-            if _error_code(e) in ("404", "NoSuchKey", "NotFound"):
+            if _error_code(e) in NOT_FOUND:
                 return None
             raise _s3_error(e, f"get {key}", self.uri) from None
 
@@ -532,17 +533,128 @@ class S3Storage:
 def _parse_lease(raw: bytes) -> lease.Claim | None:
     """The claim a lease object records, or None when it is not one (it then claims nothing)."""
     try:
-        record = json.loads(raw)
+        fields = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None
-    if not (isinstance(record, dict) and record.get("format") == LEASE_FORMAT
-            and isinstance(record.get("writer"), str) and isinstance(record.get("host"), str)
-            and isinstance(record.get("pid"), int) and isinstance(record.get("pid_start"), (int, type(None)))
-            and isinstance(record.get("steps"), list) and all(isinstance(s, int) for s in record["steps"])
-            and isinstance(record.get("expiry_s"), (int, float))):
+    if not (isinstance(fields, dict) and fields.get("format") == LEASE_FORMAT
+            and isinstance(fields.get("writer"), str) and isinstance(fields.get("host"), str)
+            and isinstance(fields.get("pid"), int) and isinstance(fields.get("pid_start"), (int, type(None)))
+            and isinstance(fields.get("steps"), list) and all(isinstance(s, int) for s in fields["steps"])
+            and isinstance(fields.get("expiry_s"), (int, float))):
         return None
-    owner = lease.Owner(record["writer"], record["host"], record["pid"], record["pid_start"])
-    return lease.Claim(owner, frozenset(record["steps"]), float(record["expiry_s"]))
+    owner = lease.Owner(fields["writer"], fields["host"], fields["pid"], fields["pid_start"])
+    return lease.Claim(owner, frozenset(fields["steps"]), float(fields["expiry_s"]))
+
+
+class S3RecordStore:
+    """Compare-and-swap records as objects under an S3 prefix.
+
+    S3 decides every condition itself (strongly consistent since 2020, conditional writes since 2024): a
+    create is PutObject with `If-None-Match: *`, a swap is PutObject with `If-Match: <ETag>`, and of
+    concurrent conditional writes to one key the first to finish wins and the others get 412. The version
+    of a record is its ETag (a digest of its bytes for a plain PUT). A 409 (`ConditionalRequestConflict`,
+    two conditional writes in flight at once) is a conflict as well: read again.
+    """
+
+    def __init__(self, uri: str, *, client: Any = None):
+        self.uri = uri.rstrip("/")
+        self.bucket, self.prefix = parse_s3_uri(self.uri)
+        self.client = client if client is not None else make_s3_client()
+
+    def _key(self, key: str) -> str:
+        record.check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def create(self, key: str, value: Mapping[str, Any]) -> record.Record:
+        data = record.encode(key, value)
+        try:
+            response = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
+                                              ChecksumCRC32C=_crc32c_b64(data), IfNoneMatch="*")
+        except _s3_errors() as e:
+            if _error_code(e) in CONDITION_FAILED:
+                raise errors.RecordExistsError(f"{key} exists", key=key) from None
+            raise _record_error(e, "create", key) from None
+        return record.Record(key, record.decode(key, data), str(response["ETag"]))
+
+    def read(self, key: str) -> record.Record | None:
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+        except _s3_errors() as e:
+            if _error_code(e) in NOT_FOUND:
+                return None
+            raise _record_error(e, "read", key) from None
+        body = response["Body"]
+        try:
+            if int(response.get("ContentLength") or 0) > record.MAX_RECORD_BYTES:
+                raise errors.RecordCorruptError(f"{key} is {response['ContentLength']} bytes, over "
+                                                f"{record.MAX_RECORD_BYTES}", key=key)
+            data = body.read(record.MAX_RECORD_BYTES + 1)
+        except _s3_errors() as e:
+            raise _record_error(e, "read", key) from None
+        finally:
+            body.close()
+        return record.Record(key, record.decode(key, data), str(response["ETag"]))
+
+    def swap(self, key: str, value: Mapping[str, Any], version: str) -> record.Record:
+        data = record.encode(key, value)
+        if not isinstance(version, str) or not version:
+            raise errors.RecordValueError(f"{version!r} is not a version of this store", key=key)
+        try:
+            response = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
+                                              ChecksumCRC32C=_crc32c_b64(data), IfMatch=version)
+        except _s3_errors() as e:
+            if _error_code(e) in CONDITION_FAILED + NOT_FOUND:
+                raise errors.RecordConflictError(f"{key} is no longer at version {version}", key=key) from None
+            raise _record_error(e, "swap", key) from None
+        return record.Record(key, record.decode(key, data), str(response["ETag"]))
+
+    def keys(self, prefix: str = "", *, limit: int | None = None) -> list[str]:
+        record.check_prefix(prefix)
+        record.check_limit(limit)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        found: list[str] = []
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._key(prefix[:-1]) + "/" if prefix
+                                  else (self.prefix + "/" if self.prefix else "")}
+        try:
+            while True:
+                if limit is not None:
+                    kwargs["MaxKeys"] = min(1000, limit - len(found))
+                page = self.client.list_objects_v2(**kwargs)
+                for obj in page.get("Contents", []):
+                    key = obj["Key"][strip:]
+                    with contextlib.suppress(errors.RecordValueError):  # not a record's key: not ours
+                        record.check_key(key)
+                        found.append(key)
+                if not page.get("IsTruncated") or (limit is not None and len(found) >= limit):
+                    break
+                kwargs["ContinuationToken"] = page["NextContinuationToken"]
+        except _s3_errors() as e:
+            raise _record_error(e, "list", prefix) from None
+        return found[:limit] if limit is not None else found
+
+    def delete(self, key: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+        except _s3_errors() as e:
+            if _error_code(e) not in NOT_FOUND:
+                raise _record_error(e, "delete", key) from None
+
+
+CONDITION_FAILED = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
+NOT_FOUND = ("404", "NoSuchKey", "NotFound")
+TRANSIENT_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
+                             "RequestTimeTooSkewed", "ServiceUnavailable", "InternalError"})
+
+
+def _record_error(e: Exception, what: str, key: str) -> errors.RecordStoreError:
+    """A transient failure (no answer, 5xx, throttling) or another refusal of the store."""
+    import botocore.exceptions
+
+    status = int((getattr(e, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    transient = (isinstance(e, botocore.exceptions.ConnectionError | botocore.exceptions.HTTPClientError)
+                 or status >= 500 or _error_code(e) in TRANSIENT_CODES)
+    kind = errors.RecordUnavailableError if transient else errors.RecordStoreError
+    return kind(f"S3 {what} of {key or '/'} failed: {e}", key=key)
 
 
 def _s3_errors() -> tuple[type[Exception], ...]:
