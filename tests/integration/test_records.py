@@ -16,10 +16,6 @@ from SneppX_ALG import errors, storage
 from SneppX_ALG.elastic import rendezvous
 from SneppX_ALG.storage import record
 
-MOTO_RACES = ("moto's conditional PutObject checks, then writes, without a lock (moto/s3/responses.py "
-              "put_object): two concurrent conditional writes can both succeed (2 of 300 races with 24 writers, "
-              "measured). S3 and the Versity gateway decide under a per-key lock: races are tested there.")
-
 
 def race(writers: int, attempt: Any) -> list[Any]:
     """Runs `attempt(i)` on `writers` threads released together; returns what each returned (or raised)."""
@@ -39,10 +35,6 @@ def race(writers: int, attempt: Any) -> list[Any]:
 class Scenarios:
     @pytest.fixture
     def store(self) -> storage.RecordStore:
-        raise NotImplementedError
-
-    @pytest.fixture
-    def backend(self) -> str:
         raise NotImplementedError
 
     def test_create_read_swap_keys_delete(self, store) -> None:
@@ -68,9 +60,7 @@ class Scenarios:
         with pytest.raises(errors.RecordValueError):
             store.create("rdzv/r/big", {"x": "y" * record.MAX_RECORD_BYTES})
 
-    def test_writers_racing_to_create_a_key_have_exactly_one_winner(self, store, backend) -> None:
-        if backend == "moto":
-            pytest.skip(MOTO_RACES)
+    def test_writers_racing_to_create_a_key_have_exactly_one_winner(self, store) -> None:
         for round_ in range(20):
             outcomes = race(8, lambda i, key=f"race/{round_}": store.create(key, {"writer": i}))
             winners = [o for o in outcomes if isinstance(o, record.Record)]
@@ -78,9 +68,7 @@ class Scenarios:
             assert all(isinstance(o, errors.RecordExistsError) for o in outcomes if o is not winners[0])
             assert store.read(f"race/{round_}") == winners[0]
 
-    def test_writers_racing_to_swap_one_version_have_exactly_one_winner(self, store, backend) -> None:
-        if backend == "moto":
-            pytest.skip(MOTO_RACES)
+    def test_writers_racing_to_swap_one_version_have_exactly_one_winner(self, store) -> None:
         current = store.create("counter", {"n": 0, "by": []})
         for n in range(1, 16):
             seen = current
@@ -93,12 +81,10 @@ class Scenarios:
             assert store.read("counter") == current and current.value["n"] == n
         assert len(current.value["by"]) == 15  # no update was lost
 
-    def test_writers_incrementing_one_counter_with_retries_lose_no_increment(self, store, backend) -> None:
+    def test_writers_incrementing_one_counter_with_retries_lose_no_increment(self, store) -> None:
         # Contention with progress: while one writer stalls (its write, its fsync), others move the record
         # on by several versions. A store that let the stalled write land below the newest version would
         # lose its increment.
-        if backend == "moto":
-            pytest.skip(MOTO_RACES)
         writers, increments = 24, 8
         store.create("counter", {"by": []})
 
@@ -124,19 +110,11 @@ class TestOnADirectory(Scenarios):
     def store(self, tmp_path) -> storage.RecordStore:
         return storage.open_record_store(str(tmp_path))
 
-    @pytest.fixture
-    def backend(self) -> str:
-        return "dir"
-
 
 class TestOnS3(Scenarios):
     @pytest.fixture
     def store(self, s3_bucket: str, s3_env: Any) -> storage.RecordStore:
         return storage.S3RecordStore(f"s3://{s3_bucket}/job", client=s3_env.client(max_connections=16))
-
-    @pytest.fixture
-    def backend(self, s3_env: Any) -> str:
-        return str(s3_env.kind)
 
     def test_listings_page_past_a_thousand_keys_and_skip_what_is_not_a_record(self, store, s3_bucket,
                                                                              s3_env) -> None:

@@ -150,13 +150,7 @@ class Scenarios:
             assert a == b | {"node_rank": 0, "rank_offset": 0}  # the same record: members, incarnations, sealer
             assert sealed_generations(store, f"race-{i}") == [f"rdzv/race-{i}/g000000000/membership"]
 
-    def test_many_agents_all_sealing_at_once_leave_exactly_one_membership(self, root, store, tmp_path,
-                                                                          backend) -> None:
-        if backend == "moto":
-            pytest.skip("moto's conditional PutObject checks, then writes, without a lock "
-                        "(moto/s3/responses.py put_object): two concurrent If-None-Match creates can both "
-                        "succeed (2 of 300 races with 24 writers, measured). S3 and the Versity gateway "
-                        "decide under a per-key lock; that race is tested there and on a directory.")
+    def test_many_agents_all_sealing_at_once_leave_exactly_one_membership(self, root, store, tmp_path) -> None:
         # seal_grace 0: every agent is a sealer at every poll, so all of them race to create the membership
         names = [f"n{i}" for i in range(6)]
         agents = {a: start_agent(root, "herd", a, tmp_path, "--min", "6", "--max", "6", "--seal-grace", "0",
@@ -357,19 +351,11 @@ class TestOnADirectory(Scenarios):
     def root(self, tmp_path: pathlib.Path) -> str:
         return str(tmp_path / "store")
 
-    @pytest.fixture
-    def backend(self) -> str:
-        return "dir"
-
 
 class TestOnS3(Scenarios):
     @pytest.fixture
     def root(self, s3_bucket: str) -> str:
         return f"s3://{s3_bucket}/job"
-
-    @pytest.fixture
-    def backend(self, s3_env: Any) -> str:
-        return str(s3_env.kind)
 
 
 def test_rendezvous_keys_never_look_like_checkpoint_steps(tmp_path) -> None:
