@@ -115,7 +115,10 @@ class Steps:
         manifest, problems, arrays = self._retrying(step, attempt)
         if manifest is not None and manifest["version"] < 3 and not problems:
             manifest, problems, whole = self._read(step, keep=True)
-            arrays = reshard.whole_tensors_to_needs(manifest, whole, needs) if whole is not None else None
+            if manifest is not None and whole is not None:
+                arrays = reshard.whole_tensors_to_needs(manifest, whole, needs)
+                stats.data += sum(t["nbytes"] for t in manifest["tensors"])
+                stats.needed += sum(a.nbytes for a in arrays)
         return manifest, problems, arrays
 
     def _read(self, step: int, *, keep: bool,
