@@ -150,7 +150,7 @@ def train_data_parallel(store_dir: str, rank: int, world: int, steps: int, bucke
 # Large enough that each rank's piece of a moment spans several 4 KiB checksum blocks, small enough to train fast.
 SHARDED_MODEL = {"vocab_size": 256, "dim": 64, "num_heads": 4, "num_layers": 2, "ffn_dim": 128, "max_seq_len": 16}
 SHARDED_DATA = {"vocab_size": 256, "seq_len": 16, "num_sequences": 256, "seed": 2}
-SHARDED_BUCKET_BYTES = 48 << 10  # buckets cut across tensors, so pieces start and end inside tensors
+SHARDED_BUCKET_BYTES = 128 << 10  # buckets span tensors; a rank's piece of one spans up to 8 checksum blocks
 SHARDED_BLOCK_BYTES = 4096
 
 

@@ -72,11 +72,11 @@ def assert_resumed_exactly(reports: dict[int, dict], uninterrupted: list[float])
 
 def assert_read_only_what_is_needed(reports: dict[int, dict], *, local: bool) -> None:
     """Each rank read every byte it needs and, beyond that, at most two partial checksum blocks per saved chunk
-    it read part of (each part here is one byte run: the moments are 1-D, the parameters whole); the kernel's
-    count of bytes read agrees with the loader's."""
+    it read only part of (each part here is one byte run: the moments are 1-D, the parameters whole); the
+    kernel's count of bytes read agrees with the loader's."""
     for rank, report in reports.items():
         read = report["read"]
-        assert read["needed"] <= read["data"] <= read["needed"] + 2 * B * read["parts"], (rank, read)
+        assert read["needed"] <= read["data"] <= read["needed"] + 2 * B * read["cut"], (rank, read)
         if local:
             counted = read["data"] + read["metadata"]
             assert counted <= report["rchar"] <= counted + RCHAR_SLACK, (rank, read, report["rchar"])

@@ -57,15 +57,15 @@ class Need:
 class ReadStats:
     """What a load read: `needed` bytes of tensors asked for; `data` bytes of chunk data read (whole checksum
     blocks); `metadata` bytes of manifest, signature and the shard files' header blocks and tables; `reads`
-    requests made (pread calls locally, ranged GETs on S3) for data and metadata; `parts` intersections of a
-    needed box with a saved chunk that were read (each reads at most two partial blocks beyond what it needs
-    when its bytes are one run, as every box of a 1-D or row-split tensor is)."""
+    requests made (pread calls locally, ranged GETs on S3) for data and metadata; `cut` the saved chunks read
+    only in part (the only reads that go beyond what is needed: by at most two partial blocks each, when the
+    part is one byte run, as every part of a 1-D or row-split tensor is)."""
 
     needed: int = 0
     data: int = 0
     metadata: int = 0
     reads: int = 0
-    parts: int = 0
+    cut: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +150,7 @@ def _plan(manifest: dict[str, Any], tensors: dict[tuple[str, ...], dict[str, Any
                 continue
             runs = chunks.byte_runs(saved, part, dtype.itemsize)
             work.append(_Work(index, chunk, part, chunks.touched_blocks(runs, block_bytes)))
-            stats.parts += 1
+            stats.cut += part != saved
     return outs, work
 
 
