@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import subprocess
+import sys
 from typing import TYPE_CHECKING, Any
 
 import collective_workers as workers
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 
 from SneppX_ALG import CheckpointCoordinator, storage, validate_checkpoint
+from SneppX_ALG.checkpoint import signing
 from SneppX_ALG.model import data, training, transformer
 
 if TYPE_CHECKING:
@@ -184,3 +187,34 @@ def test_a_corrupt_block_that_one_rank_reads_makes_every_rank_skip_the_step(
     for report in reports.values():
         [(step, problems)] = report["skipped"]
         assert step == SAVED_AT + 2 and any("ChecksumMismatchError" in p for p in problems), problems
+
+
+def test_a_signed_step_of_2_ranks_verifies_whole_and_in_part_at_3_and_on_the_command_line(
+        tmp_path: pathlib.Path, ranks: Ranks, uninterrupted: list[float]) -> None:
+    """Each rank's shard file is covered by the one signature (its digest is in the signed manifest), and so is
+    every block a resharded load reads (its BLAKE3 is there too): `sneppx verify` checks the whole step, a
+    restore at 3 ranks with trusted_keys the parts it reads."""
+    private, public = signing.generate_keypair()
+    signing.save_private_key(tmp_path / "key.pem", private)
+    signing.save_public_key(tmp_path / "key.pub", public)
+    root = str(tmp_path / "ckpt")
+    launch(ranks, tmp_path / "store-save", root, 2, restore=False, train_steps=SAVED_AT, save_step=SAVED_AT,
+           coordinator_kwargs={"signing_key": str(tmp_path / "key.pem"), "trusted_keys": [str(tmp_path / "key.pub")]})
+    step = pathlib.Path(root) / storage.step_name(SAVED_AT)
+    manifest = json.loads((step / "manifest.json").read_bytes())
+    assert sorted(manifest["files"]) == ["shard-00000.snpx", "shard-00001.snpx"]
+    assert all("digests" in c for t in manifest["tensors"] for c in t["chunks"])
+    sneppx = [sys.executable, "-m", "SneppX_ALG.cli"]
+    for command in (["verify", str(step), "-k", str(tmp_path / "key.pub")], ["validate", str(step)]):
+        result = subprocess.run(sneppx + command, capture_output=True, text=True, timeout=120, check=False)
+        assert result.returncode == 0, result.stdout + result.stderr
+    reports = launch(ranks, tmp_path / "store-load", root, 3, restore=True, train_steps=CONTINUE,
+                     coordinator_kwargs={"trusted_keys": [str(tmp_path / "key.pub")], "read_only": True})
+    assert_resumed_exactly(reports, uninterrupted)
+    assert_read_only_what_is_needed(reports, local=True)
+    other = signing.generate_keypair()[1]
+    signing.save_public_key(tmp_path / "other.pub", other)
+    reports = launch(ranks, tmp_path / "store-untrusted", root, 3, restore=True, train_steps=0,
+                     coordinator_kwargs={"trusted_keys": [str(tmp_path / "other.pub")], "read_only": True})
+    for report in reports.values():  # a key the step was not signed with: no step to resume from
+        assert report["restored"] is None and "UntrustedKeyError" in report["skipped"][0][1][0]
