@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {label} | {seconds:.2f} | {(state_mib << 20) / seconds / 1e9:.2f} | {single / seconds:.2f}x | "
               f"{written[label][0] / 2**20:.1f} / {written[label][1] / 2**20:.1f} MiB |", flush=True)
 
-    print(f"\n| load | block | read / needed | metadata per rank | manifest | seconds | whole step per rank: "
+    print("\n| load | block | read / needed | metadata per rank | manifest | seconds | whole step per rank: "
           "seconds | read / needed |")
     print("|---|---|---|---|---|---|---|---|")
     for block in (int(b) for b in args.blocks.split(",")):

@@ -366,6 +366,14 @@ class FenceRecordError(CheckpointFormatError):
     are abandoned can't be known, so no step is returned as the latest."""
 
 
+# --- interop: other formats and frameworks, tools over a checkpoint root -------
+
+
+class ForeignCheckpointError(CheckpointFormatError):
+    """A checkpoint in another format (a safetensors file or sharded index) can't be read as it is: the file is
+    malformed, or the index names files or tensors its shards don't hold."""
+
+
 # --- sharded checkpoints: steps saved by several ranks, loaded at any world size ---------------------------
 
 

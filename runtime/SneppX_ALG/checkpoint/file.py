@@ -22,28 +22,10 @@ from typing import Any
 import numpy as np
 
 from SneppX_ALG import _native, errors, storage
-from SneppX_ALG.checkpoint import format, signing
+from SneppX_ALG.checkpoint import arrays, format, signing
 
 # Writes go to the native writer in pieces of this size so signing digests can stream alongside.
 _PIECE = 64 << 20
-
-
-def as_array(tensor: Any) -> np.ndarray:
-    """A CPU numpy view of a numpy array, a DLPack tensor or a buffer-protocol object (no copy where possible)."""
-    if isinstance(tensor, np.ndarray):
-        return tensor
-    if hasattr(tensor, "__dlpack__"):
-        try:
-            return np.from_dlpack(tensor)
-        except (RuntimeError, TypeError, BufferError, ValueError) as e:
-            raise errors.UnsupportedTensorError(
-                f"can't read {type(tensor).__name__} through DLPack on the CPU ({e}); copy it to host memory first"
-            ) from None
-    try:
-        return np.asarray(memoryview(tensor))
-    except (TypeError, ValueError, NotImplementedError) as e:
-        raise errors.UnsupportedTensorError(
-            f"{type(tensor).__name__} is not a numpy array, DLPack tensor or buffer ({e})") from None
 
 
 def _little_endian_pieces(array: np.ndarray, piece: int) -> Iterator[memoryview]:
@@ -135,7 +117,7 @@ class CheckpointWriter:
         format.check_name(name)
         if name in self._names:
             raise errors.UnsupportedTensorError(f"tensor {name!r} was already written to this checkpoint")
-        array = as_array(tensor)
+        array = arrays.as_array(tensor)
         dtype = format.dtype_name(array.dtype)
         shape = tuple(int(d) for d in array.shape)
         if (global_shape is None) != (global_offset is None):
@@ -392,9 +374,16 @@ class CheckpointReader:
         entry = self.entry(name)
         return memoryview(self._mmap)[entry.offset:entry.offset + entry.length]
 
-    def read(self, name: str, *, verify: bool | None = None) -> np.ndarray:
+    def read(self, name: str, *, verify: bool | None = None, as_: Callable[[Any], Any] | None = None,
+             out: Any = None) -> Any:
         """The tensor as a read-only numpy array over the mapping, CRC-verified unless verify=False (and
-        digest-verified too when the reader was opened with trusted_keys)."""
+        digest-verified too when the reader was opened with trusted_keys).
+
+        as_: a function that takes a DLPack tensor (`torch.from_dlpack`, `jax.dlpack.from_dlpack`,
+            `np.asarray`, ...); it gets the tensor mapped copy-on-write (arrays.MappedTensor: writable, not
+            copied, writes never reach the file) and read() returns what it returns.
+        out: a writable tensor of the same shape and dtype (numpy, or anything with `__dlpack__` or the array
+            interface on the CPU, e.g. a torch tensor) to copy the tensor into; read() returns `out`."""
         entry = self.entry(name)
         data = self.raw(name)
         if (self.verify if verify is None else verify) and name not in self._verified:
@@ -402,8 +391,16 @@ class CheckpointReader:
             if problems:
                 raise problems[0]
             self._verified.add(name)
-        array = np.frombuffer(data, dtype=format.numpy_dtype(entry.dtype), count=math.prod(entry.shape))
-        return array.reshape(entry.shape)
+        dtype = format.numpy_dtype(entry.dtype)
+        if as_ is not None:
+            if out is not None:
+                raise ValueError("read() takes as_ or out, not both")
+            return as_(arrays.MappedTensor(self.fileno(), entry.offset, dtype, entry.shape, entry.length))
+        array = np.frombuffer(data, dtype=dtype, count=math.prod(entry.shape)).reshape(entry.shape)
+        if out is not None:
+            arrays.copy_into(out, array, what=f"{self.path}: tensor {name!r}")
+            return out
+        return array
 
     def padding_is_zero(self, entry: format.TensorEntry) -> bool:
         """True when the padding after the tensor (up to the next 4096 boundary) is all zero."""

@@ -157,6 +157,11 @@ def _int_list(value: Any) -> bool:
     return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
 
 
+def parts_of(tensor: dict[str, Any]) -> list[dict[str, Any]]:
+    """A decoded tensor's stored parts: its chunks (version 3) or its pieces (versions 1 and 2)."""
+    return tensor["chunks"] if "chunks" in tensor else tensor["pieces"]
+
+
 def block_count(nbytes: int, block_bytes: int) -> int:
     """How many checksum blocks a chunk of nbytes has (the last may be short; none when it is empty)."""
     return -(-nbytes // block_bytes)

@@ -246,3 +246,30 @@ def _target(targets: dict[tuple[int, str], list[memoryview]], shard: int,
             entry: format.TensorEntry) -> memoryview | None:
     views = targets.get((shard, entry.name))
     return views[0] if views and len(views[0]) == entry.length else None
+
+
+def quick_check_step(step: int, manifest: bytes | None, files: dict[str, int], marker: bytes | None = None,
+                     ) -> tuple[dict[str, Any] | None, list[str]]:
+    """(manifest, problems) of a committed step judged from its listing alone, no shard byte read (what
+    `sneppx ls` says without --full): the manifest's schema and checksum, that an S3 step's `COMMITTED`
+    marker was written for it, and that every shard it names is there (with the size a signed manifest
+    lists). A step that passes can still fail check_step, which reads every byte."""
+    if manifest is None:
+        return None, [f"step {step}: manifest.json is missing"]
+    if marker is not None:
+        problem = storage.marker_problem(marker, manifest, step)
+        if problem is not None:
+            return None, [problem]
+    try:
+        decoded = manifest_codec.decode_manifest(manifest, step=step, where=f"step {step}: {storage.MANIFEST}")
+    except errors.ManifestError as e:
+        return None, [str(e)]
+    problems = []
+    listed = decoded.get("files", {})
+    for shard in decoded["shards"]:
+        if shard not in files:
+            problems.append(f"step {step}: shard {shard} is missing")
+        elif shard in listed and isinstance(listed[shard], dict) and listed[shard].get("size") != files[shard]:
+            problems.append(f"step {step}: shard {shard} is {files[shard]} bytes, the manifest says "
+                            f"{listed[shard].get('size')}")
+    return decoded, problems

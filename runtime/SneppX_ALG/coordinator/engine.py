@@ -422,43 +422,65 @@ class Engine:
         self._stored_fence_checked = True
 
     def _retain(self, new_step: int) -> None:
-        """Retention after `new_step` committed: deletes what retention.steps_to_delete says, never the
-        newest step that validates, then set-aside steps beyond max_to_keep.
+        """Retention after `new_step` committed (plan_retention, then apply_retention). A step that can't be
+        read now stops retention for this save: nothing is deleted on a guess."""
+        max_to_keep, keep_every = self.retention
+        try:
+            plan = self.plan_retention(new_step, max_to_keep, keep_every)
+        except errors.CheckpointUnreadableError as e:
+            log.warning("retention skipped after step %d: %s", new_step, e)
+            return
+        self.apply_retention(plan)
+        invalid = plan.invalid.get(new_step, [])
+        if invalid:
+            raise errors.CommittedStepInvalidError(
+                f"step {new_step} was committed but does not validate when read back: {'; '.join(invalid[:3])}. "
+                "Retention kept the newest step that does.", path=self.store.uri)
+
+    def plan_retention(self, new_step: int | None, max_to_keep: int | None,
+                       keep_every_n_steps: int | None) -> retention.Plan:
+        """What retention deletes after `new_step` committed (None: the newest visible step): what
+        retention.steps_to_delete says, never the newest step that validates, and set-aside steps beyond
+        max_to_keep. The one rule for the writer after each save and for `sneppx gc`.
 
         Which step is the newest valid one is learned by reading it, and only when a deletion could touch
         it: when this process knows (from a read) of a valid step newer than every step to delete, nothing
         is read. Otherwise the steps are validated newest first (the new step first: usually it is valid)
         until one validates. In the steady state that is one read-back every max_to_keep saves (a step
         validated stays known valid until it is the oldest kept); with max_to_keep=1 it is every save:
-        keeping a single copy means proving the new one good before the old one goes. A step that can't be
-        read now stops retention for this save: nothing is deleted on a guess."""
-        max_to_keep, keep_every = self.retention
+        keeping a single copy means proving the new one good before the old one goes. Raises
+        CheckpointUnreadableError when a step can't be read now."""
         committed = self.known.visible()
-        doomed = retention.steps_to_delete(committed, new_step=new_step, max_to_keep=max_to_keep,
-                                           keep_every_n_steps=keep_every)
-        known = self.known.known_valid
-        invalid: list[str] = []
-        if doomed and (known is None or known not in committed or known <= max(doomed)):
-            try:
-                newest, rejected = self.known.newest_valid(committed)
-            except errors.CheckpointUnreadableError as e:
-                log.warning("retention skipped after step %d: %s", new_step, e)
-                return
-            invalid = rejected.get(new_step, [])
+        if new_step is None:
+            new_step = committed[-1] if committed else None
+        doomed: list[int] = []
+        protected, rejected = None, {}
+        if new_step is not None:
             doomed = retention.steps_to_delete(committed, new_step=new_step, max_to_keep=max_to_keep,
-                                               keep_every_n_steps=keep_every,
-                                               protected=frozenset() if newest is None else frozenset({newest}))
-        for step in doomed:
-            self.store.delete(step)
+                                               keep_every_n_steps=keep_every_n_steps)
+            known = self.known.known_valid
+            if doomed and (known is None or known not in committed or known <= max(doomed)):
+                protected, rejected = self.known.newest_valid(committed)
+                doomed = retention.steps_to_delete(
+                    committed, new_step=new_step, max_to_keep=max_to_keep, keep_every_n_steps=keep_every_n_steps,
+                    protected=frozenset() if protected is None else frozenset({protected}))
+        return retention.Plan(keep=[s for s in committed if s not in doomed], delete=doomed,
+                              remove_set_aside=retention.set_aside_to_delete(self.store.set_aside_steps(),
+                                                                             max_to_keep=max_to_keep),
+                              protected=protected, invalid=rejected)
+
+    def apply_retention(self, plan: retention.Plan) -> None:
+        """Deletes the steps and set-aside steps `plan` names (one already gone is passed over)."""
+        for step in plan.delete:
+            try:
+                self.store.delete(step)
+            except errors.CheckpointNotFoundError:
+                continue
             log.info("retention: deleted checkpoint step %d", step)
-        self.known.forget(doomed)
-        for name in retention.set_aside_to_delete(self.store.set_aside_steps(), max_to_keep=max_to_keep):
+        self.known.forget(plan.delete)
+        for name in plan.remove_set_aside:
             self.store.remove_set_aside(name)
             log.info("retention: removed set-aside step %s", name)
-        if invalid:
-            raise errors.CommittedStepInvalidError(
-                f"step {new_step} was committed but does not validate when read back: {'; '.join(invalid[:3])}. "
-                "Retention kept the newest step that does.", path=self.store.uri)
 
     @staticmethod
     def _file_record(job: Job, name: str) -> dict[str, Any]:

@@ -471,6 +471,22 @@ class CheckpointCoordinator:
         assert manifest is not None and arrays is not None
         return {"state": "ok"}, (manifest, arrays, read), None
 
+    def retention_plan(self, max_to_keep: int, keep_every_n_steps: int | None = None) -> retention.Plan:
+        """What retention would delete now with these settings, as if the newest committed step had just
+        been saved (`sneppx gc`): the rule the writer applies after each save (never the newest step that
+        validates). Reads steps only as that rule does; changes nothing."""
+        return self._engine.plan_retention(None, max_to_keep, keep_every_n_steps)
+
+    def apply_retention(self, plan: retention.Plan) -> None:
+        """Deletes what `plan` (from retention_plan) names, after this coordinator's own saves finish."""
+        with self._lock:
+            self._check_open()
+            if self.read_only:
+                raise errors.ReadOnlyCoordinatorError(f"this coordinator reads {self.checkpoint_root} only "
+                                                      "(read_only=True): it can't delete")
+            self._engine.wait()
+            self._engine.apply_retention(plan)
+
     def _info(self, step: int, manifest: dict[str, Any], read: reshard.ReadStats | None = None) -> CheckpointInfo:
         location = (f"{self._storage.uri}/{storage.step_name(step)}")
         return CheckpointInfo(step, location, manifest.get("training_state"), manifest, read)

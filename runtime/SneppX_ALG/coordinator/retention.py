@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 
 def is_save_step(step: int, every: int | None, last_saved: int | None) -> bool:
     """True on multiples of `every` that were not saved already (every=None or 0: never)."""
@@ -29,3 +31,17 @@ def set_aside_to_delete(set_aside: list[tuple[int, str]], *, max_to_keep: int | 
     if not max_to_keep or max_to_keep < 0:
         return []
     return [name for _, name in sorted(set_aside)[:-max_to_keep]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What retention decided for a root: the committed steps to `keep` and to `delete` (oldest first),
+    set-aside steps to remove, the step kept because it is the newest that validates (`protected`: None when
+    no deletion needed it read, or when none validates) and the problems of the steps read and found invalid
+    on the way to it."""
+
+    keep: list[int]
+    delete: list[int]
+    remove_set_aside: list[str]
+    protected: int | None
+    invalid: dict[int, list[str]]

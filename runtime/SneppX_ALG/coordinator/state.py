@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from SneppX_ALG import errors
-from SneppX_ALG.checkpoint import chunks, file, format, reshard
+from SneppX_ALG.checkpoint import arrays, chunks, format, reshard
 from SneppX_ALG.coordinator import plan
 
 
@@ -121,7 +121,7 @@ def leaf_of(value: Any) -> np.ndarray | DeviceArray | None:
         if index is None:
             index = getattr(device, "id", 0)
         return DeviceArray(int(cai["data"][0]), dtype, shape, int(index or 0), producer_stream(cai), (value,))
-    return file.as_array(value)
+    return arrays.as_array(value)
 
 
 Leaf = tuple[tuple[str, ...], np.ndarray | DeviceArray, Shard | None]
@@ -205,16 +205,28 @@ def set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
 
 
 def load_into_mapping(target: MutableMapping[str, Any], loaded: Mapping[str, Any]) -> None:
-    """Writes arrays into the existing ones where dtype and shape match (references stay valid)."""
+    """Writes arrays into the existing ones where dtype and shape match, numpy arrays or host tensors of
+    another framework seen through DLPack or the array interface (references stay valid); anything else
+    is replaced by the loaded value."""
     for key, value in loaded.items():
         current = target.get(key)
         if isinstance(value, dict) and isinstance(current, MutableMapping):
             load_into_mapping(current, value)
-        elif (isinstance(value, np.ndarray) and isinstance(current, np.ndarray) and current.flags.writeable
-              and current.shape == value.shape and current.dtype == value.dtype):
-            np.copyto(current, value)
+        elif isinstance(value, np.ndarray) and (existing := _host_view(current)) is not None \
+                and existing.flags.writeable and existing.shape == value.shape and existing.dtype == value.dtype:
+            np.copyto(existing, value)
         else:
             target[key] = value
+
+
+def _host_view(value: Any) -> np.ndarray | None:
+    """A numpy view of a host tensor the state held (to load into it), or None."""
+    if value is None or isinstance(value, (bool, int, float, str, Mapping)):
+        return None
+    try:
+        return arrays.as_array(value)
+    except errors.UnsupportedTensorError:
+        return None
 
 
 def tree_of(manifest: dict[str, Any], arrays: list[np.ndarray]) -> dict[str, Any]:

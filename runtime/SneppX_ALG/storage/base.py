@@ -144,6 +144,12 @@ class Storage(Protocol):
 
     def remove_record(self, name: str) -> None: ...
 
+    # What a tool shows of a root (sneppx ls): step-like entries and their small files, nothing else read.
+
+    def inventory(self) -> list[Entry]: ...
+
+    def read_entry_file(self, name: str, leaf: str) -> bytes | None: ...
+
 
 def write_durable(path: str, data: bytes) -> None:
     """Writes a small file through the native writer (fault hook, fdatasync) under a temp name, then
@@ -278,3 +284,32 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# ---- what a listing of a root shows (sneppx ls): steps and step-like leftovers, nothing read ------------------
+
+_ENTRY_RE = re.compile(r"^(?:(step)|\.tmp-step|\.deleting-step|\.(?:invalid|abandoned)-step)-(\d{9,})(?:-.+)?$")
+ENTRY_STATES = {"step": "committed", ".tmp-step": "uncommitted", ".deleting-step": "deleting"}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One step-like directory or prefix of a root: `state` is "committed" (a step with its commit point),
+    "uncommitted" (a save in flight or left by a crash), "set-aside" (moved out of the steps) or "deleting";
+    `files` maps its files' names to their sizes."""
+
+    name: str
+    step: int
+    state: str
+    files: dict[str, int]
+
+
+def classify_entry(name: str) -> tuple[int, str] | None:
+    """(step, state) of a top-level name of a root, or None when it is not step-like (leases, records)."""
+    match = _ENTRY_RE.match(name)
+    if match is None:
+        return None
+    if match.group(1):
+        return (int(match.group(2)), "committed") if STEP_RE.match(name) else None
+    prefix = name[: name.index("-step") + len("-step")]
+    return int(match.group(2)), ENTRY_STATES.get(prefix, "set-aside")

@@ -548,6 +548,33 @@ class S3Storage:
                 removed.append(entry.path)
         return removed
 
+    # -- what `sneppx ls` shows --
+
+    def inventory(self) -> list[base.Entry]:
+        """Every step-like prefix under the root (storage.Entry), from one listing: a step is committed when
+        its marker is there. Its files' sizes; nothing is read."""
+        root = self.key("")
+        strip = len(root) + 1 if root else 0
+        files: dict[str, dict[str, int]] = {}
+        for obj in self._list(root + "/" if root else ""):
+            name, slash, leaf = obj["Key"][strip:].partition("/")
+            if slash and leaf and base.classify_entry(name) is not None:
+                files.setdefault(name, {})[leaf] = int(obj["Size"])
+        found = []
+        for name, held in files.items():
+            step, state = base.classify_entry(name)  # type: ignore[misc]
+            if state == "committed" and base.COMMITTED not in held:
+                state = "uncommitted"
+            found.append(base.Entry(name, step, state, held))
+        return found
+
+    def read_entry_file(self, name: str, leaf: str) -> bytes | None:
+        """A small object (manifest, signature, marker) of an inventory entry, or None when it has none."""
+        if base.classify_entry(name) is None or not base.is_plain_name(leaf):
+            raise ValueError(f"{name}/{leaf} is not a file of a step")
+        found = self._get(self.key(name, leaf))
+        return None if found is None else found[0]
+
 
 class S3StepReader:
     """base.StepReader over a committed step's objects: sizes from one listing, each read one ranged GET whose
