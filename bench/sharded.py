@@ -19,8 +19,9 @@ Loads at M ranks of the step saved at N (SneppX's choice, per --blocks checksum 
 the whole parameters and its new slices of the moments; "read / needed" is the bytes of chunk data it read over
 the bytes it asked for (the alignment to checksum blocks), "metadata" the manifest and the header blocks and
 tables of the shard files it opened, and the manifest's size is what the block checksums cost. Against it, in
-the same run: every rank reading the whole step (a restore without Shards: what a loader that can't reshard
-does). Times are the slowest rank's restore().
+the same run: every rank reading the whole step into arrays of the full tensors (a restore without Shards: what
+a loader that can't reshard does). Times are the slowest rank's restore(); both copy what they read into the
+caller's arrays once the step is known good (the resharded one into its Shards).
 """
 
 from __future__ import annotations
@@ -110,7 +111,10 @@ def rank_main(store_dir: str, root: str, rank: int, world: int, task: dict[str, 
         group.barrier()
         report["written"] = os.path.getsize(shard)
     else:
-        target: dict[str, Any] = targets(params, rank, world) if not task["whole"] else {}
+        # the whole step lands in arrays of the full tensors, as a loader that can't reshard would need
+        target = targets(params, rank, world) if not task["whole"] else {
+            "model": {k: np.empty_like(v) for k, v in params.items()}, "step": np.zeros((), np.int64),
+            "optim": {kind: {k: np.empty(v.size, np.float32) for k, v in params.items()} for kind in ("m", "v")}}
         group.barrier()
         started = time.perf_counter()
         info = coord.restore(target)

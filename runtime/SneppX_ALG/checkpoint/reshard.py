@@ -203,7 +203,8 @@ def _read_shard(reader: storage.StepReader, manifest: dict[str, Any], shard: int
         digests = manifest_codec.block_digests(chunk) if signed else None
         base = int(item.blocks[0, 0]) * block_bytes if len(item.blocks) else 0
         end = min(int(item.blocks[-1, 1]) * block_bytes, chunk["nbytes"]) if len(item.blocks) else 0
-        scratch = np.empty(end - base, np.uint8)
+        direct = _direct_target(item, needs[item.need], outs[item.need])
+        scratch = direct if direct is not None else np.empty(end - base, np.uint8)
         for first, stop in item.blocks.tolist():
             lo, hi = first * block_bytes, min(stop * block_bytes, chunk["nbytes"])
             view = memoryview(scratch[lo - base:hi - base])
@@ -221,7 +222,22 @@ def _read_shard(reader: storage.StepReader, manifest: dict[str, Any], shard: int
                         raise errors.DigestMismatchError(
                             f"block {block} of {chunk['entry']!r} does not match its BLAKE3 in the signed manifest",
                             path=path)
-        _copy_out(scratch, base, chunk, item.part, needs[item.need], outs[item.need])
+        if direct is None:
+            _copy_out(scratch, base, chunk, item.part, needs[item.need], outs[item.need])
+
+
+def _direct_target(item: _Work, need: Need, out: np.ndarray) -> np.ndarray | None:
+    """Where a chunk needed whole lands in `out` when that is one byte range of it (the common case: a whole
+    tensor, a row block, a range of a 1-D tensor): its blocks are read and checked right there, no copy."""
+    box = chunks.Box(tuple(item.chunk["offset"]), tuple(item.chunk["shape"]))
+    if item.part != box or box.volume == 0:
+        return None
+    origin = need.box.offset if need.box is not None else (0,) * out.ndim
+    local = chunks.Box(tuple(o - b for o, b in zip(box.offset, origin, strict=True)), box.shape)
+    if not chunks.is_contiguous(out.shape, local):
+        return None
+    start = int(np.ravel_multi_index(local.offset, out.shape)) * out.itemsize if out.ndim else 0
+    return out.reshape(-1).view(np.uint8)[start:start + item.chunk["nbytes"]]
 
 
 def _copy_out(scratch: np.ndarray, base: int, chunk: dict[str, Any], part: chunks.Box, need: Need,

@@ -299,7 +299,7 @@ def _inventory(root: str) -> list[base.Entry]:
 
 class LocalStepReader:
     """base.StepReader over a step directory: each file opened once (never through a symbolic link, never a
-    FIFO waited on), read with pread into the caller's buffer, each block's CRC32C taken as it lands."""
+    FIFO waited on), read with pread through the native reader into the caller's buffer."""
 
     def __init__(self, directory: str):
         self.location = directory
@@ -325,12 +325,11 @@ class LocalStepReader:
         return self._open(name)[1]
 
     def read_blocks(self, name: str, buffer: memoryview, offset: int, block_bytes: int) -> list[int]:
-        fd = self._open(name)[0]
-        path = os.path.join(self.location, name)
-        crcs = [_native.read_at(fd, buffer[i:i + block_bytes], offset + i, path=path)
-                for i in range(0, len(buffer), block_bytes)]
+        # One read for the whole range (the native reader spreads a large one over threads, and takes its CRC
+        # as it lands: that is the block's when there is one), then a CRC pass per block over the bytes read.
+        crc = _native.read_at(self._open(name)[0], buffer, offset, path=os.path.join(self.location, name))
         self.bytes_read += len(buffer)
-        return crcs
+        return [crc] if len(buffer) <= block_bytes else base.block_crcs(buffer, block_bytes)
 
     def close(self) -> None:
         for fd, _ in self._files.values():
