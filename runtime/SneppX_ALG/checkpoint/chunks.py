@@ -140,7 +140,7 @@ def split_box(shape: tuple[int, ...], itemsize: int, max_bytes: int, first_bytes
     the dimensions before k."""
     total = math.prod(shape) * itemsize
     first = max_bytes if first_bytes is None else min(first_bytes, max_bytes)
-    if total <= first:
+    if total <= first or not shape:  # (a 0-d tensor is one element: it can't be cut)
         return [(0, total, Box.whole(shape))]
     ndim = len(shape)
     k = next(i for i in range(ndim) if math.prod(shape[i + 1:]) * itemsize <= max_bytes)

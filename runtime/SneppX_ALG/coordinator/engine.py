@@ -300,6 +300,8 @@ class Engine:
         group = self.group
         if not job.began:  # the group never started the step (rank 0 could not claim it): nothing to end
             self._drop(job)
+            if job.raised:  # save() failed too, and raised its own error already
+                return
             raise job.error or errors.ShardedCheckpointError(f"step {job.step} did not begin")
         report: dict[str, Any] = {"ok": False, "error": _describe(job.error)}
         if not job.failed:
