@@ -444,3 +444,23 @@ class InvalidRendezvousRecordError(RendezvousError):
     def __init__(self, message: str, *, key: str | None = None):
         super().__init__(f"{key}: {message}" if key else message)
         self.key = key
+
+
+# --- sharded checkpoints: steps saved by several ranks, loaded at any world size ---------------------------
+
+
+class ShardedCheckpointError(SneppXError):
+    """A save or restore of a group of ranks failed on one or more of them. Every rank raises it (or, on the
+    rank where the failure happened, the original error), so the whole group learns the same outcome;
+    `.failures` maps each rank that failed to what went wrong (torch.distributed.checkpoint's
+    CheckpointException)."""
+
+    def __init__(self, message: str, *, failures: dict[int, str] | None = None):
+        super().__init__(message)
+        self.failures = dict(failures or {})
+
+
+class ShardingMismatchError(SneppXError, ValueError):
+    """What was saved or asked for doesn't fit together: ranks whose shards of a tensor don't cover it exactly
+    once, ranks that declare different replicated tensors, or a restore target that the step lacks or whose
+    dtype or global shape differs from the saved tensor's. Nothing is committed or loaded."""

@@ -3,7 +3,10 @@ compare-and-swap records as immutable version files hard-linked into place.
 
 A step's temporary directory is named for its owner (`.tmp-step-<step>-<writer>-<host>-<pid>-<pid start>`) and
 touched by its writer while the save runs (storage/lease.py), so `cleanup()` removes only directories whose
-writer is gone. Records live under their own keys (`rdzv/...`), which no step listing or cleanup touches.
+writer is gone. In a group of ranks, rank 0 owns it and the others write their shard files into it too (they
+`join` it by its name and touch it while they write): rank 0's rename commits every rank's files at once,
+and if rank 0 is gone nothing can commit them, so cleanup's verdict on the owner is the right one for all.
+Records live under their own keys (`rdzv/...`), which no step listing or cleanup touches.
 """
 
 from __future__ import annotations
@@ -64,30 +67,56 @@ class LocalStorage:
             self.lease.release(step)
             raise _os_error(e, tmp) from None
         self._in_flight[step] = tmp
-        return base.PendingStep(step=step, local_dir=tmp)
+        return base.PendingStep(step=step, local_dir=tmp, token=os.path.basename(tmp))
+
+    def join(self, step: int, token: str) -> base.PendingStep:
+        """Another rank's step in flight (`token`: the temporary directory rank 0's begin() made): this rank
+        writes its files into it, and touches it while it does (it is never this rank's to remove)."""
+        if "/" in token or "\x00" in token or not token.startswith(f"{base.TMP_PREFIX}{step:09d}-"):
+            raise ValueError(f"{token!r} is not a temporary directory of step {step}")
+        tmp = os.path.join(self.root, token)
+        if not os.path.isdir(tmp):
+            raise errors.StorageError(f"{tmp}, where rank 0 writes step {step}, is gone", path=tmp)
+        self.lease.hold(step)
+        self._in_flight[step] = tmp
+        return base.PendingStep(step=step, local_dir=tmp, token=token, owner=False)
+
+    def upload(self, pending: base.PendingStep, names: list[str]) -> base.Parts:
+        """The files are in place already (written durably into the temporary directory): their sizes."""
+        return {name: (self._size(pending.local_dir, name), "") for name in names}
 
     def _end(self, step: int) -> None:
         self._in_flight.pop(step, None)
         self.lease.release(step)
 
-    def finalize(self, pending: base.PendingStep, manifest: bytes, signature: bytes | None = None) -> str:
+    def finalize(self, pending: base.PendingStep, manifest: bytes, signature: bytes | None,
+                 parts: base.Parts) -> str:
         try:
-            return self._finalize(pending, manifest, signature)
+            return self._finalize(pending, manifest, signature, parts)
         finally:
             self._end(pending.step)
 
-    def _finalize(self, pending: base.PendingStep, manifest: bytes, signature: bytes | None) -> str:
+    def _finalize(self, pending: base.PendingStep, manifest: bytes, signature: bytes | None,
+                  parts: base.Parts) -> str:
         final = self.step_path(pending.step)
-        parts = {shard: self._size(pending.local_dir, shard) for shard in base.manifest_shards(manifest)}
+        sizes = {name: size for name, (size, _) in parts.items()}
+        missing = sorted(set(base.manifest_shards(manifest)) - set(sizes))
+        if missing:
+            raise errors.StorageError(f"no rank reported writing {', '.join(missing)}", path=pending.local_dir)
+        for name, size in sizes.items():  # every rank's file is there as that rank wrote it
+            if self._size(pending.local_dir, name) != size:
+                raise errors.StorageError(f"{name} in {pending.local_dir} is not the size its writer reported",
+                                          path=pending.local_dir)
+        parts = dict(parts)
         base.write_durable(os.path.join(pending.local_dir, base.MANIFEST), manifest)
-        parts[base.MANIFEST] = len(manifest)
+        sizes[base.MANIFEST] = len(manifest)
         if signature is not None:  # before the commit point: a committed signed step always has its signature
             base.write_durable(os.path.join(pending.local_dir, base.SIGNATURE), signature)
-            parts[base.SIGNATURE] = len(signature)
+            sizes[base.SIGNATURE] = len(signature)
         if os.path.lexists(final):
             raise errors.CheckpointExistsError(f"{final} is already committed; a step is never overwritten",
                                                path=final)
-        for name, size in parts.items():  # nothing was removed under us (a cleaner that judged us gone)
+        for name, size in sizes.items():  # nothing was removed under us (a cleaner that judged us gone)
             if self._size(pending.local_dir, name) != size:
                 raise errors.StorageError(f"{name} in {pending.local_dir} changed size before the commit",
                                           path=pending.local_dir)
@@ -124,7 +153,13 @@ class LocalStorage:
                 os.close(fd)
 
     def abort(self, pending: base.PendingStep) -> None:
-        base.remove_tree(pending.local_dir)
+        """Drops the step in flight: its directory (every rank's files) when this rank made it."""
+        if pending.owner:
+            base.remove_tree(pending.local_dir)
+        self._end(pending.step)
+
+    def leave(self, pending: base.PendingStep) -> None:
+        """This rank is done with a step rank 0 commits (or aborts): the claim ends, the files stay."""
         self._end(pending.step)
 
     @contextlib.contextmanager
@@ -134,6 +169,16 @@ class LocalStorage:
             raise errors.CheckpointNotFoundError(f"no committed checkpoint for step {step} in {self.root}",
                                                  path=path)
         yield path
+
+    @contextlib.contextmanager
+    def read_step(self, step: int) -> Iterator[base.StepReader]:
+        """Ranged reads of a committed step's files (pread through the native reader and its fault hook)."""
+        with self.open_step(step) as path:
+            reader = LocalStepReader(path)
+            try:
+                yield reader
+            finally:
+                reader.close()
 
     def delete(self, step: int) -> None:
         path = self.step_path(step)
@@ -255,6 +300,46 @@ def _inventory(root: str) -> list[base.Entry]:
             continue  # removed since the root was listed
         found.append(base.Entry(entry.name, kind[0], kind[1], files))
     return found
+
+
+class LocalStepReader:
+    """base.StepReader over a step directory: each file opened once (never through a symbolic link, never a
+    FIFO waited on), read with pread through the native reader into the caller's buffer."""
+
+    def __init__(self, directory: str):
+        self.location = directory
+        self.marker: bytes | None = None
+        self.bytes_read = 0
+        self._files: dict[str, tuple[int, int]] = {}
+
+    def _open(self, name: str) -> tuple[int, int]:
+        if name not in self._files:
+            if not base.is_plain_name(name):
+                raise ValueError(f"{name!r} is not a file name in a step")
+            self._files[name] = base.open_checked(os.path.join(self.location, name), follow_symlinks=False)
+        return self._files[name]
+
+    def read_file(self, name: str) -> bytes | None:
+        try:
+            with open(os.path.join(self.location, name), "rb") as f:
+                return f.read(base.MAX_MANIFEST_BYTES + 1)
+        except FileNotFoundError:
+            return None
+
+    def size(self, name: str) -> int:
+        return self._open(name)[1]
+
+    def read_blocks(self, name: str, buffer: memoryview, offset: int, block_bytes: int) -> list[int]:
+        # One read for the whole range (the native reader spreads a large one over threads, and takes its CRC
+        # as it lands: that is the block's when there is one), then a CRC pass per block over the bytes read.
+        crc = _native.read_at(self._open(name)[0], buffer, offset, path=os.path.join(self.location, name))
+        self.bytes_read += len(buffer)
+        return [crc] if len(buffer) <= block_bytes else base.block_crcs(buffer, block_bytes)
+
+    def close(self) -> None:
+        for fd, _ in self._files.values():
+            os.close(fd)
+        self._files.clear()
 
 
 VERSION_RE = re.compile(r"^\.v(\d{9,})$")

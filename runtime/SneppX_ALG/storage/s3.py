@@ -147,6 +147,12 @@ class S3Storage:
     # -- writing a step --
 
     def begin(self, step: int) -> base.PendingStep:
+        """Claims `step` and makes a staging directory for its files. CheckpointExistsError when it is committed
+        already: its objects are never overwritten (the keys of a new save would be the same)."""
+        marker = self.key(base.step_name(step), base.COMMITTED)
+        if self._exists(marker):
+            raise errors.CheckpointExistsError(f"s3://{self.bucket}/{marker} exists; a step is never overwritten",
+                                               path=self.uri)
         self.lease.hold(step)  # before anything of the step is uploaded
         try:
             local = tempfile.mkdtemp(prefix=f"{base.STAGE_PREFIX}{os.getpid()}-{step:09d}-",
@@ -156,27 +162,45 @@ class S3Storage:
             raise
         return base.PendingStep(step=step, local_dir=local)
 
-    def finalize(self, pending: base.PendingStep, manifest: bytes, signature: bytes | None = None) -> str:
-        """Uploads the shards the manifest names, creates manifest.json (If-None-Match: the first writer of a
-        step owns it), puts manifest.sig, checks that every object is on the server as uploaded (size and
-        ETag), then creates `COMMITTED` (If-None-Match): the commit point.
+    def join(self, step: int, token: str) -> base.PendingStep:
+        """Another rank's part of a step in flight: on S3 every rank stages and uploads its own files under its
+        own claim (its lease names the step), so joining is beginning."""
+        return self.begin(step)
 
-        On failure, what this writer uploaded is deleted unless another writer may own those keys now (it
+    def upload(self, pending: base.PendingStep, names: list[str]) -> base.Parts:
+        """Puts this rank's files (named in its local_dir) under the step's prefix: {name: (size, ETag)}. They
+        are recorded in pending.uploaded, so abort() takes them back."""
+        name = base.step_name(pending.step)
+        parts: base.Parts = {}
+        for leaf in names:
+            path = os.path.join(pending.local_dir, leaf)
+            if not os.path.isfile(path):
+                raise errors.StorageError(f"{path} was not written", path=path)
+            key = self.key(name, leaf)
+            size = os.path.getsize(path)
+            etag = self.upload_file(path, key)
+            pending.uploaded[key] = parts[leaf] = (size, etag)
+        return parts
+
+    def finalize(self, pending: base.PendingStep, manifest: bytes, signature: bytes | None,
+                 parts: base.Parts) -> str:
+        """Creates manifest.json (If-None-Match: the first writer of a step owns it), puts manifest.sig, checks
+        that every rank's uploaded file is on the server as it was uploaded (size and ETag, from `parts`), then
+        creates `COMMITTED` (If-None-Match): the commit point.
+
+        On failure, what the step's ranks uploaded is deleted unless another writer may own those keys now (it
         created the manifest or the marker first, or changed an object since), or unless the commit's outcome
         is unknown (CommitUnknownError): then the next cleanup removes them if no marker appears."""
         name = base.step_name(pending.step)
         marker = self.key(name, base.COMMITTED)
-        uploaded: dict[str, tuple[int, str]] = {}  # key -> (size, ETag) as the server acknowledged it
+        uploaded = {self.key(name, leaf): part for leaf, part in parts.items()}  # key -> (size, ETag)
         try:
             if self._exists(marker):
                 raise errors.CheckpointExistsError(f"s3://{self.bucket}/{marker} exists; a step is never "
                                                    "overwritten", path=self.uri)
-            for shard in base.manifest_shards(manifest):
-                path = os.path.join(pending.local_dir, shard)
-                if not os.path.isfile(path):
-                    raise errors.StorageError(f"{path}, named by the manifest, was not written", path=path)
-                key = self.key(name, shard)
-                uploaded[key] = (os.path.getsize(path), self.upload_file(path, key))
+            missing = sorted(set(base.manifest_shards(manifest)) - set(parts))
+            if missing:
+                raise errors.StorageError(f"no rank reported uploading {', '.join(missing)}", path=self.uri)
             key = self.key(name, base.MANIFEST)
             etag = self._create(key, manifest)
             if etag is None:
@@ -196,12 +220,12 @@ class S3Storage:
         except errors.CommitUnknownError:
             raise  # the marker may be there: the parts stay
         except BaseException:
+            pending.uploaded.clear()  # taken back here (or, if another writer owns the keys, not at all)
             with contextlib.suppress(errors.StorageError):  # best effort: cleanup() gets the rest
                 self._delete_keys(list(uploaded))
             raise
         finally:
-            base.remove_tree(pending.local_dir)
-            self.lease.release(pending.step)
+            self.leave(pending)
         return f"s3://{self.bucket}/{self.key(name)}"
 
     def _check_parts(self, name: str, uploaded: dict[str, tuple[int, str]]) -> None:
@@ -245,6 +269,17 @@ class S3Storage:
         return current[1] if current[0] == body else None
 
     def abort(self, pending: base.PendingStep) -> None:
+        """Drops this rank's part of a step that will not commit: what it uploaded (best effort: cleanup gets
+        the rest once no claim stands), its staging directory, its claim."""
+        uploaded, pending.uploaded = list(pending.uploaded), {}
+        try:
+            with contextlib.suppress(errors.StorageError):
+                self._delete_keys(uploaded)
+        finally:
+            self.leave(pending)
+
+    def leave(self, pending: base.PendingStep) -> None:
+        """This rank is done with the step: its staging directory goes, its claim ends; its uploads stay."""
         base.remove_tree(pending.local_dir)
         self.lease.release(pending.step)
 
@@ -351,6 +386,18 @@ class S3Storage:
             yield local
         finally:
             base.remove_tree(fetched)
+
+    @contextlib.contextmanager
+    def read_step(self, step: int) -> Iterator[base.StepReader]:
+        """Ranged reads of a committed step's objects (GET with a Range header; nothing is downloaded whole
+        but the manifest and its signature). The marker is read first: no marker, no step."""
+        name = base.step_name(step)
+        marker = self._get(self.key(name, base.COMMITTED))
+        if marker is None:
+            raise errors.CheckpointNotFoundError(f"no committed checkpoint for step {step} in {self.uri}",
+                                                 path=self.uri)
+        sizes = {obj["Key"][len(self.key(name)) + 1:]: int(obj["Size"]) for obj in self._list(self.key(name) + "/")}
+        yield S3StepReader(self, name, marker[0], sizes)
 
     def _download(self, key: str, path: str) -> None:
         try:
@@ -528,6 +575,50 @@ class S3Storage:
             raise ValueError(f"{name}/{leaf} is not a file of a step")
         found = self._get(self.key(name, leaf))
         return None if found is None else found[0]
+
+
+class S3StepReader:
+    """base.StepReader over a committed step's objects: sizes from one listing, each read one ranged GET whose
+    length is checked and whose blocks' CRC32C are taken on the bytes received."""
+
+    def __init__(self, store: S3Storage, step_name: str, marker: bytes, sizes: dict[str, int]):
+        self.location = f"s3://{store.bucket}/{store.key(step_name)}"
+        self.marker: bytes | None = marker
+        self.bytes_read = 0
+        self._store, self._name, self._sizes = store, step_name, sizes
+
+    def read_file(self, name: str) -> bytes | None:
+        if name not in self._sizes:
+            return None
+        got = self._store._get(self._store.key(self._name, name), limit=base.MAX_MANIFEST_BYTES + 1)
+        return None if got is None else got[0]
+
+    def size(self, name: str) -> int:
+        if name not in self._sizes:
+            raise errors.CheckpointNotFoundError(f"{self.location}/{name} is missing", path=self.location)
+        return self._sizes[name]
+
+    def read_blocks(self, name: str, buffer: memoryview, offset: int, block_bytes: int) -> list[int]:
+        if not buffer:
+            return []
+        key = self._store.key(self._name, name)
+        if offset + len(buffer) > self.size(name):
+            raise errors.TruncatedCheckpointError(f"{self.location}/{name} ends before byte {offset + len(buffer)}",
+                                                  path=self.location)
+        try:
+            response = self._store.client.get_object(Bucket=self._store.bucket, Key=key,
+                                                     Range=f"bytes={offset}-{offset + len(buffer) - 1}")
+            body = response["Body"].read()
+        except _s3_errors() as e:
+            if _error_code(e) in ("404", "NoSuchKey", "NotFound"):
+                raise errors.CheckpointNotFoundError(f"{self.location}/{name} is gone", path=self.location) from None
+            raise _s3_error(e, f"ranged get of {key}", self._store.uri) from None
+        if len(body) != len(buffer):
+            raise errors.TruncatedCheckpointError(f"{self.location}/{name}: {len(body)} bytes came back for a range "
+                                                  f"of {len(buffer)}", path=self.location)
+        buffer[:] = body
+        self.bytes_read += len(buffer)
+        return base.block_crcs(buffer, block_bytes)
 
 
 def _parse_lease(raw: bytes) -> lease.Claim | None:
