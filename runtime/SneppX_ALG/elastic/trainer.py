@@ -96,6 +96,9 @@ class ElasticTrainer:
     restart_nodes: the launcher restarts a node agent that died (as a cluster restarts its pod), after
         node_restart_delay seconds (default restart_delay), at most max_restarts + num_nodes times; it joins
         at the next checkpoint boundary.
+    events_dir: where each agent appends its events as JSON lines (`<agent id>.events.jsonl`: generations,
+        failures, restores, rank 0's steps), to watch a run live; default a temporary directory. Either way
+        run() returns them in RunResult.events.
     """
 
     def __init__(self, train_fn: Callable[[worker.TrainContext], Any], checkpoint_dir: str,
@@ -103,7 +106,8 @@ class ElasticTrainer:
                  min_nodes: int = 1, last_call: float = 10.0, hang_timeout: float = 1.0,
                  step_timeout: float | None = None, heartbeat_timeout: float = 0.8, backend: Backend = "tcp",
                  collective_timeout: float = 300.0, max_to_keep: int | None = 5, rollback_depth: int = 2,
-                 run_id: str | None = None, restart_nodes: bool = True, node_restart_delay: float | None = None):
+                 run_id: str | None = None, restart_nodes: bool = True, node_restart_delay: float | None = None,
+                 events_dir: str | None = None):
         if not callable(train_fn):
             raise TypeError("train_fn must be a function taking the training context")
         if max_restarts < 0 or restart_delay < 0 or join_timeout <= 0 or min_nodes < 1:
@@ -118,6 +122,7 @@ class ElasticTrainer:
         self.run_id = run_id
         self.restart_nodes = restart_nodes
         self.node_restart_delay = restart_delay if node_restart_delay is None else node_restart_delay
+        self.events_dir = events_dir
 
     @property
     def elastic_root(self) -> str:
@@ -180,8 +185,10 @@ class ElasticTrainer:
             env[ENV_KEY] = secrets.token_hex(32)  # the job's key: heartbeats and collectives are authenticated
         storage.open_record_store(self.elastic_root)  # a bad checkpoint_dir fails here, not in every agent
         with tempfile.TemporaryDirectory(prefix="sneppx-run-") as scratch:
+            if self.events_dir is not None:
+                os.makedirs(self.events_dir, exist_ok=True)
             nodes = [_Node(f"node-{i}" if local_nodes == num_nodes else env.get(ENV_AGENT_ID) or socket.gethostname(),
-                           scratch) for i in range(local_nodes)]
+                           scratch, self.events_dir or scratch) for i in range(local_nodes)]
             restarts = 0
             for node in nodes:
                 node.start(command, env)
@@ -234,9 +241,9 @@ class ElasticTrainer:
 class _Node:
     """A node agent process the launcher started (and restarts, with the same agent id, if it dies)."""
 
-    def __init__(self, agent_id: str, scratch: str):
+    def __init__(self, agent_id: str, scratch: str, events_dir: str):
         self.agent_id = agent_id
-        self.events_path = os.path.join(scratch, f"{agent_id}.events.jsonl")
+        self.events_path = os.path.join(events_dir, f"{agent_id}.events.jsonl")
         self.result_path = os.path.join(scratch, f"{agent_id}.result.json")
         self.proc: subprocess.Popen[bytes] | None = None
         self.finished = False
