@@ -6,7 +6,8 @@ Each area is a module of this package with `main(argv)`; results are recorded in
 import importlib
 import sys
 
-AREAS = ["crc", "format", "model", "async_save", "signing", "restore", "heartbeat", "comm"]
+AREAS = ["crc", "format", "model", "async_save", "signing", "restore", "heartbeat", "comm", "rendezvous",
+         "sharded"]
 
 
 def run(argv: list[str]) -> None:

@@ -6,7 +6,9 @@ behaviour of SneppX that holds on one of them only is a bug, so every S3 test ru
 parametrizes its S3 fixtures over KINDS), and `python -m bench async_save` measures uploads on both. Where the
 two differ is listed in docs/TESTING.md.
 
-Both get the same dummy credentials and are bound to 127.0.0.1 only (moto binds 0.0.0.0 unless told).
+Both get the same dummy credentials and are bound to 127.0.0.1 only. moto runs behind one lock
+(tests/serialized_moto.py): on its own it checks a conditional write's condition and then writes, without a
+lock, so two racing `If-None-Match: *` PUTs could both succeed where S3 and the gateway let exactly one win.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 KINDS = ("moto", "versitygw")
 ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 BUILD_SCRIPT = pathlib.Path(__file__).resolve().parent / "tools" / "build.sh"
+SERIALIZED_MOTO = pathlib.Path(__file__).resolve().parent / "serialized_moto.py"
 STOP_TIMEOUT_S = 10.0
 
 
@@ -70,7 +73,7 @@ def start(kind: str, workdir: pathlib.Path, port: int | None = None, timeout: fl
     port = port or free_port()
     address = f"127.0.0.1:{port}"
     if kind == "moto":
-        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+        command = [sys.executable, str(SERIALIZED_MOTO), "--port", str(port)]
         ready_path = "/moto-api/"
     elif kind == "versitygw":
         data = workdir / "versitygw-data"

@@ -306,10 +306,6 @@ class CollectiveAbortedError(CollectiveError):
     """The group was aborted (`abort()`, e.g. from the heartbeat's thread), or failed in an earlier call."""
 
 
-class StaleGenerationError(CollectiveError):
-    """A message or connection came from another membership generation than this group's."""
-
-
 class CommProtocolError(CollectiveError):
     """A peer sent bytes that are not the protocol, or the ranks called different collectives."""
 
@@ -372,3 +368,99 @@ class FenceRecordError(CheckpointFormatError):
 class ForeignCheckpointError(CheckpointFormatError):
     """A checkpoint in another format (a safetensors file or sharded index) can't be read as it is: the file is
     malformed, or the index names files or tensors its shards don't hold."""
+
+
+# --- records: small JSON records in the shared store, written by compare-and-swap ---------
+
+
+class RecordError(SneppXError):
+    """A record of the shared store (rendezvous, leases) could not be written or read. `.key` names it."""
+
+    def __init__(self, message: str, *, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+class RecordConflictError(RecordError):
+    """The write's condition did not hold: another writer changed the record first. Read it again."""
+
+
+class RecordExistsError(RecordConflictError):
+    """Create-if-absent found the key taken."""
+
+
+class RecordCorruptError(RecordError):
+    """What the store holds under the key is not a record SneppX wrote (not bounded UTF-8 JSON, bad layout)."""
+
+
+class RecordValueError(RecordError, ValueError):
+    """The caller's key or value can't be stored: a key outside the store's root, a value too large or not
+    plain JSON."""
+
+
+class RecordStoreError(RecordError):
+    """The store failed or refused the call (permissions, a missing bucket, an I/O error)."""
+
+
+class RecordUnavailableError(RecordStoreError):
+    """The store could not be reached in time (timeout, connection, 5xx, throttling). Transient: a read may be
+    retried as is; a write's outcome is unknown, so read the key before writing again."""
+
+
+# --- rendezvous: membership generations agreed through the shared store ---------------------
+
+
+class RendezvousError(SneppXError):
+    """The rendezvous could not form a generation, or a record in it is not valid."""
+
+
+class RendezvousTimeoutError(RendezvousError, TimeoutError):
+    """`join_timeout` passed before a generation this agent belongs to was sealed. Carries the generation it
+    waited at and the agents that had joined it."""
+
+    def __init__(self, message: str, *, generation: int, joined: tuple[str, ...] = (), min_nodes: int = 0):
+        super().__init__(message)
+        self.generation = generation
+        self.joined = joined
+        self.min_nodes = min_nodes
+
+
+class RendezvousClosedError(RendezvousError):
+    """The run was marked finished in the store; no new generation will form."""
+
+
+class StaleGenerationError(CollectiveError, RendezvousError):
+    """This membership generation is over, or a peer belongs to another one. From the rendezvous
+    (`check_fence`): a newer generation exists (sealed, or joined by a member of this one), so this one must not
+    commit a checkpoint. From a collective: a message or connection came from another generation than this
+    group's. Either way the cure is the next generation; `.generation` is the stale one (the group's, for a
+    collective). One class for both, so `except StaleGenerationError` means the same wherever it is caught."""
+
+
+class InvalidRendezvousRecordError(RendezvousError):
+    """A join or membership record in the store is not one SneppX wrote (garbage, hostile or from an
+    incompatible version). Join records like this are ignored; a membership like this voids its generation."""
+
+    def __init__(self, message: str, *, key: str | None = None):
+        super().__init__(f"{key}: {message}" if key else message)
+        self.key = key
+
+
+# --- sharded checkpoints: steps saved by several ranks, loaded at any world size ---------------------------
+
+
+class ShardedCheckpointError(SneppXError):
+    """A save or restore of a group of ranks failed on one or more of them. Every rank raises it (or, on the
+    rank where the failure happened, the original error), so the whole group learns the same outcome;
+    `.failures` maps each rank that failed to what went wrong (torch.distributed.checkpoint's
+    CheckpointException)."""
+
+    def __init__(self, message: str, *, failures: dict[int, str] | None = None):
+        super().__init__(message)
+        self.failures = dict(failures or {})
+
+
+class ShardingMismatchError(SneppXError, ValueError):
+    """What was saved or asked for doesn't fit together: ranks whose shards of a tensor don't cover it exactly
+    once, ranks that declare different replicated tensors, or a restore target that the step lacks or whose
+    dtype or global shape differs from the saved tensor's. Nothing is committed or loaded."""

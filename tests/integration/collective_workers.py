@@ -3,6 +3,7 @@ spawned process imports only this, numpy and SneppX, not pytest and the tests)."
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from typing import Any
@@ -140,5 +141,86 @@ def train_data_parallel(store_dir: str, rank: int, world: int, steps: int, bucke
         position = {k: v.copy() for k, v in trainer.stream.state_dict().items()}
         results.put((rank, losses, {k: v.copy() for k, v in model.params.items()}, pieces, position))
         group.close()
+    except Exception:  # noqa: BLE001
+        results.put((rank, traceback.format_exc()))
+
+
+# ---- sharded checkpoints (tests/integration/test_sharded_checkpoint.py) --------------------------------------
+
+# Large enough that each rank's piece of a moment spans several 4 KiB checksum blocks, small enough to train fast.
+SHARDED_MODEL = {"vocab_size": 256, "dim": 64, "num_heads": 4, "num_layers": 2, "ffn_dim": 128, "max_seq_len": 16}
+SHARDED_DATA = {"vocab_size": 256, "seq_len": 16, "num_sequences": 256, "seed": 2}
+SHARDED_BUCKET_BYTES = 128 << 10  # buckets span tensors; a rank's piece of one spans up to 8 checksum blocks
+SHARDED_BLOCK_BYTES = 4096
+
+
+def rchar() -> int:
+    """Bytes this process has read through read()/pread() so far (/proc/self/io), counted by the kernel."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def sharded_run(store_dir: str, root: str, rank: int, world: int, results: Any, *, restore: bool,
+                train_steps: int, save_step: int | None = None, generation: int = 1,
+                fault: dict[int, str] | None = None, save_again: int | None = None, count_gets: bool = False,
+                coordinator_kwargs: dict[str, Any] | None = None) -> None:
+    """One rank of a data-parallel job with a sharded checkpoint: (restore at this world size,) train, (save).
+    Training and the checkpoint each get a ProcessGroup of their own (the coordinator's runs in its writer
+    thread). Reports (rank, report) or (rank, traceback).
+
+    fault: {rank: "SITE:N:ACTION"} arms the native fault hook of that rank just before the save: the N-th I/O at
+    SITE kills the process (ACTION "kill", a real SIGKILL) or fails with an errno ("EIO"). save_again: after the
+    save, save once more at this step. count_gets: count the bytes S3 GETs return during the restore (their
+    Content-Length, through botocore's event hook: the server's count, not SneppX's)."""
+    import dataclasses as dataclasses_lib
+
+    from SneppX_ALG import CheckpointCoordinator, storage
+    from SneppX_ALG.model import data, data_parallel, transformer
+
+    def error_of(e: errors.SneppXError) -> tuple[str, str, Any]:
+        return type(e).__name__, str(e), getattr(e, "failures", None)
+
+    try:
+        group = connect(os.path.join(store_dir, "train"), rank, world, generation)
+        ckpt_group = connect(os.path.join(store_dir, "ckpt"), rank, world, generation)
+        model = transformer.Transformer(**SHARDED_MODEL, seed=11 if restore else 3)
+        trainer = data_parallel.DataParallelTrainer(model, data.SyntheticLanguage(**SHARDED_DATA), group,
+                                                    bucket_bytes=SHARDED_BUCKET_BYTES, **TRAINING)
+        kwargs = {"max_to_keep": None, "checksum_block_bytes": SHARDED_BLOCK_BYTES, **(coordinator_kwargs or {})}
+        got = {"bytes": 0}
+        if count_gets:
+            client = storage.make_s3_client()
+            client.meta.events.register(  # the Content-Length of every GET body the server sends
+                "after-call.s3.GetObject",
+                lambda parsed, **_: got.__setitem__("bytes", got["bytes"] + int(parsed.get("ContentLength", 0))))
+            kwargs["s3_client"] = client
+        coord = CheckpointCoordinator(root, group=ckpt_group, **kwargs)
+        report: dict[str, Any] = {}
+        if restore:
+            before = rchar()
+            info = coord.restore(trainer)
+            report.update(rchar=rchar() - before, s3_get_bytes=got["bytes"],
+                          restored=None if info is None else info.step, step_after_restore=trainer.step,
+                          read=None if info is None or info.read is None else dataclasses_lib.asdict(info.read),
+                          skipped=[(s.step, list(s.problems)) for s in coord.skipped])
+        report["losses"] = trainer.train(train_steps)
+        if save_step is not None:
+            if fault is not None and rank in fault:
+                site, countdown, action = fault[rank].split(":")
+                _native.fault_arm(site, int(countdown), action)
+            try:
+                coord.save(trainer, step=save_step)
+                coord.wait()
+                report["saved"] = save_step
+            except errors.SneppXError as e:
+                report["save_error"] = error_of(e)
+        if save_again is not None:
+            coord.save(trainer, step=save_again)
+            coord.wait()
+            report["saved_again"] = save_again
+        coord.close()
+        results.put((rank, report))
+        group.close()
+        ckpt_group.close()
     except Exception:  # noqa: BLE001
         results.put((rank, traceback.format_exc()))

@@ -98,7 +98,7 @@ def test_state_larger_than_staging_streams_through_bounded_buffers(tmp_path) -> 
         assert 0 < coord.staging_allocated_bytes <= 1 * MiB
     manifest = json.loads((tmp_path / "step-000000002" / "manifest.json").read_bytes())
     embed = next(t for t in manifest["tensors"] if t["path"] == ["embed"])
-    assert len(embed["pieces"]) >= 12, "a 6 MiB tensor must be split to pass through 512 KiB buffers"
+    assert len(embed["chunks"]) >= 12, "a 6 MiB tensor must be split to pass through 512 KiB buffers"
     got = empty_like(state)
     with CheckpointCoordinator(tmp_path) as coord:
         coord.restore(got)
@@ -242,7 +242,7 @@ def test_a_step_without_manifest_or_with_a_lying_manifest_is_skipped(tmp_path) -
             coord.save({"w": np.full(4, step)}, step=step)
     os.unlink(tmp_path / "step-000000003" / "manifest.json")
     manifest = json.loads((tmp_path / "step-000000002" / "manifest.json").read_bytes())
-    manifest["tensors"][0]["pieces"][0]["crc32c"] ^= 1
+    manifest["tensors"][0]["chunks"][0]["crc32c"] ^= 1
     (tmp_path / "step-000000002" / "manifest.json").write_text(json.dumps(manifest))
     coord = CheckpointCoordinator(tmp_path)
     assert coord.latest().step == 1

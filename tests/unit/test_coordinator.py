@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from SneppX_ALG import CheckpointWriter, _native, coordinator, errors
+from SneppX_ALG.checkpoint import chunks, validate
 from SneppX_ALG.checkpoint import manifest as manifest_codec
-from SneppX_ALG.checkpoint import validate
 from SneppX_ALG.coordinator import plan, retention, state, timeline
 
 MiB = 1 << 20
@@ -46,28 +46,35 @@ shapes = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)
 @given(shape=shapes, itemsize=st.sampled_from([1, 2, 4, 8]), limit=st.integers(64, 2000),
        first=st.one_of(st.none(), st.integers(0, 2000)))
 @settings(deadline=None)
-def test_split_pieces_tile_the_tensor_exactly_and_fit_the_limit(shape, itemsize, limit, first) -> None:
+def test_split_pieces_tile_the_tensor_exactly_fit_the_limit_and_are_contiguous_boxes(shape, itemsize, limit,
+                                                                                     first) -> None:
     s = spec("t", shape, itemsize)
-    pieces = plan.split_tensor(s, limit, first)
+    pieces = chunks.split_box(shape, itemsize, limit, first)
+    # the unit a piece is a multiple of: a slice along the first dimension whose slices fit the limit
+    unit = next((int(np.prod(shape[k + 1:])) * itemsize for k in range(len(shape))
+                 if int(np.prod(shape[k + 1:])) * itemsize <= limit), itemsize)
     position = 0
-    for i, (start, nbytes, piece_shape, global_offset) in enumerate(pieces):
+    for i, (start, nbytes, box) in enumerate(pieces):
         assert start == position
         assert nbytes <= limit
-        if i == 0 and first is not None and len(pieces) > 1 and first >= s.nbytes // max(1, shape[0] if shape else 1):
+        if i == 0 and first is not None and len(pieces) > 1 and first >= unit:
             assert nbytes <= first, "the first piece must fit in what is left of the buffer"
-        assert int(np.prod(piece_shape, dtype=np.int64)) * itemsize == nbytes
-        if global_offset is not None:  # row blocks keep every dimension but the first
-            assert piece_shape[1:] == shape[1:] and global_offset[0] * (s.nbytes // shape[0]) == start
+        assert box.volume * itemsize == nbytes and chunks.inside(shape, box)
+        assert chunks.is_contiguous(shape, box), "a piece is one byte range of the tensor"
+        if box.volume and shape:
+            assert int(np.ravel_multi_index(box.offset, shape)) * itemsize == start
         position += nbytes
     assert position == s.nbytes
+    assert chunks.tiling_problem(shape, [box for _, _, box in pieces]) is None
 
 
 def test_large_tensors_split_into_row_blocks_when_a_row_fits() -> None:
-    pieces = plan.split_tensor(spec("w", (10, 256)), 3 * 1024)  # a row is 1 KiB
-    assert [p[2] for p in pieces] == [(3, 256), (3, 256), (3, 256), (1, 256)]
-    assert [p[3] for p in pieces] == [(0, 0), (3, 0), (6, 0), (9, 0)]
-    flat = plan.split_tensor(spec("v", (1, 1000)), 1024)  # one row larger than the limit
-    assert [p[2] for p in flat] == [(256,), (256,), (256,), (232,)] and all(p[3] is None for p in flat)
+    pieces = chunks.split_box((10, 256), 4, 3 * 1024)  # a row is 1 KiB
+    assert [p[2].shape for p in pieces] == [(3, 256), (3, 256), (3, 256), (1, 256)]
+    assert [p[2].offset for p in pieces] == [(0, 0), (3, 0), (6, 0), (9, 0)]
+    split = chunks.split_box((1, 1000), 4, 1024)  # one row larger than the limit: blocks along the row
+    assert [p[2].shape for p in split] == [(1, 256), (1, 256), (1, 256), (1, 232)]
+    assert [p[2].offset for p in split] == [(0, 0), (0, 256), (0, 512), (0, 768)]
 
 
 @given(sizes=st.lists(st.tuples(st.integers(0, 5000), st.sampled_from([1, 4, 8])), min_size=1, max_size=12),
@@ -94,7 +101,7 @@ def test_a_large_tensor_first_fills_what_is_left_of_a_buffer() -> None:
     buffers = plan.plan_pieces(specs, 1024)
     assert [[(p.entry, p.offset, p.nbytes) for p in b] for b in buffers] == [
         [("small", 0, 192), ("big@0", 192, 832)], [("big@1", 0, 768)]]
-    assert buffers[0][1].global_offset == (0, 0) and buffers[1][0].global_offset == (52, 0)
+    assert buffers[0][1].box.offset == (0, 0) and buffers[1][0].box.offset == (52, 0)
 
 
 def test_piece_names_never_collide_with_real_tensor_names() -> None:
@@ -149,8 +156,25 @@ def test_retention_never_deletes_the_new_step_a_newer_one_or_a_protected_one(com
 def good_manifest(step: int = 7) -> dict:
     specs = [spec("w", (4, 4))]
     pieces = [p for b in plan.plan_pieces(specs, 4096) for p in b]
-    return plan.build_manifest(step, specs, pieces, {"w": 123}, [(("n",), 3)], "mapping", {"pos": 1},
-                                      ["shard-00000.snpx"])
+    crc = _native.crc32c(bytes(64))
+    records = {p.entry: plan.chunk_record(specs[0], p, 0, crc, f"{crc:08x}", None) for p in pieces}
+    tensors = plan.merge_parts([plan.rank_part(specs, pieces, records)])
+    return plan.build_manifest(step, tensors, [(("n",), 3)], "mapping", {"pos": 1}, ["shard-00000.snpx"])
+
+
+def half_chunk(offset: list[int]) -> dict:
+    """A chunk of 2 x 4 float32 (zeros) of the good manifest's 4 x 4 tensor."""
+    crc = _native.crc32c(bytes(32))
+    return {"shard": 0, "entry": f"w{offset[0]}", "offset": offset, "shape": [2, 4], "nbytes": 32, "crc32c": crc,
+            "blocks": f"{crc:08x}"}
+
+
+def legacy_manifest(step: int = 7, version: int = 2) -> dict:
+    """What versions 1 and 2 wrote: flat byte-range pieces, no block checksums."""
+    return {"format": manifest_codec.MANIFEST_FORMAT, "version": version, "step": step, "world_size": 1,
+            "kind": "mapping", "shards": ["shard-00000.snpx"], "values": [], "training_state": None,
+            "tensors": [{"path": ["w"], "dtype": "float32", "shape": [4, 4], "nbytes": 64,
+                         "pieces": [{"shard": 0, "entry": "w", "start": 0, "nbytes": 64, "crc32c": 5}]}]}
 
 
 def test_manifest_round_trips_through_json() -> None:
@@ -164,9 +188,15 @@ def test_manifest_round_trips_through_json() -> None:
     (lambda m: m.update(format="other"), "not a SneppX manifest"),
     (lambda m: m.update(shards=["../../etc/passwd"]), "plain file names"),
     (lambda m: m["tensors"][0].update(nbytes=65), "malformed"),
-    (lambda m: m["tensors"][0]["pieces"][0].update(start=4), "not contiguous"),
-    (lambda m: m["tensors"][0]["pieces"][0].update(nbytes=32), "cover 32 of 64"),
-    (lambda m: m["tensors"][0]["pieces"][0].update(shard=1), "not contiguous"),
+    (lambda m: m["tensors"][0]["chunks"][0].update(offset=[1, 0]), "outside"),
+    (lambda m: m["tensors"][0]["chunks"][0].update(shape=[2, 4], nbytes=32), "hold 8 elements of 16"),
+    (lambda m: m["tensors"][0].update(chunks=[half_chunk([0, 0]), half_chunk([1, 0])]), "overlap"),
+    (lambda m: m["tensors"][0]["chunks"][0].update(nbytes=32), "malformed"),
+    (lambda m: m["tensors"][0]["chunks"][0].update(shard=1), "malformed"),
+    (lambda m: m["tensors"][0]["chunks"][0].update(blocks="00000000"), "make up its CRC32C"),
+    (lambda m: m["tensors"][0]["chunks"][0].update(blocks=""), "block checksums"),
+    (lambda m: m.update(block_bytes=1000), "block_bytes"),
+    (lambda m: m.update(world_size=2), "world_size"),
     (lambda m: m["tensors"][0].update(dtype="object"), "malformed"),
 ])
 def test_bad_manifests_are_typed_errors_saying_what_is_wrong(mutate, message) -> None:
@@ -212,9 +242,22 @@ def test_a_manifest_changed_in_meaning_but_not_form_fails_its_checksum() -> None
 
 
 def test_version_1_manifests_written_before_the_checksum_still_decode() -> None:
-    m = {**good_manifest(), "version": 1}
+    m = legacy_manifest(version=1)
     raw = json.dumps(m).encode()
     assert manifest_codec.decode_manifest(raw, step=7, where="m") == m
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda m: m["tensors"][0]["pieces"][0].update(start=4), "not contiguous"),
+    (lambda m: m["tensors"][0]["pieces"][0].update(nbytes=32), "cover 32 of 64"),
+    (lambda m: m["tensors"][0]["pieces"][0].update(shard=1), "not contiguous"),
+])
+def test_version_2_manifests_with_flat_pieces_are_still_checked(mutate, message) -> None:
+    m = legacy_manifest()
+    assert manifest_codec.decode_manifest(manifest_codec.encode_manifest(m), step=7, where="m") == m
+    mutate(m)
+    with pytest.raises(errors.ManifestError, match=message):
+        manifest_codec.decode_manifest(manifest_codec.encode_manifest(m), step=7, where="m")
 
 
 # ---- state trees ---------------------------------------------------------------------------------------------------
@@ -233,10 +276,10 @@ class HasStateDict:
 
 def test_state_dict_objects_and_nested_mappings_flatten_with_paths() -> None:
     kind, tensors, values = state.flatten_state(HasStateDict())
-    assert kind == "state_dict" and [p for p, _ in tensors] == [("w",)] and values == [(("count",), 2)]
+    assert kind == "state_dict" and [p for p, _, _ in tensors] == [("w",)] and values == [(("count",), 2)]
     kind, tensors, values = state.flatten_state({"opt": {"m": np.zeros(2), "t": np.float32(3)}, "lr": 0.1})
     assert kind == "mapping"
-    assert [p for p, _ in tensors] == [("opt", "m"), ("opt", "t")] and values == [(("lr",), 0.1)]
+    assert [p for p, _, _ in tensors] == [("opt", "m"), ("opt", "t")] and values == [(("lr",), 0.1)]
 
 
 @pytest.mark.parametrize("bad", [{1: np.zeros(1)}, {"": np.zeros(1)}, [np.zeros(1)],
@@ -422,7 +465,7 @@ def test_a_shard_that_fails_to_open_closes_the_readers_opened_before_it(tmp_path
     with CheckpointWriter(tmp_path / "good.snpx") as w:
         w.write("a", np.arange(10, dtype=np.int64))
     (tmp_path / "bad.snpx").write_bytes(b"SNPX" + bytes(100))
-    manifest = {"format": manifest_codec.MANIFEST_FORMAT, "version": manifest_codec.MANIFEST_VERSION, "step": 1,
+    manifest = {"format": manifest_codec.MANIFEST_FORMAT, "version": 2, "step": 1,
                 "shards": ["good.snpx", "bad.snpx"], "values": [],
                 "tensors": [{"path": ["a"], "dtype": "int64", "shape": [10], "nbytes": 80,
                              "pieces": [{"shard": 0, "entry": "a", "start": 0, "nbytes": 80,

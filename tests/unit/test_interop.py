@@ -143,7 +143,7 @@ def test_a_step_directory_converts_with_tensors_joined_from_their_pieces(tmp_pat
     step = tmp_path / "root" / "step-000000100"
     with tensors.open_tensors(step) as t:
         assert isinstance(t, tensors.StepTensors)
-        assert len(t._tensors["big"]["pieces"]) > 1  # the case under test: a tensor stored in pieces
+        assert len(t._tensors["big"]["chunks"]) > 1  # the case under test: a tensor stored in pieces
     convert.to_safetensors(step, tmp_path / "s.safetensors")
     assert_same_tensors(tmp_path / "s.safetensors", {"big": state["big"], "bf": state["bf"]})
     convert.to_snpx(step, tmp_path / "s.snpx")

@@ -11,12 +11,10 @@ every byte without loading anything and never raises for a bad file.
 from __future__ import annotations
 
 import dataclasses
-import errno as errno_module
 import math
 import mmap
 import os
 import secrets
-import stat
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -234,41 +232,6 @@ def _new_digest(algorithm: str | None) -> Any:
     return signing.new_digest(algorithm or signing.DIGEST_ALGORITHM)
 
 
-def open_checked(path: str, *, follow_symlinks: bool = True) -> tuple[int, int]:
-    """Opens a checkpoint file for reading: (descriptor, size). Typed errors for missing paths, directories
-    and anything else that is not a regular file (and, with follow_symlinks=False, a symbolic link: a
-    step's shards are files its writer made). Opened non-blocking, so a FIFO (or device) is refused instead of
-    waiting forever for a writer; other OSErrors (EIO, EMFILE, ...) propagate: they are not a verdict."""
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise errors.CheckpointNotFoundError(f"no checkpoint at {path}: file not found", path=path) from None
-    except IsADirectoryError:
-        raise errors.CheckpointFormatError("is a directory, not a checkpoint file", path=path) from None
-    except PermissionError as e:
-        raise errors.StorageError(f"can't read {path}: {e.strerror}", path=path, errno=e.errno) from None
-    except OSError as e:
-        if e.errno == errno_module.ELOOP and not follow_symlinks:
-            raise errors.CheckpointFormatError("is a symbolic link, not a checkpoint file",
-                                               path=path) from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
-            raise errors.CheckpointFormatError(f"is {kind}, not a checkpoint file", path=path)
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st.st_size
-
-
-_FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket",
-               stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
-
-
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """What a file's first and last blocks say: the header, the table and signature bytes, the table, and
@@ -328,7 +291,7 @@ class CheckpointReader:
         self.path = os.fspath(path)
         self.verify = verify
         self.signer: bytes | None = None
-        self._fd, size = open_checked(self.path)
+        self._fd, size = storage.open_checked(self.path)
         # Closes the file when the reader is garbage-collected without close(); close() runs it early.
         self._close_fd = weakref.finalize(self, os.close, self._fd)
         self._map: mmap.mmap | None = None

@@ -4,6 +4,10 @@ Why here and not in the coordinator: a step directory is a multi-file checkpoint
 "Multi-file checkpoints"), and validating one needs the manifest's rules; the coordinator only builds
 the manifest's contents.
 
+Versions: 1 and 2 list each tensor's `pieces` (flat byte ranges, written by one process); version 3 (since
+sharded steps) lists its `chunks`, boxes of the global tensor written by any rank, each with block checksums
+(docs/FORMAT.md, "Sharded steps"). All three are read.
+
 Integrity: a manifest carries `"checksum": "crc32c:<8 hex>"`, the CRC32C of its canonical encoding without
 that key, and its bytes must be that canonical encoding, so every byte of it is covered whether the step is
 signed or not (docs/FORMAT.md, "Step manifests: the checksum"). Version 1 manifests, written before the
@@ -13,15 +17,24 @@ checksum existed, are still read, with no checksum to check.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from typing import Any
 
 from SneppX_ALG import _native, errors, storage
-from SneppX_ALG.checkpoint import format
+from SneppX_ALG.checkpoint import chunks, format
 
 MANIFEST_FORMAT = "sneppx.manifest"
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 3
 CHECKSUM = "checksum"
+# Bytes per block checksum of a chunk (version 3): a load reads whole blocks, so this bounds what it reads
+# beyond what it needs (two partial blocks per run at most, one on average) against the manifest's size (8 hex
+# digits per block, 64 more per block in a signed step). docs/BENCHMARKS.md, "Sharded checkpoints".
+BLOCK_BYTES = 256 << 10
+MIN_BLOCK_BYTES = 4096
+MAX_BLOCK_BYTES = 64 << 20
+_HEX = re.compile(r"^[0-9a-f]*$")
 
 
 def _canonical(doc: dict[str, Any]) -> bytes:
@@ -54,7 +67,7 @@ def decode_manifest(raw: bytes, *, step: int, where: str) -> dict[str, Any]:
         raise bad(f"manifest is not JSON: {e}") from None
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
         raise bad("not a SneppX manifest")
-    if m.get("version") not in (1, MANIFEST_VERSION):
+    if m.get("version") not in (1, 2, MANIFEST_VERSION):
         raise bad(f"manifest version {m.get('version')!r} is not supported (this reader: 1 to "
                   f"{MANIFEST_VERSION})")
     if m.get("step") != step:
@@ -65,9 +78,12 @@ def decode_manifest(raw: bytes, *, step: int, where: str) -> dict[str, Any]:
         raise bad("manifest 'shards' must be a list of plain file names")
     if not isinstance(m.get("tensors"), list) or not isinstance(m.get("values"), list):
         raise bad("manifest 'tensors' and 'values' must be lists")
+    if m["version"] >= 3:
+        _check_sharding(m, bad)
     for t in m["tensors"]:
+        key = "chunks" if m["version"] >= 3 else "pieces"
         try:
-            path, dtype, shape, nbytes, pieces = t["path"], t["dtype"], t["shape"], t["nbytes"], t["pieces"]
+            path, dtype, shape, nbytes, pieces = t["path"], t["dtype"], t["shape"], t["nbytes"], t[key]
             ok = (isinstance(path, list) and path and all(isinstance(p, str) for p in path)
                   and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
                   and isinstance(pieces, list) and format.tensor_nbytes(dtype, tuple(shape)) == nbytes)
@@ -75,6 +91,9 @@ def decode_manifest(raw: bytes, *, step: int, where: str) -> dict[str, Any]:
             ok = False
         if not ok:
             raise bad(f"manifest tensor entry {str(t)[:200]} is malformed")
+        if m["version"] >= 3:
+            _check_chunks(t, len(shards), m["block_bytes"], bad)
+            continue
         covered = 0
         for p in pieces:
             if not (isinstance(p, dict) and p.get("start") == covered and isinstance(p.get("nbytes"), int)
@@ -94,3 +113,78 @@ def decode_manifest(raw: bytes, *, step: int, where: str) -> dict[str, Any]:
         if _canonical({**m, CHECKSUM: stored}) != raw:
             raise bad("manifest bytes are not in canonical form (changed after they were written?)")
     return m
+
+
+def _check_sharding(m: dict[str, Any], bad: Any) -> None:
+    """Version 3's step-wide keys: who saved it (world size, generation) and the block size."""
+    world, generation, block = m.get("world_size"), m.get("generation"), m.get("block_bytes")
+    if not (type(world) is int and world == len(m["shards"]) >= 1 and type(generation) is int and generation >= 0):
+        raise bad("manifest 'world_size' must equal the number of shards, and 'generation' be an int >= 0")
+    if not (type(block) is int and MIN_BLOCK_BYTES <= block <= MAX_BLOCK_BYTES and block & (block - 1) == 0):
+        raise bad(f"manifest 'block_bytes' must be a power of two in {MIN_BLOCK_BYTES}..{MAX_BLOCK_BYTES}")
+
+
+def _check_chunks(tensor: dict[str, Any], shard_count: int, block_bytes: int, bad: Any) -> None:
+    """A version 3 tensor's chunks: well-formed, each with block checksums that combine to its CRC32C, and
+    together covering the tensor exactly once."""
+    name = "/".join(tensor["path"])
+    itemsize = format.tensor_nbytes(tensor["dtype"], ())
+    boxes = []
+    for c in tensor["chunks"]:
+        if not (isinstance(c, dict) and type(c.get("shard")) is int and 0 <= c["shard"] < shard_count
+                and isinstance(c.get("entry"), str) and _int_list(c.get("offset")) and _int_list(c.get("shape"))
+                and len(c["offset"]) == len(c["shape"]) == len(tensor["shape"])
+                and c.get("nbytes") == math.prod(c["shape"]) * itemsize and type(c.get("crc32c")) is int
+                and isinstance(c.get("blocks"), str) and _HEX.match(c["blocks"])
+                and (c.get("digests") is None or (isinstance(c["digests"], str) and _HEX.match(c["digests"])))
+                and set(c) <= {"shard", "entry", "offset", "shape", "nbytes", "crc32c", "blocks", "digests"}):
+            raise bad(f"tensor {name}: chunk {str(c)[:200]} is malformed")
+        count = block_count(c["nbytes"], block_bytes)
+        if len(c["blocks"]) != 8 * count or (c.get("digests") is not None and len(c["digests"]) != 64 * count):
+            raise bad(f"tensor {name}: chunk {c['entry']!r} needs {count} block checksums")
+        crc = 0
+        for index, value in enumerate(block_crcs(c)):
+            crc = _native.crc32c_combine(crc, value, min(block_bytes, c["nbytes"] - index * block_bytes))
+        if crc != c["crc32c"]:
+            raise bad(f"tensor {name}: the block checksums of chunk {c['entry']!r} don't make up its CRC32C")
+        boxes.append(chunks.Box(tuple(c["offset"]), tuple(c["shape"])))
+    problem = chunks.tiling_problem(tuple(tensor["shape"]), boxes)
+    if problem is not None:
+        raise bad(f"tensor {name}: chunks don't cover it exactly once: {problem}")
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+
+
+def parts_of(tensor: dict[str, Any]) -> list[dict[str, Any]]:
+    """A decoded tensor's stored parts: its chunks (version 3) or its pieces (versions 1 and 2)."""
+    return tensor["chunks"] if "chunks" in tensor else tensor["pieces"]
+
+
+def block_count(nbytes: int, block_bytes: int) -> int:
+    """How many checksum blocks a chunk of nbytes has (the last may be short; none when it is empty)."""
+    return -(-nbytes // block_bytes)
+
+
+def block_crcs(chunk: dict[str, Any]) -> list[int]:
+    """A version 3 chunk's CRC32C per block."""
+    hexes = chunk["blocks"]
+    return [int(hexes[i:i + 8], 16) for i in range(0, len(hexes), 8)]
+
+
+def block_digests(chunk: dict[str, Any]) -> list[bytes] | None:
+    """A version 3 chunk's BLAKE3 per block (signed steps), or None when it has none."""
+    hexes = chunk.get("digests")
+    return None if hexes is None else [bytes.fromhex(hexes[i:i + 64]) for i in range(0, len(hexes), 64)]
+
+
+def entry_matches(entry: format.TensorEntry, chunk: dict[str, Any], tensor: dict[str, Any]) -> bool:
+    """Whether a shard's table entry is the version 3 chunk the manifest says: its length, CRC32C, dtype and
+    shape, and where it lies in the tensor (an entry without a placement is the whole tensor)."""
+    shape = tuple(tensor["shape"])
+    offset = entry.global_offset if entry.global_shape is not None else (0,) * len(shape)
+    global_shape = entry.global_shape if entry.global_shape is not None else entry.shape
+    return (entry.length == chunk["nbytes"] and entry.crc32c == chunk["crc32c"] and entry.dtype == tensor["dtype"]
+            and list(entry.shape) == chunk["shape"] and list(offset or ()) == chunk["offset"]
+            and tuple(global_shape) == shape)

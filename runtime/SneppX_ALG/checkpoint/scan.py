@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from SneppX_ALG import _native, errors
+from SneppX_ALG import _native, errors, storage
 from SneppX_ALG.checkpoint import file, format, signing
 
 _SCRATCH = 8 << 20  # bytes per scratch buffer when a tensor is checked, not kept
@@ -33,19 +33,21 @@ class ShardScan:
     size: int
     problems: list[errors.CheckpointFormatError]  # tensors whose CRC32C or padding is wrong, in file order
     digest: str | None  # "<alg>:<hex>" of the whole file, when asked for
+    blocks: dict[str, list[int]]  # with block_bytes: each tensor's CRC32C per block, as its bytes were read
 
 
 def scan_shard(path: str, into: Callable[[format.TensorEntry], memoryview | None] | None = None, *,
-               digest: str | None = None) -> ShardScan:
+               digest: str | None = None, block_bytes: int | None = None) -> ShardScan:
     """Reads the shard at `path` once, in file order, checking every tensor's CRC32C and padding.
 
     `into(entry)`: a writable byte buffer of `entry.length` bytes that receives the tensor (kept), or None to
     only check it. `digest`: an algorithm name ("blake3") to hash the whole file with, as it is read.
-    Raises the typed error of a bad header or table, CheckpointNotFoundError for a missing file,
-    CheckpointFormatError for a symbolic link or anything not a regular file (file.open_checked: a FIFO is
+    `block_bytes`: also take each tensor's CRC32C per block of that size (what a step manifest lists), from
+    the same reads. Raises the typed error of a bad header or table, CheckpointNotFoundError for a missing file,
+    CheckpointFormatError for a symbolic link or anything not a regular file (storage.open_checked: a FIFO is
     refused, never waited on), and StorageError/OSError when the file can't be read (not a verdict on its
     bytes)."""
-    fd, size = file.open_checked(path, follow_symlinks=False)  # never a FIFO waited on, never a link followed
+    fd, size = storage.open_checked(path, follow_symlinks=False)  # never a FIFO waited on, never a link followed
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
@@ -60,12 +62,19 @@ def scan_shard(path: str, into: Callable[[format.TensorEntry], memoryview | None
             hasher.update(layout.head)
         scratch = _Scratch(hasher is not None)
         problems: list[errors.CheckpointFormatError] = []
+        blocks: dict[str, list[int]] = {}
         for entry in layout.decoded.tensors:
             target = into(entry) if into is not None else None
+            reader = _Reader(fd, path, hasher, block_bytes)
             if target is not None:
-                crc = _read_kept(fd, target, entry.offset, hasher, path)
+                for start in range(0, len(target), _HASH_PIECE):  # the digest hashes the kept memory itself
+                    reader.read(target[start:start + _HASH_PIECE], entry.offset + start)
             else:
-                crc = _read_checked(fd, entry.length, entry.offset, hasher, scratch, path)
+                for start in range(0, entry.length, _SCRATCH):
+                    reader.read(scratch.take(min(_SCRATCH, entry.length - start)), entry.offset + start)
+            crc = reader.finish()
+            if block_bytes is not None:
+                blocks[entry.name] = reader.blocks
             end = entry.offset + entry.length
             padding = pread(fd, format.align_up(end) - end, end) if format.align_up(end) > end else b""
             if hasher is not None and padding:
@@ -74,20 +83,49 @@ def scan_shard(path: str, into: Callable[[format.TensorEntry], memoryview | None
         if hasher is not None:
             hasher.update(layout.table + layout.signature)
         value = f"{hasher.name}:{hasher.hexdigest()}" if hasher is not None else None
-        return ShardScan(layout.decoded, size, problems, value)
+        return ShardScan(layout.decoded, size, problems, value, blocks)
     finally:
         os.close(fd)
 
 
-def _read_kept(fd: int, target: memoryview, offset: int, hasher: Any, path: str) -> int:
-    """Reads a tensor into its destination; the digest hashes that memory (it stays unchanged)."""
-    crc = 0
-    for start in range(0, len(target), _HASH_PIECE):
-        piece = target[start:start + _HASH_PIECE]
-        crc = _native.read_at(fd, piece, offset + start, crc, path=path)
-        if hasher is not None:
-            hasher.update(piece)
-    return crc
+class _Reader:
+    """Reads one tensor's bytes in pieces through the native reader (CRC32C as they land), handing each piece
+    to the file's digest, and with block_bytes keeping a CRC32C per block (a block may span pieces)."""
+
+    def __init__(self, fd: int, path: str, hasher: Any, block_bytes: int | None):
+        self.fd, self.path, self.hasher, self.block_bytes = fd, path, hasher, block_bytes
+        self.blocks: list[int] = []
+        self.crc = 0  # of everything read so far (without blocks), or of the current block
+        self.done = 0  # bytes read
+        self.whole = 0  # with blocks: the CRC32C of the blocks finished so far
+
+    def read(self, view: memoryview, offset: int) -> None:
+        position = 0
+        while position < len(view):
+            n = len(view) - position
+            if self.block_bytes is not None:
+                n = min(n, self.block_bytes - self.done % self.block_bytes)
+            self.crc = _native.read_at(self.fd, view[position:position + n], offset + position, self.crc,
+                                       path=self.path)
+            position += n
+            self.done += n
+            if self.block_bytes is not None and self.done % self.block_bytes == 0:
+                self._end_block(self.block_bytes)
+        if self.hasher is not None:
+            self.hasher.update(view)
+
+    def _end_block(self, length: int) -> None:
+        self.blocks.append(self.crc)
+        self.whole = _native.crc32c_combine(self.whole, self.crc, length)
+        self.crc = 0
+
+    def finish(self) -> int:
+        """The tensor's CRC32C."""
+        if self.block_bytes is None:
+            return self.crc
+        if self.done % self.block_bytes:
+            self._end_block(self.done % self.block_bytes)
+        return self.whole
 
 
 class _Scratch:
@@ -105,14 +143,3 @@ class _Scratch:
         buffer = self._ring[self._next % len(self._ring)]
         self._next += 1
         return memoryview(buffer)[:n]
-
-
-def _read_checked(fd: int, length: int, offset: int, hasher: Any, scratch: _Scratch, path: str) -> int:
-    """Reads a tensor through the scratch buffers, for its CRC32C (and the digest) only."""
-    crc = 0
-    for start in range(0, length, _SCRATCH):
-        view = scratch.take(min(_SCRATCH, length - start))
-        crc = _native.read_at(fd, view, offset + start, crc, path=path)
-        if hasher is not None:
-            hasher.update(view)
-    return crc

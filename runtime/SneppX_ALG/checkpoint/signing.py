@@ -121,6 +121,12 @@ def write_threads() -> int:
     return max(1, (os.cpu_count() or 1) - 2)
 
 
+def block_digest(data: Any) -> str:
+    """The BLAKE3 of one checksum block of a chunk, as 64 lowercase hex digits (a signed step lists one per
+    block, so a load that reads part of a chunk still checks every byte it reads against the signature)."""
+    return blake3.blake3(data).hexdigest()
+
+
 def new_digest(name: str = DIGEST_ALGORITHM, *, threads: int | None = None) -> StreamingDigest:
     """The digest the writer feeds every tensor's bytes to; store as f"{d.name}:{d.hexdigest()}".
 

@@ -19,7 +19,7 @@ from typing import Any, Self
 import numpy as np
 
 from SneppX_ALG import errors, storage
-from SneppX_ALG.checkpoint import file, format
+from SneppX_ALG.checkpoint import chunks, file, format
 from SneppX_ALG.checkpoint import manifest as manifest_codec
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -122,7 +122,8 @@ class SnpxTensors(TensorSet):
 
 
 class StepTensors(TensorSet):
-    """A coordinator step directory: each tensor joined from its pieces in the shards, as the manifest says.
+    """A coordinator step directory: each tensor joined from its pieces (version 3: chunks, boxes of the tensor
+    that any rank saved) in the shards, as the manifest says.
     The manifest and its checksum are checked at open, and that every piece is an entry of its shard with the
     manifest's size, CRC32C and dtype; each piece's bytes are CRC-checked as they are read."""
 
@@ -144,11 +145,12 @@ class StepTensors(TensorSet):
                 self.readers.append(file.CheckpointReader(os.path.join(path, shard)))
             self._tensors = {"/".join(t["path"]): t for t in self.manifest["tensors"]}
             for name, tensor in self._tensors.items():
-                for piece in tensor["pieces"]:
+                for piece in manifest_codec.parts_of(tensor):
                     reader = self.readers[piece["shard"]]
                     entry = reader.entry(piece["entry"]) if piece["entry"] in reader else None
-                    if entry is None or (entry.length, entry.crc32c, entry.dtype) != (
-                            piece["nbytes"], piece["crc32c"], tensor["dtype"]):
+                    if entry is None or not (manifest_codec.entry_matches(entry, piece, tensor) if "offset" in piece
+                                             else (entry.length, entry.crc32c, entry.dtype) == (
+                                                 piece["nbytes"], piece["crc32c"], tensor["dtype"])):
                         raise errors.ManifestError(f"tensor {name}: piece {piece['entry']!r} is not in shard "
                                                    f"{piece['shard']} as the manifest says", path=path)
                 self.info[name] = TensorInfo(tensor["dtype"], tuple(tensor["shape"]), tensor["nbytes"])
@@ -167,7 +169,7 @@ class StepTensors(TensorSet):
 
     def read(self, name: str) -> np.ndarray:
         info = self._info_of(name)
-        pieces = self._tensors[name]["pieces"]
+        pieces = manifest_codec.parts_of(self._tensors[name])
         dtype = format.numpy_dtype(info.dtype)
         if len(pieces) == 1:  # the whole tensor is one entry: a view of the shard's mapping
             return np.asarray(self.readers[pieces[0]["shard"]].read(pieces[0]["entry"])).reshape(info.shape)
@@ -175,7 +177,11 @@ class StepTensors(TensorSet):
         flat = array.reshape(-1).view(np.uint8)
         for piece in pieces:
             data = np.asarray(self.readers[piece["shard"]].read(piece["entry"]))
-            flat[piece["start"]:piece["start"] + piece["nbytes"]] = data.reshape(-1).view(np.uint8)
+            if "offset" in piece:  # version 3: a box of the tensor, saved by any rank
+                box = chunks.Box(tuple(piece["offset"]), tuple(piece["shape"]))
+                array[box.slices()] = data.reshape(box.shape)
+            else:
+                flat[piece["start"]:piece["start"] + piece["nbytes"]] = data.reshape(-1).view(np.uint8)
         return array
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from SneppX_ALG import errors, storage
-from SneppX_ALG.checkpoint import file, format, scan, signing, verify
+from SneppX_ALG.checkpoint import chunks, file, format, scan, signing, verify
 from SneppX_ALG.checkpoint import manifest as manifest_codec
 
 
@@ -137,9 +137,12 @@ def _scan_step_files(local: str, step: int, trusted_keys: dict[bytes, Any] | Non
             why = (f"DigestMismatchError: {local}: shard(s) {', '.join(unsigned)} have no digest in the signed "
                    "manifest, so the signature does not cover them")
             return manifest, [why], None
-    arrays, targets = _destinations(manifest) if keep else ([], {})
+    boxed = manifest["version"] >= 3
+    block_bytes = manifest["block_bytes"] if boxed else None
+    arrays, targets, scatters = _destinations(manifest) if keep else ([], {}, [])
     problems: list[str] = []
     entries: dict[tuple[int, str], format.TensorEntry] = {}
+    blocks: dict[tuple[int, str], list[int]] = {}
     for index, shard in enumerate(manifest["shards"]):
         shard_path = os.path.join(local, shard)
         expected = listed[shard] if listed is not None else None
@@ -147,7 +150,7 @@ def _scan_step_files(local: str, step: int, trusted_keys: dict[bytes, Any] | Non
             if expected is not None:
                 _check_size(local, shard, expected)
             into = (lambda entry, index=index: _target(targets, index, entry)) if keep else None
-            found = scan.scan_shard(shard_path, into, digest=_digest_name(expected))
+            found = scan.scan_shard(shard_path, into, digest=_digest_name(expected), block_bytes=block_bytes)
             if expected is not None and found.digest != expected["digest"]:
                 raise errors.DigestMismatchError(
                     f"file {shard!r} does not match its {_digest_name(expected)} digest in the manifest",
@@ -160,20 +163,29 @@ def _scan_step_files(local: str, step: int, trusted_keys: dict[bytes, Any] | Non
         problems += [str(p) for p in found.problems]
         for entry in found.table.tensors:
             entries[(index, entry.name)] = entry
+        blocks.update({(index, name): crcs for name, crcs in found.blocks.items()})
     if problems:
         return manifest, problems, None
     for tensor in manifest["tensors"]:
-        for piece in tensor["pieces"]:
-            entry = entries.get((piece["shard"], piece["entry"]))
+        for piece in tensor["chunks" if boxed else "pieces"]:
+            where = (piece["shard"], piece["entry"])
+            entry = entries.get(where)
             if entry is None:
                 problems.append(f"{'/'.join(tensor['path'])}: shard {piece['shard']} has no entry {piece['entry']!r}")
-            elif entry.length != piece["nbytes"] or entry.crc32c != piece["crc32c"] or entry.dtype != tensor["dtype"]:
+            elif not (manifest_codec.entry_matches(entry, piece, tensor) if boxed else (
+                    entry.length == piece["nbytes"] and entry.crc32c == piece["crc32c"]
+                    and entry.dtype == tensor["dtype"])):
                 problems.append(f"{'/'.join(tensor['path'])}: entry {piece['entry']!r} does not match the manifest")
+            elif boxed and blocks.get(where) != manifest_codec.block_crcs(piece):
+                problems.append(f"{'/'.join(tensor['path'])}: the block checksums of entry {piece['entry']!r} don't "
+                                "match its bytes")
     if problems:
         return manifest, problems, None
     for views in targets.values():  # an entry that two pieces name (legal, unusual) was read into the first
         for view in views[1:]:
             view[:] = views[0]
+    for array, box, view in scatters:  # chunks that are not one contiguous range of their tensor
+        array[box.slices()] = np.frombuffer(view, array.dtype).reshape(box.shape)
     return manifest, [], arrays if keep else None
 
 
@@ -201,18 +213,33 @@ def _check_size(local: str, name: str, expected: dict[str, Any]) -> None:
         raise kind(f"file {name!r} is {size} bytes, the manifest says {expected['size']}", path=local)
 
 
-def _destinations(manifest: dict[str, Any]) -> tuple[list[np.ndarray], dict[tuple[int, str], list[memoryview]]]:
-    """A new array per manifest tensor, and for each (shard, entry) the byte ranges of them it fills."""
+def _destinations(manifest: dict[str, Any]) -> tuple[list[np.ndarray], dict[tuple[int, str], list[memoryview]],
+                                                   list[tuple[np.ndarray, chunks.Box, memoryview]]]:
+    """A new array per manifest tensor; for each (shard, entry) the byte ranges of them it fills; and the chunks
+    that are not one contiguous range of their tensor (read into a buffer of their own, placed afterwards)."""
     arrays: list[np.ndarray] = []
     targets: dict[tuple[int, str], list[memoryview]] = {}
+    scatters: list[tuple[np.ndarray, chunks.Box, memoryview]] = []
+    boxed = manifest["version"] >= 3
     for tensor in manifest["tensors"]:
         array = np.empty(tuple(tensor["shape"]), dtype=format.numpy_dtype(tensor["dtype"]))
         flat = array.reshape(-1).view(np.uint8)
-        for piece in tensor["pieces"]:
-            view = memoryview(flat[piece["start"]:piece["start"] + piece["nbytes"]])
+        for piece in tensor["chunks" if boxed else "pieces"]:
+            if boxed:
+                box = chunks.Box(tuple(piece["offset"]), tuple(piece["shape"]))
+                if box.volume == 0:
+                    view = memoryview(bytearray(0))
+                elif chunks.is_contiguous(array.shape, box):
+                    start = int(np.ravel_multi_index(box.offset, array.shape)) * array.itemsize if array.ndim else 0
+                    view = memoryview(flat[start:start + piece["nbytes"]])
+                else:
+                    view = memoryview(bytearray(piece["nbytes"]))
+                    scatters.append((array, box, view))
+            else:
+                view = memoryview(flat[piece["start"]:piece["start"] + piece["nbytes"]])
             targets.setdefault((piece["shard"], piece["entry"]), []).append(view)
         arrays.append(array)
-    return arrays, targets
+    return arrays, targets, scatters
 
 
 def _target(targets: dict[tuple[int, str], list[memoryview]], shard: int,

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from SneppX_ALG import errors
+from SneppX_ALG.checkpoint import manifest as manifest_codec
 from SneppX_ALG.checkpoint import signing, tensors, validate
 from SneppX_ALG.cli import output
 
@@ -101,7 +102,7 @@ def _step_info(path: str, found: tensors.StepTensors) -> dict[str, Any]:
             "state_kind": m.get("kind"), "world_size": m.get("world_size"),
             "signed": "files" in m, "training_state": found.training_state, "values": found.values,
             "tensors": [{"name": name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
-                         "pieces": len(found._tensors[name]["pieces"])} for name, t in found.info.items()],
+                         "pieces": len(manifest_codec.parts_of(found._tensors[name]))} for name, t in found.info.items()],
             "shards": shards}
 
 

@@ -2,6 +2,18 @@
 
 Why a thread of its own: `save()` returns after the snapshot; writing, committing and retention run
 here, one step after another in submission order, and their errors are kept for the next call.
+
+In a group of ranks (coordinator/group.py) every rank's writer runs the same protocol per step, in the same
+order, over the group's collectives (so the group must be one nothing else uses while a save is in flight):
+
+1. begin: rank 0 claims the step (storage.begin) and broadcasts its token; the others join it.
+2. data: each rank writes its own shard file, `shard-<rank>.snpx`: its shards, and the replicated tensors
+   plan.replicated_owners gives it.
+3. end: each rank makes its file durable (S3: uploads it), then all ranks allgather a report (what each wrote,
+   or why it failed): the barrier. Rank 0 alone, and only when every report is whole, builds the manifest from
+   them and commits (storage.finalize checks every rank's file first); it broadcasts the outcome, and every
+   rank raises the same failure. A rank that dies before the barrier makes the allgather fail everywhere, so
+   nothing commits; what the ranks wrote is removed, or left for the lease rules (storage/lease.py).
 """
 
 from __future__ import annotations
@@ -18,31 +30,20 @@ import numpy as np
 from SneppX_ALG import _native, errors, storage
 from SneppX_ALG.checkpoint import file, format, signing
 from SneppX_ALG.checkpoint import manifest as manifest_codec
+from SneppX_ALG.coordinator import group as group_lib
 from SneppX_ALG.coordinator import plan, retention, steps, timeline
 
 log = logging.getLogger(__name__)
 
 
-def host_piece(job: Job, leaf: np.ndarray, piece: plan.Piece) -> np.ndarray:
-    """The bytes of one piece of a host tensor, little-endian and in C order, as uint8.
-
-    A tensor that is already both is only viewed. Otherwise a row block is converted on its own (a copy the
-    size of the piece), and any other piece comes from one converted copy of the whole tensor, made for its
-    first piece and dropped after its last: never one full copy per piece."""
+def host_piece(leaf: np.ndarray, piece: plan.Piece) -> np.ndarray:
+    """The bytes of one piece of a host tensor, little-endian and in C order, as uint8: a view when the tensor
+    is already both, else a copy of the piece's box alone (never of the whole tensor)."""
     little = leaf.dtype.newbyteorder("<") if leaf.dtype.byteorder == ">" else leaf.dtype
     if leaf.flags.c_contiguous and little == leaf.dtype:
         return leaf.reshape(-1).view(np.uint8)[piece.start:piece.start + piece.nbytes]
-    if piece.global_offset is not None:  # rows [r0, r0 + rows) of dimension 0
-        first_row = piece.global_offset[0]
-        block = np.ascontiguousarray(leaf[first_row:first_row + piece.shape[0]], dtype=little)
-        return block.reshape(-1).view(np.uint8)
-    whole = job.host_copies.get(piece.tensor)
-    if whole is None:
-        whole = np.ascontiguousarray(leaf, dtype=little).reshape(-1).view(np.uint8)
-        job.host_copies[piece.tensor] = whole
-    if piece.start + piece.nbytes >= whole.size:  # the tensor's last piece: the copy is not needed again
-        del job.host_copies[piece.tensor]
-    return whole[piece.start:piece.start + piece.nbytes]
+    block = np.ascontiguousarray(leaf[piece.box.slices()], dtype=little)
+    return block.reshape(-1).view(np.uint8)
 
 
 # ---- the staging pool -----------------------------------------------------------------------------------
@@ -96,12 +97,19 @@ class StagingPool:
 @dataclasses.dataclass
 class Job:
     step: int
-    specs: list[plan.TensorSpec]
-    pieces: list[plan.Piece]
-    values: list[tuple[tuple[str, ...], Any]]
-    kind: str
-    training_state: Any
+    kind: str = "mapping"
+    specs: list[plan.TensorSpec] = dataclasses.field(default_factory=list)  # the tensors this rank writes
+    declared: str = ""  # plan.replicated_declaration of this rank's state
+    pieces: list[plan.Piece] = dataclasses.field(default_factory=list)
+    values: list[tuple[tuple[str, ...], Any]] = dataclasses.field(default_factory=list)
+    training_state: Any = None
+    # This rank can't contribute the step (its own error, raised once the group has the step's outcome).
     failed: bool = False
+    error: BaseException | None = None
+    raised: bool = False  # save() raised `error` itself: the writer reports it to the group, never raises it again
+    # The group agreed that the step began (rank 0 claimed it): every rank then takes part in its end.
+    began: bool = False
+    committed: bool = False
     # Set when the snapshot is done, or when it waits for a buffer: until then the writer stays idle, so on
     # a small machine it doesn't compete with the copy that save() is blocked on.
     may_write: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -110,11 +118,19 @@ class Job:
     # CRC32C of every piece as it was staged; the writer checks its own against it, so on success these
     # are also the CRCs in the shard, and the manifest lists them.
     snapshot_crcs: dict[str, int] = dataclasses.field(default_factory=dict)
-    # Little-endian C-contiguous copies of host tensors that are neither, made once per tensor for pieces that
-    # are not row blocks, and dropped after the tensor's last piece.
-    host_copies: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    # Each written piece as a manifest chunk (plan.chunk_record), by entry name.
+    records: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     # Producer streams (of CUDA tensors) the copier's stream was already ordered after during this snapshot.
     ordered_streams: set[int] = dataclasses.field(default_factory=set)
+
+    def fail(self, error: BaseException) -> None:
+        """This rank's part of the step failed: kept, the writer dropped; the step's end still runs."""
+        if self.error is None:
+            self.error = error
+        self.failed = True
+        if self.writer is not None:
+            writer, self.writer = self.writer, None
+            writer.abort()
 
 
 class Engine:
@@ -122,11 +138,14 @@ class Engine:
     finish pending saves without holding the coordinator alive."""
 
     def __init__(self, known: steps.Steps, max_to_keep: int | None, keep_every_n_steps: int | None,
-                 signing_key: Any):
+                 signing_key: Any, group: group_lib.Group = group_lib.SOLO,
+                 block_bytes: int = manifest_codec.BLOCK_BYTES):
         self.known = known
         self.store = known.store
         self.retention = (max_to_keep, keep_every_n_steps)
         self.signing_key = signing_key
+        self.group = group
+        self.block_bytes = block_bytes
         self._stored_fence_checked = False  # a fence record left by an interrupted process is finished once
         self.queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.error: BaseException | None = None
@@ -136,6 +155,10 @@ class Engine:
         self.pool: StagingPool | None = None
         self.thread = threading.Thread(target=self._run, name="sneppx-checkpoint-writer", daemon=True)
         self.thread.start()
+
+    @property
+    def shard_name(self) -> str:
+        return plan.SHARD_FILE.format(self.group.rank)
 
     def submit(self, *item: Any) -> None:
         with self._idle:
@@ -166,12 +189,13 @@ class Engine:
                 self._handle(item)
             except BaseException as e:  # noqa: BLE001 - kept and raised by the next call; the thread goes on
                 job = item[1]
-                job.failed = True
-                self._abort(job)
+                job.fail(e)
+                self._drop(job)
                 with self._idle:
                     if self.error is None:
                         self.error = e
-                    self.steps.discard(job.step)
+                    if not job.committed:
+                        self.steps.discard(job.step)
                 log.warning("checkpoint of step %d failed: %s", job.step, e)
             finally:
                 if item[0] == "data":
@@ -183,22 +207,60 @@ class Engine:
 
     def _handle(self, item: tuple[Any, ...]) -> None:
         kind, job = item[0], item[1]
-        if job.failed and kind != "abort":
-            return
         if kind == "begin":
-            job.pending = self.store.begin(job.step)
-            job.writer = file.CheckpointWriter(
-                os.path.join(job.pending.local_dir, plan.SHARD_FILE.format(0)),
-                metadata={"sneppx.step": str(job.step), "sneppx.shard": "0"})
-            job.writer.open()
+            self._begin(job)
         elif kind == "data":
             job.may_write.wait()
             if not job.failed:
-                self._write_buffer(job, item[2], item[3])
-        elif kind == "end":
-            self._commit(job)
-        elif kind == "abort":
-            self._abort(job)
+                try:
+                    self._write_buffer(job, item[2], item[3])
+                except Exception as e:  # noqa: BLE001 - this rank's failure; the step's end reports it
+                    job.fail(e)
+        elif kind in ("end", "abort"):  # abort: save() failed after begin; the end reports it to the group
+            self._end(job)
+
+    def _begin(self, job: Job) -> None:
+        """Rank 0 claims the step and tells the others where to write; this rank opens its shard file."""
+        group = self.group
+        error: BaseException | None = None
+        if group.rank == 0:
+            try:
+                # Before any rank writes: steps a restore abandoned are moved aside (the fence), and so is an
+                # invalid committed step of this number, so that nothing of theirs is overwritten or lost.
+                self._apply_fences()
+                if job.step in self.store.committed_steps():
+                    self._set_aside_if_invalid(job.step)
+                job.pending = self.store.begin(job.step)
+            except Exception as e:
+                if group.world_size == 1:
+                    raise
+                error = e
+            answer = group_lib.broadcast_json(group, {
+                "token": job.pending.token if job.pending is not None else None, "error": _describe(error)})
+        else:
+            answer = group_lib.broadcast_json(group, None)
+            if answer["token"] is None:
+                error = errors.ShardedCheckpointError(f"step {job.step}: rank 0 could not begin it: "
+                                                      f"{answer['error']}", failures={0: answer["error"]})
+            else:
+                try:
+                    job.pending = self.store.join(job.step, answer["token"])
+                except Exception as e:  # noqa: BLE001 - reported at the step's end
+                    error = e
+        job.began = answer["token"] is not None
+        if error is not None:
+            job.fail(error)
+            return
+        assert job.pending is not None
+        try:
+            job.writer = file.CheckpointWriter(
+                os.path.join(job.pending.local_dir, self.shard_name),
+                metadata={"sneppx.step": str(job.step), "sneppx.shard": str(group.rank)})
+            job.writer.open()
+        except Exception as e:
+            if group.world_size == 1:
+                raise
+            job.fail(e)
 
     def _write_buffer(self, job: Job, buffer: Any, pieces: list[plan.Piece]) -> None:
         assert job.writer is not None and self.pool is not None
@@ -207,40 +269,136 @@ class Engine:
             spec = job.specs[piece.tensor]
             dtype = format.numpy_dtype(spec.dtype)
             count = piece.nbytes // spec.itemsize
-            array = np.frombuffer(view, dtype=dtype, count=count, offset=piece.offset).reshape(piece.shape)
+            data = view[piece.offset:piece.offset + piece.nbytes]
+            array = np.frombuffer(data, dtype=dtype, count=count).reshape(piece.box.shape)
+            box = piece.global_box(spec)
             extra = {}
-            if piece.global_offset is not None:
-                extra = {"global_shape": spec.shape, "global_offset": piece.global_offset}
-            entry = job.writer.write(piece.entry, array, **extra)
+            if box.shape != spec.full_shape:
+                extra = {"global_shape": spec.full_shape, "global_offset": box.offset}
             expected = job.snapshot_crcs[piece.entry]
-            if entry.crc32c != expected:
+            blocks = storage.block_crcs(data, self.block_bytes)
+            combined = 0
+            for index, crc in enumerate(blocks):
+                combined = _native.crc32c_combine(combined, crc,
+                                                  min(self.block_bytes, piece.nbytes - index * self.block_bytes))
+            digests = None
+            if self.signing_key is not None:
+                digests = "".join(signing.block_digest(data[i:i + self.block_bytes])
+                                  for i in range(0, piece.nbytes, self.block_bytes))
+            entry = job.writer.write(piece.entry, array, **extra)
+            if entry.crc32c != expected or combined != expected:
                 raise errors.ChecksumMismatchError(
                     f"step {job.step}: tensor piece {piece.entry!r} changed in staging memory between snapshot "
-                    f"and write (snapshot {expected:#010x}, written {entry.crc32c:#010x})")
-        del view
+                    f"and write (snapshot {expected:#010x}, written {entry.crc32c:#010x}, blocks {combined:#010x})")
+            job.records[piece.entry] = plan.chunk_record(spec, piece, self.group.rank, expected,
+                                                         "".join(f"{c:08x}" for c in blocks), digests)
+        del view, data
 
-    def _commit(self, job: Job) -> None:
+    def _end(self, job: Job) -> None:
+        """This rank's file made durable (and uploaded), every rank's report gathered (the barrier), rank 0's
+        commit decided and broadcast; every rank raises the step's failure, if any."""
+        group = self.group
+        if not job.began:  # the group never started the step (rank 0 could not claim it): nothing to end
+            self._drop(job)
+            if job.raised:  # save() failed too, and raised its own error already
+                return
+            raise job.error or errors.ShardedCheckpointError(f"step {job.step} did not begin")
+        report: dict[str, Any] = {"ok": False, "error": _describe(job.error)}
+        if not job.failed:
+            try:
+                report = self._finish_part(job)
+            except Exception as e:
+                if group.world_size == 1:
+                    raise
+                job.fail(e)
+                report = {"ok": False, "error": _describe(e)}
+        try:
+            reports = group_lib.allgather_json(group, report)
+        except BaseException:
+            # Rank 0 commits only with every report, so it knows nothing committed; another rank can't know that
+            # (rank 0 may have had all reports): its part stays, for rank 0's step or for cleanup.
+            self._drop(job, remove=group.rank == 0)
+            raise
+        outcome, commit_error = None, None
+        if group.rank == 0:
+            try:
+                outcome = self._commit(job, reports)
+            except errors.CommitUnknownError as e:
+                commit_error, outcome = e, {"state": "unknown", "error": _describe(e)}
+            except Exception as e:
+                if group.world_size == 1:
+                    raise
+                commit_error, outcome = e, {"state": "failed", "failures": {"0": _describe(e)}}
+        try:
+            outcome = group_lib.broadcast_json(group, outcome)
+        except BaseException:
+            self._drop(job, remove=False)  # rank 0 may have committed: nothing is taken back here
+            raise
+        assert outcome is not None
+        if outcome["state"] == "committed":
+            job.committed = True
+            self._drop(job, remove=False)
+            if group.rank == 0:
+                self._retain(job.step)
+            return
+        self._drop(job, remove=outcome["state"] == "failed")
+        if outcome["state"] == "unknown":
+            raise commit_error or errors.CommitUnknownError(
+                f"step {job.step}: rank 0 could not learn whether it committed: {outcome['error']}")
+        failures = {int(rank): why for rank, why in outcome["failures"].items()}
+        if job.error is not None:
+            if job.raised:
+                return
+            raise job.error
+        if commit_error is not None:
+            raise commit_error
+        raise errors.ShardedCheckpointError(
+            f"step {job.step} was not committed: " + "; ".join(f"rank {r}: {w}" for r, w in sorted(failures.items())),
+            failures=failures)
+
+    def _finish_part(self, job: Job) -> dict[str, Any]:
+        """This rank's file durable and on the server; its report for rank 0."""
         assert job.writer is not None and job.pending is not None
         job.writer.commit()
         job.writer = None
-        shard = plan.SHARD_FILE.format(0)
+        shard = self.shard_name
         # Shard digests cost a read-back of every shard; only a signature needs them (it vouches for the
         # shards through them), so unsigned steps are saved without (and without a "files" object).
-        files = None
-        if self.signing_key is not None:
-            files = {shard: self._file_record(job, shard)}
-        self._apply_fences()
-        if job.step in self.store.committed_steps():
-            self._set_aside_if_invalid(job.step)
+        record = self._file_record(job, shard) if self.signing_key is not None else None
+        parts = self.store.upload(job.pending, [shard])
+        return {"ok": True, "shard": shard, "parts": {k: list(v) for k, v in parts.items()}, "file": record,
+                "declared": job.declared, "tensors": plan.rank_part(job.specs, job.pieces, job.records)}
+
+    def _commit(self, job: Job, reports: list[dict[str, Any]]) -> dict[str, Any]:
+        """Rank 0, with every rank's report: the manifest, fences, then the commit point."""
+        assert job.pending is not None
+        failures = {str(rank): r["error"] for rank, r in enumerate(reports) if not r["ok"]}
+        if failures:
+            return {"state": "failed", "failures": failures}
+        if len({r["declared"] for r in reports}) != 1:
+            raise errors.ShardingMismatchError(
+                f"step {job.step}: the ranks hold different replicated tensors (an array that is not a Shard must "
+                "be in every rank's state, with the same dtype and shape)")
+        tensors = plan.merge_parts([r["tensors"] for r in reports])
+        shards = [r["shard"] for r in reports]
+        parts = {name: (size, etag) for r in reports for name, (size, etag) in r["parts"].items()}
+        files = {r["shard"]: r["file"] for r in reports} if self.signing_key is not None else None
         manifest = manifest_codec.encode_manifest(plan.build_manifest(
-            job.step, job.specs, job.pieces, job.snapshot_crcs, job.values, job.kind, job.training_state, [shard],
-            files))
+            job.step, tensors, job.values, job.kind, job.training_state, shards,
+            world_size=self.group.world_size, generation=self.group.generation, block_bytes=self.block_bytes,
+            files=files))
         signature = None
         if self.signing_key is not None:  # written before the commit point, by finalize()
             signature = signing.manifest_signature(manifest, self.signing_key)
-        self.store.finalize(job.pending, manifest, signature)  # the commit point
-        job.pending = None
-        self._retain(job.step)
+        pending, job.pending = job.pending, None  # finalize() ends it, whatever happens
+        try:
+            self.store.finalize(pending, manifest, signature, parts)  # the commit point
+        except errors.CommitUnknownError:
+            raise  # the marker may be there: nothing is taken back
+        except BaseException:
+            job.pending = pending  # taken back by _drop
+            raise
+        return {"state": "committed"}
 
     def _apply_fences(self) -> None:
         """Before a commit: the steps a restore abandoned (and those of a fence record an interrupted
@@ -350,10 +508,17 @@ class Engine:
             aside = self.store.set_aside(step, "invalid")
             log.warning("step %d was committed but invalid (%s); moved to %s", step, problems[0], aside)
 
-    def _abort(self, job: Job) -> None:
+    def _drop(self, job: Job, *, remove: bool = True) -> None:
+        """Ends this rank's part of a step that is over: the writer aborted, and the step in flight either taken
+        back (`remove`: storage.abort) or left as it is (storage.leave: committed, or not this rank's call)."""
         if job.writer is not None:
             writer, job.writer = job.writer, None
             writer.abort()
         if job.pending is not None:
             pending, job.pending = job.pending, None
-            self.store.abort(pending)
+            (self.store.abort if remove else self.store.leave)(pending)
+
+
+def _describe(error: BaseException | None) -> str | None:
+    """An error as the other ranks read it in a report."""
+    return None if error is None else f"{type(error).__name__}: {error}"

@@ -18,7 +18,7 @@ again. CPU snapshots copy rather than fork (copy-on-write); docs/BENCHMARKS.md h
 
 Errors from the background are kept and raised by the next `save()`, `wait()` or `close()`.
 
-Call order (one coordinator per process; in a multi-rank job, the rank that owns the root):
+Call order (one process, or one coordinator per rank without a group: each saves its own root):
 
     coord = CheckpointCoordinator(checkpoint_root="/ckpts", save_every_n_steps=1000, max_to_keep=5)
     info = coord.restore(model)            # None on a fresh start; else .step and .training_state
@@ -26,6 +26,23 @@ Call order (one coordinator per process; in a multi-rank job, the rank that owns
         if coord.should_save(step):
             coord.save(model, step=step, training_state={"data_position": pos})
     coord.close()                          # or use `with CheckpointCoordinator(...) as coord:`
+
+A group of ranks saving one sharded checkpoint (docs/FORMAT.md, "Sharded steps"): every rank makes a
+coordinator on the same root with `group=` (a ProcessGroup, or anything with coordinator.Group's shape) and
+calls the same methods in the same order; `Shard(array, global_shape, global_offset)` marks its piece of a
+tensor, a plain array is replicated (every rank holds it; one rank writes it):
+
+    ckpt_group = ProcessGroup(store, rank, world, generation, key=key)   # used by the coordinator only
+    coord = CheckpointCoordinator("/ckpts", save_every_n_steps=100, group=ckpt_group)
+    info = coord.restore(trainer)          # ALL ranks; any world size saved it; trainer.sharded_state_dict()
+    ...                                    #   names what this rank needs, load_sharded_state_dict() takes it
+    if coord.should_save(step):            # ALL ranks, same step
+        coord.save(trainer, step=step)     # each rank snapshots its part and returns; the ranks' writers
+                                           #   meet in the background, rank 0 commits once all are durable
+    coord.close()                          # ALL ranks: waits; a failure on any rank is raised on every rank
+
+Rank 0 alone cleans up at start, commits, fences and applies retention; latest(), validate() and
+committed_steps() are local (no collectives) and may be called by any rank.
 """
 
 from __future__ import annotations
@@ -43,8 +60,10 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from SneppX_ALG import _native, errors, storage
-from SneppX_ALG.checkpoint import signing
+from SneppX_ALG.checkpoint import manifest as manifest_codec
+from SneppX_ALG.checkpoint import reshard, signing
 from SneppX_ALG.coordinator import engine, plan, retention, state, steps, timeline
+from SneppX_ALG.coordinator import group as group_lib
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +79,7 @@ class CheckpointInfo:
     location: str
     training_state: Any
     manifest: dict[str, Any]
+    read: reshard.ReadStats | None = None  # what a resharded restore read (None: the step was read whole)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +103,7 @@ class CheckpointCoordinator:
     device: "auto" (pinned staging and GPU copies when a CUDA device is usable), "cpu", or a CUDA device index.
     cleanup_on_start: remove what crashed saves left (temp directories, incomplete S3 uploads, objects of steps
         without a marker) whose writer is provably gone: safe with other coordinators saving to the same root
-        (storage/lease.py). Default: on, except with read_only.
+        (storage/lease.py). Default: on, except with read_only; in a group, rank 0 alone cleans up.
     read_only: a reader (an evaluator, a tool): never cleans up and never saves (save() raises
         ReadOnlyCoordinatorError); latest(), restore() and validate() work as usual.
     signing_key: an Ed25519 private key (or an unencrypted PEM path): every step is signed, a detached `manifest.sig`
@@ -94,13 +114,25 @@ class CheckpointCoordinator:
         and validate() then also require a signature by one of them and every shard to match its digest, and
         treat a step that fails like any invalid step (skipped, reported in `skipped`, rolled back past).
         None (the default): signatures are not checked.
+    group: the ranks that save and restore this root together (coordinator.Group: an elastic ProcessGroup
+        fits): each rank writes its own shard file, rank 0 commits once every rank's file is durable, and a
+        restore loads, at any world size, only what each rank's Shards and arrays ask for. With
+        async_save, the writer thread runs the group's collectives while training goes on, so pass a group
+        that nothing else uses (a second ProcessGroup of the generation, as torch DCP's async_save wants a
+        group of its own); its timeout bounds how long ranks wait for the slowest rank's write. None: this
+        process alone (world size 1).
+    checksum_block_bytes: the size of the blocks each chunk's CRC32C is taken per (a power of two, 4 KiB to
+        64 MiB), so a resharded load reads whole blocks only where it needs part of a chunk. Smaller blocks
+        read less beyond what is needed and make a larger manifest (8 hex digits per block, 72 when signed).
     """
 
     def __init__(self, checkpoint_root: str | os.PathLike[str], save_every_n_steps: int | None = None,
                  max_to_keep: int | None = 5, async_save: bool = True, *, keep_every_n_steps: int | None = None,
                  staging_bytes: int = plan.DEFAULT_STAGING_BYTES, device: str | int = "auto", copy_threads: int = 0,
                  s3_client: Any = None, staging_dir: str | None = None, cleanup_on_start: bool | None = None,
-                 signing_key: Any = None, trusted_keys: Any = None, read_only: bool = False):
+                 signing_key: Any = None, trusted_keys: Any = None, read_only: bool = False,
+                 group: group_lib.Group | None = None,
+                 checksum_block_bytes: int = manifest_codec.BLOCK_BYTES):
         for name, value in (("save_every_n_steps", save_every_n_steps), ("max_to_keep", max_to_keep),
                             ("keep_every_n_steps", keep_every_n_steps)):
             if value is not None and (not isinstance(value, int) or value < 0):
@@ -109,6 +141,14 @@ class CheckpointCoordinator:
             raise ValueError("a read_only coordinator never cleans up: drop cleanup_on_start")
         if staging_bytes < 2 * 4096:
             raise ValueError(f"staging_bytes must be at least 8 KiB, not {staging_bytes}")
+        block = checksum_block_bytes
+        if not (manifest_codec.MIN_BLOCK_BYTES <= block <= manifest_codec.MAX_BLOCK_BYTES and block & (block - 1) == 0):
+            raise ValueError(f"checksum_block_bytes must be a power of two from {manifest_codec.MIN_BLOCK_BYTES} to "
+                             f"{manifest_codec.MAX_BLOCK_BYTES}, not {block}")
+        if group is not None and not isinstance(group, group_lib.Group):
+            raise TypeError(f"group must have rank, world_size, generation, allgather and broadcast (a "
+                            f"ProcessGroup), not a {type(group).__name__}")
+        self.group: group_lib.Group = group if group is not None else group_lib.SOLO
         self.checkpoint_root = os.fspath(checkpoint_root)
         self.save_every_n_steps = save_every_n_steps
         self.max_to_keep = max_to_keep
@@ -130,14 +170,15 @@ class CheckpointCoordinator:
                 "step this coordinator saved would fail its own validation, and retention would have no valid "
                 "step to keep. Add its public key to trusted_keys (after a key rotation, keep the old one too).")
         self._storage = storage.open_storage(self.checkpoint_root, s3_client=s3_client, staging_dir=staging_dir)
-        if cleanup_on_start if cleanup_on_start is not None else not read_only:
+        if (cleanup_on_start if cleanup_on_start is not None else not read_only) and self.group.rank == 0:
             for leftover in self._storage.cleanup():
                 log.info("removed leftover of an interrupted save: %s", leftover)
         self._copier = self._make_copier(device, copy_threads)
         self._lock = threading.Lock()
         self._closed = False
         self._steps = steps.Steps(self._storage, self._trusted_keys)
-        self._engine = engine.Engine(self._steps, max_to_keep, keep_every_n_steps, self._signing_key)
+        self._engine = engine.Engine(self._steps, max_to_keep, keep_every_n_steps, self._signing_key, self.group,
+                                     checksum_block_bytes)
         self._finalizer = weakref.finalize(self, self._engine.shutdown)
 
     @staticmethod
@@ -187,10 +228,14 @@ class CheckpointCoordinator:
         return retention.is_save_step(step, self.save_every_n_steps, self.last_saved_step)
 
     def save(self, obj: Any, step: int, *, training_state: Any = None) -> None:
-        """Snapshots `obj` (a model with state_dict(), or a dict of arrays) as checkpoint `step` and returns;
-        the write, commit and retention go on in the background (with async_save=False, save() waits).
+        """Snapshots `obj` (a model with state_dict(), an object with sharded_state_dict(), or a dict of arrays,
+        Shards and JSON values) as checkpoint `step` and returns; the write, commit and retention go on in the
+        background (with async_save=False, save() waits).
 
-        training_state: JSON-safe data resumed with the weights (data position, RNG state, ...)."""
+        training_state: JSON-safe data resumed with the weights (data position, RNG state, ...); in a group,
+        rank 0's is saved, as are rank 0's plain values. In a group every rank calls save() with the same step;
+        a failure on any rank fails the step on every rank (raised by the next call, ShardedCheckpointError
+        naming the ranks that failed, or the rank's own error where it happened)."""
         with self._lock:
             self._check_open()
             if self.read_only:
@@ -204,37 +249,20 @@ class CheckpointCoordinator:
                     "this coordinator checks signatures (trusted_keys) but has no signing_key: a step it saved "
                     "would be unsigned and fail its own validation; pass signing_key to save")
             step = int(step)
-            with self._engine._idle:
-                if step in self._engine.steps:
+            worker = self._engine
+            with worker._idle:
+                if step in worker.steps:
                     raise errors.CheckpointExistsError(f"step {step} was already saved by this coordinator",
                                                        path=self.checkpoint_root)
-            state.check_json_safe(training_state, "training_state")
-            kind, leaves, values = state.flatten_state(obj)
-            state.check_json_safe([v for _, v in values], "the state's plain (non-array) values")
-            specs = [state.tensor_spec(path, leaf) for path, leaf in leaves]
-            state_bytes = sum(s.nbytes for s in specs)
-            worker = self._engine
-            if worker.pool is None:
-                size = plan.choose_buffer_bytes(state_bytes, self.staging_bytes)
-                worker.pool = engine.StagingPool(self._copier, size, self.staging_bytes // size)
-            buffers = plan.plan_pieces(specs, worker.pool.size)
-            state.check_entry_names(p for b in buffers for p in b)
-            job = engine.Job(step, specs, [p for b in buffers for p in b], values, kind, training_state)
-            with worker._idle:
                 worker.steps.add(step)
+            # From here on this rank takes part in the step's protocol whatever happens (coordinator/engine.py):
+            # what fails below is reported to the group by the writer, at the step's end.
+            job = engine.Job(step, training_state=training_state)
             worker.submit("begin", job)
             try:
-                for pieces in buffers:
-                    buffer = worker.pool.acquire(on_wait=job.may_write.set)
-                    try:
-                        self._snapshot(job, leaves, buffer, pieces)
-                    except BaseException:
-                        worker.pool.release(buffer)
-                        raise
-                    worker.submit("data", job, buffer, pieces)
-            except BaseException:
-                job.failed = True
-                job.host_copies.clear()
+                self._stage(job, obj)
+            except BaseException as e:
+                job.error, job.failed, job.raised = e, True, True
                 job.may_write.set()
                 worker.submit("abort", job)
                 with worker._idle:
@@ -246,8 +274,34 @@ class CheckpointCoordinator:
         if not self.async_save:
             self.wait()
 
-    def _snapshot(self, job: engine.Job, leaves: list[tuple[tuple[str, ...], Any]], buffer: Any,
-                  pieces: list[plan.Piece]) -> None:
+    def _stage(self, job: engine.Job, obj: Any) -> None:
+        """Plans this rank's part of the step and copies it into staging buffers, handing each to the writer."""
+        worker = self._engine
+        state.check_json_safe(job.training_state, "training_state")
+        kind, leaves, values = state.flatten_state(obj)
+        state.check_json_safe([v for _, v in values], "the state's plain (non-array) values")
+        specs = [state.tensor_spec(path, leaf, shard) for path, leaf, shard in leaves]
+        owners = plan.replicated_owners(specs, self.group.world_size)
+        mine = [i for i, spec in enumerate(specs) if spec.sharded or owners[spec.path] == self.group.rank]
+        job.kind, job.values, job.declared = kind, values, plan.replicated_declaration(specs)
+        job.specs = [specs[i] for i in mine]
+        leaves = [leaves[i] for i in mine]
+        if worker.pool is None:
+            size = plan.choose_buffer_bytes(sum(s.nbytes for s in job.specs), self.staging_bytes)
+            worker.pool = engine.StagingPool(self._copier, size, self.staging_bytes // size)
+        buffers = plan.plan_pieces(job.specs, worker.pool.size)
+        state.check_entry_names(p for b in buffers for p in b)
+        job.pieces = [p for b in buffers for p in b]
+        for pieces in buffers:
+            buffer = worker.pool.acquire(on_wait=job.may_write.set)
+            try:
+                self._snapshot(job, leaves, buffer, pieces)
+            except BaseException:
+                worker.pool.release(buffer)
+                raise
+            worker.submit("data", job, buffer, pieces)
+
+    def _snapshot(self, job: engine.Job, leaves: list[state.Leaf], buffer: Any, pieces: list[plan.Piece]) -> None:
         pool = self._engine.pool
         assert pool is not None
         view = self._copier.view(buffer, pool.size)
@@ -265,7 +319,7 @@ class CheckpointCoordinator:
                     job.ordered_streams.add(leaf.stream)
                 crc = self._copier.copy(dst, leaf.pointer + piece.start, piece.nbytes, kind=_native.COPY_D2H)
             else:
-                crc = self._copier.copy(dst, engine.host_piece(job, leaf, piece))
+                crc = self._copier.copy(dst, engine.host_piece(leaf, piece))
             job.snapshot_crcs[piece.entry] = int(crc or 0)
         del view
 
@@ -327,30 +381,51 @@ class CheckpointCoordinator:
         return None
 
     def restore(self, obj: Any, step: int | None = None) -> CheckpointInfo | None:
-        """Loads checkpoint `step` (default: the newest valid one) into `obj` (load_state_dict() or a dict,
-        updated in place). Returns its info, or None when there is no checkpoint at all.
+        """Loads checkpoint `step` (default: the newest valid one) into `obj`. Returns its info, or None when
+        there is no checkpoint at all.
 
-        Every byte loaded is the byte validated: each shard is read once, into the arrays handed to `obj`,
-        and checked as it lands. Restoring a step older than others on the timeline starts a new timeline:
-        before this coordinator's next save commits, the newer steps are fenced off and moved aside, so
-        neither latest() nor a restart returns them again (docs/FORMAT.md, "Timelines and fencing"). A
-        read_only coordinator never saves, so its restore is a look at a step, not a rollback: it fences
-        nothing, and its latest() still sees the newer steps."""
+        `obj`: a model (load_state_dict()) or a dict, updated in place with everything the step holds; or, for
+        a resharded load, an object with sharded_state_dict()/load_sharded_state_dict() or a dict holding
+        Shards: then only what its Shards and arrays name is read (each Shard gets its box of the saved
+        tensor, each array the whole tensor), at whatever world size saved the step, and `info.read` says
+        how many bytes that took.
+
+        Every byte loaded is the byte validated: each shard is read once (or, resharded, each block read is
+        checked) into the arrays handed to `obj`. Restoring a step older than others on the timeline starts a
+        new timeline: before this coordinator's next save commits, the newer steps are fenced off and moved
+        aside, so neither latest() nor a restart returns them again (docs/FORMAT.md, "Timelines and fencing").
+        A read_only coordinator never saves, so its restore is a look at a step, not a rollback: it fences
+        nothing, and its latest() still sees the newer steps.
+
+        In a group, every rank calls restore() and all load the same step: rank 0's list of steps is tried
+        newest first, and a step that fails on any rank is skipped on all (reported in `skipped`); an error
+        that is not a verdict on the step (unreadable, a target that doesn't fit) is raised on every rank."""
         self._engine.wait()  # the fence a restore makes is over this coordinator's own saves too
+        targets = state.restore_targets(obj)
         # An explicit step may be one that an earlier restore here abandoned, as long as no save fenced it.
-        current = self._steps.visible(include_pending=step is None)
+        current = group_lib.broadcast_json(self.group, self._steps.visible(include_pending=step is None))
         if step is not None and step not in current:
             raise errors.CheckpointNotFoundError(f"no committed checkpoint for step {step} on the current "
                                                  f"timeline of {self.checkpoint_root}", path=self.checkpoint_root)
         candidates = [step] if step is not None else list(reversed(current))
         invalid: set[int] = set()
         for candidate in candidates:
-            try:
-                manifest, problems, arrays = self._steps.load(candidate)
-            except errors.CheckpointNotFoundError:
+            verdict, loaded, error = self._try_load(candidate, targets)
+            verdicts = group_lib.allgather_json(self.group, verdict)
+            failed = {r: v["error"] for r, v in enumerate(verdicts) if v["state"] == "error"}
+            if failed:
+                if error is not None:
+                    raise error
+                raise errors.ShardedCheckpointError(
+                    f"step {candidate} could not be restored: " + "; ".join(f"rank {r}: {w}" for r, w in
+                                                                            failed.items()), failures=failed)
+            if any(v["state"] == "gone" for v in verdicts):  # deleted by retention since it was listed
                 if step is not None:
-                    raise
+                    raise errors.CheckpointNotFoundError(f"step {step} is gone from {self.checkpoint_root}",
+                                                         path=self.checkpoint_root)
                 continue
+            problems = [p if self.group.world_size == 1 else f"rank {r}: {p}"
+                        for r, v in enumerate(verdicts) for p in v.get("problems", [])]
             if problems:
                 self._report(candidate, problems)
                 if step is not None:
@@ -358,27 +433,43 @@ class CheckpointCoordinator:
                                                path=self.checkpoint_root)
                 invalid.add(candidate)
                 continue
-            assert manifest is not None and arrays is not None
-            tree = state.tree_of(manifest, arrays)
-            if manifest["kind"] == "state_dict" and hasattr(obj, "load_state_dict"):
-                obj.load_state_dict(tree)
-            elif isinstance(obj, MutableMapping):
-                state.load_into_mapping(obj, tree)
-            elif hasattr(obj, "load_state_dict"):
-                obj.load_state_dict(tree)
+            assert loaded is not None
+            manifest, arrays, read = loaded
+            if targets is not None:
+                state.apply_restored(targets, arrays, manifest)
             else:
-                raise errors.UnsupportedTensorError(f"can't restore into a {type(obj).__name__}")
+                _load_whole(obj, manifest, arrays)
             if self.read_only:
-                return self._info(candidate, manifest)
+                return self._info(candidate, manifest, read)
             fence = timeline.fence_after(candidate, current, invalid)
-            self._steps.start_timeline(candidate, fence)
+            self._steps.start_timeline(candidate, fence, verified=targets is None)
             if fence is not None:
                 with self._engine._idle:  # their numbers may be saved again on the new timeline
                     self._engine.steps -= set(fence.abandoned)
                 log.info("restored step %d: steps %s are abandoned and set aside before the next save commits",
                          candidate, list(fence.abandoned))
-            return self._info(candidate, manifest)
+            return self._info(candidate, manifest, read)
         return None
+
+    def _try_load(self, step: int, targets: state.Targets | None,
+                  ) -> tuple[dict[str, Any], tuple[dict[str, Any], list[np.ndarray], reshard.ReadStats | None] | None,
+                             Exception | None]:
+        """(verdict for the group, what was loaded, this rank's error) of loading `step` here."""
+        read = reshard.ReadStats() if targets is not None else None
+        try:
+            if targets is None:
+                manifest, problems, arrays = self._steps.load(step)
+            else:
+                assert read is not None
+                manifest, problems, arrays = self._steps.load_needed(step, targets.needs, read)
+        except errors.CheckpointNotFoundError:
+            return {"state": "gone"}, None, None
+        except Exception as e:  # noqa: BLE001 - the group decides together; raised below on this rank
+            return {"state": "error", "error": f"{type(e).__name__}: {e}"}, None, e
+        if problems:
+            return {"state": "invalid", "problems": problems[:5]}, None, None
+        assert manifest is not None and arrays is not None
+        return {"state": "ok"}, (manifest, arrays, read), None
 
     def retention_plan(self, max_to_keep: int, keep_every_n_steps: int | None = None) -> retention.Plan:
         """What retention would delete now with these settings, as if the newest committed step had just
@@ -396,13 +487,26 @@ class CheckpointCoordinator:
             self._engine.wait()
             self._engine.apply_retention(plan)
 
-    def _info(self, step: int, manifest: dict[str, Any]) -> CheckpointInfo:
+    def _info(self, step: int, manifest: dict[str, Any], read: reshard.ReadStats | None = None) -> CheckpointInfo:
         location = (f"{self._storage.uri}/{storage.step_name(step)}")
-        return CheckpointInfo(step, location, manifest.get("training_state"), manifest)
+        return CheckpointInfo(step, location, manifest.get("training_state"), manifest, read)
 
     def _report(self, step: int, problems: list[str]) -> None:
         self.skipped.append(SkippedCheckpoint(step, tuple(problems)))
         log.warning("skipping checkpoint step %d: %s", step, "; ".join(problems[:5]))
+
+
+def _load_whole(obj: Any, manifest: dict[str, Any], arrays: list[np.ndarray]) -> None:
+    """Hands a step read whole to `obj`: load_state_dict() with the saved tree, or a dict updated in place."""
+    tree = state.tree_of(manifest, arrays)
+    if manifest["kind"] == "state_dict" and hasattr(obj, "load_state_dict"):
+        obj.load_state_dict(tree)
+    elif isinstance(obj, MutableMapping):
+        state.load_into_mapping(obj, tree)
+    elif hasattr(obj, "load_state_dict"):
+        obj.load_state_dict(tree)
+    else:
+        raise errors.UnsupportedTensorError(f"can't restore into a {type(obj).__name__}")
 
 
 def _private_key(key: Any) -> Any:

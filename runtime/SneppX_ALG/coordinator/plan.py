@@ -1,18 +1,26 @@
-"""Pure planning of a save: which tensors, cut into which pieces, packed into which staging buffers, and
-the manifest that joins the pieces again.
+"""Pure planning of a save: which tensors this rank writes, cut into which pieces, packed into which staging
+buffers, and the manifest that joins the pieces of every rank again.
 
-Why pure: the layout of a step (piece boundaries, entry names, buffer packing) decides what can be
-restored, so it is tested on its own, without threads, memory or disks.
+Why pure: the layout of a step (piece boundaries, entry names, buffer packing, which rank writes a replicated
+tensor) decides what can be restored, so it is tested on its own, without threads, memory, disks or peers.
+
+Every piece is a box of its global tensor (checkpoint/chunks.py) and becomes one chunk in the manifest, with
+its CRC32C and one CRC32C per BLOCK_BYTES block, so a load at any world size reads only the blocks it needs and
+checks every byte it reads (docs/FORMAT.md, "Sharded steps").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
+import json
 from typing import Any
 
 import numpy as np
 
+from SneppX_ALG import errors
+from SneppX_ALG.checkpoint import chunks
 from SneppX_ALG.checkpoint import manifest as manifest_codec
 
 DEFAULT_STAGING_BYTES = 1 << 30
@@ -24,12 +32,16 @@ _PIECE_ALIGN = 64
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """One tensor of the state: where it sits in the tree, and its dtype and shape."""
+    """One tensor of this rank's state: where it sits in the tree, its dtype, the shape of the array this rank
+    holds, and where that array lies in the global tensor (`placement`: None when it is the whole tensor, a
+    replicated array; a box of the global tensor for a coordinator.Shard)."""
 
     path: tuple[str, ...]
     dtype: str
     shape: tuple[int, ...]
     itemsize: int
+    global_shape: tuple[int, ...] | None = None
+    global_offset: tuple[int, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -39,19 +51,36 @@ class TensorSpec:
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
 
+    @property
+    def sharded(self) -> bool:
+        return self.global_shape is not None
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The global tensor's shape."""
+        return self.global_shape if self.global_shape is not None else self.shape
+
+    @property
+    def origin(self) -> tuple[int, ...]:
+        """Where this rank's array starts in the global tensor."""
+        return self.global_offset if self.global_offset is not None else (0,) * len(self.shape)
+
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """A contiguous byte range of one tensor, staged at `offset` in buffer `buffer`, stored as `entry`."""
+    """A box of one of this rank's arrays (`box`, relative to that array; contiguous in its C-order bytes, which
+    are [start, start + nbytes)), staged at `offset` in buffer `buffer`, stored as `entry`."""
 
     tensor: int
     entry: str
     start: int
     nbytes: int
-    shape: tuple[int, ...]
-    global_offset: tuple[int, ...] | None
+    box: chunks.Box
     buffer: int
     offset: int
+
+    def global_box(self, spec: TensorSpec) -> chunks.Box:
+        return chunks.Box(tuple(o + b for o, b in zip(spec.origin, self.box.offset, strict=True)), self.box.shape)
 
 
 def _align(x: int, a: int) -> int:
@@ -66,30 +95,26 @@ def choose_buffer_bytes(state_bytes: int, staging_bytes: int) -> int:
     return _align(size, 4096)
 
 
-def split_tensor(spec: TensorSpec, max_bytes: int,
-                 first_bytes: int | None = None) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...] | None]]:
-    """(start byte, nbytes, stored shape, global offset) of each piece of a tensor: the first piece at most
-    first_bytes (to fill what is left of a buffer; skipped when not even one unit fits), the others at most
-    max_bytes. Pieces are blocks of rows (dimension 0) when a row fits in max_bytes, else flat ranges."""
-    total = spec.nbytes
-    first = max_bytes if first_bytes is None else min(first_bytes, max_bytes)
-    if total <= first:
-        return [(0, total, spec.shape, None)]
-    shape = spec.shape
-    by_rows = len(shape) >= 1 and shape[0] > 1 and total // shape[0] <= max_bytes
-    unit = total // shape[0] if by_rows else spec.itemsize
-    out: list[tuple[int, int, tuple[int, ...], tuple[int, ...] | None]] = []
-    start, budget = 0, first
-    while start < total:
-        n = min(budget // unit * unit, total - start)
-        if n > 0:
-            if by_rows:
-                out.append((start, n, (n // unit, *shape[1:]), (start // unit,) + (0,) * (len(shape) - 1)))
-            else:
-                out.append((start, n, (n // unit,), None))
-            start += n
-        budget = max_bytes
-    return out
+def replicated_owners(specs: list[TensorSpec], world_size: int) -> dict[tuple[str, ...], int]:
+    """Which rank writes each replicated tensor (every rank holds it whole): the largest first, each to the rank
+    that has the fewest replicated bytes so far (the lowest such rank on a tie), as DCP's save planner
+    deduplicates. A pure function of the replicated tensors' paths and sizes, so every rank that declares the
+    same ones computes the same owners without asking the others (the commit checks they did declare the
+    same). Shards are not counted: each rank writes its own, and they are balanced by construction."""
+    load = [0] * world_size
+    owners: dict[tuple[str, ...], int] = {}
+    for spec in sorted((s for s in specs if not s.sharded), key=lambda s: (-s.nbytes, s.path)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[spec.path] = rank
+        load[rank] += spec.nbytes
+    return owners
+
+
+def replicated_declaration(specs: list[TensorSpec]) -> str:
+    """A digest of the replicated tensors a rank declares (paths, dtypes, shapes): equal on every rank, or the
+    ranks would compute different owners and some tensor would be written by none."""
+    listed = sorted([list(s.path), s.dtype, list(s.shape)] for s in specs if not s.sharded)
+    return hashlib.sha256(json.dumps(listed).encode()).hexdigest()
 
 
 def plan_pieces(specs: list[TensorSpec], buffer_bytes: int) -> list[list[Piece]]:
@@ -116,8 +141,9 @@ def plan_pieces(specs: list[TensorSpec], buffer_bytes: int) -> list[list[Piece]]
         # A tensor that fits in a buffer moves whole to the next one when it doesn't fit here; a larger one
         # starts by filling this buffer, so buffers are full and the staging area holds as much as it can.
         room = buffer_bytes - _align(fill, _PIECE_ALIGN)
-        parts = split_tensor(spec, buffer_bytes, room if spec.nbytes > buffer_bytes else None)
-        for i, (start, nbytes, shape, global_offset) in enumerate(parts):
+        parts = chunks.split_box(spec.shape, spec.itemsize, buffer_bytes,
+                                 room if spec.nbytes > buffer_bytes else None)
+        for i, (start, nbytes, box) in enumerate(parts):
             if index in own_name:
                 entry = own_name[index]
             else:
@@ -126,27 +152,73 @@ def plan_pieces(specs: list[TensorSpec], buffer_bytes: int) -> list[list[Piece]]
             if offset + nbytes > buffer_bytes and buffers[-1]:
                 buffers.append([])
                 offset = 0
-            buffers[-1].append(Piece(index, entry, start, nbytes, shape, global_offset, len(buffers) - 1, offset))
+            buffers[-1].append(Piece(index, entry, start, nbytes, box, len(buffers) - 1, offset))
             fill = offset + nbytes
     return [b for b in buffers if b]
 
 
-def build_manifest(step: int, specs: list[TensorSpec], pieces: list[Piece], crcs: dict[str, int],
-                   values: list[tuple[tuple[str, ...], Any]], kind: str, training_state: Any,
-                   shards: list[str], files: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The step's manifest. `files`: {shard name: {"size", "digest"}}, what a signature over the manifest
-    vouches for (docs/FORMAT.md, "Multi-file checkpoints")."""
-    tensors = []
+def chunk_record(spec: TensorSpec, piece: Piece, shard: int, crc: int, blocks: str,
+                 digests: str | None) -> dict[str, Any]:
+    """A piece as a chunk of the manifest: the box of the global tensor it holds, where it is stored, its
+    CRC32C, and its block checksums (hex: 8 digits per block CRC32C, 64 per block BLAKE3 in signed steps)."""
+    box = piece.global_box(spec)
+    record = {"shard": shard, "entry": piece.entry, "offset": list(box.offset), "shape": list(box.shape),
+              "nbytes": piece.nbytes, "crc32c": crc, "blocks": blocks}
+    if digests is not None:
+        record["digests"] = digests
+    return record
+
+
+def rank_part(specs: list[TensorSpec], pieces: list[Piece], records: dict[str, dict[str, Any]],
+              ) -> list[dict[str, Any]]:
+    """What this rank wrote, per tensor (path, dtype, global shape, its chunks), for the manifest that rank 0
+    builds from every rank's part. Tensors this rank declared but does not write are not listed."""
+    out = []
     for index, spec in enumerate(specs):
-        own = [p for p in pieces if p.tensor == index]
-        tensors.append({
-            "path": list(spec.path), "dtype": spec.dtype, "shape": list(spec.shape), "nbytes": spec.nbytes,
-            "pieces": [{"shard": 0, "entry": p.entry, "start": p.start, "nbytes": p.nbytes,
-                        "crc32c": crcs[p.entry]} for p in own]})
+        own = [records[p.entry] for p in pieces if p.tensor == index]
+        if own:
+            out.append({"path": list(spec.path), "dtype": spec.dtype, "shape": list(spec.full_shape),
+                        "chunks": own})
+    return out
+
+
+def merge_parts(parts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The manifest's tensors from every rank's part (rank order): each tensor's chunks from all ranks, which
+    must agree on its dtype and global shape and cover it exactly once (ShardingMismatchError otherwise)."""
+    tensors: dict[tuple[str, ...], dict[str, Any]] = {}
+    for rank, part in enumerate(parts):
+        for tensor in part:
+            path = tuple(tensor["path"])
+            merged = tensors.setdefault(path, {**tensor, "chunks": []})
+            if (merged["dtype"], merged["shape"]) != (tensor["dtype"], tensor["shape"]):
+                raise errors.ShardingMismatchError(
+                    f"tensor {'/'.join(path)}: rank {rank} saved it as {tensor['dtype']}{tensor['shape']}, an "
+                    f"earlier rank as {merged['dtype']}{merged['shape']}")
+            merged["chunks"] += tensor["chunks"]
+    out = []
+    for path, tensor in tensors.items():
+        shape = tuple(tensor["shape"])
+        problem = chunks.tiling_problem(shape, [chunks.Box(tuple(c["offset"]), tuple(c["shape"]))
+                                                for c in tensor["chunks"]])
+        if problem is not None:
+            raise errors.ShardingMismatchError(f"tensor {'/'.join(path)}: the ranks' shards don't cover it "
+                                               f"exactly once: {problem}")
+        nbytes = sum(c["nbytes"] for c in tensor["chunks"])
+        out.append({**tensor, "nbytes": nbytes})
+    return out
+
+
+def build_manifest(step: int, tensors: list[dict[str, Any]], values: list[tuple[tuple[str, ...], Any]], kind: str,
+                   training_state: Any, shards: list[str], *, world_size: int = 1, generation: int = 0,
+                   block_bytes: int = manifest_codec.BLOCK_BYTES,
+                   files: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The step's manifest (version 3). `shards[r]` is rank r's file; `files`: {shard name: {"size",
+    "digest"}}, what a signature over the manifest vouches for (docs/FORMAT.md, "Multi-file checkpoints")."""
     return {
         "format": manifest_codec.MANIFEST_FORMAT, "version": manifest_codec.MANIFEST_VERSION, "step": step,
         "created": datetime.datetime.now(datetime.UTC).isoformat(),
-        "world_size": 1, "kind": kind, "shards": shards, "tensors": tensors,
+        "world_size": world_size, "generation": generation, "block_bytes": block_bytes,
+        "kind": kind, "shards": shards, "tensors": tensors,
         "values": [{"path": list(path), "value": value} for path, value in values],
         "training_state": training_state,
         **({"files": files} if files is not None else {}),

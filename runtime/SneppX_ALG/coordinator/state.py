@@ -1,21 +1,54 @@
 """The user's state as SneppX sees it: flattened into tensors and plain values on save, rebuilt on restore.
 
-Why: `save()` takes a model with `state_dict()` or a (nested) dict of numpy, DLPack or CUDA arrays; the
-rest of the coordinator works on a flat list of (path, array) and (path, JSON value). This module is the
-only one that knows about the shapes a user's state can take.
+Why: `save()` takes a model with `state_dict()`, an object with `sharded_state_dict()`, or a (nested) dict of
+numpy, DLPack or CUDA arrays and `Shard`s; the rest of the coordinator works on a flat list of (path, array,
+placement) and (path, JSON value). This module is the only one that knows about the shapes a user's state can
+take.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
 
 from SneppX_ALG import errors
-from SneppX_ALG.checkpoint import arrays, format
+from SneppX_ALG.checkpoint import arrays, chunks, format, reshard
 from SneppX_ALG.coordinator import plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """This rank's block of a larger, global tensor, in a state given to `save()` or `restore()`.
+
+    `data` holds `global[o0:o0 + data.shape[0], o1:o1 + data.shape[1], ...]` of a tensor of `global_shape`, where
+    (o0, o1, ...) is `global_offset`. On save, `data` is anything an array leaf may be (numpy, DLPack, CUDA);
+    the ranks' shards of one tensor must cover it exactly once. On restore, `data` is a writable C-contiguous
+    numpy array that receives that block of the saved tensor, whatever world size saved it. An array in a
+    state that is not a Shard is replicated: every rank holds it whole (it is written by one rank)."""
+
+    data: Any
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        shape, offset = tuple(self.global_shape), tuple(self.global_offset)
+        if not all(isinstance(v, (int, np.integer)) and v >= 0 for v in (*shape, *offset)):
+            raise ValueError(f"Shard: global_shape {shape} and global_offset {offset} must be ints >= 0")
+        object.__setattr__(self, "global_shape", tuple(int(v) for v in shape))
+        object.__setattr__(self, "global_offset", tuple(int(v) for v in offset))
+
+    def box(self, local_shape: tuple[int, ...]) -> chunks.Box:
+        """The box of the global tensor this shard is, given its data's shape (UnsupportedTensorError when it
+        does not fit)."""
+        if not (len(local_shape) == len(self.global_shape) == len(self.global_offset)
+                and format.shard_fits(local_shape, self.global_shape, self.global_offset)):
+            raise errors.UnsupportedTensorError(
+                f"a Shard of shape {list(local_shape)} at {list(self.global_offset)} does not fit in a tensor of "
+                f"shape {list(self.global_shape)}")
+        return chunks.Box(self.global_offset, local_shape)
 
 
 @dataclasses.dataclass
@@ -91,17 +124,26 @@ def leaf_of(value: Any) -> np.ndarray | DeviceArray | None:
     return arrays.as_array(value)
 
 
-def flatten_state(obj: Any) -> tuple[str, list[tuple[tuple[str, ...], np.ndarray | DeviceArray]],
-                                     list[tuple[tuple[str, ...], Any]]]:
-    """(kind, tensors, plain values) of a model (state_dict()), or a (nested) mapping of arrays."""
+Leaf = tuple[tuple[str, ...], np.ndarray | DeviceArray, Shard | None]
+
+
+def state_tree(obj: Any) -> tuple[str, Mapping[str, Any]]:
+    """(kind, tree) of what save() was given: an object with sharded_state_dict() (a trainer whose state is
+    sharded over ranks), one with state_dict() (a model), or a (nested) mapping."""
+    if hasattr(obj, "sharded_state_dict") and callable(obj.sharded_state_dict):
+        return "sharded", obj.sharded_state_dict()
     if hasattr(obj, "state_dict") and callable(obj.state_dict):
-        kind, tree = "state_dict", obj.state_dict()
-    elif isinstance(obj, Mapping):
-        kind, tree = "mapping", obj
-    else:
-        raise errors.UnsupportedTensorError(f"can't checkpoint a {type(obj).__name__}: pass an object with "
-                                            "state_dict()/load_state_dict() or a dict of arrays")
-    tensors: list[tuple[tuple[str, ...], Any]] = []
+        return "state_dict", obj.state_dict()
+    if isinstance(obj, Mapping):
+        return "mapping", obj
+    raise errors.UnsupportedTensorError(f"can't checkpoint a {type(obj).__name__}: pass an object with "
+                                        "state_dict()/load_state_dict() or a dict of arrays")
+
+
+def flatten_state(obj: Any) -> tuple[str, list[Leaf], list[tuple[tuple[str, ...], Any]]]:
+    """(kind, tensors as (path, array, Shard or None), plain values) of what save() was given."""
+    kind, tree = state_tree(obj)
+    tensors: list[Leaf] = []
     values: list[tuple[tuple[str, ...], Any]] = []
 
     def walk(node: Mapping[Any, Any], prefix: tuple[str, ...]) -> None:
@@ -113,13 +155,18 @@ def flatten_state(obj: Any) -> tuple[str, list[tuple[tuple[str, ...], np.ndarray
             if isinstance(value, Mapping):
                 walk(value, path)
                 continue
-            leaf = leaf_of(value)
+            shard = value if isinstance(value, Shard) else None
+            leaf = leaf_of(shard.data if shard is not None else value)
             if leaf is None:
+                if shard is not None:
+                    raise errors.UnsupportedTensorError(f"the Shard at {'/'.join(path)} holds no array")
                 values.append((path, value))
             else:
                 if isinstance(leaf, DeviceArray):  # the pointer is valid only while its owners live
                     leaf.keepalive = (value, tree)
-                tensors.append((path, leaf))
+                if shard is not None:
+                    shard.box(tuple(int(d) for d in leaf.shape))  # fits, or a typed error now
+                tensors.append((path, leaf, shard))
 
     walk(tree, ())
     return kind, tensors, values
@@ -133,9 +180,11 @@ def check_json_safe(value: Any, what: str) -> None:
                                             f"{e}") from None
 
 
-def tensor_spec(path: tuple[str, ...], leaf: np.ndarray | DeviceArray) -> plan.TensorSpec:
+def tensor_spec(path: tuple[str, ...], leaf: np.ndarray | DeviceArray, shard: Shard | None) -> plan.TensorSpec:
     dtype = leaf.dtype
-    return plan.TensorSpec(path, format.dtype_name(dtype), tuple(int(d) for d in leaf.shape), dtype.itemsize)
+    return plan.TensorSpec(path, format.dtype_name(dtype), tuple(int(d) for d in leaf.shape), dtype.itemsize,
+                           shard.global_shape if shard is not None else None,
+                           shard.global_offset if shard is not None else None)
 
 
 def check_entry_names(pieces: Iterable[plan.Piece]) -> None:
@@ -189,3 +238,77 @@ def tree_of(manifest: dict[str, Any], arrays: list[np.ndarray]) -> dict[str, Any
     for value in manifest["values"]:
         set_path(tree, value["path"], value["value"])
     return tree
+
+
+# ---- restoring into a sharded state: what each rank asks for, and where it goes ------------------------------
+
+
+@dataclasses.dataclass
+class Targets:
+    """What a resharded restore fills: for each tensor of `tree` the Need handed to the loader and where the
+    result goes (a Shard's data, or the plain array to overwrite), the paths of plain values, and the call
+    that hands the filled tree back to its owner (load_sharded_state_dict), if any."""
+
+    tree: Mapping[str, Any]
+    needs: list[reshard.Need]
+    destinations: list[Shard | np.ndarray]
+    values: list[tuple[str, ...]]
+    finish: Callable[[Any], Any] | None
+
+
+def restore_targets(obj: Any) -> Targets | None:
+    """The targets of a resharded restore, or None for a whole one: an object with sharded_state_dict() (and
+    load_sharded_state_dict()), or a mapping that holds at least one Shard. Targets must be writable numpy
+    arrays: each Shard receives its box of the saved tensor, each plain array the whole tensor (same shape)."""
+    if hasattr(obj, "sharded_state_dict") and callable(obj.sharded_state_dict):
+        tree, finish = obj.sharded_state_dict(), getattr(obj, "load_sharded_state_dict", None)
+    elif isinstance(obj, Mapping) and _holds_shard(obj):
+        tree, finish = obj, None
+    else:
+        return None
+    targets = Targets(tree, [], [], [], finish)
+
+    def walk(node: Mapping[str, Any], prefix: tuple[str, ...]) -> None:
+        for key, value in node.items():
+            path = (*prefix, str(key))
+            if isinstance(value, Mapping):
+                walk(value, path)
+                continue
+            shard = value if isinstance(value, Shard) else None
+            array = shard.data if shard is not None else value
+            if leaf_of(array) is None and shard is None:
+                targets.values.append(path)
+                continue
+            if not (isinstance(array, np.ndarray) and array.flags.writeable):
+                raise errors.UnsupportedTensorError(f"restore target {'/'.join(path)} must be a writable numpy "
+                                                    f"array, not a {type(array).__name__}")
+            dtype = format.dtype_name(array.dtype)
+            if shard is not None:
+                box = shard.box(tuple(array.shape))
+                targets.needs.append(reshard.Need(path, box, dtype))
+                targets.destinations.append(shard)
+            else:
+                targets.needs.append(reshard.Need(path, None, dtype, tuple(array.shape)))
+                targets.destinations.append(array)
+
+    walk(tree, ())
+    return targets
+
+
+def _holds_shard(node: Mapping[str, Any]) -> bool:
+    return any(isinstance(v, Shard) or (isinstance(v, Mapping) and _holds_shard(v)) for v in node.values())
+
+
+def apply_restored(targets: Targets, arrays: list[np.ndarray], manifest: dict[str, Any]) -> None:
+    """Copies what was loaded into the targets' arrays, the saved plain values into the tree, and hands the tree
+    to its owner."""
+    saved = {tuple(v["path"]): v["value"] for v in manifest["values"]}
+    missing = [p for p in targets.values if p not in saved]
+    if missing:
+        raise errors.ShardingMismatchError(f"step {manifest['step']} has no value {'/'.join(missing[0])}")
+    for destination, array in zip(targets.destinations, arrays, strict=True):
+        np.copyto(destination.data if isinstance(destination, Shard) else destination, array, casting="no")
+    for path in targets.values:
+        set_path(targets.tree, list(path), saved[path])  # type: ignore[arg-type]
+    if targets.finish is not None:
+        targets.finish(targets.tree)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from SneppX_ALG import errors, storage
-from SneppX_ALG.checkpoint import validate
+from SneppX_ALG.checkpoint import reshard, validate
 from SneppX_ALG.coordinator import timeline
 
 log = logging.getLogger(__name__)
@@ -62,13 +62,15 @@ class Steps:
         with self._lock:
             return self._pending
 
-    def start_timeline(self, restored: int, fence: timeline.Fence | None) -> None:
-        """A restore loaded step `restored` (so it is valid, and the newest valid step once the steps the
-        fence abandons are gone). The fence is applied before the next commit; it replaces one a previous
-        restore made and no commit applied (None: no step is newer, nothing to fence)."""
+    def start_timeline(self, restored: int, fence: timeline.Fence | None, *, verified: bool = True) -> None:
+        """A restore loaded step `restored` (`verified`: all of it, so it is valid, and the newest valid step
+        once the steps the fence abandons are gone; a resharded load reads only part of it). The fence is
+        applied before the next commit; it replaces one a previous restore made and no commit applied (None: no
+        step is newer, nothing to fence)."""
         with self._lock:
             self._pending = fence
-            self._known_valid = restored
+            if verified:
+                self._known_valid = restored
 
     def fence_applied(self, fence: timeline.Fence) -> None:
         with self._lock:
@@ -101,32 +103,56 @@ class Steps:
         was checked."""
         return self._read(step, keep=True)
 
+    def load_needed(self, step: int, needs: list[reshard.Need], stats: reshard.ReadStats,
+                    ) -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
+        """(manifest, problems, arrays) of the boxes `needs` ask for, reading only them and checking every
+        byte read (checkpoint/reshard.py); a step saved before manifest version 3 is read whole and cut.
+        Errors as check()'s; ShardingMismatchError when a need does not fit the step."""
+        def attempt() -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
+            with self.store.read_step(step) as reader:
+                return reshard.load(reader, step, needs, self.trusted_keys, stats)
+
+        manifest, problems, arrays = self._retrying(step, attempt)
+        if manifest is not None and manifest["version"] < 3 and not problems:
+            manifest, problems, whole = self._read(step, keep=True)
+            if manifest is not None and whole is not None:
+                arrays = reshard.whole_tensors_to_needs(manifest, whole, needs)
+                stats.data += sum(t["nbytes"] for t in manifest["tensors"])
+                stats.needed += sum(a.nbytes for a in arrays)
+        return manifest, problems, arrays
+
     def _read(self, step: int, *, keep: bool,
               ) -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
-        for attempt in range(READ_ATTEMPTS):
-            try:
-                with self.store.open_step(step) as local:
-                    if keep:
-                        manifest, problems, arrays = validate.load_step(local, step, self.trusted_keys)
-                    else:
-                        (manifest, problems), arrays = validate.check_step(local, step, self.trusted_keys), None
-                break
-            except errors.CheckpointNotFoundError:
-                raise
-            except (errors.StorageError, OSError) as e:  # can't read now (S3 fetches fail as StorageError)
-                if attempt + 1 == READ_ATTEMPTS:
-                    code = getattr(e, "errno", None)
-                    raise errors.CheckpointUnreadableError(
-                        f"step {step} can't be read after {READ_ATTEMPTS} tries; it was not skipped: {e}",
-                        step=step, path=self.store.uri, errno=code) from e
-                delay = READ_BACKOFF_S * 2 ** attempt
-                log.warning("step %d can't be read now (%s); trying again in %.1f s", step, e, delay)
-                time.sleep(delay)
+        def attempt() -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
+            with self.store.open_step(step) as local:
+                if keep:
+                    return validate.load_step(local, step, self.trusted_keys)
+                return (*validate.check_step(local, step, self.trusted_keys), None)
+
+        manifest, problems, arrays = self._retrying(step, attempt)
         if not problems:
             with self._lock:
                 if self._known_valid is None or step > self._known_valid:
                     self._known_valid = step
         return manifest, problems, arrays
+
+    def _retrying(self, step: int, attempt: Any) -> Any:
+        """attempt(), retried with backoff while the step can't be read (an I/O error, not a verdict)."""
+        for tries in range(READ_ATTEMPTS):
+            try:
+                return attempt()
+            except errors.CheckpointNotFoundError:
+                raise
+            except (errors.StorageError, OSError) as e:  # can't read now (S3 fetches fail as StorageError)
+                if tries + 1 == READ_ATTEMPTS:
+                    code = getattr(e, "errno", None)
+                    raise errors.CheckpointUnreadableError(
+                        f"step {step} can't be read after {READ_ATTEMPTS} tries; it was not skipped: {e}",
+                        step=step, path=self.store.uri, errno=code) from e
+                delay = READ_BACKOFF_S * 2 ** tries
+                log.warning("step %d can't be read now (%s); trying again in %.1f s", step, e, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
 
     def newest_valid(self, candidates: list[int]) -> tuple[int | None, dict[int, list[str]]]:
         """The newest of `candidates` that validates (checked newest first, until one does), and the

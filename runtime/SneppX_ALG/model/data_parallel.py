@@ -18,9 +18,11 @@ whole whose place in that whole is known:
   squares, allreduced with the loss, so clipping scales the same everywhere; AdamW on the rank's pieces only (its
   moments exist for those alone); then the parameters allgathered bucket by bucket.
 
-A sharded checkpoint of rank r (a later issue) is: `optimizer.state_dict()` (the step and each piece's moments,
-with `pieces` giving every piece's tensor, shape and [start, stop) in the flattened tensor), the data position
-`stream.state_dict()` (identical on all ranks), and the parameters (identical on all ranks).
+A sharded checkpoint of rank r is `sharded_state_dict()`: the parameters (identical on all ranks: replicated),
+this rank's pieces of the moments as `coordinator.Shard`s of each flattened tensor ([start, stop) of it), the
+optimizer step, and the data position and RNG (identical on all ranks). `CheckpointCoordinator(...,
+group=...).save(trainer, step)` writes it; `restore(trainer)` at any world size reads each rank's new pieces
+and hands them to `load_sharded_state_dict()`.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
-from SneppX_ALG import _native, errors
+from SneppX_ALG import _native, coordinator, errors
 from SneppX_ALG.elastic import collectives
 from SneppX_ALG.model import data as data_lib
 from SneppX_ALG.model import optimizer as optimizer_lib
@@ -190,3 +193,28 @@ class DataParallelTrainer:
     def train(self, num_steps: int, on_step: Callable[[training.StepResult], None] | None = None) -> list[float]:
         """Runs num_steps steps; calls on_step after each. Returns the global losses (the same on every rank)."""
         return training.run_steps(self.train_step, num_steps, on_step)
+
+    # --- sharded checkpoints (CheckpointCoordinator with a group) ---
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's training state, every array a live one: `model/<name>` the parameters (replicated),
+        `optim/m|v/<name>` this rank's piece of each moment as a Shard of the flattened tensor, `optim/step`, and
+        the data position and RNG (`data/...`, `rng/pcg64`: replicated). Saved as it is, and filled in place by
+        a restore at any world size (then call load_sharded_state_dict, which the coordinator does)."""
+        moments: dict[str, dict[str, coordinator.Shard]] = {"m": {}, "v": {}}
+        for piece in self.pieces:
+            total = (math.prod(piece.shape),)
+            moments["m"][piece.name] = coordinator.Shard(self.optimizer.m[piece.name], total, (piece.start,))
+            moments["v"][piece.name] = coordinator.Shard(self.optimizer.v[piece.name], total, (piece.start,))
+        return {"model": dict(self.model.params),
+                "optim": {"step": np.array(self.optimizer.step_count, np.int64), **moments},
+                **self.stream.state_dict()}
+
+    def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Takes a state that sharded_state_dict() gave and a restore filled: the arrays are in place already;
+        the optimizer step and the data position are applied here (TrainingStateError for another data set)."""
+        step = np.asarray(state["optim"]["step"])
+        if step.shape != () or int(step) < 0:
+            raise errors.TrainingStateError("optim/step must be a scalar >= 0")
+        self.stream.load_state_dict({k: np.asarray(v) for k, v in state.items() if k.startswith(("data/", "rng/"))})
+        self.optimizer.step_count = int(step)

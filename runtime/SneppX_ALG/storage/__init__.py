@@ -53,7 +53,12 @@ same keys: at most one commits, and a step whose shards the other replaced fails
 bytes), but that step is then lost. (Locally each writer has its own directory and the rename decides.) Every
 listing is confined to the root (`prefix + "/"`): `s3://bkt/jobs/a` never touches `jobs/ab/...`, and a bucket
 root `s3://bkt` owns only the `step-*/`, `.lease-*`, set-aside (`.invalid-step-*/`, `.abandoned-step-*/`) and
-`FENCE` keys at the top of the bucket (two jobs in one bucket need two prefixes).
+`FENCE` keys at the top of the bucket, and the records under `rdzv/` (below); two jobs in one bucket need two
+prefixes.
+
+Beside the steps, the same root holds small compare-and-swap records (`storage.record`, opened with
+`open_record_store`): the rendezvous of elastic jobs keeps its generations there under `rdzv/`, a name no
+step listing, inventory or cleanup ever touches.
 """
 
 from __future__ import annotations
@@ -66,13 +71,17 @@ from SneppX_ALG.storage.base import (
     MAX_MANIFEST_BYTES,
     SIGNATURE,
     Entry,
+    Parts,
     PendingStep,
+    StepReader,
     Storage,
+    block_crcs,
     classify_entry,
     commit_record,
     fetched_marker_path,
     is_plain_name,
     marker_problem,
+    open_checked,
     parse_set_aside_name,
     parse_step_name,
     set_aside_name,
@@ -80,8 +89,9 @@ from SneppX_ALG.storage.base import (
     unlink_quietly,
     write_durable,
 )
-from SneppX_ALG.storage.local import LocalStorage
-from SneppX_ALG.storage.s3 import S3Storage, make_s3_client, parse_s3_uri
+from SneppX_ALG.storage.local import LocalRecordStore, LocalStorage
+from SneppX_ALG.storage.record import Record, RecordStore
+from SneppX_ALG.storage.s3 import S3RecordStore, S3Storage, make_s3_client, parse_s3_uri
 
 __all__ = [
     "COMMITTED",
@@ -89,16 +99,25 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "SIGNATURE",
     "Entry",
+    "LocalRecordStore",
     "LocalStorage",
+    "Parts",
     "PendingStep",
+    "Record",
+    "RecordStore",
+    "S3RecordStore",
     "S3Storage",
+    "StepReader",
     "Storage",
+    "block_crcs",
     "classify_entry",
     "commit_record",
     "fetched_marker_path",
     "is_plain_name",
     "make_s3_client",
     "marker_problem",
+    "open_checked",
+    "open_record_store",
     "open_storage",
     "parse_s3_uri",
     "parse_set_aside_name",
@@ -117,6 +136,18 @@ def open_storage(root: str, *, s3_client: Any = None, staging_dir: str | None = 
     if root.startswith("s3://"):
         return S3Storage(root, client=s3_client, staging_dir=staging_dir, part_bytes=upload_part_bytes,
                          threads=upload_threads)
+    return LocalStorage(_local_path(root))
+
+
+def open_record_store(root: str, *, s3_client: Any = None) -> RecordStore:
+    """The compare-and-swap records under the same roots `open_storage` takes (`s3://bucket/prefix`,
+    `file:///absolute/path`, a local directory)."""
+    if root.startswith("s3://"):
+        return S3RecordStore(root, client=s3_client)
+    return LocalRecordStore(_local_path(root))
+
+
+def _local_path(root: str) -> str:
     if root.startswith("file://"):
         root = root[len("file://"):]
         if not root.startswith("/"):
@@ -124,4 +155,4 @@ def open_storage(root: str, *, s3_client: Any = None, staging_dir: str | None = 
                              "file:///path (no host)")
     elif "://" in root:
         raise ValueError(f"unsupported checkpoint root {root!r}: use a local path or s3://bucket/prefix")
-    return LocalStorage(root)
+    return root

@@ -6,15 +6,18 @@ The commit-point story for each backend is in `SneppX_ALG.storage` (the package 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno as errno_module
 import json
 import os
 import re
 import secrets
 import shutil
+import stat
 from dataclasses import dataclass
 from typing import Protocol
 
-from SneppX_ALG import _native
+from SneppX_ALG import _native, errors
 
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"
@@ -58,14 +61,50 @@ def parse_set_aside_name(name: str) -> int | None:
 
 @dataclass
 class PendingStep:
-    """A step being written: shard files go into `local_dir`; nothing is visible until finalize()."""
+    """A step being written: this rank's shard files go into `local_dir`; nothing is visible until finalize().
+
+    `token` names the step in flight for the other ranks of a group (locally, the temporary directory they all
+    write into; on S3 nothing: each rank stages its own files); `uploaded` holds what this rank put on the
+    server, {key: (size, ETag)}, so a failed step can take it back."""
 
     step: int
     local_dir: str
+    token: str = ""
+    owner: bool = True  # False for a rank that joined rank 0's step: locally, the directory is not its to remove
+    uploaded: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
+
+
+# What one rank wrote of a step, as finalize() checks it: {file name: (size, ETag or "" locally)}.
+Parts = dict[str, tuple[int, str]]
+
+
+class StepReader(Protocol):
+    """Ranged reads of one committed step's files (a resharded load reads only what it needs).
+
+    `read_file(name)`: a small file whole (the manifest, its signature), None when there is none.
+    `size(name)`: a file's size (CheckpointNotFoundError when missing). `read_blocks(name, buffer, offset,
+    block_bytes)`: fills `buffer` with the file's bytes at `offset` and returns the CRC32C of each block_bytes
+    block of it (the last may be short), computed on the bytes in `buffer`. `marker`: the step's commit record
+    (S3), None locally. `bytes_read`: bytes read by read_blocks so far (what a test counts)."""
+
+    location: str
+    marker: bytes | None
+    bytes_read: int
+
+    def read_file(self, name: str) -> bytes | None: ...
+
+    def size(self, name: str) -> int: ...
+
+    def read_blocks(self, name: str, buffer: memoryview, offset: int, block_bytes: int) -> list[int]: ...
 
 
 class Storage(Protocol):
-    """The atomicity interface both backends implement."""
+    """The atomicity interface both backends implement.
+
+    One writer (or rank 0 of a group) calls begin(), each other rank of a group join() with its token; every
+    rank writes its files into its PendingStep's local_dir, then upload() (S3: puts them on the server), and
+    rank 0 alone finalize() (the commit point) with every rank's Parts, or abort(); the other ranks then
+    leave() (their part stays: it is the step's, or cleanup's), or abort() when rank 0 says nothing committed."""
 
     uri: str
 
@@ -73,11 +112,19 @@ class Storage(Protocol):
 
     def begin(self, step: int) -> PendingStep: ...
 
-    def finalize(self, pending: PendingStep, manifest: bytes, signature: bytes | None = None) -> str: ...
+    def join(self, step: int, token: str) -> PendingStep: ...
+
+    def upload(self, pending: PendingStep, names: list[str]) -> Parts: ...
+
+    def finalize(self, pending: PendingStep, manifest: bytes, signature: bytes | None, parts: Parts) -> str: ...
 
     def abort(self, pending: PendingStep) -> None: ...
 
+    def leave(self, pending: PendingStep) -> None: ...
+
     def open_step(self, step: int) -> contextlib.AbstractContextManager[str]: ...
+
+    def read_step(self, step: int) -> contextlib.AbstractContextManager[StepReader]: ...
 
     def delete(self, step: int) -> None: ...
 
@@ -120,6 +167,46 @@ def write_durable(path: str, data: bytes) -> None:
     except BaseException:
         unlink_quietly(tmp)
         raise
+
+
+def open_checked(path: str, *, follow_symlinks: bool = True) -> tuple[int, int]:
+    """Opens a checkpoint file for reading: (descriptor, size). Typed errors for missing paths, directories
+    and anything else that is not a regular file (and, with follow_symlinks=False, a symbolic link: a
+    step's shards are files its writer made). Opened non-blocking, so a FIFO (or device) is refused instead of
+    waiting forever for a writer; other OSErrors (EIO, EMFILE, ...) propagate: they are not a verdict."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise errors.CheckpointNotFoundError(f"no checkpoint at {path}: file not found", path=path) from None
+    except IsADirectoryError:
+        raise errors.CheckpointFormatError("is a directory, not a checkpoint file", path=path) from None
+    except PermissionError as e:
+        raise errors.StorageError(f"can't read {path}: {e.strerror}", path=path, errno=e.errno) from None
+    except OSError as e:
+        if e.errno == errno_module.ELOOP and not follow_symlinks:
+            raise errors.CheckpointFormatError("is a symbolic link, not a checkpoint file",
+                                               path=path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            raise errors.CheckpointFormatError(f"is {kind}, not a checkpoint file", path=path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+_FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket",
+               stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
+
+
+def block_crcs(buffer: memoryview, block_bytes: int) -> list[int]:
+    """The CRC32C of each block_bytes block of `buffer` (the last may be short)."""
+    return [_native.crc32c(buffer[i:i + block_bytes]) for i in range(0, len(buffer), block_bytes)]
 
 
 def unlink_quietly(path: str) -> None:

@@ -1,4 +1,5 @@
-"""Steps as prefixes in an S3 bucket: parallel multipart uploads, then a marker PUT with If-None-Match."""
+"""An S3 prefix: checkpoint steps (parallel multipart uploads, then a marker PUT with If-None-Match), and
+compare-and-swap records (conditional PUTs: If-None-Match to create, If-Match on the ETag to swap)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import email.utils
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from SneppX_ALG import _native, errors
-from SneppX_ALG.storage import base, lease
+from SneppX_ALG.storage import base, lease, record
 
 LEASE_FORMAT = "sneppx.lease"
 
@@ -123,10 +124,10 @@ class S3Storage:
 
     def _publish_lease(self) -> None:
         owner = self.lease.owner()
-        record = {"format": LEASE_FORMAT, "writer": owner.writer, "host": owner.host, "pid": owner.pid,
-                  "pid_start": owner.pid_start, "steps": sorted(self.lease.steps),
-                  "expiry_s": self.lease.expiry_s}
-        self._put(self._lease_key(owner.writer), json.dumps(record, sort_keys=True).encode())
+        claim = {"format": LEASE_FORMAT, "writer": owner.writer, "host": owner.host, "pid": owner.pid,
+                 "pid_start": owner.pid_start, "steps": sorted(self.lease.steps),
+                 "expiry_s": self.lease.expiry_s}
+        self._put(self._lease_key(owner.writer), json.dumps(claim, sort_keys=True).encode())
 
     def _withdraw_lease(self) -> None:
         self._delete_keys([self._lease_key(self.lease.writer)])
@@ -146,6 +147,12 @@ class S3Storage:
     # -- writing a step --
 
     def begin(self, step: int) -> base.PendingStep:
+        """Claims `step` and makes a staging directory for its files. CheckpointExistsError when it is committed
+        already: its objects are never overwritten (the keys of a new save would be the same)."""
+        marker = self.key(base.step_name(step), base.COMMITTED)
+        if self._exists(marker):
+            raise errors.CheckpointExistsError(f"s3://{self.bucket}/{marker} exists; a step is never overwritten",
+                                               path=self.uri)
         self.lease.hold(step)  # before anything of the step is uploaded
         try:
             local = tempfile.mkdtemp(prefix=f"{base.STAGE_PREFIX}{os.getpid()}-{step:09d}-",
@@ -155,27 +162,45 @@ class S3Storage:
             raise
         return base.PendingStep(step=step, local_dir=local)
 
-    def finalize(self, pending: base.PendingStep, manifest: bytes, signature: bytes | None = None) -> str:
-        """Uploads the shards the manifest names, creates manifest.json (If-None-Match: the first writer of a
-        step owns it), puts manifest.sig, checks that every object is on the server as uploaded (size and
-        ETag), then creates `COMMITTED` (If-None-Match): the commit point.
+    def join(self, step: int, token: str) -> base.PendingStep:
+        """Another rank's part of a step in flight: on S3 every rank stages and uploads its own files under its
+        own claim (its lease names the step), so joining is beginning."""
+        return self.begin(step)
 
-        On failure, what this writer uploaded is deleted unless another writer may own those keys now (it
+    def upload(self, pending: base.PendingStep, names: list[str]) -> base.Parts:
+        """Puts this rank's files (named in its local_dir) under the step's prefix: {name: (size, ETag)}. They
+        are recorded in pending.uploaded, so abort() takes them back."""
+        name = base.step_name(pending.step)
+        parts: base.Parts = {}
+        for leaf in names:
+            path = os.path.join(pending.local_dir, leaf)
+            if not os.path.isfile(path):
+                raise errors.StorageError(f"{path} was not written", path=path)
+            key = self.key(name, leaf)
+            size = os.path.getsize(path)
+            etag = self.upload_file(path, key)
+            pending.uploaded[key] = parts[leaf] = (size, etag)
+        return parts
+
+    def finalize(self, pending: base.PendingStep, manifest: bytes, signature: bytes | None,
+                 parts: base.Parts) -> str:
+        """Creates manifest.json (If-None-Match: the first writer of a step owns it), puts manifest.sig, checks
+        that every rank's uploaded file is on the server as it was uploaded (size and ETag, from `parts`), then
+        creates `COMMITTED` (If-None-Match): the commit point.
+
+        On failure, what the step's ranks uploaded is deleted unless another writer may own those keys now (it
         created the manifest or the marker first, or changed an object since), or unless the commit's outcome
         is unknown (CommitUnknownError): then the next cleanup removes them if no marker appears."""
         name = base.step_name(pending.step)
         marker = self.key(name, base.COMMITTED)
-        uploaded: dict[str, tuple[int, str]] = {}  # key -> (size, ETag) as the server acknowledged it
+        uploaded = {self.key(name, leaf): part for leaf, part in parts.items()}  # key -> (size, ETag)
         try:
             if self._exists(marker):
                 raise errors.CheckpointExistsError(f"s3://{self.bucket}/{marker} exists; a step is never "
                                                    "overwritten", path=self.uri)
-            for shard in base.manifest_shards(manifest):
-                path = os.path.join(pending.local_dir, shard)
-                if not os.path.isfile(path):
-                    raise errors.StorageError(f"{path}, named by the manifest, was not written", path=path)
-                key = self.key(name, shard)
-                uploaded[key] = (os.path.getsize(path), self.upload_file(path, key))
+            missing = sorted(set(base.manifest_shards(manifest)) - set(parts))
+            if missing:
+                raise errors.StorageError(f"no rank reported uploading {', '.join(missing)}", path=self.uri)
             key = self.key(name, base.MANIFEST)
             etag = self._create(key, manifest)
             if etag is None:
@@ -195,12 +220,12 @@ class S3Storage:
         except errors.CommitUnknownError:
             raise  # the marker may be there: the parts stay
         except BaseException:
+            pending.uploaded.clear()  # taken back here (or, if another writer owns the keys, not at all)
             with contextlib.suppress(errors.StorageError):  # best effort: cleanup() gets the rest
                 self._delete_keys(list(uploaded))
             raise
         finally:
-            base.remove_tree(pending.local_dir)
-            self.lease.release(pending.step)
+            self.leave(pending)
         return f"s3://{self.bucket}/{self.key(name)}"
 
     def _check_parts(self, name: str, uploaded: dict[str, tuple[int, str]]) -> None:
@@ -244,6 +269,17 @@ class S3Storage:
         return current[1] if current[0] == body else None
 
     def abort(self, pending: base.PendingStep) -> None:
+        """Drops this rank's part of a step that will not commit: what it uploaded (best effort: cleanup gets
+        the rest once no claim stands), its staging directory, its claim."""
+        uploaded, pending.uploaded = list(pending.uploaded), {}
+        try:
+            with contextlib.suppress(errors.StorageError):
+                self._delete_keys(uploaded)
+        finally:
+            self.leave(pending)
+
+    def leave(self, pending: base.PendingStep) -> None:
+        """This rank is done with the step: its staging directory goes, its claim ends; its uploads stay."""
         base.remove_tree(pending.local_dir)
         self.lease.release(pending.step)
 
@@ -252,7 +288,7 @@ class S3Storage:
             self.client.head_object(Bucket=self.bucket, Key=key)
             return True
         except _s3_errors() as e:
-            if _error_code(e) in ("404", "NoSuchKey", "NotFound"):
+            if _error_code(e) in NOT_FOUND:
                 return False
             raise _s3_error(e, "head", self.uri) from None
 
@@ -262,7 +298,7 @@ class S3Storage:
             response = self.client.get_object(Bucket=self.bucket, Key=key)
             return response["Body"].read(limit), response["ETag"]
         except _s3_errors() as e:
-            if _error_code(e) in ("404", "NoSuchKey", "NotFound"):
+            if _error_code(e) in NOT_FOUND:
                 return None
             raise _s3_error(e, f"get {key}", self.uri) from None
 
@@ -350,6 +386,18 @@ class S3Storage:
             yield local
         finally:
             base.remove_tree(fetched)
+
+    @contextlib.contextmanager
+    def read_step(self, step: int) -> Iterator[base.StepReader]:
+        """Ranged reads of a committed step's objects (GET with a Range header; nothing is downloaded whole
+        but the manifest and its signature). The marker is read first: no marker, no step."""
+        name = base.step_name(step)
+        marker = self._get(self.key(name, base.COMMITTED))
+        if marker is None:
+            raise errors.CheckpointNotFoundError(f"no committed checkpoint for step {step} in {self.uri}",
+                                                 path=self.uri)
+        sizes = {obj["Key"][len(self.key(name)) + 1:]: int(obj["Size"]) for obj in self._list(self.key(name) + "/")}
+        yield S3StepReader(self, name, marker[0], sizes)
 
     def _download(self, key: str, path: str) -> None:
         try:
@@ -529,20 +577,175 @@ class S3Storage:
         return None if found is None else found[0]
 
 
+class S3StepReader:
+    """base.StepReader over a committed step's objects: sizes from one listing, each read one ranged GET whose
+    length is checked and whose blocks' CRC32C are taken on the bytes received."""
+
+    def __init__(self, store: S3Storage, step_name: str, marker: bytes, sizes: dict[str, int]):
+        self.location = f"s3://{store.bucket}/{store.key(step_name)}"
+        self.marker: bytes | None = marker
+        self.bytes_read = 0
+        self._store, self._name, self._sizes = store, step_name, sizes
+
+    def read_file(self, name: str) -> bytes | None:
+        if name not in self._sizes:
+            return None
+        got = self._store._get(self._store.key(self._name, name), limit=base.MAX_MANIFEST_BYTES + 1)
+        return None if got is None else got[0]
+
+    def size(self, name: str) -> int:
+        if name not in self._sizes:
+            raise errors.CheckpointNotFoundError(f"{self.location}/{name} is missing", path=self.location)
+        return self._sizes[name]
+
+    def read_blocks(self, name: str, buffer: memoryview, offset: int, block_bytes: int) -> list[int]:
+        if not buffer:
+            return []
+        key = self._store.key(self._name, name)
+        if offset + len(buffer) > self.size(name):
+            raise errors.TruncatedCheckpointError(f"{self.location}/{name} ends before byte {offset + len(buffer)}",
+                                                  path=self.location)
+        try:
+            response = self._store.client.get_object(Bucket=self._store.bucket, Key=key,
+                                                     Range=f"bytes={offset}-{offset + len(buffer) - 1}")
+            body = response["Body"].read()
+        except _s3_errors() as e:
+            if _error_code(e) in ("404", "NoSuchKey", "NotFound"):
+                raise errors.CheckpointNotFoundError(f"{self.location}/{name} is gone", path=self.location) from None
+            raise _s3_error(e, f"ranged get of {key}", self._store.uri) from None
+        if len(body) != len(buffer):
+            raise errors.TruncatedCheckpointError(f"{self.location}/{name}: {len(body)} bytes came back for a range "
+                                                  f"of {len(buffer)}", path=self.location)
+        buffer[:] = body
+        self.bytes_read += len(buffer)
+        return base.block_crcs(buffer, block_bytes)
+
+
 def _parse_lease(raw: bytes) -> lease.Claim | None:
     """The claim a lease object records, or None when it is not one (it then claims nothing)."""
     try:
-        record = json.loads(raw)
+        fields = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None
-    if not (isinstance(record, dict) and record.get("format") == LEASE_FORMAT
-            and isinstance(record.get("writer"), str) and isinstance(record.get("host"), str)
-            and isinstance(record.get("pid"), int) and isinstance(record.get("pid_start"), (int, type(None)))
-            and isinstance(record.get("steps"), list) and all(isinstance(s, int) for s in record["steps"])
-            and isinstance(record.get("expiry_s"), (int, float))):
+    if not (isinstance(fields, dict) and fields.get("format") == LEASE_FORMAT
+            and isinstance(fields.get("writer"), str) and isinstance(fields.get("host"), str)
+            and isinstance(fields.get("pid"), int) and isinstance(fields.get("pid_start"), (int, type(None)))
+            and isinstance(fields.get("steps"), list) and all(isinstance(s, int) for s in fields["steps"])
+            and isinstance(fields.get("expiry_s"), (int, float))):
         return None
-    owner = lease.Owner(record["writer"], record["host"], record["pid"], record["pid_start"])
-    return lease.Claim(owner, frozenset(record["steps"]), float(record["expiry_s"]))
+    owner = lease.Owner(fields["writer"], fields["host"], fields["pid"], fields["pid_start"])
+    return lease.Claim(owner, frozenset(fields["steps"]), float(fields["expiry_s"]))
+
+
+class S3RecordStore:
+    """Compare-and-swap records as objects under an S3 prefix.
+
+    S3 decides every condition itself (strongly consistent since 2020, conditional writes since 2024): a
+    create is PutObject with `If-None-Match: *`, a swap is PutObject with `If-Match: <ETag>`, and of
+    concurrent conditional writes to one key the first to finish wins and the others get 412. The version
+    of a record is its ETag (a digest of its bytes for a plain PUT). A 409 (`ConditionalRequestConflict`,
+    two conditional writes in flight at once) is a conflict as well: read again.
+    """
+
+    def __init__(self, uri: str, *, client: Any = None):
+        self.uri = uri.rstrip("/")
+        self.bucket, self.prefix = parse_s3_uri(self.uri)
+        self.client = client if client is not None else make_s3_client()
+
+    def _key(self, key: str) -> str:
+        record.check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def create(self, key: str, value: Mapping[str, Any]) -> record.Record:
+        data = record.encode(key, value)
+        try:
+            response = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
+                                              ChecksumCRC32C=_crc32c_b64(data), IfNoneMatch="*")
+        except _s3_errors() as e:
+            if _error_code(e) in CONDITION_FAILED:
+                raise errors.RecordExistsError(f"{key} exists", key=key) from None
+            raise _record_error(e, "create", key) from None
+        return record.Record(key, record.decode(key, data), str(response["ETag"]))
+
+    def read(self, key: str) -> record.Record | None:
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+        except _s3_errors() as e:
+            if _error_code(e) in NOT_FOUND:
+                return None
+            raise _record_error(e, "read", key) from None
+        body = response["Body"]
+        try:
+            if int(response.get("ContentLength") or 0) > record.MAX_RECORD_BYTES:
+                raise errors.RecordCorruptError(f"{key} is {response['ContentLength']} bytes, over "
+                                                f"{record.MAX_RECORD_BYTES}", key=key)
+            data = body.read(record.MAX_RECORD_BYTES + 1)
+        except _s3_errors() as e:
+            raise _record_error(e, "read", key) from None
+        finally:
+            body.close()
+        return record.Record(key, record.decode(key, data), str(response["ETag"]))
+
+    def swap(self, key: str, value: Mapping[str, Any], version: str) -> record.Record:
+        data = record.encode(key, value)
+        if not isinstance(version, str) or not version:
+            raise errors.RecordValueError(f"{version!r} is not a version of this store", key=key)
+        try:
+            response = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
+                                              ChecksumCRC32C=_crc32c_b64(data), IfMatch=version)
+        except _s3_errors() as e:
+            if _error_code(e) in CONDITION_FAILED + NOT_FOUND:
+                raise errors.RecordConflictError(f"{key} is no longer at version {version}", key=key) from None
+            raise _record_error(e, "swap", key) from None
+        return record.Record(key, record.decode(key, data), str(response["ETag"]))
+
+    def keys(self, prefix: str = "", *, limit: int | None = None) -> list[str]:
+        record.check_prefix(prefix)
+        record.check_limit(limit)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        found: list[str] = []
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._key(prefix[:-1]) + "/" if prefix
+                                  else (self.prefix + "/" if self.prefix else "")}
+        try:
+            while True:
+                if limit is not None:
+                    kwargs["MaxKeys"] = min(1000, limit - len(found))
+                page = self.client.list_objects_v2(**kwargs)
+                for obj in page.get("Contents", []):
+                    key = obj["Key"][strip:]
+                    with contextlib.suppress(errors.RecordValueError):  # not a record's key: not ours
+                        record.check_key(key)
+                        found.append(key)
+                if not page.get("IsTruncated") or (limit is not None and len(found) >= limit):
+                    break
+                kwargs["ContinuationToken"] = page["NextContinuationToken"]
+        except _s3_errors() as e:
+            raise _record_error(e, "list", prefix) from None
+        return found[:limit] if limit is not None else found
+
+    def delete(self, key: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+        except _s3_errors() as e:
+            if _error_code(e) not in NOT_FOUND:
+                raise _record_error(e, "delete", key) from None
+
+
+CONDITION_FAILED = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
+NOT_FOUND = ("404", "NoSuchKey", "NotFound")
+TRANSIENT_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
+                             "RequestTimeTooSkewed", "ServiceUnavailable", "InternalError"})
+
+
+def _record_error(e: Exception, what: str, key: str) -> errors.RecordStoreError:
+    """A transient failure (no answer, 5xx, throttling) or another refusal of the store."""
+    import botocore.exceptions
+
+    status = int((getattr(e, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    transient = (isinstance(e, botocore.exceptions.ConnectionError | botocore.exceptions.HTTPClientError)
+                 or status >= 500 or _error_code(e) in TRANSIENT_CODES)
+    kind = errors.RecordUnavailableError if transient else errors.RecordStoreError
+    return kind(f"S3 {what} of {key or '/'} failed: {e}", key=key)
 
 
 def _s3_errors() -> tuple[type[Exception], ...]:

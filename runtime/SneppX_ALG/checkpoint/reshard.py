@@ -1,0 +1,269 @@
+"""Load-time resharding: read from a step only the bytes this rank needs, and check every byte it reads.
+
+Why: a step saved by N ranks is loaded by M (any M, larger or smaller); each rank needs some boxes of some
+tensors (its shards of the optimizer state, the whole replicated parameters). Reading every shard file whole
+and cutting afterwards would cost each rank the whole checkpoint. Here, per needed box and per saved chunk
+of its tensor, the intersection is computed dimension by dimension (checkpoint/chunks.py, as PyTorch DCP's
+planner does), turned into the byte runs it occupies in the chunk, and only the checksum blocks those runs
+touch are read (pread locally, a ranged GET on S3: storage.StepReader). Every block read is checked against
+its CRC32C in the manifest (and, with trusted keys, its BLAKE3 in the signed manifest) before a byte of it is
+copied out, so what is loaded is exactly what was verified. Beyond the bytes needed, a load reads: the
+manifest (and its signature), the header block (4 KiB) and table of each shard file it touches, and up to
+two partial blocks per byte run (docs/FORMAT.md, "Sharded steps: loading at another world size").
+
+Steps saved before manifest version 3 have no block checksums; `load` leaves them to a whole read
+(coordinator/steps.py reads them the old way and cuts the boxes out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from SneppX_ALG import errors, storage
+from SneppX_ALG.checkpoint import chunks, file, format, signing
+from SneppX_ALG.checkpoint import manifest as manifest_codec
+
+
+@dataclasses.dataclass(frozen=True)
+class Need:
+    """A block of one saved tensor a rank wants: `box` of the global tensor (None: all of it, which must then
+    have `shape` when that is given), as `dtype` (None: whatever was saved; else it must be the saved dtype)."""
+
+    path: tuple[str, ...]
+    box: chunks.Box | None = None
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+    def resolve(self, shape: tuple[int, ...], dtype: str, step: int) -> chunks.Box:
+        """The box wanted of a saved tensor of `shape` and `dtype`; ShardingMismatchError when it doesn't fit."""
+        where = "/".join(self.path)
+        if self.dtype is not None and self.dtype != dtype:
+            raise errors.ShardingMismatchError(f"{where} was saved as {dtype}, the target is {self.dtype}")
+        if self.box is None and self.shape is not None and tuple(self.shape) != shape:
+            raise errors.ShardingMismatchError(f"{where} was saved with shape {list(shape)} in step {step}, the "
+                                               f"target has {list(self.shape)}")
+        box = self.box if self.box is not None else chunks.Box.whole(shape)
+        if not chunks.inside(shape, box):
+            raise errors.ShardingMismatchError(f"{where}: the target box at {list(box.offset)} of shape "
+                                               f"{list(box.shape)} is not inside the saved {list(shape)}")
+        return box
+
+
+@dataclasses.dataclass
+class ReadStats:
+    """What a load read: `needed` bytes of tensors asked for; `data` bytes of chunk data read (whole checksum
+    blocks); `metadata` bytes of manifest, signature and the shard files' header blocks and tables; `reads`
+    requests made (pread calls locally, ranged GETs on S3) for data and metadata; `cut` the saved chunks read
+    only in part (the only reads that go beyond what is needed: by at most two partial blocks each, when the
+    part is one byte run, as every part of a 1-D or row-split tensor is)."""
+
+    needed: int = 0
+    data: int = 0
+    metadata: int = 0
+    reads: int = 0
+    cut: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+    """One saved chunk's part of one need: read blocks [first, stop) of the chunk, copy `part` out."""
+
+    need: int
+    chunk: dict[str, Any]
+    part: chunks.Box
+    blocks: np.ndarray  # (m, 2) coalesced block ranges
+
+
+def load(reader: storage.StepReader, step: int, needs: list[Need], trusted_keys: dict[bytes, Any] | None = None,
+         stats: ReadStats | None = None) -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
+    """(manifest, problems, arrays): one new array per need, holding the box it asked for, read and checked
+    as the module docstring says; arrays is None when there are problems (the step is invalid: a verdict), and
+    also for a step older than manifest version 3 (manifest["version"] says so: read it whole instead).
+
+    Raises ShardingMismatchError when a need does not fit the step (a tensor it lacks, another dtype, a box
+    outside the tensor): that is not the step's fault. I/O errors propagate (StorageError, OSError): they are
+    not a verdict either, and the caller retries."""
+    stats = stats if stats is not None else ReadStats()
+    raw = reader.read_file(storage.MANIFEST)
+    if raw is None:
+        return None, [f"{reader.location}: manifest.json is missing"], None
+    stats.metadata += len(raw)
+    if trusted_keys is not None:  # before parsing: a forged manifest costs nothing more than this
+        signature = reader.read_file(storage.SIGNATURE) or b""
+        stats.metadata += len(signature)
+        try:
+            signing.check_manifest_signature(raw, signature, trusted_keys, path=reader.location)
+        except errors.SneppXError as e:
+            return None, [f"{type(e).__name__}: {e}"], None
+    if reader.marker is not None:
+        problem = storage.marker_problem(reader.marker, raw, step)
+        if problem is not None:
+            return None, [problem], None
+    try:
+        manifest = manifest_codec.decode_manifest(raw, step=step, where=f"{reader.location}/{storage.MANIFEST}")
+    except errors.ManifestError as e:
+        return None, [str(e)], None
+    if manifest["version"] < 3:
+        return manifest, [], None
+    tensors = {tuple(t["path"]): t for t in manifest["tensors"]}
+    outs, work = _plan(manifest, tensors, needs, stats)
+    if trusted_keys is not None:
+        problem = _unsigned(manifest, work)
+        if problem is not None:
+            return manifest, [problem], None
+    problems: list[str] = []
+    by_shard: dict[int, list[_Work]] = {}
+    for item in work:
+        by_shard.setdefault(item.chunk["shard"], []).append(item)
+    for shard, items in sorted(by_shard.items()):
+        try:
+            _read_shard(reader, manifest, shard, items, needs, outs, trusted_keys is not None, stats)
+        except (errors.CheckpointFormatError, errors.CheckpointNotFoundError) as e:
+            problems.append(f"{type(e).__name__}: {e}")
+    if problems:
+        return manifest, problems, None
+    return manifest, [], outs
+
+
+def _plan(manifest: dict[str, Any], tensors: dict[tuple[str, ...], dict[str, Any]], needs: list[Need],
+          stats: ReadStats) -> tuple[list[np.ndarray], list[_Work]]:
+    """An empty array per need, and what to read for it: per saved chunk that intersects it, the blocks."""
+    outs: list[np.ndarray] = []
+    work: list[_Work] = []
+    block_bytes = manifest["block_bytes"]
+    for index, need in enumerate(needs):
+        tensor = tensors.get(need.path)
+        if tensor is None:
+            raise errors.ShardingMismatchError(f"step {manifest['step']} has no tensor {'/'.join(need.path)}")
+        box = need.resolve(tuple(tensor["shape"]), tensor["dtype"], manifest["step"])
+        dtype = format.numpy_dtype(tensor["dtype"])
+        outs.append(np.empty(box.shape, dtype))
+        stats.needed += box.volume * dtype.itemsize
+        for chunk in tensor["chunks"]:
+            saved = chunks.Box(tuple(chunk["offset"]), tuple(chunk["shape"]))
+            part = chunks.intersect(saved, box)
+            if part is None:
+                continue
+            runs = chunks.byte_runs(saved, part, dtype.itemsize)
+            work.append(_Work(index, chunk, part, chunks.touched_blocks(runs, block_bytes)))
+            stats.cut += part != saved
+    return outs, work
+
+
+def _unsigned(manifest: dict[str, Any], work: list[_Work]) -> str | None:
+    """Why a signature can't vouch for what this load reads (a shard not listed, a chunk without block
+    digests), or None."""
+    listed = manifest.get("files") or {}
+    for item in work:
+        shard = manifest["shards"][item.chunk["shard"]]
+        if shard not in listed:
+            return (f"DigestMismatchError: shard {shard} has no digest in the signed manifest, so the signature "
+                    "does not cover it")
+        if item.chunk.get("digests") is None:
+            return (f"DigestMismatchError: chunk {item.chunk['entry']!r} of {shard} has no block digests in the "
+                    "signed manifest, so a partial read of it can't be checked against the signature")
+    return None
+
+
+def _read_shard(reader: storage.StepReader, manifest: dict[str, Any], shard: int, items: list[_Work],
+                needs: list[Need], outs: list[np.ndarray], signed: bool, stats: ReadStats) -> None:
+    """Reads what `items` need of one shard file: its header and table, then the blocks, each checked."""
+    name = manifest["shards"][shard]
+    path = f"{reader.location}/{name}"
+    size = reader.size(name)
+    listed = (manifest.get("files") or {}).get(name)
+    if signed and listed is not None and listed.get("size") != size:
+        raise errors.TruncatedCheckpointError(f"file {name!r} is {size} bytes, the manifest says {listed.get('size')}",
+                                              path=reader.location)
+
+    def pread(_fd: int, n: int, offset: int) -> bytes:
+        buffer = bytearray(n)
+        reader.read_blocks(name, memoryview(buffer), offset, max(1, n))
+        stats.metadata += n
+        stats.reads += 1 if n else 0
+        return bytes(buffer)
+
+    layout = file.read_layout(-1, size, path, pread)
+    entries = {entry.name: entry for entry in layout.decoded.tensors}
+    block_bytes = manifest["block_bytes"]
+    tensors = {tuple(t["path"]): t for t in manifest["tensors"]}
+    for item in sorted(items, key=lambda w: entries[w.chunk["entry"]].offset if w.chunk["entry"] in entries else 0):
+        chunk = item.chunk
+        tensor = tensors[needs[item.need].path]
+        entry = entries.get(chunk["entry"])
+        if entry is None:
+            raise errors.CorruptTableError(f"has no entry {chunk['entry']!r}, which the manifest names", path=path)
+        if not manifest_codec.entry_matches(entry, chunk, tensor):
+            raise errors.CorruptTableError(f"entry {chunk['entry']!r} does not match the manifest", path=path)
+        crcs = manifest_codec.block_crcs(chunk)
+        digests = manifest_codec.block_digests(chunk) if signed else None
+        base = int(item.blocks[0, 0]) * block_bytes if len(item.blocks) else 0
+        end = min(int(item.blocks[-1, 1]) * block_bytes, chunk["nbytes"]) if len(item.blocks) else 0
+        direct = _direct_target(item, needs[item.need], outs[item.need])
+        scratch = direct if direct is not None else np.empty(end - base, np.uint8)
+        for first, stop in item.blocks.tolist():
+            lo, hi = first * block_bytes, min(stop * block_bytes, chunk["nbytes"])
+            view = memoryview(scratch[lo - base:hi - base])
+            got = reader.read_blocks(name, view, entry.offset + lo, block_bytes)
+            stats.data += hi - lo
+            stats.reads += 1
+            for block, crc in enumerate(got, start=first):
+                if crc != crcs[block]:
+                    raise errors.ChecksumMismatchError(
+                        f"block {block} of {chunk['entry']!r} fails its CRC32C (stored {crcs[block]:#010x}, read "
+                        f"{crc:#010x})", path=path)
+                if digests is not None:
+                    piece = view[(block - first) * block_bytes:(block - first + 1) * block_bytes]
+                    if bytes.fromhex(signing.block_digest(piece)) != digests[block]:
+                        raise errors.DigestMismatchError(
+                            f"block {block} of {chunk['entry']!r} does not match its BLAKE3 in the signed manifest",
+                            path=path)
+        if direct is None:
+            _copy_out(scratch, base, chunk, item.part, needs[item.need], outs[item.need])
+
+
+def _direct_target(item: _Work, need: Need, out: np.ndarray) -> np.ndarray | None:
+    """Where a chunk needed whole lands in `out` when that is one byte range of it (the common case: a whole
+    tensor, a row block, a range of a 1-D tensor): its blocks are read and checked right there, no copy."""
+    box = chunks.Box(tuple(item.chunk["offset"]), tuple(item.chunk["shape"]))
+    if item.part != box or box.volume == 0:
+        return None
+    origin = need.box.offset if need.box is not None else (0,) * out.ndim
+    local = chunks.Box(tuple(o - b for o, b in zip(box.offset, origin, strict=True)), box.shape)
+    if not chunks.is_contiguous(out.shape, local):
+        return None
+    start = int(np.ravel_multi_index(local.offset, out.shape)) * out.itemsize if out.ndim else 0
+    return out.reshape(-1).view(np.uint8)[start:start + item.chunk["nbytes"]]
+
+
+def _copy_out(scratch: np.ndarray, base: int, chunk: dict[str, Any], part: chunks.Box, need: Need,
+              out: np.ndarray) -> None:
+    """Copies `part` from the chunk's checked bytes (scratch holds the chunk's bytes from `base` on) into `out`."""
+    if part.volume == 0:
+        return
+    itemsize = out.dtype.itemsize
+    shape = tuple(chunk["shape"])
+    strides = tuple(itemsize * math.prod(shape[i + 1:]) for i in range(len(shape)))
+    first = sum((p - c) * st for p, c, st in zip(part.offset, chunk["offset"], strides, strict=True))
+    source = np.ndarray(part.shape, out.dtype, buffer=scratch, offset=first - base, strides=strides)
+    origin = need.box.offset if need.box is not None else (0,) * out.ndim
+    out[part.slices(origin)] = source
+
+
+def whole_tensors_to_needs(manifest: dict[str, Any], arrays: list[np.ndarray],
+                           needs: list[Need]) -> list[np.ndarray]:
+    """The boxes `needs` ask for, cut from whole tensors (a step read whole: versions before 3)."""
+    by_path = {tuple(t["path"]): (t, a) for t, a in zip(manifest["tensors"], arrays, strict=True)}
+    out = []
+    for need in needs:
+        if need.path not in by_path:
+            raise errors.ShardingMismatchError(f"step {manifest['step']} has no tensor {'/'.join(need.path)}")
+        tensor, array = by_path[need.path]
+        box = need.resolve(array.shape, tensor["dtype"], manifest["step"])
+        out.append(np.array(array[box.slices()], copy=True))
+    return out
+
