@@ -427,4 +427,12 @@ int sx_cuda_stream_create(int device, uintptr_t *out);
 int sx_cuda_stream_destroy(int device, uintptr_t stream);
 int sx_cuda_memset_async(int device, void *dst, int value, size_t len, uintptr_t stream);
 
+/* ---- benchmarks only: the memory read ceiling (membench.c) ----------------
+ * Widths: 0 = 64-bit scalar loads, 1 = AVX2 (256-bit), 2 = AVX-512 (512-bit). */
+/* Bit w set: width w runs on this CPU. */
+unsigned sx_memory_read_widths(void);
+/* Reads every byte of buf once with loads of that width on the calling thread; *out gets the xor of its
+ * 64-bit words, then of its last len % 8 bytes (the same at every width; nothing is optimised away). SX_EINVAL for a width this CPU lacks. */
+int sx_memory_read(int width, const void *buf, size_t len, uint64_t *out);
+
 #endif

@@ -239,3 +239,27 @@ def test_threads_hashing_large_buffers_concurrently_get_the_right_values() -> No
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads)
     assert results == {i: [expected[i]] * 3 for i in range(4)}
+
+
+def _xor_fold(data: bytes) -> int:
+    """The fold sx_memory_read computes, in numpy: xor of the whole 64-bit words, then of the last bytes."""
+    words = len(data) // 8
+    value = int(np.bitwise_xor.reduce(np.frombuffer(data[:words * 8], dtype="<u8"))) if words else 0
+    for byte in data[words * 8:]:
+        value ^= byte
+    return value
+
+
+@pytest.mark.parametrize("width", _native.memory_read_widths())
+@pytest.mark.parametrize("start,length", [(0, 0), (3, 7), (0, 64), (5, 511), (1, 513), (0, 4096 + 77),
+                                          (11, 200_000)])
+def test_memory_read_reads_every_byte_at_every_width(width: str, start: int, length: int) -> None:
+    # The benchmark ceiling must read everything it is timed over: a loop that skipped a tail or a block
+    # would report a bandwidth it never achieved.
+    data = POOL[start:start + length]
+    assert _native.memory_read(data, width) == _xor_fold(data)
+
+
+def test_memory_read_refuses_an_unknown_width() -> None:
+    with pytest.raises(ValueError, match="unknown load width"):
+        _native.memory_read(b"abc", "avx1024")
