@@ -73,6 +73,21 @@ def crc32c_parallel(data: Any, crc: int = 0, threads: int = 0) -> int:
     return int(lib.sx_crc32c_parallel(crc, buf, len(buf), threads))
 
 
+def crc32c_ranges(data: Any, ranges: list[tuple[int, int]], threads: int = 0) -> list[int]:
+    """CRC32C of each (offset, length) range of a buffer, the bytes of all of them split over threads (0 = all
+    CPUs): many small ranges use every core, as one large one does."""
+    buf = as_buffer(data)
+    for offset, length in ranges:
+        if offset < 0 or length < 0 or offset + length > len(buf):
+            raise ValueError(f"range ({offset}, {length}) is outside the buffer of {len(buf)} bytes")
+    n = len(ranges)
+    offsets = ffi.new("uint64_t[]", [r[0] for r in ranges])
+    lengths = ffi.new("uint64_t[]", [r[1] for r in ranges])
+    out = ffi.new("uint32_t[]", max(n, 1))
+    raise_for(lib.sx_crc32c_ranges(buf, n, offsets, lengths, out, threads), "crc32c of ranges")
+    return list(out)[:n]
+
+
 def crc32c_with(kernel: str, data: Any, crc: int = 0) -> int:
     """CRC32C with one named kernel (tests and benchmarks); ValueError if the CPU lacks it."""
     buf = as_buffer(data)

@@ -1,7 +1,7 @@
 """Writing, reading and validating one SNPX checkpoint file.
 
-`CheckpointWriter` streams tensors through the native writer (O_DIRECT where the filesystem allows it,
-CRC32C computed as the bytes are copied) into a temporary name and commits with fsync, rename and a
+`CheckpointWriter` streams tensors through the native writer (O_DIRECT or buffered write-behind, whichever
+measured faster on the filesystem: checkpoint/write_mode.py; CRC32C computed as the bytes are copied) into a temporary name and commits with fsync, rename and a
 directory fsync, so a reader sees either the whole file or none. `CheckpointReader` maps the file and hands
 out zero-copy, read-only arrays, verifying each tensor's CRC32C on first read (and, given trusted keys, the
 table's signature before parsing it and each tensor's digest). `validate_checkpoint` checks
@@ -24,10 +24,12 @@ from typing import Any
 import numpy as np
 
 from SneppX_ALG import _native, errors, storage
-from SneppX_ALG.checkpoint import arrays, format, signing
+from SneppX_ALG.checkpoint import arrays, format, signing, write_mode
 
 # Writes go to the native writer in pieces of this size so signing digests can stream alongside.
 _PIECE = 64 << 20
+# check_tensors hashes about this many bytes per native call: progress is reported between calls.
+_CHECK_BATCH = 256 << 20
 
 
 def _little_endian_pieces(array: np.ndarray, piece: int) -> Iterator[memoryview]:
@@ -55,14 +57,16 @@ class CheckpointWriter:
     A clean exit from the `with` block commits (temp name, fsync, rename, directory fsync); an exception
     leaves no file at `path` (and the previous file there, if any, untouched). A failed fsync fails the write.
     With `signing_key` (an Ed25519 private key), a digest of every tensor is computed in the same pass and the
-    table is signed (see checkpoint/signing.py).
+    table is signed (see checkpoint/signing.py). `direct`: True for O_DIRECT, False for buffered writes with
+    write-behind, None (default) for what SNEPPX_WRITE_MODE says or else what measured faster on the
+    directory's filesystem (checkpoint/write_mode.py).
 
     A writer is single-use: after `commit()` or `abort()` (explicit, or a failed commit), `write` and `commit`
     raise `CheckpointClosedError` and never touch `path` again, and leaving the `with` block does nothing.
     """
 
     def __init__(self, path: str | os.PathLike[str], metadata: dict[str, str] | None = None, config: Any = None,
-                 *, signing_key: Any = None, direct: bool = True, buffer_bytes: int = 0):
+                 *, signing_key: Any = None, direct: bool | None = None, buffer_bytes: int = 0):
         self.path = os.fspath(path)
         try:
             self.metadata = format.check_metadata(metadata or {})
@@ -108,7 +112,8 @@ class CheckpointWriter:
         if not os.path.isdir(directory):
             raise errors.CheckpointNotFoundError(f"directory {directory} does not exist", path=self.path)
         self._tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        self._file = _native.NativeFile(self._tmp, direct=self._direct, buffer_bytes=self._buffer_bytes)
+        direct = write_mode.use_direct(directory, self._direct)
+        self._file = _native.NativeFile(self._tmp, direct=direct, buffer_bytes=self._buffer_bytes)
         self._file.append(bytes(format.DATA_OFFSET))  # the header block, filled in at commit
 
     def write(self, name: str, tensor: Any, *, global_shape: tuple[int, ...] | None = None,
@@ -479,3 +484,27 @@ def check_tensor(reader: CheckpointReader, entry: format.TensorEntry, *,
     crc = _native.crc32c_parallel(data)
     digest_problem = digest_check() if digest_check is not None else None
     return tensor_errors(entry, crc, reader.padding_is_zero(entry), digest_problem, path=reader.path)
+
+
+def check_tensors(reader: CheckpointReader, progress: Callable[[int, int], None] | None = None,
+                  ) -> list[errors.CheckpointFormatError]:
+    """Checks every tensor's CRC32C and padding (not digests), in file order; what is wrong, [] when nothing.
+
+    The tensors' bytes are hashed a batch at a time, each batch split evenly over every core whatever the
+    tensors' sizes (a file of small tensors is checked as fast as one of large ones, and one native call per
+    batch instead of one per tensor). `progress(done, total)` after each batch: bytes of the file checked."""
+    found: list[errors.CheckpointFormatError] = []
+    entries = reader.table.tensors
+    start = 0
+    while start < len(entries):
+        end, size = start + 1, entries[start].length
+        while end < len(entries) and size + entries[end].length <= _CHECK_BATCH:
+            size += entries[end].length
+            end += 1
+        batch, start = entries[start:end], end
+        crcs = _native.crc32c_ranges(reader._mmap, [(e.offset, e.length) for e in batch])
+        for entry, crc in zip(batch, crcs, strict=True):
+            found += tensor_errors(entry, crc, reader.padding_is_zero(entry), path=reader.path)
+        if progress is not None:
+            progress(batch[-1].offset + batch[-1].length, reader.header.table_offset)
+    return found
