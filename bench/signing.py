@@ -27,7 +27,7 @@ from collections.abc import Callable
 import blake3
 import numpy as np
 
-from bench import crc as crc_bench
+from bench import common
 from bench import format as format_bench
 from SneppX_ALG import checkpoint
 from SneppX_ALG.checkpoint import signing, verify
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     sizes = sorted(set(args.sizes + ([1024, 2048] if args.big else [])))
     os.makedirs(args.dir, exist_ok=True)
-    print(f"CPU: {crc_bench.cpu_model()}, {os.cpu_count()} logical CPUs; digest {signing.DIGEST_ALGORITHM}; "
+    print(f"CPU: {common.cpu_model()}, {os.cpu_count()} logical CPUs; digest {signing.DIGEST_ALGORITHM}; "
           f"best of {args.repeat}; dir {args.dir} ({shutil.disk_usage(args.dir).free >> 30} GiB free)")
     for size_mib in sizes:
         run(size_mib * MIB, args.dir, args.repeat)

@@ -190,10 +190,15 @@ CLIENT = textwrap.dedent("""
     coord._storage.part_bytes = 5 << 20
     first = int(sys.argv[4])
     print("ready", flush=True)
-    for step in range(first, first + 2):
+    for step in range(first, first + STEPS_PER_RUN):
         coord.save(state_for(step), step=step)
     coord.close()
 """)
+
+
+# Saves per client run: enough that most kills (0.05-1.5 s in) land while it is still saving, now that shards
+# stream to S3 as they are written (two saves were often done before the kill).
+STEPS_PER_RUN = 4
 
 
 def test_client_killed_mid_upload_at_random_times(s3_bucket, s3_env) -> None:
@@ -204,14 +209,15 @@ def test_client_killed_mid_upload_at_random_times(s3_bucket, s3_env) -> None:
     rng = random.Random(7)
     kills, step, newest = 0, 1, 0
     for _ in range(8):
-        script = CLIENT.replace("STATE_FOR", inspect.getsource(state_for))
+        script = CLIENT.replace("STATE_FOR", inspect.getsource(state_for)).replace("STEPS_PER_RUN",
+                                                                                  str(STEPS_PER_RUN))
         process = subprocess.Popen([sys.executable, "-c", script, root, s3_env.endpoint, "", str(step)],
                                    stdout=subprocess.PIPE, env=env)
         assert process.stdout is not None and process.stdout.readline().strip() == b"ready"
         time.sleep(rng.uniform(0.05, 1.5))
         process.send_signal(signal.SIGKILL)
         kills += process.wait() == -signal.SIGKILL
-        step += 2
+        step += STEPS_PER_RUN
         coord = CheckpointCoordinator(root, s3_client=direct, max_to_keep=2)
         assert store.incomplete_uploads() == [], "an orphaned multipart upload survived the next start"
         steps = coord.committed_steps()

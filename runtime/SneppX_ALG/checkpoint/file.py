@@ -19,7 +19,7 @@ import secrets
 import stat
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -30,6 +30,25 @@ from SneppX_ALG.checkpoint import arrays, format, signing, write_mode
 _PIECE = 64 << 20
 # check_tensors hashes about this many bytes per native call: progress is reported between calls.
 _CHECK_BATCH = 256 << 20
+
+
+class Sink(Protocol):
+    """Where a CheckpointWriter streams its bytes instead of a file of its own (e.g. an S3 object uploaded in
+    parts as it is written: storage/s3.py). The same calls as `_native.NativeFile`; `finish()` makes the bytes
+    durable where they go (or, failing, takes back what was sent), `abort()` takes back what was sent."""
+
+    @property
+    def size(self) -> int: ...
+
+    def append(self, data: Any) -> int: ...
+
+    def pad(self, alignment: int) -> None: ...
+
+    def pwrite(self, data: Any, offset: int) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def abort(self) -> None: ...
 
 
 def _little_endian_pieces(array: np.ndarray, piece: int) -> Iterator[memoryview]:
@@ -59,14 +78,16 @@ class CheckpointWriter:
     With `signing_key` (an Ed25519 private key), a digest of every tensor is computed in the same pass and the
     table is signed (see checkpoint/signing.py). `direct`: True for O_DIRECT, False for buffered writes with
     write-behind, None (default) for what SNEPPX_WRITE_MODE says or else what measured faster on the
-    directory's filesystem (checkpoint/write_mode.py).
+    directory's filesystem (checkpoint/write_mode.py). `sink`: stream the file there instead (a `Sink`: no temp
+    file, no rename; `commit()` ends with `sink.finish()`, a failure with `sink.abort()`; `path` names it).
 
     A writer is single-use: after `commit()` or `abort()` (explicit, or a failed commit), `write` and `commit`
     raise `CheckpointClosedError` and never touch `path` again, and leaving the `with` block does nothing.
     """
 
     def __init__(self, path: str | os.PathLike[str], metadata: dict[str, str] | None = None, config: Any = None,
-                 *, signing_key: Any = None, direct: bool | None = None, buffer_bytes: int = 0):
+                 *, signing_key: Any = None, direct: bool | None = None, buffer_bytes: int = 0,
+                 sink: Sink | None = None):
         self.path = os.fspath(path)
         try:
             self.metadata = format.check_metadata(metadata or {})
@@ -79,7 +100,8 @@ class CheckpointWriter:
         self._buffer_bytes = buffer_bytes
         self._entries: list[format.TensorEntry] = []
         self._names: set[str] = set()
-        self._file: _native.NativeFile | None = None
+        self._sink = sink
+        self._file: Sink | None = None
         self._broken: BaseException | None = None
         self._tmp = ""
         self.committed = False
@@ -107,6 +129,10 @@ class CheckpointWriter:
         """Creates the temporary file next to `path` (done by `with`)."""
         self._check_not_finished()
         if self._file is not None:
+            return
+        if self._sink is not None:
+            self._file = self._sink
+            self._file.append(bytes(format.DATA_OFFSET))  # the header block, filled in at commit
             return
         directory, base = os.path.split(os.path.abspath(self.path))
         if not os.path.isdir(directory):
@@ -202,11 +228,15 @@ class CheckpointWriter:
                 signature_crc32c=_native.crc32c(signature) if signature else 0)
             self._file.pwrite(format.encode_header(header), 0)
             file, self._file = self._file, None
-            file.finish()
+            file.finish()  # a sink that fails to finish takes back what it sent itself, as a file is removed
         except BaseException:
             self._finished = "its commit failed"
             self._drop()
             raise
+        if self._sink is not None:
+            self._finished = "committed"
+            self.committed = True
+            return
         try:
             _native.rename_durable(self._tmp, self.path)
         except BaseException:

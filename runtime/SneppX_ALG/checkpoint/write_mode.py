@@ -86,13 +86,12 @@ def filesystem_key(directory: str) -> str:
     or "dev <st_dev>" where there is none (a device number alone can be reused by another filesystem)."""
     dev = os.stat(directory).st_dev
     wanted = f"{os.major(dev)}:{os.minor(dev)}"
-    with contextlib.suppress(OSError):
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) > 2 and fields[2] == wanted and " - " in line:
-                    fstype, source = (line.split(" - ", 1)[1].split() + ["", ""])[:2]
-                    return f"{wanted} {fstype} {source}"
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 2 and fields[2] == wanted and " - " in line:
+                fstype, source = (line.split(" - ", 1)[1].split() + ["", ""])[:2]
+                return f"{wanted} {fstype} {source}"
     return f"dev {dev}"
 
 

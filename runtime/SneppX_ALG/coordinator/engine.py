@@ -187,9 +187,8 @@ class Engine:
             return
         if kind == "begin":
             job.pending = self.store.begin(job.step)
-            job.writer = file.CheckpointWriter(
-                os.path.join(job.pending.local_dir, plan.SHARD_FILE.format(0)),
-                metadata={"sneppx.step": str(job.step), "sneppx.shard": "0"})
+            job.writer = self._shard_writer(job.pending, plan.SHARD_FILE.format(0),
+                                            {"sneppx.step": str(job.step), "sneppx.shard": "0"})
             job.writer.open()
         elif kind == "data":
             job.may_write.wait()
@@ -199,6 +198,15 @@ class Engine:
             self._commit(job)
         elif kind == "abort":
             self._abort(job)
+
+    def _shard_writer(self, pending: storage.PendingStep, shard: str,
+                      metadata: dict[str, str]) -> file.CheckpointWriter:
+        """The writer of one shard: streamed to the store where it takes streams (S3: uploaded in parts as it is
+        written), else a file in the step's local directory. A signed step's shards are files: the shard's
+        digest in the manifest is a read-back of the finished file (_file_record: its header, at the start,
+        is written last, and BLAKE3 hashes from the start)."""
+        sink = self.store.shard_sink(pending, shard) if self.signing_key is None else None
+        return file.CheckpointWriter(os.path.join(pending.local_dir, shard), metadata=metadata, sink=sink)
 
     def _write_buffer(self, job: Job, buffer: Any, pieces: list[plan.Piece]) -> None:
         assert job.writer is not None and self.pool is not None

@@ -11,8 +11,8 @@ import os
 import re
 import secrets
 import shutil
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from SneppX_ALG import _native
 
@@ -58,10 +58,13 @@ def parse_set_aside_name(name: str) -> int | None:
 
 @dataclass
 class PendingStep:
-    """A step being written: shard files go into `local_dir`; nothing is visible until finalize()."""
+    """A step being written: shard files go into `local_dir`, or stream to the store through the sinks it
+    handed out (`streamed`, by shard name: S3 uploads them as they are written); nothing is visible until
+    finalize()."""
 
     step: int
     local_dir: str
+    streamed: dict[str, Any] = field(default_factory=dict)
 
 
 class Storage(Protocol):
@@ -72,6 +75,11 @@ class Storage(Protocol):
     def committed_steps(self) -> list[int]: ...
 
     def begin(self, step: int) -> PendingStep: ...
+
+    def shard_sink(self, pending: PendingStep, name: str) -> Any:
+        """A checkpoint.file.Sink that streams shard `name` straight to the store, or None: write the file into
+        `pending.local_dir`."""
+        ...
 
     def finalize(self, pending: PendingStep, manifest: bytes, signature: bytes | None = None) -> str: ...
 

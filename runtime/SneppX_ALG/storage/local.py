@@ -62,6 +62,10 @@ class LocalStorage:
         self._in_flight[step] = tmp
         return base.PendingStep(step=step, local_dir=tmp)
 
+    def shard_sink(self, pending: base.PendingStep, name: str) -> None:
+        """None: shards are files in the step's temp directory, renamed into place by finalize()."""
+        return None
+
     def _end(self, step: int) -> None:
         self._in_flight.pop(step, None)
         self.lease.release(step)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import collections
 import concurrent.futures
 import contextlib
 import datetime
@@ -10,6 +11,7 @@ import email.utils
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,7 +52,11 @@ def _s3_error(e: Exception, what: str, uri: str) -> errors.StorageError:
 
 
 def _crc32c_b64(data: Any) -> str:
-    return base64.b64encode(_native.crc32c(data).to_bytes(4, "big")).decode()
+    return _b64_crc(_native.crc32c(data))
+
+
+def _b64_crc(crc: int) -> str:
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
 
 
 class S3Storage:
@@ -77,6 +83,10 @@ class S3Storage:
         os.makedirs(self.staging_dir, exist_ok=True)
         self.lease = lease.WriterLease(publish=self._publish_lease, refresh=self._publish_lease,
                                        withdraw=self._withdraw_lease, expiry_s=lease_expiry_s)
+        # Part buffers of streamed uploads, kept from one save to the next (fresh memory costs a page fault
+        # per 4 KiB the first time it is written).
+        self._buffers: list[bytearray] = []
+        self._buffers_lock = threading.Lock()
 
     def key(self, *parts: str) -> str:
         """`<prefix>/<parts joined by "/">` (no prefix: the parts alone)."""
@@ -170,11 +180,19 @@ class S3Storage:
             if self._exists(marker):
                 raise errors.CheckpointExistsError(f"s3://{self.bucket}/{marker} exists; a step is never "
                                                    "overwritten", path=self.uri)
+            for key, sink in self._streamed(pending):
+                uploaded[key] = sink.result  # the finished ones; any other is taken back below
             for shard in base.manifest_shards(manifest):
+                key = self.key(name, shard)
+                sink = pending.streamed.get(shard)
+                if sink is not None:
+                    if sink.result is None:
+                        raise errors.StorageError(f"s3://{self.bucket}/{key}, named by the manifest, was not "
+                                                  "finished", path=self.uri)
+                    continue
                 path = os.path.join(pending.local_dir, shard)
                 if not os.path.isfile(path):
                     raise errors.StorageError(f"{path}, named by the manifest, was not written", path=path)
-                key = self.key(name, shard)
                 uploaded[key] = (os.path.getsize(path), self.upload_file(path, key))
             key = self.key(name, base.MANIFEST)
             etag = self._create(key, manifest)
@@ -199,6 +217,7 @@ class S3Storage:
                 self._delete_keys(list(uploaded))
             raise
         finally:
+            pending.streamed.clear()  # finalize decided their fate (committed, deleted, or kept: unknown)
             base.remove_tree(pending.local_dir)
             self.lease.release(pending.step)
         return f"s3://{self.bucket}/{self.key(name)}"
@@ -244,8 +263,27 @@ class S3Storage:
         return current[1] if current[0] == body else None
 
     def abort(self, pending: base.PendingStep) -> None:
-        base.remove_tree(pending.local_dir)
-        self.lease.release(pending.step)
+        """Takes back a step that will not be committed: its streamed shards (uploads aborted, finished objects
+        deleted, best effort: cleanup() removes what is left) and its local staging directory."""
+        try:
+            finished = []
+            for key, sink in self._streamed(pending, finished_only=False):
+                if sink.result is None:
+                    sink.abort()
+                else:
+                    finished.append(key)
+            with contextlib.suppress(errors.StorageError):
+                self._delete_keys(finished)
+        finally:
+            base.remove_tree(pending.local_dir)
+            self.lease.release(pending.step)
+
+    def _streamed(self, pending: base.PendingStep, *, finished_only: bool = True,
+                  ) -> list[tuple[str, StreamingUpload]]:
+        """(key, sink) of the shards of `pending` streamed by shard_sink (only the finished ones by default)."""
+        name = base.step_name(pending.step)
+        return [(self.key(name, shard), sink) for shard, sink in pending.streamed.items()
+                if sink.result is not None or not finished_only]
 
     def _exists(self, key: str) -> bool:
         try:
@@ -318,6 +356,33 @@ class S3Storage:
             raise
         finally:
             os.close(fd)
+
+    def shard_sink(self, pending: base.PendingStep, name: str) -> StreamingUpload | None:
+        """A sink (checkpoint.file.Sink) that uploads shard `name` of a pending step in parts as a writer
+        streams it: no local staging file. finalize() takes the finished upload as the shard's.
+
+        None (write a local file, uploaded by finalize() after its checks) when the step's prefix holds any
+        object: a committed step of this number (finalize refuses it; the coordinator may set it aside first,
+        copying its objects) or what another writer left. A shard streamed there would replace its object
+        before those checks."""
+        step_prefix = self.key(base.step_name(pending.step)) + "/"
+        if next(self._list(step_prefix), None) is not None:
+            return None
+        sink = StreamingUpload(self, self.key(base.step_name(pending.step), name))
+        pending.streamed[name] = sink
+        return sink
+
+    def _take_buffer(self) -> bytearray:
+        with self._buffers_lock:
+            if self._buffers:
+                return self._buffers.pop()
+        return bytearray(self.part_bytes)
+
+    def _give_buffer(self, buffer: bytearray) -> None:
+        """Keeps a part buffer for the next upload (at most threads + 2: what one upload holds at once)."""
+        with self._buffers_lock:
+            if len(self._buffers) < self.threads + 2 and len(buffer) == self.part_bytes:
+                self._buffers.append(buffer)
 
     # -- reading and deleting --
 
@@ -555,3 +620,178 @@ def _s3_errors() -> tuple[type[Exception], ...]:
 def _error_code(e: Exception) -> str:
     response = getattr(e, "response", None) or {}
     return str(response.get("Error", {}).get("Code", ""))
+
+
+class StreamingUpload:
+    """One object uploaded in parts while it is written: a CheckpointWriter's sink (checkpoint.file.Sink).
+
+    Why: staging a shard in a local file and uploading it afterwards costs a local write, an fsync and a
+    read-back, and the upload can't start before the last byte is written; here each part goes up as soon as
+    it is full, from memory, while the writer fills the next (measured in docs/BENCHMARKS.md, "S3 saves").
+
+    The first part is held back until finish(): the SNPX header, at the start, is written last, and the parts
+    of a multipart upload may be sent in any order. Each part's CRC32C is computed as the bytes are copied in
+    (with the CRC the writer gets back for them) and sent for the server to check. Memory: at most
+    `threads` parts in flight, one filling and the first, each `part_bytes`. An object that fits in one part
+    is sent with a single PUT at finish(). finish() completes the upload, the object appearing whole or not at
+    all; a failure aborts the upload (the parts are discarded by the server), as abort() does.
+    """
+
+    def __init__(self, store: S3Storage, key: str):
+        self.store, self.key = store, key
+        self.size = 0
+        self.result: tuple[int, str] | None = None  # (size, ETag) once finish() succeeded
+        self._copier = _native.Copier(-1)
+        self._part = store._take_buffer()  # the part being filled: number self._number
+        self._number, self._fill, self._part_crc = 1, 0, 0
+        self._first: bytearray | None = None  # part 1, once full: held until finish()
+        self._upload_id: str | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._inflight: collections.deque[tuple[concurrent.futures.Future[dict[str, Any]], bytearray]] = (
+            collections.deque())
+        self._parts: list[dict[str, Any]] = []
+        self._done = False
+
+    def append(self, data: Any) -> int:
+        """Copies bytes into the parts (their CRC32C computed as they are copied); returns that CRC."""
+        self._check_open()
+        view = memoryview(data).cast("B") if memoryview(data).format != "B" else memoryview(data)
+        crc = 0
+        while len(view):
+            n = min(len(view), len(self._part) - self._fill)
+            piece_crc = int(self._copier.copy(memoryview(self._part)[self._fill:self._fill + n], view[:n]) or 0)
+            self._part_crc = _native.crc32c_combine(self._part_crc, piece_crc, n)
+            crc = _native.crc32c_combine(crc, piece_crc, n)
+            self._fill += n
+            self.size += n
+            view = view[n:]
+            if self._fill == len(self._part):
+                self._seal()
+        return crc
+
+    def pad(self, alignment: int) -> None:
+        if self.size % alignment:
+            self.append(bytes(alignment - self.size % alignment))
+
+    def pwrite(self, data: Any, offset: int) -> None:
+        """Changes bytes already appended: only in the first part (held back) or the part being filled."""
+        self._check_open()
+        data = bytes(data)
+        end = offset + len(data)
+        if offset < 0 or end > self.size:
+            raise ValueError(f"pwrite of {len(data)} bytes at {offset} is outside the {self.size} bytes written")
+        part_bytes = len(self._part)
+        if end <= part_bytes:
+            target = self._first if self._first is not None else self._part
+            target[offset:end] = data
+            if target is self._part:
+                self._part_crc = _native.crc32c(memoryview(self._part)[:self._fill])
+            return
+        start = (self._number - 1) * part_bytes
+        if offset < start:
+            raise errors.StorageError(f"s3://{self.store.bucket}/{self.key}: bytes at {offset} were uploaded "
+                                      "already and can't be changed", path=self.store.uri)
+        self._part[offset - start:end - start] = data
+        self._part_crc = _native.crc32c(memoryview(self._part)[:self._fill])
+
+    def finish(self) -> None:
+        """Uploads what is left (the last part, then the first) and completes the upload; on failure the upload
+        is aborted and the error raised."""
+        self._check_open()
+        try:
+            if self._first is None:  # one part: a single PUT
+                body = bytes(memoryview(self._part)[:self._fill])
+                self.result = (len(body), self.store._put(self.key, body))
+            else:
+                if self._fill:
+                    self._submit(self._number, self._part, self._fill, self._part_crc)
+                    self._part = bytearray(0)
+                self._start()
+                while self._inflight:
+                    self._collect(block=True)
+                self._parts.append(self._upload_part(1, self._first, _native.crc32c(self._first)))
+                self._parts.sort(key=lambda p: p["PartNumber"])
+                response = self.store.client.complete_multipart_upload(
+                    Bucket=self.store.bucket, Key=self.key, UploadId=self._upload_id,
+                    MultipartUpload={"Parts": self._parts})
+                self.result = (self.size, str(response["ETag"]))
+        except BaseException as e:
+            self.abort()
+            if isinstance(e, Exception) and not isinstance(e, errors.SneppXError):
+                raise _s3_error(e, f"upload of {self.key}", self.store.uri) from None
+            raise
+        self._close()
+
+    def abort(self) -> None:
+        """Stops the upload: waits for parts in flight, then aborts it on the server (best effort: cleanup()
+        aborts what is left of a writer that is gone)."""
+        if self._done:
+            return
+        for future, _ in self._inflight:
+            with contextlib.suppress(BaseException):
+                future.result()
+        self._inflight.clear()
+        if self._upload_id is not None:
+            with contextlib.suppress(errors.StorageError):
+                self.store._abort_upload(self.key, self._upload_id)
+        self._close()
+
+    def _check_open(self) -> None:
+        if self._done:
+            raise errors.StorageError(f"s3://{self.store.bucket}/{self.key}: this upload is over",
+                                      path=self.store.uri)
+
+    def _close(self) -> None:
+        self._done = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        for buffer in (self._part, self._first):
+            if buffer is not None:
+                self.store._give_buffer(buffer)
+        self._part, self._first = bytearray(0), None
+
+    def _seal(self) -> None:
+        """The part being filled is full: the first is held back, any other goes up; a new part begins."""
+        if self._number == 1:
+            self._first = self._part
+        else:
+            self._submit(self._number, self._part, len(self._part), self._part_crc)
+        self._number += 1
+        self._fill, self._part_crc = 0, 0
+        while len(self._inflight) >= self.store.threads:  # bounded memory: wait for the oldest part
+            self._collect(block=True)
+        self._collect(block=False)
+        self._part = self.store._take_buffer()
+
+    def _start(self) -> None:
+        """Creates the multipart upload (when the second part is needed: a one-part object is one PUT)."""
+        if self._upload_id is not None:
+            return
+        try:
+            self._upload_id = self.store.client.create_multipart_upload(
+                Bucket=self.store.bucket, Key=self.key, ChecksumAlgorithm="CRC32C")["UploadId"]
+        except _s3_errors() as e:
+            raise _s3_error(e, f"start upload of {self.key}", self.store.uri) from None
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.store.threads, thread_name_prefix="sneppx-s3-part")
+
+    def _submit(self, number: int, buffer: bytearray, length: int, crc: int) -> None:
+        self._start()
+        assert self._pool is not None
+        body = buffer if length == len(buffer) else bytes(memoryview(buffer)[:length])  # boto3 takes no views
+        self._inflight.append((self._pool.submit(self._upload_part, number, body, crc), buffer))
+
+    def _collect(self, *, block: bool) -> None:
+        """Takes finished parts off the front of the queue (waiting for the first one when `block`); a failed
+        part raises its error."""
+        while self._inflight and (block or self._inflight[0][0].done()):
+            future, buffer = self._inflight.popleft()
+            self._parts.append(future.result())
+            self.store._give_buffer(buffer)
+            block = False
+
+    def _upload_part(self, number: int, body: bytes | bytearray, crc: int) -> dict[str, Any]:
+        checksum = _b64_crc(crc)
+        response = self.store.client.upload_part(
+            Bucket=self.store.bucket, Key=self.key, UploadId=self._upload_id, PartNumber=number, Body=body,
+            ChecksumAlgorithm="CRC32C", ChecksumCRC32C=checksum)
+        return {"PartNumber": number, "ETag": response["ETag"], "ChecksumCRC32C": checksum}
