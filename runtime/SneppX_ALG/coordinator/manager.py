@@ -222,6 +222,8 @@ class CheckpointCoordinator:
             job = engine.Job(step, specs, [p for b in buffers for p in b], values, kind, training_state)
             with worker._idle:
                 worker.steps.add(step)
+            if not self.async_save:  # save() waits for the commit anyway: the writer starts with the snapshot
+                job.may_write.set()
             worker.submit("begin", job)
             try:
                 for pieces in buffers:

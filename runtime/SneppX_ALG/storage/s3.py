@@ -706,10 +706,10 @@ class StreamingUpload:
                 if self._fill:
                     self._submit(self._number, self._part, self._fill, self._part_crc)
                     self._part = bytearray(0)
-                self._start()
+                first, self._first = self._first, None  # final now: up alongside the last parts
+                self._submit(1, first, len(first), _native.crc32c(first))
                 while self._inflight:
                     self._collect(block=True)
-                self._parts.append(self._upload_part(1, self._first, _native.crc32c(self._first)))
                 self._parts.sort(key=lambda p: p["PartNumber"])
                 response = self.store.client.complete_multipart_upload(
                     Bucket=self.store.bucket, Key=self.key, UploadId=self._upload_id,
