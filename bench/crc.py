@@ -6,8 +6,9 @@ measured in the same run (these machines are noisy, absolute numbers mean
 little): each SneppX kernel this CPU runs on one core, the threaded
 crc32c_parallel, google-crc32c and the `crc32c` package (both take bytes), and
 the memory read ceiling: a C loop of the widest loads this CPU runs (AVX-512,
-AVX2, 64-bit scalar; `_native.memory_read`) over the same buffer, the fastest
-width counting. A numpy xor-reduce is shown too; it is not the limit.
+AVX2, 64-bit scalar; and AVX-512 over four streams at once, as the CRC kernels
+read three; `_native.memory_read`) over the same buffer, the fastest counting.
+A numpy xor-reduce is shown too; it is not the limit.
 
     python -m bench crc                       # 64 MiB, 256 MiB, 1 GiB
     python -m bench crc -- --big              # adds 2 GiB

@@ -435,7 +435,8 @@ int sx_cuda_stream_destroy(int device, uintptr_t stream);
 int sx_cuda_memset_async(int device, void *dst, int value, size_t len, uintptr_t stream);
 
 /* ---- benchmarks only: the memory read ceiling (membench.c) ----------------
- * Widths: 0 = 64-bit scalar loads, 1 = AVX2 (256-bit), 2 = AVX-512 (512-bit). */
+ * Widths: 0 = 64-bit scalar loads, 1 = AVX2 (256-bit), 2 = AVX-512 (512-bit), 3 = AVX-512 over four
+ * streams a quarter of the buffer apart (as the CRC kernels read three). */
 /* Bit w set: width w runs on this CPU. */
 unsigned sx_memory_read_widths(void);
 /* Reads every byte of buf once with loads of that width on the calling thread; *out gets the xor of its

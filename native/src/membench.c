@@ -76,6 +76,31 @@ __attribute__((target("avx512f"))) static uint64_t read_avx512(const unsigned ch
     *done = i;
     return out[0] ^ out[1] ^ out[2] ^ out[3] ^ out[4] ^ out[5] ^ out[6] ^ out[7];
 }
+
+/* Four streams a quarter of the buffer apart, read side by side: the CRC kernels read three long streams,
+ * which a core's prefetchers serve faster than one, so one stream alone is not the ceiling they run against. */
+__attribute__((target("avx512f"))) static uint64_t read_avx512_streams(const unsigned char *p, size_t len,
+                                                                        size_t *done) {
+    size_t quarter = len / 4 / 512 * 512;
+    const unsigned char *s0 = p, *s1 = p + quarter, *s2 = p + 2 * quarter, *s3 = p + 3 * quarter;
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (size_t i = 0; i < quarter; i += 128) {
+        a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(s0 + i));
+        a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(s0 + i + 64));
+        a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(s1 + i));
+        a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(s1 + i + 64));
+        a4 = _mm512_xor_si512(a4, _mm512_loadu_si512(s2 + i));
+        a5 = _mm512_xor_si512(a5, _mm512_loadu_si512(s2 + i + 64));
+        a6 = _mm512_xor_si512(a6, _mm512_loadu_si512(s3 + i));
+        a7 = _mm512_xor_si512(a7, _mm512_loadu_si512(s3 + i + 64));
+    }
+    __m512i x = _mm512_xor_si512(_mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)),
+                                 _mm512_xor_si512(_mm512_xor_si512(a4, a5), _mm512_xor_si512(a6, a7)));
+    uint64_t out[8];
+    _mm512_storeu_si512(out, x);
+    *done = 4 * quarter;
+    return out[0] ^ out[1] ^ out[2] ^ out[3] ^ out[4] ^ out[5] ^ out[6] ^ out[7];
+}
 #endif
 
 unsigned sx_memory_read_widths(void) {
@@ -83,19 +108,20 @@ unsigned sx_memory_read_widths(void) {
 #if SX_HAVE_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2")) mask |= 1u << 1;
-    if (__builtin_cpu_supports("avx512f")) mask |= 1u << 2;
+    if (__builtin_cpu_supports("avx512f")) mask |= 1u << 2 | 1u << 3;
 #endif
     return mask;
 }
 
 int sx_memory_read(int width, const void *buf, size_t len, uint64_t *out) {
-    if (!out || (!buf && len) || width < 0 || width > 2 || !(sx_memory_read_widths() & (1u << width)))
+    if (!out || (!buf && len) || width < 0 || width > 3 || !(sx_memory_read_widths() & (1u << width)))
         return SX_EINVAL;
     const unsigned char *p = buf;
     size_t done = 0;
     uint64_t x = 0;
 #if SX_HAVE_X86
-    if (width == 2) x = read_avx512(p, len, &done);
+    if (width == 3) x = read_avx512_streams(p, len, &done);
+    else if (width == 2) x = read_avx512(p, len, &done);
     else if (width == 1) x = read_avx2(p, len, &done);
     else
 #endif
