@@ -229,6 +229,18 @@ def gelu_backward(dout: np.ndarray, u: np.ndarray, tanh_term: np.ndarray, ws: Wo
     return dout
 
 
+def embedding_grad(table: np.ndarray, ids: np.ndarray, grad_rows: np.ndarray) -> np.ndarray:
+    """d loss / d table for rows gathered by `ids`: each row's gradients summed into its id's row. By sorting
+    the ids and summing runs (np.add.reduceat): np.add.at, the obvious way, took ~1 ms a step (~3%)."""
+    grad = np.zeros_like(table)
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
+    if starts.size:
+        grad[sorted_ids[starts]] = np.add.reduceat(grad_rows[order], starts, axis=0)
+    return grad
+
+
 def causal_mask(seq_len: int, dtype: np.dtype) -> np.ndarray:
     """Additive (T, T) mask: 0 on and below the diagonal, -inf above it (a token never sees the future)."""
     mask = np.zeros((seq_len, seq_len), dtype)
@@ -532,8 +544,7 @@ class Transformer:
 
         grads["pos_emb"] = np.zeros_like(p["pos_emb"])
         grads["pos_emb"][:seq] = dx.reshape(batch, seq, c.dim).sum(axis=0)
-        grads["tok_emb"] = np.zeros_like(p["tok_emb"])
-        np.add.at(grads["tok_emb"], ids.reshape(-1), dx)
+        grads["tok_emb"] = embedding_grad(p["tok_emb"], ids.reshape(-1), dx)
         return loss, {name: grads[name] for name in p}
 
     # --- state as flat dicts of arrays (what checkpoints hold) ---
