@@ -100,6 +100,28 @@ def test_a_shard_streams_to_s3_as_it_is_written_with_no_local_file(s3_bucket, s3
     coord.close()
 
 
+def test_a_shard_key_already_taken_is_not_streamed_over(s3_bucket, s3_env, tmp_path) -> None:
+    """An object at the shard's key (here what a crash left) is replaced only by finalize, after its checks:
+    the writer stages a file instead of streaming, and the step commits as before."""
+    client = s3_env.client()
+    client.put_object(Bucket=s3_bucket, Key="lo/step-000000001/shard-00000.snpx", Body=b"partial")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    staged: list[bool] = []
+    client.meta.events.register("before-call.s3.UploadPart",
+                                lambda **_: staged.append(any(staging.rglob("shard-*"))))
+    coord = CheckpointCoordinator(f"s3://{s3_bucket}/lo", s3_client=client, cleanup_on_start=False,
+                                  staging_bytes=4 * MiB)
+    coord._storage.part_bytes, coord._storage.staging_dir = 5 * MiB, str(staging)
+    want = state_for(1, big=12 * MiB)
+    coord.save(want, step=1)
+    coord.wait()
+    assert staged and all(staged)
+    got = {"w": np.zeros((128, 64), np.float32), "emb": None, "n": None}
+    assert coord.restore(got).step == 1 and got["emb"].tobytes() == want["emb"].tobytes()
+    coord.close()
+
+
 def test_a_streamed_upload_changes_only_bytes_not_sent_yet(s3_bucket, s3_env) -> None:
     """The sink holds the first part back (the header is patched there last); an uploaded part can't change."""
     store = storage.S3Storage(f"s3://{s3_bucket}/sink", client=s3_env.client(), part_bytes=5 * MiB)

@@ -361,14 +361,14 @@ class S3Storage:
         """A sink (checkpoint.file.Sink) that uploads shard `name` of a pending step in parts as a writer
         streams it: no local staging file. finalize() takes the finished upload as the shard's.
 
-        None (write a local file, uploaded by finalize() after its checks) when the step's prefix holds any
-        object: a committed step of this number (finalize refuses it; the coordinator may set it aside first,
-        copying its objects) or what another writer left. A shard streamed there would replace its object
-        before those checks."""
-        step_prefix = self.key(base.step_name(pending.step)) + "/"
-        if next(self._list(step_prefix), None) is not None:
+        None (write a local file, uploaded by finalize() after its checks) when the step has a marker or a
+        manifest (committed, or being committed: finalize refuses it, and the coordinator may first set a
+        committed step aside, copying its objects) or an object at this shard's key (another writer's, or
+        left by a crash): a shard streamed there would replace it before those checks."""
+        step = base.step_name(pending.step)
+        if any(self._exists(self.key(step, leaf)) for leaf in (base.COMMITTED, base.MANIFEST, name)):
             return None
-        sink = StreamingUpload(self, self.key(base.step_name(pending.step), name))
+        sink = StreamingUpload(self, self.key(step, name))
         pending.streamed[name] = sink
         return sink
 
