@@ -11,6 +11,7 @@ import logging
 import os
 import queue
 import threading
+import traceback
 from typing import Any
 
 import numpy as np
@@ -165,6 +166,10 @@ class Engine:
             try:
                 self._handle(item)
             except BaseException as e:  # noqa: BLE001 - kept and raised by the next call; the thread goes on
+                # The error outlives this call: its frames must not keep staging views and the arrays over them
+                # (a memoryview with an array exporting from it, freed by the cycle collector, crashed CPython
+                # 3.11 in _memory_release: seen when a write failed inside _write_buffer).
+                traceback.clear_frames(e.__traceback__)
                 job = item[1]
                 job.failed = True
                 self._abort(job)
