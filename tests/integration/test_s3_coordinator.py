@@ -143,6 +143,35 @@ def test_a_streamed_upload_changes_only_bytes_not_sent_yet(s3_bucket, s3_env) ->
     assert keys(s3_env.client(), s3_bucket) == [] and store.incomplete_uploads() == []
 
 
+def test_a_streamed_shard_is_the_rank_s_upload_and_is_not_deleted_once_another_writer_owns_the_step(
+        s3_bucket, s3_env) -> None:
+    """upload() reports a streamed shard's finished object as this rank's part (what finalize checks), and
+    abort() takes it back; but after a finalize that lost the step to another writer (its manifest first), the
+    abort that follows (the coordinator's, for the failed step) deletes nothing: the keys may be that writer's."""
+    client = s3_env.client()
+    store = storage.S3Storage(f"s3://{s3_bucket}/own", client=client, part_bytes=5 * MiB)
+    shard = "shard-00000.snpx"
+    data = np.random.default_rng(1).integers(0, 255, 6 * MiB, dtype=np.uint8)
+    for step in (1, 2):
+        pending = store.begin(step)
+        sink = store.shard_sink(pending, shard)
+        assert sink is not None
+        sink.append(data)
+        sink.finish()
+        parts = store.upload(pending, [shard])
+        assert parts == {shard: sink.result} and pending.uploaded == {sink.key: sink.result}
+        if step == 1:
+            store.abort(pending)
+            assert keys(client, s3_bucket) == []
+            continue
+        client.put_object(Bucket=s3_bucket, Key="own/step-000000002/manifest.json", Body=b"another writer's")
+        with pytest.raises(errors.CheckpointExistsError, match="another writer"):
+            store.finalize(pending, json.dumps({"shards": [shard]}).encode(), None, parts)
+        store.abort(pending)
+        assert keys(client, s3_bucket) == ["own/step-000000002/manifest.json", f"own/step-000000002/{shard}"]
+    assert store.incomplete_uploads() == []
+
+
 def test_a_marker_is_written_once_even_by_two_writers(s3_bucket, s3_env) -> None:
     client = s3_env.client()
     first = CheckpointCoordinator(f"s3://{s3_bucket}/r", s3_client=client)
