@@ -128,7 +128,12 @@ def test_synchronous_mode_is_committed_when_save_returns(tmp_path) -> None:
         assert (tmp_path / "step-000000009" / "shard-00000.snpx").exists()
 
 
-def test_disk_full_in_the_background_is_raised_by_the_next_call_and_loses_nothing(tmp_path) -> None:
+# Both write modes: buffered appends fail inside the write of a staged piece, where the kept error's frames once
+# held a staging view with an array over it, which crashed the interpreter when collected.
+@pytest.mark.parametrize("mode", ["direct", "buffered"])
+def test_disk_full_in_the_background_is_raised_by_the_next_call_and_loses_nothing(tmp_path, monkeypatch,
+                                                                                  mode: str) -> None:
+    monkeypatch.setenv("SNEPPX_WRITE_MODE", mode)
     with CheckpointCoordinator(tmp_path) as coord:
         coord.save(state_for(1), step=1)
         coord.wait()
