@@ -335,3 +335,40 @@ class StoreKeyExistsError(StoreError):
 
 class StoreTimeoutError(StoreError, TimeoutError):
     """A store key was not set before the deadline (a peer never published it)."""
+
+
+# --- records: small JSON records in the shared store, written by compare-and-swap ---------
+
+
+class RecordError(SneppXError):
+    """A record of the shared store (rendezvous, leases) could not be written or read. `.key` names it."""
+
+    def __init__(self, message: str, *, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+class RecordConflictError(RecordError):
+    """The write's condition did not hold: another writer changed the record first. Read it again."""
+
+
+class RecordExistsError(RecordConflictError):
+    """Create-if-absent found the key taken."""
+
+
+class RecordCorruptError(RecordError):
+    """What the store holds under the key is not a record SneppX wrote (not bounded UTF-8 JSON, bad layout)."""
+
+
+class RecordValueError(RecordError, ValueError):
+    """The caller's key or value can't be stored: a key outside the store's root, a value too large or not
+    plain JSON."""
+
+
+class RecordStoreError(RecordError):
+    """The store failed or refused the call (permissions, a missing bucket, an I/O error)."""
+
+
+class RecordUnavailableError(RecordStoreError):
+    """The store could not be reached in time (timeout, connection, 5xx, throttling). Transient: a read may be
+    retried as is; a write's outcome is unknown, so read the key before writing again."""
