@@ -37,12 +37,12 @@ from typing import Any
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "k8s"))
 
-import k8s_cluster  # noqa: E402
-import k8s_helpers  # noqa: E402
-import kubernetes  # noqa: E402
-import pod_runner  # noqa: E402
+import k8s_cluster
+import k8s_helpers
+import kubernetes
+import pod_runner
 
-from bench import common  # noqa: E402
+from bench import common
 
 NODE_MONITOR_GRACE_S = 40.0
 DEFAULT_EVICTION_S = 300.0

@@ -14,6 +14,7 @@ restart twice or forget one.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import secrets
@@ -27,6 +28,7 @@ from sneppx_operator import builders, config, k8s, metrics, reconcile, wakeups
 RESOURCE = (builders.GROUP, builders.VERSION, builders.PLURAL)
 RENDEZVOUS_LABELS = {builders.LABEL_JOB: kopf.PRESENT, builders.LABEL_COMPONENT: builders.COMPONENT_RENDEZVOUS}
 WAKEUPS = wakeups.Wakeups()
+MIN_PASS_INTERVAL_S = 0.2
 _written: dict[tuple[str, str, str], dict[str, Any]] = {}  # (namespace, name, uid) -> status last written
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 @kopf.index("pods", labels={builders.LABEL_JOB: kopf.PRESENT})
-def job_pods(
+async def job_pods(
     name: str, namespace: str, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, **_: Any
 ) -> dict[tuple[str, str], reconcile.ObservedPod]:
     pod = reconcile.observe_pod(name, meta, spec, status)
@@ -46,41 +48,41 @@ def job_pods(
 
 
 @kopf.index("nodes")
-def job_nodes(name: str, status: kopf.Status, **_: Any) -> dict[str, reconcile.ObservedNode]:
+async def job_nodes(name: str, status: kopf.Status, **_: Any) -> dict[str, reconcile.ObservedNode]:
     return {name: reconcile.observe_node(name, status)}
 
 
 @kopf.index("configmaps", labels=RENDEZVOUS_LABELS)
-def job_rendezvous(
+async def job_rendezvous(
     namespace: str, meta: kopf.Meta, body: kopf.Body, **_: Any
 ) -> dict[tuple[str, str], reconcile.ObservedObject]:
     return {(namespace, meta["labels"][builders.LABEL_JOB]): reconcile.observe_rendezvous(meta, body.get("data"))}
 
 
 @kopf.on.event(*RESOURCE)
-def job_changed(namespace: str, name: str, **_: Any) -> None:
+async def job_changed(namespace: str, name: str, **_: Any) -> None:
     WAKEUPS.poke((namespace, name))
 
 
 @kopf.on.event("pods", labels={builders.LABEL_JOB: kopf.PRESENT})
-def pod_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
+async def pod_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
     WAKEUPS.poke((namespace, labels[builders.LABEL_JOB]))
 
 
 @kopf.on.event("configmaps", labels=RENDEZVOUS_LABELS)
-def rendezvous_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
+async def rendezvous_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
     WAKEUPS.poke((namespace, labels[builders.LABEL_JOB]))
 
 
 @kopf.on.event("nodes")
-def node_changed(name: str, job_pods: kopf.Index, **_: Any) -> None:
+async def node_changed(name: str, job_pods: kopf.Index, **_: Any) -> None:
     for key, pods in list(job_pods.items()):
         if any(pod.node == name for pod in pods):
             WAKEUPS.poke(key)
 
 
 @kopf.daemon(*RESOURCE, cancellation_timeout=30)
-def run_job(
+async def run_job(
     body: kopf.Body,
     stopped: kopf.DaemonStopped,
     job_pods: kopf.Index,
@@ -88,20 +90,25 @@ def run_job(
     job_rendezvous: kopf.Index,
     **_: Any,
 ) -> None:
-    """The job's loop: one pass, then wait for a poke, the next time-based decision, or the resync."""
+    """The job's loop: one pass (in a worker thread: it calls the API), then wait on kopf's event loop for a
+    poke, the next time-based decision or the resync, holding no thread while it waits."""
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
     retry = 0
     while not stopped:
         try:
-            settled = _reconcile(body, job_pods, job_nodes, job_rendezvous)
+            # to_thread carries kopf's context (its event poster) into the thread.
+            settled = await asyncio.to_thread(_reconcile, body, job_pods, job_nodes, job_rendezvous)
         except Exception:  # the API was unreachable or answered in an unexpected way: try again later
             log.exception("reconciling %s/%s failed; retrying", *key)
             settled = reconcile.Settled({}, [], error="unexpected failure")
         retry = retry + 1 if settled.error is not None and settled.retryable else 0
         delay = config.retry_delay(retry - 1) if retry else config.resync_seconds()
         if settled.wake_after is not None:
-            delay = min(delay, max(settled.wake_after, 0.05))
-        WAKEUPS.wait(key, delay, lambda: bool(stopped))
+            delay = min(delay, max(settled.wake_after, MIN_PASS_INTERVAL_S))
+        # Pokes that come in a burst (a pod's several status changes, the watch events of this pass's own
+        # writes) make one pass, not one each.
+        await asyncio.sleep(MIN_PASS_INTERVAL_S)
+        await WAKEUPS.wait(key, delay - MIN_PASS_INTERVAL_S, lambda: bool(stopped))
 
 
 @kopf.on.delete(*RESOURCE)

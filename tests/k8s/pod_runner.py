@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Self
 
 import kubernetes
 import yaml
@@ -83,7 +83,7 @@ class PodRunner:
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
-    def __enter__(self) -> PodRunner:
+    def __enter__(self) -> Self:
         for name in self.nodes:
             try:
                 self.core.create_node({"metadata": {"name": name, "labels": {"sneppx.io/test-node": "true"}}})
@@ -153,7 +153,7 @@ class PodRunner:
         while not self._stop.is_set():
             try:
                 self._once()
-            except Exception as exc:  # keep playing kubelet; the test sees the errors if it fails
+            except Exception as exc:  # noqa: BLE001  (keep playing kubelet; the fixture fails on errors)
                 self.errors.append(repr(exc))
             self._stop.wait(POLL_S)
 

@@ -134,7 +134,7 @@ def test_the_agent_can_not_touch_another_jobs_object_and_a_full_object_is_refuse
     with pytest.raises(errors.RecordStoreError, match="refused this pod's credentials \\(403\\)"):
         theirs.create("job/report", {"x": 1})
     store = kube.KubernetesRecordStore(namespace, "job-rendezvous", api_client=agent)
-    chunk = {"pad": "x" * 250_000}
+    chunk = {"pad": "x" * 300_000}
     for i in range(3):
         store.create(f"pad/{i}", chunk)
     with pytest.raises(errors.RecordStoreError, match="a ConfigMap holds about"):
