@@ -99,7 +99,7 @@ namespaces themselves.
   verbs: ["list", "watch"]
 - apiGroups: [""]
   resources: ["nodes"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["list", "watch"]
 {{- if .Values.watchNamespaces }}
 - apiGroups: [""]
   resources: ["namespaces"]
