@@ -9,7 +9,7 @@ INSTALLED := $(VENV)/.installed
 $(INSTALLED): pyproject.toml setup.py native/build_ffi.py native/include/sneppx.h $(wildcard native/src/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel cffi
-	$(PY) -m pip install -q --no-build-isolation -e '.[test,bench]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[test,bench,interop-test]'
 	touch $@
 
 demo: $(INSTALLED)

@@ -6,7 +6,7 @@ Each area is a module of this package with `main(argv)`; results are recorded in
 import importlib
 import sys
 
-AREAS = ["crc", "format", "model", "async_save", "signing", "heartbeat", "comm", "operator"]
+AREAS = ["crc", "format", "model", "async_save", "signing", "restore", "heartbeat", "comm", "operator"]
 
 
 def run(argv: list[str]) -> None:

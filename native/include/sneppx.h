@@ -34,6 +34,7 @@
 #define SX_ESTALE -17     /* a message from another membership generation */
 #define SX_EPROTO -18     /* a malformed message, or ranks that called different collectives */
 #define SX_ENCCL -19      /* an NCCL call failed (see sx_nccl_last_error) */
+#define SX_EEOF -20       /* the file ended before the bytes asked for (sx_read_at) */
 
 const char *sx_strerror(int code);
 /* errno of the last failed system call in this thread (0 if none). */
@@ -403,5 +404,27 @@ int sx_nccl_broadcast(sx_nccl *n, void *buf, size_t nbytes, int root, double tim
 /* As sx_comm_*: NCCL's own layout (equal shards), so count must divide by world_size. */
 int sx_nccl_reduce_scatter(sx_nccl *n, void *buf, size_t count, int dtype, int op, double timeout_s);
 int sx_nccl_allgather(sx_nccl *n, void *buf, size_t count, int dtype, double timeout_s);
+
+/* ---- reads with the fault hook, and producer-stream ordering (issue 9) ---- */
+#define SX_SITE_READ 16u  /* fault-hook site in front of every read(2) of sx_read_at */
+
+/* Reads exactly len bytes at offset into buf through the fault hook's "read" site (short reads and
+ * EINTR are continued), so a failing read is an error code, never a SIGBUS as from a memory map. *crc,
+ * if non-NULL, is continued with the bytes, each piece hashed right after it lands (in cache).
+ * SX_EEOF when the file ends first. */
+int sx_read_at(int fd, void *buf, size_t len, uint64_t offset, uint32_t *crc);
+/* As sx_fault_arm, but `times` consecutive matching calls from the countdown-th on fail (a persistent
+ * fault; times 1 is sx_fault_arm). */
+void sx_fault_arm_times(unsigned site_mask, long countdown, long times, int action);
+
+/* Orders the copier's later copies after the work queued so far on a producer's stream (the
+ * __cuda_array_interface__ "stream" value: 1 the legacy default stream, 2 the per-thread default
+ * stream, else a cudaStream_t): records an event on it and makes the copier's stream wait for the
+ * event, without blocking the caller. SX_EINVAL for stream 0 (ambiguous) or a host copier. */
+int sx_copier_wait_stream(sx_copier *c, uintptr_t stream);
+/* Streams and asynchronous memset, for tests and benchmarks (work to order a copy after). */
+int sx_cuda_stream_create(int device, uintptr_t *out);
+int sx_cuda_stream_destroy(int device, uintptr_t stream);
+int sx_cuda_memset_async(int device, void *dst, int value, size_t len, uintptr_t stream);
 
 #endif

@@ -49,6 +49,8 @@ struct cuda_api {
     cuda_err (*EventRecord)(cuda_event, cuda_stream);
     cuda_err (*EventSynchronize)(cuda_event);
     cuda_err (*EventDestroy)(cuda_event);
+    cuda_err (*StreamWaitEvent)(cuda_stream, cuda_event, unsigned);
+    cuda_err (*MemsetAsync)(void *, int, size_t, cuda_stream);
     const char *(*GetErrorString)(cuda_err);
 };
 
@@ -106,6 +108,8 @@ int sx_cuda_load(const char *path) {
     SYM(EventRecord, "cudaEventRecord");
     SYM(EventSynchronize, "cudaEventSynchronize");
     SYM(EventDestroy, "cudaEventDestroy");
+    SYM(StreamWaitEvent, "cudaStreamWaitEvent");
+    SYM(MemsetAsync, "cudaMemsetAsync");
     SYM(GetErrorString, "cudaGetErrorString");
 #undef SYM
     cuda = api;
@@ -167,6 +171,7 @@ struct sx_copier {
     cuda_stream stream;
     cuda_event events[MAX_INFLIGHT];
     int nevents;
+    cuda_event producer; /* recorded on a producer's stream; the copier's stream waits for it */
 };
 
 int sx_copier_create(int device, size_t piece_bytes, int nthreads, sx_copier **out) {
@@ -188,6 +193,7 @@ int sx_copier_create(int device, size_t piece_bytes, int nthreads, sx_copier **o
             rc = cuda_status(cuda.EventCreateWithFlags(&c->events[i], EVENT_BLOCKING_SYNC | EVENT_DISABLE_TIMING));
             if (rc == SX_OK) c->nevents++;
         }
+        if (rc == SX_OK) rc = cuda_status(cuda.EventCreateWithFlags(&c->producer, EVENT_DISABLE_TIMING));
         if (rc != SX_OK) { sx_copier_destroy(c); return rc; }
     }
     *out = c;
@@ -200,6 +206,7 @@ void sx_copier_destroy(sx_copier *c) {
         cuda.SetDevice(c->device);
         if (c->stream) cuda.StreamSynchronize(c->stream);
         for (int i = 0; i < c->nevents; i++) cuda.EventDestroy(c->events[i]);
+        if (c->producer) cuda.EventDestroy(c->producer);
         if (c->stream) cuda.StreamDestroy(c->stream);
     }
     free(c);
@@ -326,4 +333,41 @@ int sx_copier_copy(sx_copier *c, void *dst, const void *src, size_t len, int kin
     if (kind == SX_COPY_H2H) return copy_host(c, dst, src, len, crc);
     if (kind == SX_COPY_D2H) return c->device < 0 ? SX_ENODEV : copy_d2h(c, dst, src, len, crc);
     return SX_EINVAL;
+}
+
+/* -- ordering after the producer: a tensor handed over with __cuda_array_interface__ may still be being
+ * written by work queued on the producer's stream; the copier's own stream is non-blocking, so nothing
+ * orders it after that work unless it waits for an event recorded there. -- */
+
+int sx_copier_wait_stream(sx_copier *c, uintptr_t stream) {
+    if (!c || c->device < 0 || stream == 0) return SX_EINVAL;
+    int rc = cuda_status(cuda.SetDevice(c->device));
+    if (rc == SX_OK) rc = cuda_status(cuda.EventRecord(c->producer, (cuda_stream)stream));
+    if (rc == SX_OK) rc = cuda_status(cuda.StreamWaitEvent(c->stream, c->producer, 0));
+    return rc;
+}
+
+int sx_cuda_stream_create(int device, uintptr_t *out) {
+    if (!out) return SX_EINVAL;
+    *out = 0;
+    if (!cuda_loaded()) return SX_ENOLIB;
+    cuda_stream s = NULL;
+    int rc = cuda_status(cuda.SetDevice(device));
+    if (rc == SX_OK) rc = cuda_status(cuda.StreamCreateWithFlags(&s, STREAM_NON_BLOCKING));
+    if (rc == SX_OK) *out = (uintptr_t)s;
+    return rc;
+}
+
+int sx_cuda_stream_destroy(int device, uintptr_t stream) {
+    if (!cuda_loaded()) return SX_ENOLIB;
+    int rc = cuda_status(cuda.SetDevice(device));
+    if (rc == SX_OK && stream > 2) rc = cuda_status(cuda.StreamDestroy((cuda_stream)stream));
+    return rc;
+}
+
+int sx_cuda_memset_async(int device, void *dst, int value, size_t len, uintptr_t stream) {
+    if (!cuda_loaded()) return SX_ENOLIB;
+    int rc = cuda_status(cuda.SetDevice(device));
+    if (rc == SX_OK && len) rc = cuda_status(cuda.MemsetAsync(dst, value, len, (cuda_stream)stream));
+    return rc;
 }

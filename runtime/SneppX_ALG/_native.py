@@ -24,7 +24,7 @@ KERNELS = {
 }
 
 _SITES = {"write": lib.SX_SITE_WRITE, "fsync": lib.SX_SITE_FSYNC, "rename": lib.SX_SITE_RENAME,
-          "dirsync": lib.SX_SITE_DIRSYNC}
+          "dirsync": lib.SX_SITE_DIRSYNC, "read": lib.SX_SITE_READ}
 
 
 def raise_for(code: int, what: str, path: str | None = None) -> None:
@@ -42,6 +42,9 @@ def raise_for(code: int, what: str, path: str | None = None) -> None:
         raise errors.CheckpointNotFoundError(message, path=path, errno=_errno.ENOENT)
     if code == lib.SX_EFSYNC:
         raise errors.DurabilityError(message, path=path, errno=err)
+    if code == lib.SX_EEOF:
+        raise errors.TruncatedCheckpointError(f"{what}: {detail}: the file is shorter than its header says",
+                                              path=path)
     if code == lib.SX_EINVAL:
         raise ValueError(message)
     if code == lib.SX_ENOMEM:
@@ -142,13 +145,15 @@ def rename_durable(src: str, dst: str) -> None:
     raise_for(lib.sx_rename_durable(os.fsencode(src), os.fsencode(dst)), "rename", dst)
 
 
-def fault_arm(sites: str, countdown: int, action: str = "kill") -> None:
-    """Arms the native fault hook (tests): the countdown-th I/O at `sites` kills or fails."""
+def fault_arm(sites: str, countdown: int, action: str = "kill", *, times: int = 1) -> None:
+    """Arms the native fault hook (tests): the countdown-th I/O at `sites` kills or fails, and with
+    `times` > 1 so do the matching I/Os after it, `times` in all (a fault that persists).
+    Sites: write, fsync, rename, dirsync, read."""
     mask = 0
     for site in sites.split(","):
         mask |= _SITES[site.strip()]
     code = 0 if action == "kill" else getattr(_errno, action)
-    lib.sx_fault_arm(mask, countdown, code)
+    lib.sx_fault_arm_times(mask, countdown, max(1, times), code)
 
 
 def fault_sites_passed() -> int:
@@ -270,6 +275,16 @@ class Copier:
     def view(self, buffer: Any, nbytes: int) -> memoryview:
         """A memoryview over the first nbytes of a buffer from alloc()."""
         return memoryview(ffi.buffer(buffer, nbytes))
+
+    def wait_stream(self, stream: int) -> None:
+        """Orders this copier's next copies after the work queued so far on a producer's CUDA stream
+        (the __cuda_array_interface__ "stream" value: 1 legacy default, 2 per-thread default, or a
+        handle); returns without waiting for that work."""
+        if self.device < 0:
+            raise ValueError("a host copier has no stream to order")
+        if not isinstance(stream, int) or stream <= 0:
+            raise ValueError(f"stream must be a positive int (0 is ambiguous), not {stream!r}")
+        _raise_cuda(lib.sx_copier_wait_stream(self._c, stream), "order the copy after the producer's stream")
 
     def copy(self, dst: Any, src: Any, nbytes: int | None = None, *, crc: int | None = 0,
              kind: int = COPY_H2H) -> int | None:
@@ -649,3 +664,40 @@ class NcclComm(_Communicator):
 
     def broadcast(self, pointer: int, nbytes: int, root: int, timeout: float) -> None:
         self._call("ncclBroadcast", lib.sx_nccl_broadcast, ffi.cast("void *", pointer), nbytes, root, timeout)
+
+
+
+# ---- reads through the fault hook; ordering a copy after the producer's stream ----------------------------
+
+
+def read_at(fd: int, buffer: Any, offset: int, crc: int = 0, *, path: str | None = None) -> int:
+    """Reads exactly len(buffer) bytes of fd at offset into a writable buffer; returns their CRC32C
+    continued from `crc`. A failed read is StorageError with .errno (never a SIGBUS, as a memory map
+    gives); a file that ends first is TruncatedCheckpointError."""
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, not {offset}")
+    try:
+        buf = ffi.from_buffer("char[]", buffer, require_writable=True)
+    except (TypeError, ValueError, BufferError) as e:
+        raise errors.UnsupportedTensorError(f"{type(buffer).__name__} is not a writable contiguous buffer "
+                                            f"({e})") from None
+    out = ffi.new("uint32_t *", crc)
+    raise_for(lib.sx_read_at(fd, buf, len(buf), offset, out), "read", path)
+    return int(out[0])
+
+
+def cuda_stream_create(device: int) -> int:
+    """A new non-blocking CUDA stream (tests, benchmarks); returns its handle."""
+    out = ffi.new("uintptr_t *")
+    _raise_cuda(lib.sx_cuda_stream_create(device, out), "cudaStreamCreate")
+    return int(out[0])
+
+
+def cuda_stream_destroy(device: int, stream: int) -> None:
+    _raise_cuda(lib.sx_cuda_stream_destroy(device, stream), "cudaStreamDestroy")
+
+
+def cuda_memset_async(device: int, pointer: int, value: int, nbytes: int, stream: int) -> None:
+    """cudaMemsetAsync on a stream (tests, benchmarks): work a copy can be ordered after."""
+    _raise_cuda(lib.sx_cuda_memset_async(device, ffi.cast("void *", pointer), value, nbytes, stream),
+                "cudaMemsetAsync")

@@ -265,6 +265,7 @@ class LifecycleError(SneppXError, RuntimeError):
         self.state = state
         self.event = event
 
+
 # --- several processes on one checkpoint root: writers, readers, commits ------
 
 
@@ -335,6 +336,42 @@ class StoreKeyExistsError(StoreError):
 
 class StoreTimeoutError(StoreError, TimeoutError):
     """A store key was not set before the deadline (a peer never published it)."""
+
+
+# --- the checkpoint store: unreadable steps, untrusted signers, timelines -------
+
+
+class CheckpointUnreadableError(StorageError):
+    """A committed step could not be read (an I/O error such as EIO, EMFILE or ESTALE: not a verdict on its
+    bytes), even after bounded retries. Nothing was skipped or rolled back past; `.step` names the step."""
+
+    def __init__(self, message: str, *, step: int | None = None, path: str | None = None,
+                 errno: int | None = None):
+        super().__init__(message, path=path, errno=errno)
+        self.step = step
+
+
+class SigningKeyNotTrustedError(SneppXError, ValueError):
+    """A coordinator's signing_key is not among its own trusted_keys (or it has trusted_keys and saves
+    unsigned): every step it saved would fail its own validation."""
+
+
+class CommittedStepInvalidError(StorageError):
+    """A step this coordinator committed does not validate when read back: storage did not keep what was
+    written. Retention kept the newest step that does validate."""
+
+
+class FenceRecordError(CheckpointFormatError):
+    """The root's fence record (docs/FORMAT.md, "Timelines and fencing") is not one SneppX wrote: which steps
+    are abandoned can't be known, so no step is returned as the latest."""
+
+
+# --- interop: other formats and frameworks, tools over a checkpoint root -------
+
+
+class ForeignCheckpointError(CheckpointFormatError):
+    """A checkpoint in another format (a safetensors file or sharded index) can't be read as it is: the file is
+    malformed, or the index names files or tensors its shards don't hold."""
 
 
 # --- records: small JSON records in the shared store, written by compare-and-swap ---------

@@ -2,7 +2,7 @@
 
 Each round forks a child that saves a few checkpoints into one shared root (so leftovers of earlier kills
 are there too). The child dies either by the native fault hook (`kill(getpid(), SIGKILL)` in front of the
-k-th write/fsync/rename/dirsync: every site in turn) or by a SIGKILL from this process after a random
+k-th write/fsync/rename/dirsync/read: every site in turn) or by a SIGKILL from this process after a random
 delay. After every kill a new coordinator starts on the root and we check that leftovers are gone, that
 every committed step validates (no partial checkpoint is ever visible), that the newest committed step
 never goes backwards, and that latest() restores bitwise what was saved at its step.
@@ -23,7 +23,7 @@ from SneppX_ALG import CheckpointCoordinator, _native
 
 SAVES_PER_ROUND = 3
 TARGET_KILLS = int(os.environ.get("SNEPPX_KILLS", "200"))
-ALL_SITES = "write,fsync,rename,dirsync"
+ALL_SITES = "write,fsync,rename,dirsync,read"
 
 
 def state_for(step: int) -> dict:

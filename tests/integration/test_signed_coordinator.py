@@ -96,11 +96,11 @@ def crc_neutral_flip(data: bytes, start: int) -> bytes:
     raise AssertionError("40 vectors in a 32-dimensional space are always dependent")
 
 
-def forge_shard_keeping_crcs(shard: pathlib.Path) -> None:
-    """Changes bytes of tensor "small" in place so that every CRC32C (tensor, table, header) still holds."""
+def forge_shard_keeping_crcs(shard: pathlib.Path, tensor: str = "small") -> None:
+    """Changes bytes of `tensor` in place so that every CRC32C (tensor, table, header) still holds."""
     with checkpoint.CheckpointReader(shard) as reader:
-        entry = reader.entry("small")
-        data = bytes(reader.raw("small"))
+        entry = reader.entry(tensor)
+        data = bytes(reader.raw(tensor))
     forged = crc_neutral_flip(data, 100)
     with open(shard, "r+b") as f:
         f.seek(entry.offset)

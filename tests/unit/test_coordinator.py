@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import collections
+import gc
 import json
-from typing import Self
+import os
+import weakref
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from SneppX_ALG import errors
+from SneppX_ALG import CheckpointWriter, _native, coordinator, errors
 from SneppX_ALG.checkpoint import manifest as manifest_codec
-from SneppX_ALG.coordinator import plan, retention, state
+from SneppX_ALG.checkpoint import validate
+from SneppX_ALG.coordinator import plan, retention, state, timeline
 
 MiB = 1 << 20
 
@@ -281,30 +285,155 @@ def test_a_gpu_sized_tensor_is_checked_for_contiguity_without_a_host_allocation(
         state.leaf_of(FakeCudaTensor(shape, "<f4", (4, 4 << 22)))
 
 
-# ---- restore: readers are closed on every path ---------------------------------------------------------------
+@pytest.mark.parametrize("stream, expected", [(None, None), (1, 1), (2, 2), (0x5555AAAA0000, 0x5555AAAA0000)])
+def test_the_producer_stream_is_read_from_the_cuda_array_interface(stream, expected) -> None:
+    tensor = FakeCudaTensor((4,), "<f4", None)
+    if stream is not None:
+        tensor.__cuda_array_interface__["stream"] = stream
+    assert state.leaf_of(tensor).stream == expected
+    tensor.__cuda_array_interface__.pop("stream", None)
+    assert state.leaf_of(tensor).stream is None  # absent: no ordering asked for (interface versions < 3)
 
 
-def test_a_shard_that_fails_to_open_closes_the_readers_opened_before_it(tmp_path, monkeypatch) -> None:
-    opened: list[FakeReader] = []
+@pytest.mark.parametrize("stream", [0, -1, "1", 1.0, True])
+def test_a_stream_the_interface_disallows_or_that_is_no_handle_is_refused(stream) -> None:
+    tensor = FakeCudaTensor((4,), "<f4", None)
+    tensor.__cuda_array_interface__["stream"] = stream
+    with pytest.raises(errors.UnsupportedTensorError, match="stream"):
+        state.leaf_of(tensor)
 
-    class FakeReader:  # the file boundary: the first shard opens, the second is corrupt
-        def __init__(self, path: str, **_: object):
-            if path.endswith("bad.snpx"):
-                raise errors.CorruptHeaderError("bad header", path=path)
-            self.closed = False
-            opened.append(self)
 
-        def __enter__(self) -> Self:
-            return self
+class HostBackedCudaTensor:
+    """A stand-in for a device tensor that owns its memory: when it is freed, so are its bytes (as a CUDA
+    caching allocator would hand them to the next tensor). Its "device memory" is a host array."""
 
-        def __exit__(self, *exc: object) -> None:
-            self.close()
+    def __init__(self, values: np.ndarray, stream: int | None):
+        self.memory = np.ascontiguousarray(values)
+        self.__cuda_array_interface__ = {"shape": values.shape, "typestr": values.dtype.str, "strides": None,
+                                         "data": (self.memory.ctypes.data, False), "version": 3,
+                                         "stream": stream}
 
-        def close(self) -> None:
-            self.closed = True
 
-    monkeypatch.setattr(state.file, "CheckpointReader", FakeReader)
-    manifest = {"shards": ["good.snpx", "bad.snpx"], "tensors": [], "values": []}
-    with pytest.raises(errors.CorruptHeaderError):
-        state.read_state(str(tmp_path), manifest)
-    assert len(opened) == 1 and opened[0].closed
+class FreshTensorsModel:
+    """state_dict() builds new tensors each call (e.g. .contiguous() or a cast): its result is their only owner."""
+
+    def __init__(self) -> None:
+        self.produced: list[weakref.ref] = []
+
+    def state_dict(self) -> dict:
+        tensors = collections.OrderedDict(  # as torch's state_dict() returns
+            a=HostBackedCudaTensor(np.arange(1000, dtype=np.float32), stream=7),
+            b=collections.OrderedDict(c=HostBackedCudaTensor(np.full(300, 3, dtype=np.int64), stream=9)))
+        self.produced += [weakref.ref(tensors), weakref.ref(tensors["a"]), weakref.ref(tensors["b"]["c"])]
+        return tensors
+
+
+def test_device_leaves_keep_their_tensor_and_the_state_dict_result_alive() -> None:
+    model = FreshTensorsModel()
+    _, leaves, _ = state.flatten_state(model)
+    gc.collect()
+    assert all(ref() is not None for ref in model.produced), "a tensor or the state_dict() result was freed"
+    del leaves
+    gc.collect()
+    assert all(ref() is None for ref in model.produced)  # and nothing is kept longer than the leaves
+
+
+class FakeGpuCopier:
+    """The copy engine's boundary on a machine without a GPU: D2H copies read host memory at the "device"
+    pointer; records the order of calls and whether every source tensor was alive at each copy."""
+
+    device = 0
+
+    def __init__(self, model: FreshTensorsModel):
+        self.host = _native.Copier(-1)
+        self.model = model
+        self.calls: list[tuple[str, object]] = []
+
+    def alloc(self, nbytes: int) -> object:
+        return self.host.alloc(nbytes)
+
+    def view(self, buffer: object, nbytes: int) -> memoryview:
+        return self.host.view(buffer, nbytes)
+
+    def wait_stream(self, stream: int) -> None:
+        self.calls.append(("wait", stream))
+
+    def copy(self, dst: object, src: object, nbytes: int | None = None, *, crc: int | None = 0,
+             kind: int = _native.COPY_H2H) -> int | None:
+        if kind == _native.COPY_D2H:
+            gc.collect()
+            self.calls.append(("copy", all(ref() is not None for ref in self.model.produced)))
+        return self.host.copy(dst, src, nbytes, crc=crc)
+
+
+def test_a_gpu_snapshot_waits_for_the_producer_stream_and_holds_its_sources_until_the_copy(tmp_path) -> None:
+    model = FreshTensorsModel()
+    coord = coordinator.CheckpointCoordinator(tmp_path, device="cpu", staging_bytes=1 * MiB)
+    copier = coord._copier = FakeGpuCopier(model)
+    coord.save(model, step=1)
+    coord.close()
+    kinds = [kind for kind, _ in copier.calls]
+    assert kinds.index("wait") < kinds.index("copy")
+    assert [value for kind, value in copier.calls if kind == "wait"] == [7, 9]  # each stream once, in order
+    assert all(alive for kind, alive in copier.calls if kind == "copy")
+    got = {"a": None, "b": {"c": None}}
+    coordinator.CheckpointCoordinator(tmp_path).restore(got)
+    assert got["a"].tobytes() == np.arange(1000, dtype=np.float32).tobytes()
+    assert list(got["b"]["c"]) == [3] * 300
+
+
+# ---- set-aside steps and the fence record -------------------------------------------------------------------
+
+
+def test_set_aside_steps_beyond_max_to_keep_are_removed_newest_kept() -> None:
+    aside = [(4, ".invalid-step-000000004-aa"), (9, ".abandoned-step-000000009-bb"),
+             (7, ".abandoned-step-000000007-cc")]
+    assert retention.set_aside_to_delete(aside, max_to_keep=2) == [".invalid-step-000000004-aa"]
+    assert retention.set_aside_to_delete(aside, max_to_keep=None) == []
+    assert retention.set_aside_to_delete(aside, max_to_keep=5) == []
+
+
+def test_a_fence_abandons_exactly_the_steps_newer_than_the_restored_one() -> None:
+    fence = timeline.fence_after(2000, [1000, 2000, 3000, 4000], invalid={4000, 1000})
+    assert fence == timeline.Fence(2000, (3000, 4000), (4000,))
+    assert timeline.fence_after(4000, [1000, 4000]) is None
+    assert timeline.decode_fence(timeline.encode_fence(fence), where="x") == fence
+
+
+@pytest.mark.parametrize("raw", [b"", b"[]", b'{"format": "sneppx.fence", "version": 2}',
+                                 b'{"format":"sneppx.fence","version":1,"restored":5,"abandoned":[3],"invalid":[]}',
+                                 b'{"format":"sneppx.fence","version":1,"restored":5,"abandoned":[6],"invalid":[7]}',
+                                 b'{"format":"sneppx.fence","version":1,"restored":5,"abandoned":[true],"invalid":[]}'])
+def test_a_fence_record_that_is_not_one_is_a_typed_error(raw: bytes) -> None:
+    with pytest.raises(errors.FenceRecordError):
+        timeline.decode_fence(raw, where="root/FENCE")
+
+
+# ---- restore: shard files are closed on every path ----------------------------------------------------------
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_shard_that_fails_to_open_closes_the_readers_opened_before_it(tmp_path) -> None:
+    """The first shard reads fine, the second is corrupt: the load reports it, and no descriptor of either
+    stays open (restore reads each shard through one descriptor, closed whatever happens)."""
+    with CheckpointWriter(tmp_path / "good.snpx") as w:
+        w.write("a", np.arange(10, dtype=np.int64))
+    (tmp_path / "bad.snpx").write_bytes(b"SNPX" + bytes(100))
+    manifest = {"format": manifest_codec.MANIFEST_FORMAT, "version": manifest_codec.MANIFEST_VERSION, "step": 1,
+                "shards": ["good.snpx", "bad.snpx"], "values": [],
+                "tensors": [{"path": ["a"], "dtype": "int64", "shape": [10], "nbytes": 80,
+                             "pieces": [{"shard": 0, "entry": "a", "start": 0, "nbytes": 80,
+                                         "crc32c": _native.crc32c(np.arange(10, dtype=np.int64))}]}]}
+    (tmp_path / "manifest.json").write_bytes(manifest_codec.encode_manifest(manifest))
+    before = open_fds()
+    _, problems, arrays = validate.load_step(str(tmp_path), 1)
+    assert arrays is None and len(problems) == 1 and "bad.snpx" in problems[0]
+    assert open_fds() == before
+    del manifest["shards"][1]
+    (tmp_path / "manifest.json").write_bytes(manifest_codec.encode_manifest(manifest))
+    _, problems, arrays = validate.load_step(str(tmp_path), 1)
+    assert problems == [] and list(arrays[0]) == list(range(10)) and arrays[0].flags.writeable
+    assert open_fds() == before

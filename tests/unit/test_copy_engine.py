@@ -179,3 +179,75 @@ def test_device_to_host_copy_hashes_each_piece_as_it_lands(size: int) -> None:
         assert copier.copy(view, device_ptr, size, kind=_native.COPY_D2H, crc=None) is None
     finally:
         _native.cuda_free(0, device_ptr)
+
+
+# ---- on a GPU: a copy is ordered after the producer's stream, and its source outlives it ------------------
+
+needs_cuda = pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
+BUSY_BYTES = 1 << 30
+
+
+def queue_busy_work(pointer: int, stream: int, rounds: int = 200) -> None:
+    """Memsets queued on `stream` ahead of the write a copy must see (~100 ms of work on an H200)."""
+    for i in range(rounds):
+        _native.cuda_memset_async(0, pointer, i & 0xFF, BUSY_BYTES, stream)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("producer", ["own stream", "legacy default stream"])
+def test_a_copy_ordered_after_the_producer_stream_sees_its_last_write(producer: str) -> None:
+    size = 64 << 20
+    target, busy = _native.cuda_malloc(0, size), _native.cuda_malloc(0, BUSY_BYTES)
+    stream = _native.cuda_stream_create(0) if producer == "own stream" else 1
+    try:
+        _native.cuda_memcpy(0, target, _native.address_of(np.full(size, 0x11, np.uint8)), size, _native.COPY_H2D)
+        queue_busy_work(busy, stream)
+        _native.cuda_memset_async(0, target, 0x22, size, stream)  # the producer's last write, still queued
+        copier = _native.Copier(0)
+        view = copier.view(copier.alloc(size), size)
+        copier.wait_stream(stream)
+        assert copier.copy(view, target, size, kind=_native.COPY_D2H) == _native.crc32c(np.full(size, 0x22, np.uint8))
+    finally:
+        _native.cuda_free(0, target)
+        _native.cuda_free(0, busy)
+        _native.cuda_stream_destroy(0, stream)
+
+
+class OwnedDeviceTensor:
+    """A device tensor that frees its memory when it is freed (as torch's caching allocator reuses it)."""
+
+    def __init__(self, nbytes: int, stream: int):
+        self.pointer = _native.cuda_malloc(0, nbytes)
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "strides": None,
+                                         "data": (self.pointer, False), "version": 3, "stream": stream}
+
+    def __del__(self) -> None:
+        _native.cuda_free(0, self.pointer)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_coordinator_snapshot_waits_for_the_producer_and_keeps_fresh_tensors_alive(tmp_path) -> None:
+    from SneppX_ALG import CheckpointCoordinator
+
+    size = 32 << 20
+    busy = _native.cuda_malloc(0, BUSY_BYTES)
+    stream = _native.cuda_stream_create(0)
+
+    class Model:
+        def state_dict(self) -> dict:  # fresh tensors: the returned dict is their only owner
+            tensor = OwnedDeviceTensor(size, stream)
+            queue_busy_work(busy, stream)
+            _native.cuda_memset_async(0, tensor.pointer, 0x5A, size, stream)
+            return {"t": tensor}
+
+    try:
+        with CheckpointCoordinator(tmp_path, device=0, staging_bytes=16 << 20) as coord:
+            coord.save(Model(), step=1)
+        got = {"t": None}
+        CheckpointCoordinator(tmp_path, device="cpu").restore(got)
+        assert got["t"].tobytes() == bytes([0x5A]) * size
+    finally:
+        _native.cuda_free(0, busy)
+        _native.cuda_stream_destroy(0, stream)

@@ -186,3 +186,52 @@ def test_creating_over_an_existing_file_fails_and_leaves_it_intact(tmp_path: pat
         _native.NativeFile(str(path), direct=True)
     assert caught.value.errno == errno.EEXIST
     assert path.read_bytes() == b"committed"
+
+
+# ---- reads (sx_read_at): exact, hashed as they land, failures as errors -----------------------------------
+
+
+@pytest.fixture
+def _disarm_faults():
+    yield
+    _native.fault_arm("write", 0, "kill")  # countdown 0: disarmed
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, (256 << 10) + 3, (8 << 20) + 17, (19 << 20) + 5])
+def test_a_read_lands_every_byte_and_its_crc32c_over_any_split(tmp_path: pathlib.Path, size: int) -> None:
+    data = os.urandom(size + 4100)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        buffer = bytearray(size)
+        assert _native.read_at(fd, buffer, 4100) == _native.crc32c(data[4100:])
+        assert bytes(buffer) == data[4100:]
+        assert _native.read_at(fd, bytearray(10), 0, crc=_native.crc32c(b"x")) == _native.crc32c(b"x" + data[:10])
+    finally:
+        os.close(fd)
+
+
+def test_a_read_past_the_end_is_a_truncation_not_garbage(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "f").write_bytes(b"abc")
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        with pytest.raises(errors.TruncatedCheckpointError):
+            _native.read_at(fd, bytearray(4), 0, path=str(tmp_path / "f"))
+    finally:
+        os.close(fd)
+
+
+def test_the_read_fault_site_fails_reads_with_the_errno_asked_for_as_many_times(tmp_path: pathlib.Path,
+                                                                               _disarm_faults) -> None:
+    (tmp_path / "f").write_bytes(b"x" * 100)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        _native.fault_arm("read", 2, "ESTALE", times=2)
+        _native.read_at(fd, bytearray(10), 0)
+        for _ in range(2):
+            with pytest.raises(errors.StorageError) as info:
+                _native.read_at(fd, bytearray(10), 0)
+            assert info.value.errno == errno.ESTALE
+        assert _native.read_at(fd, bytearray(10), 0) == _native.crc32c(b"x" * 10)
+    finally:
+        os.close(fd)

@@ -5,11 +5,15 @@ Modules, lowest first (each imports only those before it):
 
     format     the SNPX file format, pure (spec: docs/FORMAT.md)
     signing    keys, digests, signature blocks: the pure cryptography
+    arrays     tensors in and out through DLPack and the array interface (bfloat16 included)
     file       CheckpointWriter / CheckpointReader
     verify     signatures and digests checked against files on disk; signing existing files
     manifest   the step manifest codec (manifest.json), pure
-    validate   validate_checkpoint (a file or a step directory) and check_step
+    scan       one pass over a shard file: every byte read once, checked as it lands (validation and restore)
+    validate   validate_checkpoint (a file or a step directory), check_step and load_step
+    tensors    named tensors of any checkpoint a tool is pointed at: SNPX file, step directory, safetensors
     updates    SignedUpdateManager: verified, monotonic, atomic installs
+    convert    SNPX <-> safetensors (files, and shards with their index)
 """
 
 from SneppX_ALG.checkpoint.file import CheckpointReader, CheckpointWriter

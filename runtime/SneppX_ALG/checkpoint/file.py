@@ -10,40 +10,24 @@ every byte without loading anything and never raises for a bad file.
 
 from __future__ import annotations
 
+import dataclasses
+import errno as errno_module
 import math
 import mmap
 import os
 import secrets
 import stat
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from SneppX_ALG import _native, errors, storage
-from SneppX_ALG.checkpoint import format, signing
+from SneppX_ALG.checkpoint import arrays, format, signing
 
 # Writes go to the native writer in pieces of this size so signing digests can stream alongside.
 _PIECE = 64 << 20
-
-
-def as_array(tensor: Any) -> np.ndarray:
-    """A CPU numpy view of a numpy array, a DLPack tensor or a buffer-protocol object (no copy where possible)."""
-    if isinstance(tensor, np.ndarray):
-        return tensor
-    if hasattr(tensor, "__dlpack__"):
-        try:
-            return np.from_dlpack(tensor)
-        except (RuntimeError, TypeError, BufferError, ValueError) as e:
-            raise errors.UnsupportedTensorError(
-                f"can't read {type(tensor).__name__} through DLPack on the CPU ({e}); copy it to host memory first"
-            ) from None
-    try:
-        return np.asarray(memoryview(tensor))
-    except (TypeError, ValueError, NotImplementedError) as e:
-        raise errors.UnsupportedTensorError(
-            f"{type(tensor).__name__} is not a numpy array, DLPack tensor or buffer ({e})") from None
 
 
 def _little_endian_pieces(array: np.ndarray, piece: int) -> Iterator[memoryview]:
@@ -135,7 +119,7 @@ class CheckpointWriter:
         format.check_name(name)
         if name in self._names:
             raise errors.UnsupportedTensorError(f"tensor {name!r} was already written to this checkpoint")
-        array = as_array(tensor)
+        array = arrays.as_array(tensor)
         dtype = format.dtype_name(array.dtype)
         shape = tuple(int(d) for d in array.shape)
         if (global_shape is None) != (global_offset is None):
@@ -250,29 +234,80 @@ def _new_digest(algorithm: str | None) -> Any:
     return signing.new_digest(algorithm or signing.DIGEST_ALGORITHM)
 
 
-def _open_checked(path: str) -> tuple[int, int]:
-    """Opens a checkpoint file for reading; typed errors for missing paths, directories and anything else that
-    is not a regular file. Opened non-blocking, so a FIFO (or device) is refused instead of waiting forever
-    for a writer."""
+def open_checked(path: str, *, follow_symlinks: bool = True) -> tuple[int, int]:
+    """Opens a checkpoint file for reading: (descriptor, size). Typed errors for missing paths, directories
+    and anything else that is not a regular file (and, with follow_symlinks=False, a symbolic link: a
+    step's shards are files its writer made). Opened non-blocking, so a FIFO (or device) is refused instead of
+    waiting forever for a writer; other OSErrors (EIO, EMFILE, ...) propagate: they are not a verdict."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(path, flags)
     except FileNotFoundError:
         raise errors.CheckpointNotFoundError(f"no checkpoint at {path}: file not found", path=path) from None
     except IsADirectoryError:
         raise errors.CheckpointFormatError("is a directory, not a checkpoint file", path=path) from None
     except PermissionError as e:
         raise errors.StorageError(f"can't read {path}: {e.strerror}", path=path, errno=e.errno) from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
+    except OSError as e:
+        if e.errno == errno_module.ELOOP and not follow_symlinks:
+            raise errors.CheckpointFormatError("is a symbolic link, not a checkpoint file",
+                                               path=path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            raise errors.CheckpointFormatError(f"is {kind}, not a checkpoint file", path=path)
+        os.set_blocking(fd, True)
+    except BaseException:
         os.close(fd)
-        kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
-        raise errors.CheckpointFormatError(f"is {kind}, not a checkpoint file", path=path)
-    os.set_blocking(fd, True)
+        raise
     return fd, st.st_size
 
 
 _FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket",
                stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What a file's first and last blocks say: the header, the table and signature bytes, the table, and
+    (when trusted keys were given) which of them signed it."""
+
+    head: bytes  # the header block, bytes 0..DATA_OFFSET (or the whole file when it is shorter)
+    header: format.Header
+    table: bytes
+    signature: bytes
+    decoded: format.Table
+    signer: bytes | None = None
+
+
+def read_layout(fd: int, size: int, path: str, pread: Callable[[int, int, int], bytes] = os.pread, *,
+                trusted_keys: Any = None) -> Layout:
+    """Reads and checks the header block, the table and the signature block of an open file of `size`
+    bytes (`pread(fd, n, offset)` reads them); the typed error of the first check that fails.
+
+    The table's bytes are checked (length, CRC32C) before anything looks at them; with `trusted_keys`, the
+    signature over those raw bytes is checked next, before they are parsed (a forged file costs one read of
+    its table, never a parse), and after parsing every tensor must carry a digest."""
+    head = pread(fd, min(size, format.DATA_OFFSET), 0)
+    header = format.decode_header(head, actual_size=size, path=path)
+    if head[format.HEADER_SIZE:].strip(b"\x00"):
+        raise errors.NonZeroPaddingError("header padding (bytes 64..4095) is not zero", path=path)
+    table = pread(fd, header.table_length, header.table_offset)  # two reads: no copy of a large table sliced
+    signature = pread(fd, header.signature_length, header.table_offset + header.table_length)
+    if len(signature) != header.signature_length:
+        raise errors.TruncatedCheckpointError("signature block is truncated", path=path)
+    if signature and _native.crc32c(signature) != header.signature_crc32c:
+        raise errors.ChecksumMismatchError("signature block fails its CRC32C", path=path)
+    format.check_table_bytes(table, header, path=path)
+    signer = None
+    if trusted_keys is not None:
+        signer = signing.check_signature(signing.TABLE_DOMAIN, table, signature, trusted_keys, path=path)
+    decoded = format.decode_table(table, header, path=path)
+    if trusted_keys is not None:
+        signing.check_digest_coverage(decoded.tensors, path=path)
+    return Layout(head, header, table, signature, decoded, signer)
 
 
 class CheckpointReader:
@@ -293,29 +328,14 @@ class CheckpointReader:
         self.path = os.fspath(path)
         self.verify = verify
         self.signer: bytes | None = None
-        self._fd, size = _open_checked(self.path)
+        self._fd, size = open_checked(self.path)
         # Closes the file when the reader is garbage-collected without close(); close() runs it early.
         self._close_fd = weakref.finalize(self, os.close, self._fd)
         self._map: mmap.mmap | None = None
         try:
-            head = os.pread(self._fd, format.DATA_OFFSET, 0)
-            self.header = format.decode_header(head, actual_size=size, path=self.path)
-            if head[format.HEADER_SIZE:].strip(b"\x00"):
-                raise errors.NonZeroPaddingError("header padding (bytes 64..4095) is not zero", path=self.path)
-            self.table_bytes = os.pread(self._fd, self.header.table_length, self.header.table_offset)
-            self.signature_block = os.pread(self._fd, self.header.signature_length,
-                                            self.header.table_offset + self.header.table_length)
-            if len(self.signature_block) != self.header.signature_length:
-                raise errors.TruncatedCheckpointError("signature block is truncated", path=self.path)
-            if self.signature_block and _native.crc32c(self.signature_block) != self.header.signature_crc32c:
-                raise errors.ChecksumMismatchError("signature block fails its CRC32C", path=self.path)
-            format.check_table_bytes(self.table_bytes, self.header, path=self.path)
-            if trusted_keys is not None:
-                self.signer = signing.check_signature(signing.TABLE_DOMAIN, self.table_bytes,
-                                                      self.signature_block, trusted_keys, path=self.path)
-            self.table = format.decode_table(self.table_bytes, self.header, path=self.path)
-            if trusted_keys is not None:
-                signing.check_digest_coverage(self.table.tensors, path=self.path)
+            layout = read_layout(self._fd, size, self.path, trusted_keys=trusted_keys)
+            self.header, self.table_bytes, self.signature_block = layout.header, layout.table, layout.signature
+            self.table, self.signer = layout.decoded, layout.signer
         except BaseException:
             self.close()
             raise
@@ -391,9 +411,16 @@ class CheckpointReader:
         entry = self.entry(name)
         return memoryview(self._mmap)[entry.offset:entry.offset + entry.length]
 
-    def read(self, name: str, *, verify: bool | None = None) -> np.ndarray:
+    def read(self, name: str, *, verify: bool | None = None, as_: Callable[[Any], Any] | None = None,
+             out: Any = None) -> Any:
         """The tensor as a read-only numpy array over the mapping, CRC-verified unless verify=False (and
-        digest-verified too when the reader was opened with trusted_keys)."""
+        digest-verified too when the reader was opened with trusted_keys).
+
+        as_: a function that takes a DLPack tensor (`torch.from_dlpack`, `jax.dlpack.from_dlpack`,
+            `np.asarray`, ...); it gets the tensor mapped copy-on-write (arrays.MappedTensor: writable, not
+            copied, writes never reach the file) and read() returns what it returns.
+        out: a writable tensor of the same shape and dtype (numpy, or anything with `__dlpack__` or the array
+            interface on the CPU, e.g. a torch tensor) to copy the tensor into; read() returns `out`."""
         entry = self.entry(name)
         data = self.raw(name)
         if (self.verify if verify is None else verify) and name not in self._verified:
@@ -401,8 +428,16 @@ class CheckpointReader:
             if problems:
                 raise problems[0]
             self._verified.add(name)
-        array = np.frombuffer(data, dtype=format.numpy_dtype(entry.dtype), count=math.prod(entry.shape))
-        return array.reshape(entry.shape)
+        dtype = format.numpy_dtype(entry.dtype)
+        if as_ is not None:
+            if out is not None:
+                raise ValueError("read() takes as_ or out, not both")
+            return as_(arrays.MappedTensor(self.fileno(), entry.offset, dtype, entry.shape, entry.length))
+        array = np.frombuffer(data, dtype=dtype, count=math.prod(entry.shape)).reshape(entry.shape)
+        if out is not None:
+            arrays.copy_into(out, array, what=f"{self.path}: tensor {name!r}")
+            return out
+        return array
 
     def padding_is_zero(self, entry: format.TensorEntry) -> bool:
         """True when the padding after the tensor (up to the next 4096 boundary) is all zero."""

@@ -464,4 +464,8 @@ def dtype_name(dtype: np.dtype) -> str:
         return name
     if name == "bfloat16":
         return name
-    raise errors.UnsupportedTensorError(f"dtype {dtype} can't be stored; supported: {', '.join(DTYPES)}")
+    if dtype.fields:
+        raise errors.UnsupportedTensorError(f"a structured (record) dtype {dtype} can't be stored: write each "
+                                            "field as a tensor of its own")
+    raise errors.UnsupportedTensorError(f"dtype {dtype} can't be stored (SNPX stores {', '.join(DTYPES)}): cast "
+                                        "the tensor to one of them first (float8 to bfloat16, for example)")

@@ -12,8 +12,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from SneppX_ALG import errors, storage
-from SneppX_ALG.checkpoint import file, format, signing, verify
+from SneppX_ALG.checkpoint import file, format, scan, signing, verify
 from SneppX_ALG.checkpoint import manifest as manifest_codec
 
 
@@ -62,72 +64,104 @@ def _validate_step(path: str, step: int, trusted_keys: Any) -> tuple[bool, list[
     return not problems, problems
 
 
-def _signature_problem(local: str, raw: bytes, trusted_keys: dict[bytes, Any]) -> str | None:
-    """Why a step's signature or digests don't verify (named by the failed check's error class), or None.
-
-    Checks the exact manifest bytes the caller goes on to use: manifest.sig over them, then each listed
-    file's size and BLAKE3 digest."""
-    try:
-        with open(os.path.join(local, storage.SIGNATURE), "rb") as f:
-            signature = f.read(format.MAX_SIGNATURE_BYTES + 1)
-    except FileNotFoundError:
-        signature = b""
-    try:
-        signing.check_manifest_signature(raw, signature, trusted_keys, path=local)
-        verify.check_manifest_files(local, raw)
-    except errors.SneppXError as e:
-        return f"{type(e).__name__}: {e}"
-    except OSError as e:
-        return f"StorageError: {local}: can't read: {e.strerror or e}"
-    return None
-
-
 def check_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None = None,
-                ) -> tuple[dict[str, Any] | None, list[str]]:
+               ) -> tuple[dict[str, Any] | None, list[str]]:
     """(manifest, problems) for a step directory: manifest (its checksum, and on S3 that the `COMMITTED`
     marker was written for these manifest bytes), every shard's bytes, and that the manifest's pieces are
-    exactly the shard entries with the same CRCs. With trusted_keys, first the signature and the digest of
-    every file the manifest lists, and that every shard is among them."""
+    exactly the shard entries with the same CRCs. With trusted_keys, first the signature over the manifest
+    bytes, then the size and digest of every file the manifest lists, and that every shard is among them.
+
+    Raises CheckpointUnreadableError when a file can't be read now (an I/O error other than a missing file):
+    that says nothing about the step's bytes, so it is never reported as a problem."""
+    manifest, problems, _ = _scan_step(local, step, trusted_keys, keep=False)
+    return manifest, problems
+
+
+def load_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None = None,
+              ) -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
+    """check_step, reading every tensor into a new array as it is checked: (manifest, problems, arrays),
+    one array per manifest tensor, in order (None when there are problems).
+
+    The arrays hold exactly the bytes that were checked: each shard is read once, through one descriptor,
+    straight into them, and each piece's CRC32C (and with trusted_keys each shard's BLAKE3) is computed on
+    that memory. A shard renamed over or changed after the check can't be loaded (docs/FORMAT.md,
+    "Verifying")."""
+    return _scan_step(local, step, trusted_keys, keep=True)
+
+
+def _scan_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None, *, keep: bool,
+               ) -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
+    try:
+        return _scan_step_files(local, step, trusted_keys, keep)
+    except (OSError, errors.StorageError) as e:
+        if isinstance(e, FileNotFoundError):  # a file went missing under us: a verdict, like any missing file
+            return None, [f"{local}: {e}"], None
+        if isinstance(e, errors.CheckpointUnreadableError):
+            raise
+        raise errors.CheckpointUnreadableError(f"{local}: can't read step {step} now: {e}", step=step,
+                                               path=local, errno=e.errno) from e
+
+
+def _scan_step_files(local: str, step: int, trusted_keys: dict[bytes, Any] | None, keep: bool,
+                     ) -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
     path = os.path.join(local, storage.MANIFEST)
     try:
         with open(path, "rb") as f:
             raw = f.read(storage.MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
-        return None, [f"{path}: manifest.json is missing"]
+        return None, [f"{path}: manifest.json is missing"], None
     if trusted_keys is not None:  # before parsing: a forged manifest costs nothing more than this
-        problem = _signature_problem(local, raw, trusted_keys)
-        if problem is not None:
-            return None, [problem]
+        try:
+            signing.check_manifest_signature(raw, _read_signature(local), trusted_keys, path=local)
+        except errors.SneppXError as e:
+            return None, [f"{type(e).__name__}: {e}"], None
     try:
         with open(storage.fetched_marker_path(local), "rb") as f:  # S3 steps: the marker, next to them
             problem = storage.marker_problem(f.read(storage.MAX_MANIFEST_BYTES + 1), raw, step)
     except FileNotFoundError:
         problem = None
     if problem is not None:
-        return None, [problem]
+        return None, [problem], None
     try:
         manifest = manifest_codec.decode_manifest(raw, step=step, where=path)
     except errors.ManifestError as e:
-        return None, [str(e)]
+        return None, [str(e)], None
+    listed: dict[str, dict[str, Any]] | None = None
     if trusted_keys is not None:
-        unsigned = [s for s in manifest["shards"] if s not in manifest.get("files", {})]
+        try:  # the shards are hashed below, as they are read; anything else listed is checked here
+            listed = verify.check_manifest_files(local, raw, skip=manifest["shards"])
+        except errors.SneppXError as e:
+            return None, [f"{type(e).__name__}: {e}"], None
+        unsigned = [s for s in manifest["shards"] if s not in listed]
         if unsigned:
             why = (f"DigestMismatchError: {local}: shard(s) {', '.join(unsigned)} have no digest in the signed "
                    "manifest, so the signature does not cover them")
-            return manifest, [why]
+            return manifest, [why], None
+    arrays, targets = _destinations(manifest) if keep else ([], {})
     problems: list[str] = []
     entries: dict[tuple[int, str], format.TensorEntry] = {}
     for index, shard in enumerate(manifest["shards"]):
         shard_path = os.path.join(local, shard)
-        ok, errs = validate_checkpoint(shard_path)
-        if not ok:
-            problems += errs
+        expected = listed[shard] if listed is not None else None
+        try:
+            if expected is not None:
+                _check_size(local, shard, expected)
+            into = (lambda entry, index=index: _target(targets, index, entry)) if keep else None
+            found = scan.scan_shard(shard_path, into, digest=_digest_name(expected))
+            if expected is not None and found.digest != expected["digest"]:
+                raise errors.DigestMismatchError(
+                    f"file {shard!r} does not match its {_digest_name(expected)} digest in the manifest",
+                    path=local)
+        except errors.SignatureError as e:  # what a signature vouches for does not hold: that, first and alone
+            return manifest, [f"{type(e).__name__}: {e}"], None
+        except (errors.CheckpointFormatError, errors.CheckpointNotFoundError) as e:
+            problems.append(f"{type(e).__name__}: {e}" if expected is not None else str(e))
             continue
-        with file.CheckpointReader(shard_path, verify=False) as reader:
-            for name in reader.names():
-                entries[(index, name)] = reader.entry(name)
+        problems += [str(p) for p in found.problems]
+        for entry in found.table.tensors:
+            entries[(index, entry.name)] = entry
     if problems:
-        return manifest, problems
+        return manifest, problems, None
     for tensor in manifest["tensors"]:
         for piece in tensor["pieces"]:
             entry = entries.get((piece["shard"], piece["entry"]))
@@ -135,4 +169,80 @@ def check_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None = No
                 problems.append(f"{'/'.join(tensor['path'])}: shard {piece['shard']} has no entry {piece['entry']!r}")
             elif entry.length != piece["nbytes"] or entry.crc32c != piece["crc32c"] or entry.dtype != tensor["dtype"]:
                 problems.append(f"{'/'.join(tensor['path'])}: entry {piece['entry']!r} does not match the manifest")
-    return manifest, problems
+    if problems:
+        return manifest, problems, None
+    for views in targets.values():  # an entry that two pieces name (legal, unusual) was read into the first
+        for view in views[1:]:
+            view[:] = views[0]
+    return manifest, [], arrays if keep else None
+
+
+def _read_signature(local: str) -> bytes:
+    try:
+        with open(os.path.join(local, storage.SIGNATURE), "rb") as f:
+            return f.read(format.MAX_SIGNATURE_BYTES + 1)
+    except FileNotFoundError:
+        return b""
+
+
+def _digest_name(expected: dict[str, Any] | None) -> str | None:
+    return signing.parse_digest(expected["digest"])[0] if expected is not None else None
+
+
+def _check_size(local: str, name: str, expected: dict[str, Any]) -> None:
+    """A listed file's size against the manifest (the digest, computed as the file is read, decides)."""
+    try:
+        size = os.stat(os.path.join(local, name), follow_symlinks=False).st_size
+    except FileNotFoundError:
+        raise errors.TruncatedCheckpointError(f"file {name!r} listed in the manifest is missing",
+                                              path=local) from None
+    if size != expected["size"]:
+        kind = errors.TruncatedCheckpointError if size < expected["size"] else errors.CorruptHeaderError
+        raise kind(f"file {name!r} is {size} bytes, the manifest says {expected['size']}", path=local)
+
+
+def _destinations(manifest: dict[str, Any]) -> tuple[list[np.ndarray], dict[tuple[int, str], list[memoryview]]]:
+    """A new array per manifest tensor, and for each (shard, entry) the byte ranges of them it fills."""
+    arrays: list[np.ndarray] = []
+    targets: dict[tuple[int, str], list[memoryview]] = {}
+    for tensor in manifest["tensors"]:
+        array = np.empty(tuple(tensor["shape"]), dtype=format.numpy_dtype(tensor["dtype"]))
+        flat = array.reshape(-1).view(np.uint8)
+        for piece in tensor["pieces"]:
+            view = memoryview(flat[piece["start"]:piece["start"] + piece["nbytes"]])
+            targets.setdefault((piece["shard"], piece["entry"]), []).append(view)
+        arrays.append(array)
+    return arrays, targets
+
+
+def _target(targets: dict[tuple[int, str], list[memoryview]], shard: int,
+            entry: format.TensorEntry) -> memoryview | None:
+    views = targets.get((shard, entry.name))
+    return views[0] if views and len(views[0]) == entry.length else None
+
+
+def quick_check_step(step: int, manifest: bytes | None, files: dict[str, int], marker: bytes | None = None,
+                     ) -> tuple[dict[str, Any] | None, list[str]]:
+    """(manifest, problems) of a committed step judged from its listing alone, no shard byte read (what
+    `sneppx ls` says without --full): the manifest's schema and checksum, that an S3 step's `COMMITTED`
+    marker was written for it, and that every shard it names is there (with the size a signed manifest
+    lists). A step that passes can still fail check_step, which reads every byte."""
+    if manifest is None:
+        return None, [f"step {step}: manifest.json is missing"]
+    if marker is not None:
+        problem = storage.marker_problem(marker, manifest, step)
+        if problem is not None:
+            return None, [problem]
+    try:
+        decoded = manifest_codec.decode_manifest(manifest, step=step, where=f"step {step}: {storage.MANIFEST}")
+    except errors.ManifestError as e:
+        return None, [str(e)]
+    problems = []
+    listed = decoded.get("files", {})
+    for shard in decoded["shards"]:
+        if shard not in files:
+            problems.append(f"step {step}: shard {shard} is missing")
+        elif shard in listed and isinstance(listed[shard], dict) and listed[shard].get("size") != files[shard]:
+            problems.append(f"step {step}: shard {shard} is {files[shard]} bytes, the manifest says "
+                            f"{listed[shard].get('size')}")
+    return decoded, problems

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,14 +149,15 @@ def _check_manifest_files(directory: str, files: dict[str, dict[str, Any]]) -> N
                                              path=directory)
 
 
-def check_manifest_files(directory: str | os.PathLike[str],
-                         manifest_bytes: bytes) -> dict[str, dict[str, Any]]:
+def check_manifest_files(directory: str | os.PathLike[str], manifest_bytes: bytes, *,
+                         skip: Collection[str] = ()) -> dict[str, dict[str, Any]]:
     """Every file these manifest bytes list, checked in `directory` against its size and digest; returns the
     "files" object. For callers that already hold (and checked the signature of) the manifest bytes, so the
-    bytes they go on to use are the bytes that were verified."""
+    bytes they go on to use are the bytes that were verified. `skip`: files the caller checks itself (a
+    step's shards, which validate.check_step hashes as it reads them)."""
     directory = os.fspath(directory)
     files = signing.manifest_files(manifest_bytes, directory)
-    _check_manifest_files(directory, files)
+    _check_manifest_files(directory, {name: info for name, info in files.items() if name not in skip})
     return files
 
 

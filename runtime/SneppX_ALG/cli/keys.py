@@ -28,7 +28,8 @@ def add_cli_commands(subparsers: Any) -> None:
     p.set_defaults(func=cli_verify)
 
 
-def _password() -> bytes | None:
+def key_password() -> bytes | None:
+    """The private key's password from SNEPPX_KEY_PASSWORD (None: an unencrypted key)."""
     value = os.environ.get("SNEPPX_KEY_PASSWORD")
     return value.encode() if value else None
 
@@ -37,7 +38,7 @@ def cli_keygen(args: argparse.Namespace) -> int:
     private, public = signing.generate_keypair()
     public_path = args.public or f"{args.private_key}.pub"
     try:
-        signing.save_private_key(args.private_key, private, _password())
+        signing.save_private_key(args.private_key, private, key_password())
         signing.save_public_key(public_path, public)
     except errors.SneppXError as e:
         print(f"sneppx keygen: {e}", file=sys.stderr)
@@ -48,7 +49,7 @@ def cli_keygen(args: argparse.Namespace) -> int:
 
 def cli_sign(args: argparse.Namespace) -> int:
     try:
-        key = signing.load_private_key(args.key, _password())
+        key = signing.load_private_key(args.key, key_password())
     except errors.KeyFormatError as e:
         print(f"sneppx sign: {e}", file=sys.stderr)
         return 2

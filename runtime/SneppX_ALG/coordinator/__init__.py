@@ -5,8 +5,10 @@ Modules (each imports only those before it):
 
     plan        pure: tensors cut into pieces, packed into staging buffers, the manifest's contents
     retention   pure: when to save, which steps to keep
+    timeline    pure: the fence a restore to an older step makes, and its record
     state       the user's state flattened on save and rebuilt on restore
-    engine      staging buffers and the background writer thread
+    steps       the root's steps as both threads see them: current timeline, validation, read retries
+    engine      staging buffers and the background writer thread: commit, fencing, retention
     manager     CheckpointCoordinator, the public API
 """
 

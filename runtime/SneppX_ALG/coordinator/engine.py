@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from SneppX_ALG import _native, errors, storage
-from SneppX_ALG.checkpoint import file, format, signing, validate
+from SneppX_ALG.checkpoint import file, format, signing
 from SneppX_ALG.checkpoint import manifest as manifest_codec
-from SneppX_ALG.coordinator import plan, retention
+from SneppX_ALG.coordinator import plan, retention, steps, timeline
 
 log = logging.getLogger(__name__)
 
@@ -113,18 +113,21 @@ class Job:
     # Little-endian C-contiguous copies of host tensors that are neither, made once per tensor for pieces that
     # are not row blocks, and dropped after the tensor's last piece.
     host_copies: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    # Producer streams (of CUDA tensors) the copier's stream was already ordered after during this snapshot.
+    ordered_streams: set[int] = dataclasses.field(default_factory=set)
 
 
 class Engine:
     """The worker thread and its queue; kept apart from the coordinator so that an atexit finalizer can
     finish pending saves without holding the coordinator alive."""
 
-    def __init__(self, store: storage.Storage, max_to_keep: int | None, keep_every_n_steps: int | None,
-                 signing_key: Any, trusted_keys: dict[bytes, Any] | None):
-        self.store = store
+    def __init__(self, known: steps.Steps, max_to_keep: int | None, keep_every_n_steps: int | None,
+                 signing_key: Any):
+        self.known = known
+        self.store = known.store
         self.retention = (max_to_keep, keep_every_n_steps)
         self.signing_key = signing_key
-        self.trusted_keys = trusted_keys
+        self._stored_fence_checked = False  # a fence record left by an interrupted process is finished once
         self.queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.error: BaseException | None = None
         self.steps: set[int] = set()  # submitted or committed here (failed saves are taken out again)
@@ -226,20 +229,102 @@ class Engine:
         files = None
         if self.signing_key is not None:
             files = {shard: self._file_record(job, shard)}
+        self._apply_fences()
         if job.step in self.store.committed_steps():
             self._set_aside_if_invalid(job.step)
-        manifest = manifest_codec.encode_manifest(plan.build_manifest(job.step, job.specs, job.pieces, job.snapshot_crcs, job.values,
-                                                  job.kind, job.training_state, [shard], files))
+        manifest = manifest_codec.encode_manifest(plan.build_manifest(
+            job.step, job.specs, job.pieces, job.snapshot_crcs, job.values, job.kind, job.training_state, [shard],
+            files))
         signature = None
         if self.signing_key is not None:  # written before the commit point, by finalize()
             signature = signing.manifest_signature(manifest, self.signing_key)
-        self.store.finalize(job.pending, manifest, signature)
+        self.store.finalize(job.pending, manifest, signature)  # the commit point
         job.pending = None
+        self._retain(job.step)
+
+    def _apply_fences(self) -> None:
+        """Before a commit: the steps a restore abandoned (and those of a fence record an interrupted
+        process left) are moved aside, listed first in the durable fence record (docs/FORMAT.md,
+        "Timelines and fencing"), so they are never visible again, even if this is cut short."""
+        fences = []
+        if not self._stored_fence_checked:
+            stored = self.known.stored_fence()
+            fences += [stored] if stored is not None else []
+        pending = self.known.pending_fence()
+        fences += [pending] if pending is not None else []
+        for fence in fences:
+            self.store.write_record(timeline.FENCE_RECORD, timeline.encode_fence(fence))
+            for step in reversed(fence.abandoned):
+                reason = "invalid" if step in fence.invalid else "abandoned"
+                try:
+                    aside = self.store.set_aside(step, reason)
+                except errors.CheckpointNotFoundError:
+                    continue  # moved already (a fence record finished by a later process), or deleted
+                log.info("new timeline from step %d: step %d set aside as %s", fence.restored, step, aside)
+            self.store.remove_record(timeline.FENCE_RECORD)
+            self.known.fence_applied(fence)
+        self._stored_fence_checked = True
+
+    def _retain(self, new_step: int) -> None:
+        """Retention after `new_step` committed (plan_retention, then apply_retention). A step that can't be
+        read now stops retention for this save: nothing is deleted on a guess."""
         max_to_keep, keep_every = self.retention
-        for step in retention.steps_to_delete(self.store.committed_steps(), new_step=job.step, max_to_keep=max_to_keep,
-                                    keep_every_n_steps=keep_every):
-            self.store.delete(step)
+        try:
+            plan = self.plan_retention(new_step, max_to_keep, keep_every)
+        except errors.CheckpointUnreadableError as e:
+            log.warning("retention skipped after step %d: %s", new_step, e)
+            return
+        self.apply_retention(plan)
+        invalid = plan.invalid.get(new_step, [])
+        if invalid:
+            raise errors.CommittedStepInvalidError(
+                f"step {new_step} was committed but does not validate when read back: {'; '.join(invalid[:3])}. "
+                "Retention kept the newest step that does.", path=self.store.uri)
+
+    def plan_retention(self, new_step: int | None, max_to_keep: int | None,
+                       keep_every_n_steps: int | None) -> retention.Plan:
+        """What retention deletes after `new_step` committed (None: the newest visible step): what
+        retention.steps_to_delete says, never the newest step that validates, and set-aside steps beyond
+        max_to_keep. The one rule for the writer after each save and for `sneppx gc`.
+
+        Which step is the newest valid one is learned by reading it, and only when a deletion could touch
+        it: when this process knows (from a read) of a valid step newer than every step to delete, nothing
+        is read. Otherwise the steps are validated newest first (the new step first: usually it is valid)
+        until one validates. In the steady state that is one read-back every max_to_keep saves (a step
+        validated stays known valid until it is the oldest kept); with max_to_keep=1 it is every save:
+        keeping a single copy means proving the new one good before the old one goes. Raises
+        CheckpointUnreadableError when a step can't be read now."""
+        committed = self.known.visible()
+        if new_step is None:
+            new_step = committed[-1] if committed else None
+        doomed: list[int] = []
+        protected, rejected = None, {}
+        if new_step is not None:
+            doomed = retention.steps_to_delete(committed, new_step=new_step, max_to_keep=max_to_keep,
+                                               keep_every_n_steps=keep_every_n_steps)
+            known = self.known.known_valid
+            if doomed and (known is None or known not in committed or known <= max(doomed)):
+                protected, rejected = self.known.newest_valid(committed)
+                doomed = retention.steps_to_delete(
+                    committed, new_step=new_step, max_to_keep=max_to_keep, keep_every_n_steps=keep_every_n_steps,
+                    protected=frozenset() if protected is None else frozenset({protected}))
+        return retention.Plan(keep=[s for s in committed if s not in doomed], delete=doomed,
+                              remove_set_aside=retention.set_aside_to_delete(self.store.set_aside_steps(),
+                                                                             max_to_keep=max_to_keep),
+                              protected=protected, invalid=rejected)
+
+    def apply_retention(self, plan: retention.Plan) -> None:
+        """Deletes the steps and set-aside steps `plan` names (one already gone is passed over)."""
+        for step in plan.delete:
+            try:
+                self.store.delete(step)
+            except errors.CheckpointNotFoundError:
+                continue
             log.info("retention: deleted checkpoint step %d", step)
+        self.known.forget(plan.delete)
+        for name in plan.remove_set_aside:
+            self.store.remove_set_aside(name)
+            log.info("retention: removed set-aside step %s", name)
 
     @staticmethod
     def _file_record(job: Job, name: str) -> dict[str, Any]:
@@ -258,12 +343,11 @@ class Engine:
         """A committed step being saved again (after a rollback past it): an invalid copy is moved aside so
         the new one can commit; a valid one stays and finalize() refuses to overwrite it."""
         try:
-            with self.store.open_step(step) as local:
-                problems = validate.check_step(local, step, self.trusted_keys)[1]
+            problems = self.known.check(step)[1]
         except errors.CheckpointNotFoundError:
             return
         if problems:
-            aside = self.store.quarantine(step)
+            aside = self.store.set_aside(step, "invalid")
             log.warning("step %d was committed but invalid (%s); moved to %s", step, problems[0], aside)
 
     def _abort(self, job: Job) -> None:

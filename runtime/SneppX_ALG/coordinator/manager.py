@@ -43,8 +43,8 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from SneppX_ALG import _native, errors, storage
-from SneppX_ALG.checkpoint import signing, validate
-from SneppX_ALG.coordinator import engine, plan, retention, state
+from SneppX_ALG.checkpoint import signing
+from SneppX_ALG.coordinator import engine, plan, retention, state, steps, timeline
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,12 @@ class CheckpointCoordinator:
         if self._trusted_keys is not None and not self._trusted_keys:
             raise errors.KeyFormatError("trusted_keys is empty: no step could ever verify (pass None to not "
                                         "check signatures)")
+        if (self._signing_key is not None and self._trusted_keys is not None
+                and signing.key_id(self._signing_key) not in self._trusted_keys):
+            raise errors.SigningKeyNotTrustedError(
+                f"signing_key (key id {signing.key_id_hex(self._signing_key)}) is not among trusted_keys: every "
+                "step this coordinator saved would fail its own validation, and retention would have no valid "
+                "step to keep. Add its public key to trusted_keys (after a key rotation, keep the old one too).")
         self._storage = storage.open_storage(self.checkpoint_root, s3_client=s3_client, staging_dir=staging_dir)
         if cleanup_on_start if cleanup_on_start is not None else not read_only:
             for leftover in self._storage.cleanup():
@@ -130,8 +136,8 @@ class CheckpointCoordinator:
         self._copier = self._make_copier(device, copy_threads)
         self._lock = threading.Lock()
         self._closed = False
-        self._engine = engine.Engine(self._storage, max_to_keep, keep_every_n_steps, self._signing_key,
-                                     self._trusted_keys)
+        self._steps = steps.Steps(self._storage, self._trusted_keys)
+        self._engine = engine.Engine(self._steps, max_to_keep, keep_every_n_steps, self._signing_key)
         self._finalizer = weakref.finalize(self, self._engine.shutdown)
 
     @staticmethod
@@ -193,6 +199,10 @@ class CheckpointCoordinator:
             self._raise_background_error()
             if not isinstance(step, (int, np.integer)) or step < 0:
                 raise ValueError(f"step must be a non-negative int, not {step!r}")
+            if self._trusted_keys is not None and self._signing_key is None:
+                raise errors.SigningKeyNotTrustedError(
+                    "this coordinator checks signatures (trusted_keys) but has no signing_key: a step it saved "
+                    "would be unsigned and fail its own validation; pass signing_key to save")
             step = int(step)
             with self._engine._idle:
                 if step in self._engine.steps:
@@ -249,6 +259,10 @@ class CheckpointCoordinator:
                     raise errors.AcceleratorUnavailableError(
                         "the state holds CUDA tensors but this coordinator has no CUDA device (device='cpu' "
                         "or none found)")
+                if leaf.stream is not None and leaf.stream not in job.ordered_streams:
+                    # the producer may still be writing the tensor on its stream: the copy waits for that
+                    self._copier.wait_stream(leaf.stream)
+                    job.ordered_streams.add(leaf.stream)
                 crc = self._copier.copy(dst, leaf.pointer + piece.start, piece.nbytes, kind=_native.COPY_D2H)
             else:
                 crc = self._copier.copy(dst, engine.host_piece(job, leaf, piece))
@@ -288,21 +302,22 @@ class CheckpointCoordinator:
     # -- finding and loading --
 
     def committed_steps(self) -> list[int]:
-        """Every step with a commit point, oldest first (not validated)."""
-        return self._storage.committed_steps()
+        """Every step with a commit point on the current timeline, oldest first (not validated): steps a
+        restore to an older step abandoned are not listed (docs/FORMAT.md, "Timelines and fencing")."""
+        return self._steps.visible()
 
     def validate(self, step: int) -> list[str]:
-        """Problems with committed step `step` ([] when it is whole and every byte checks)."""
-        with self._storage.open_step(step) as local:
-            return validate.check_step(local, step, self._trusted_keys)[1]
+        """Problems with committed step `step` ([] when it is whole and every byte checks).
+        CheckpointUnreadableError when it can't be read (an I/O error, retried first)."""
+        return self._steps.check(step)[1]
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest committed checkpoint that validates, or None. Committed steps that fail validation
-        are skipped, logged, and listed in `self.skipped`."""
-        for step in reversed(self._storage.committed_steps()):
+        """The newest committed checkpoint on the current timeline that validates, or None. Committed steps
+        that fail validation are skipped, logged, and listed in `self.skipped`; a step that can't be read
+        (an I/O error, not bad bytes) is retried, then raised as CheckpointUnreadableError, never skipped."""
+        for step in reversed(self._steps.visible()):
             try:
-                with self._storage.open_step(step) as local:
-                    manifest, problems = validate.check_step(local, step, self._trusted_keys)
+                manifest, problems = self._steps.check(step)
             except errors.CheckpointNotFoundError:
                 continue  # deleted by retention between listing and opening
             if not problems:
@@ -313,24 +328,38 @@ class CheckpointCoordinator:
 
     def restore(self, obj: Any, step: int | None = None) -> CheckpointInfo | None:
         """Loads checkpoint `step` (default: the newest valid one) into `obj` (load_state_dict() or a dict,
-        updated in place). Returns its info, or None when there is no checkpoint at all."""
-        steps = [step] if step is not None else list(reversed(self._storage.committed_steps()))
-        for candidate in steps:
+        updated in place). Returns its info, or None when there is no checkpoint at all.
+
+        Every byte loaded is the byte validated: each shard is read once, into the arrays handed to `obj`,
+        and checked as it lands. Restoring a step older than others on the timeline starts a new timeline:
+        before this coordinator's next save commits, the newer steps are fenced off and moved aside, so
+        neither latest() nor a restart returns them again (docs/FORMAT.md, "Timelines and fencing"). A
+        read_only coordinator never saves, so its restore is a look at a step, not a rollback: it fences
+        nothing, and its latest() still sees the newer steps."""
+        self._engine.wait()  # the fence a restore makes is over this coordinator's own saves too
+        # An explicit step may be one that an earlier restore here abandoned, as long as no save fenced it.
+        current = self._steps.visible(include_pending=step is None)
+        if step is not None and step not in current:
+            raise errors.CheckpointNotFoundError(f"no committed checkpoint for step {step} on the current "
+                                                 f"timeline of {self.checkpoint_root}", path=self.checkpoint_root)
+        candidates = [step] if step is not None else list(reversed(current))
+        invalid: set[int] = set()
+        for candidate in candidates:
             try:
-                with self._storage.open_step(candidate) as local:
-                    manifest, problems = validate.check_step(local, candidate, self._trusted_keys)
-                    if problems:
-                        self._report(candidate, problems)
-                        if step is not None:
-                            raise errors.ManifestError(f"step {step} is not valid: {'; '.join(problems[:3])}",
-                                                       path=self.checkpoint_root)
-                        continue
-                    assert manifest is not None
-                    tree = state.read_state(local, manifest)
+                manifest, problems, arrays = self._steps.load(candidate)
             except errors.CheckpointNotFoundError:
                 if step is not None:
                     raise
                 continue
+            if problems:
+                self._report(candidate, problems)
+                if step is not None:
+                    raise errors.ManifestError(f"step {step} is not valid: {'; '.join(problems[:3])}",
+                                               path=self.checkpoint_root)
+                invalid.add(candidate)
+                continue
+            assert manifest is not None and arrays is not None
+            tree = state.tree_of(manifest, arrays)
             if manifest["kind"] == "state_dict" and hasattr(obj, "load_state_dict"):
                 obj.load_state_dict(tree)
             elif isinstance(obj, MutableMapping):
@@ -339,8 +368,33 @@ class CheckpointCoordinator:
                 obj.load_state_dict(tree)
             else:
                 raise errors.UnsupportedTensorError(f"can't restore into a {type(obj).__name__}")
+            if self.read_only:
+                return self._info(candidate, manifest)
+            fence = timeline.fence_after(candidate, current, invalid)
+            self._steps.start_timeline(candidate, fence)
+            if fence is not None:
+                with self._engine._idle:  # their numbers may be saved again on the new timeline
+                    self._engine.steps -= set(fence.abandoned)
+                log.info("restored step %d: steps %s are abandoned and set aside before the next save commits",
+                         candidate, list(fence.abandoned))
             return self._info(candidate, manifest)
         return None
+
+    def retention_plan(self, max_to_keep: int, keep_every_n_steps: int | None = None) -> retention.Plan:
+        """What retention would delete now with these settings, as if the newest committed step had just
+        been saved (`sneppx gc`): the rule the writer applies after each save (never the newest step that
+        validates). Reads steps only as that rule does; changes nothing."""
+        return self._engine.plan_retention(None, max_to_keep, keep_every_n_steps)
+
+    def apply_retention(self, plan: retention.Plan) -> None:
+        """Deletes what `plan` (from retention_plan) names, after this coordinator's own saves finish."""
+        with self._lock:
+            self._check_open()
+            if self.read_only:
+                raise errors.ReadOnlyCoordinatorError(f"this coordinator reads {self.checkpoint_root} only "
+                                                      "(read_only=True): it can't delete")
+            self._engine.wait()
+            self._engine.apply_retention(plan)
 
     def _info(self, step: int, manifest: dict[str, Any]) -> CheckpointInfo:
         location = (f"{self._storage.uri}/{storage.step_name(step)}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 
 def is_save_step(step: int, every: int | None, last_saved: int | None) -> bool:
     """True on multiples of `every` that were not saved already (every=None or 0: never)."""
@@ -21,3 +23,25 @@ def steps_to_delete(committed: list[int], *, new_step: int, max_to_keep: int | N
     if keep_every_n_steps:
         keep |= {s for s in ordered if s % keep_every_n_steps == 0}
     return [s for s in ordered if s not in keep and s < new_step]
+
+
+def set_aside_to_delete(set_aside: list[tuple[int, str]], *, max_to_keep: int | None) -> list[str]:
+    """Names of set-aside steps (`.invalid-*`, `.abandoned-*`, as (step, name)) beyond the newest max_to_keep
+    by step number: kept for inspection, bounded like the committed steps. max_to_keep None or 0 keeps all."""
+    if not max_to_keep or max_to_keep < 0:
+        return []
+    return [name for _, name in sorted(set_aside)[:-max_to_keep]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What retention decided for a root: the committed steps to `keep` and to `delete` (oldest first),
+    set-aside steps to remove, the step kept because it is the newest that validates (`protected`: None when
+    no deletion needed it read, or when none validates) and the problems of the steps read and found invalid
+    on the way to it."""
+
+    keep: list[int]
+    delete: list[int]
+    remove_set_aside: list[str]
+    protected: int | None
+    invalid: dict[int, list[str]]

@@ -7,27 +7,48 @@ only one that knows about the shapes a user's state can take.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
 
 from SneppX_ALG import errors
-from SneppX_ALG.checkpoint import file, format
+from SneppX_ALG.checkpoint import arrays, format
 from SneppX_ALG.coordinator import plan
 
 
 @dataclasses.dataclass
 class DeviceArray:
-    """A CUDA array seen through __cuda_array_interface__ (torch, cupy): pointer, dtype, shape, device."""
+    """A CUDA array seen through __cuda_array_interface__ (torch, cupy): pointer, dtype, shape, device, and
+    the producer's stream the copy must be ordered after (None: the interface asks for no ordering).
+
+    `keepalive` holds the object that exposed the interface and the tree it came from (a state_dict()
+    result may be its only owner): the pointer is only valid while they live, so they live as long as
+    this does, which is until the snapshot's copy has landed (save() holds its leaves until it returns,
+    and the copy engine returns only when every byte is in staging)."""
 
     pointer: int
     dtype: np.dtype
     shape: tuple[int, ...]
     device: int
+    stream: int | None = None
+    keepalive: tuple[Any, ...] = ()
+
+
+def producer_stream(cai: Mapping[str, Any]) -> int | None:
+    """The stream a consumer must order after, from __cuda_array_interface__ (version 3's "stream": absent
+    or None for none, 1 the legacy default stream, 2 the per-thread default stream, else a cudaStream_t;
+    0 is disallowed by the spec as ambiguous)."""
+    stream = cai.get("stream")
+    if stream is None:
+        return None
+    if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
+        raise errors.UnsupportedTensorError(f"__cuda_array_interface__ stream {stream!r} is not a stream handle")
+    if stream == 0:
+        raise errors.UnsupportedTensorError("__cuda_array_interface__ stream 0 is ambiguous (legacy or "
+                                            "per-thread default stream) and disallowed by the interface")
+    return stream
 
 
 def is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
@@ -66,8 +87,8 @@ def leaf_of(value: Any) -> np.ndarray | DeviceArray | None:
         index = getattr(device, "index", None)
         if index is None:
             index = getattr(device, "id", 0)
-        return DeviceArray(int(cai["data"][0]), dtype, shape, int(index or 0))
-    return file.as_array(value)
+        return DeviceArray(int(cai["data"][0]), dtype, shape, int(index or 0), producer_stream(cai), (value,))
+    return arrays.as_array(value)
 
 
 def flatten_state(obj: Any) -> tuple[str, list[tuple[tuple[str, ...], np.ndarray | DeviceArray]],
@@ -96,6 +117,8 @@ def flatten_state(obj: Any) -> tuple[str, list[tuple[tuple[str, ...], np.ndarray
             if leaf is None:
                 values.append((path, value))
             else:
+                if isinstance(leaf, DeviceArray):  # the pointer is valid only while its owners live
+                    leaf.keepalive = (value, tree)
                 tensors.append((path, leaf))
 
     walk(tree, ())
@@ -133,37 +156,36 @@ def set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
 
 
 def load_into_mapping(target: MutableMapping[str, Any], loaded: Mapping[str, Any]) -> None:
-    """Writes arrays into the existing ones where dtype and shape match (references stay valid)."""
+    """Writes arrays into the existing ones where dtype and shape match, numpy arrays or host tensors of
+    another framework seen through DLPack or the array interface (references stay valid); anything else
+    is replaced by the loaded value."""
     for key, value in loaded.items():
         current = target.get(key)
         if isinstance(value, dict) and isinstance(current, MutableMapping):
             load_into_mapping(current, value)
-        elif (isinstance(value, np.ndarray) and isinstance(current, np.ndarray) and current.flags.writeable
-              and current.shape == value.shape and current.dtype == value.dtype):
-            np.copyto(current, value)
+        elif isinstance(value, np.ndarray) and (existing := _host_view(current)) is not None \
+                and existing.flags.writeable and existing.shape == value.shape and existing.dtype == value.dtype:
+            np.copyto(existing, value)
         else:
             target[key] = value
 
 
-def read_state(local: str, manifest: dict[str, Any]) -> dict[str, Any]:
-    """The saved tree, with arrays assembled from their pieces (owned, writable copies)."""
-    with contextlib.ExitStack() as stack:  # a reader that fails to open closes those opened before it
-        readers = [stack.enter_context(file.CheckpointReader(os.path.join(local, shard)))
-                   for shard in manifest["shards"]]
-        tree: dict[str, Any] = {}
-        for tensor in manifest["tensors"]:
-            dtype = format.numpy_dtype(tensor["dtype"])
-            shape = tuple(tensor["shape"])
-            pieces = tensor["pieces"]
-            if len(pieces) == 1:
-                array = np.array(readers[pieces[0]["shard"]].read(pieces[0]["entry"]), copy=True).reshape(shape)
-            else:
-                array = np.empty(shape, dtype=dtype)
-                flat = array.reshape(-1).view(np.uint8)
-                for piece in pieces:
-                    data = readers[piece["shard"]].read(piece["entry"])
-                    flat[piece["start"]:piece["start"] + piece["nbytes"]] = data.reshape(-1).view(np.uint8)
-            set_path(tree, tensor["path"], array)
-        for value in manifest["values"]:
-            set_path(tree, value["path"], value["value"])
-        return tree
+def _host_view(value: Any) -> np.ndarray | None:
+    """A numpy view of a host tensor the state held (to load into it), or None."""
+    if value is None or isinstance(value, (bool, int, float, str, Mapping)):
+        return None
+    try:
+        return arrays.as_array(value)
+    except errors.UnsupportedTensorError:
+        return None
+
+
+def tree_of(manifest: dict[str, Any], arrays: list[np.ndarray]) -> dict[str, Any]:
+    """The saved tree: the manifest's tensors (as validate.load_step read them: owned, writable arrays, one
+    per manifest tensor) and plain values at their paths."""
+    tree: dict[str, Any] = {}
+    for tensor, array in zip(manifest["tensors"], arrays, strict=True):
+        set_path(tree, tensor["path"], array)
+    for value in manifest["values"]:
+        set_path(tree, value["path"], value["value"])
+    return tree

@@ -40,14 +40,20 @@ claim while the step is in flight, and `cleanup()` removes only leftovers no liv
 processes on this machine at once, those of other machines after LEASE_EXPIRY_S (10 minutes) without a sign of
 life. A commit checks that every part it wrote is still there first, so a writer whose claim expired under it
 (stalled for ten minutes) fails instead of committing a step with parts missing. Readers never clean up
-(`CheckpointCoordinator(read_only=True)`).
+(`CheckpointCoordinator(read_only=True)`). Cleanup never touches set-aside steps or records (below).
+
+Setting aside (a committed step moved out of the step namespace, kept for inspection until retention removes
+it): local, one durable rename to `.<reason>-step-...`; S3, a server-side copy under that name, then the marker
+deleted, then the step's other objects (its manifest.json too, so the number can be saved again). Small durable
+records at the root (the coordinator's `FENCE`, docs/FORMAT.md "Coordinator roots: timelines and fencing"):
+local, written through `write_durable`; S3, one PUT.
 
 What is still assumed on S3: one writer per *step*. Two writers saving the same step upload its shards to the
 same keys: at most one commits, and a step whose shards the other replaced fails validation (never loads mixed
 bytes), but that step is then lost. (Locally each writer has its own directory and the rename decides.) Every
 listing is confined to the root (`prefix + "/"`): `s3://bkt/jobs/a` never touches `jobs/ab/...`, and a bucket
-root `s3://bkt` owns only the `step-*/` and `.lease-*` keys at the top of the bucket (two jobs in one bucket
-need two prefixes).
+root `s3://bkt` owns only the `step-*/`, `.lease-*`, set-aside (`.invalid-step-*/`, `.abandoned-step-*/`) and
+`FENCE` keys at the top of the bucket (two jobs in one bucket need two prefixes).
 """
 
 from __future__ import annotations
@@ -59,13 +65,17 @@ from SneppX_ALG.storage.base import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     SIGNATURE,
+    Entry,
     PendingStep,
     Storage,
+    classify_entry,
     commit_record,
     fetched_marker_path,
     is_plain_name,
     marker_problem,
+    parse_set_aside_name,
     parse_step_name,
+    set_aside_name,
     step_name,
     unlink_quietly,
     write_durable,
@@ -78,10 +88,12 @@ __all__ = [
     "MANIFEST",
     "MAX_MANIFEST_BYTES",
     "SIGNATURE",
+    "Entry",
     "LocalStorage",
     "PendingStep",
     "S3Storage",
     "Storage",
+    "classify_entry",
     "commit_record",
     "fetched_marker_path",
     "is_plain_name",
@@ -89,7 +101,9 @@ __all__ = [
     "marker_problem",
     "open_storage",
     "parse_s3_uri",
+    "parse_set_aside_name",
     "parse_step_name",
+    "set_aside_name",
     "step_name",
     "unlink_quietly",
     "write_durable",

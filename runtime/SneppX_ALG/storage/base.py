@@ -25,6 +25,10 @@ STEP_RE = re.compile(r"^step-(\d{9,})$")
 TMP_PREFIX = ".tmp-step-"
 DELETING_PREFIX = ".deleting-step-"
 STAGE_PREFIX = "sneppx-stage-"
+# A committed step moved out of the step namespace (docs/FORMAT.md, "Timelines and fencing"): kept for
+# inspection as `.<reason>-step-NNNNNNNNN-<hex>`, never read as a step, removed by retention.
+SET_ASIDE_REASONS = ("invalid", "abandoned")
+SET_ASIDE_RE = re.compile(r"^\.(?:invalid|abandoned)-step-(\d{9,})-[0-9a-f]+$")
 
 
 def step_name(step: int) -> str:
@@ -36,6 +40,19 @@ def step_name(step: int) -> str:
 
 def parse_step_name(name: str) -> int | None:
     match = STEP_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def set_aside_name(step: int, reason: str) -> str:
+    """`.invalid-step-000001000-<hex>` or `.abandoned-...`: a new, unique name for a step set aside."""
+    if reason not in SET_ASIDE_REASONS:
+        raise ValueError(f"reason must be one of {SET_ASIDE_REASONS}, not {reason!r}")
+    return f".{reason}-{step_name(step)}-{secrets.token_hex(4)}"
+
+
+def parse_set_aside_name(name: str) -> int | None:
+    """The step a set-aside name holds, or None when the name is not one."""
+    match = SET_ASIDE_RE.match(name)
     return int(match.group(1)) if match else None
 
 
@@ -65,6 +82,26 @@ class Storage(Protocol):
     def delete(self, step: int) -> None: ...
 
     def cleanup(self) -> list[str]: ...
+
+    # Moving committed steps out of the step namespace, and small records at the root (timelines).
+
+    def set_aside(self, step: int, reason: str) -> str: ...
+
+    def set_aside_steps(self) -> list[tuple[int, str]]: ...
+
+    def remove_set_aside(self, name: str) -> None: ...
+
+    def read_record(self, name: str) -> bytes | None: ...
+
+    def write_record(self, name: str, data: bytes) -> None: ...
+
+    def remove_record(self, name: str) -> None: ...
+
+    # What a tool shows of a root (sneppx ls): step-like entries and their small files, nothing else read.
+
+    def inventory(self) -> list[Entry]: ...
+
+    def read_entry_file(self, name: str, leaf: str) -> bytes | None: ...
 
 
 def write_durable(path: str, data: bytes) -> None:
@@ -160,3 +197,32 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# ---- what a listing of a root shows (sneppx ls): steps and step-like leftovers, nothing read ------------------
+
+_ENTRY_RE = re.compile(r"^(?:(step)|\.tmp-step|\.deleting-step|\.(?:invalid|abandoned)-step)-(\d{9,})(?:-.+)?$")
+ENTRY_STATES = {"step": "committed", ".tmp-step": "uncommitted", ".deleting-step": "deleting"}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One step-like directory or prefix of a root: `state` is "committed" (a step with its commit point),
+    "uncommitted" (a save in flight or left by a crash), "set-aside" (moved out of the steps) or "deleting";
+    `files` maps its files' names to their sizes."""
+
+    name: str
+    step: int
+    state: str
+    files: dict[str, int]
+
+
+def classify_entry(name: str) -> tuple[int, str] | None:
+    """(step, state) of a top-level name of a root, or None when it is not step-like (leases, records)."""
+    match = _ENTRY_RE.match(name)
+    if match is None:
+        return None
+    if match.group(1):
+        return (int(match.group(2)), "committed") if STEP_RE.match(name) else None
+    prefix = name[: name.index("-step") + len("-step")]
+    return int(match.group(2)), ENTRY_STATES.get(prefix, "set-aside")

@@ -25,7 +25,7 @@ class LocalStorage:
         self.root = os.path.abspath(root)
         self.uri = self.root
         try:
-            os.makedirs(self.root, exist_ok=True)
+            _make_durable_dirs(self.root)
         except OSError as e:
             raise errors.StorageError(f"can't create checkpoint root {self.root}: {e.strerror}", path=self.root,
                                       errno=e.errno) from None
@@ -137,18 +137,47 @@ class LocalStorage:
         _native.rename_durable(path, doomed)  # invisible from here on, even if the removal is cut short
         base.remove_tree(doomed)
 
-    def quarantine(self, step: int) -> str:
-        """Moves a committed but invalid step out of the way (kept for inspection as `.invalid-...`)."""
-        path = self.step_path(step)
-        aside = os.path.join(self.root, f".invalid-{base.step_name(step)}-{secrets.token_hex(4)}")
-        _native.rename_durable(path, aside)
+    def set_aside(self, step: int, reason: str) -> str:
+        """Moves a committed step out of the step namespace, kept for inspection as `.<reason>-step-...`
+        (one durable rename: invisible as a step from then on)."""
+        aside = os.path.join(self.root, base.set_aside_name(step, reason))
+        _native.rename_durable(self.step_path(step), aside)
         return aside
+
+    def set_aside_steps(self) -> list[tuple[int, str]]:
+        """(step, name) of every set-aside step under the root."""
+        found = []
+        for entry in os.scandir(self.root):
+            step = base.parse_set_aside_name(entry.name)
+            if step is not None and entry.is_dir(follow_symlinks=False):
+                found.append((step, entry.name))
+        return sorted(found)
+
+    def remove_set_aside(self, name: str) -> None:
+        if base.parse_set_aside_name(name) is None:
+            raise ValueError(f"{name!r} is not a set-aside step")
+        base.remove_tree(os.path.join(self.root, name))
+
+    def read_record(self, name: str) -> bytes | None:
+        try:
+            with open(os.path.join(self.root, name), "rb") as f:
+                return f.read(base.MAX_MANIFEST_BYTES + 1)
+        except FileNotFoundError:
+            return None
+
+    def write_record(self, name: str, data: bytes) -> None:
+        base.write_durable(os.path.join(self.root, name), data)
+
+    def remove_record(self, name: str) -> None:
+        base.unlink_quietly(os.path.join(self.root, name))
+        _native.fsync_path(self.root)
 
     def cleanup(self) -> list[str]:
         """Removes what crashed or failed saves left: temporary directories whose writer is gone (by name: a
         dead process on this host, this process's own finished saves, or no sign of life for lease_expiry_s;
         a name without an owner, from an older version, counts as gone) and `.deleting-*` directories
-        (invisible already: removing one twice is harmless)."""
+        (invisible already: removing one twice is harmless). Set-aside steps and the coordinator's FENCE
+        record are not leftovers: retention bounds the first, the next writer finishes the second."""
         removed = []
         for entry in os.scandir(self.root):
             if entry.name.startswith(base.TMP_PREFIX):
@@ -171,8 +200,54 @@ class LocalStorage:
         except FileNotFoundError:
             return 0.0
 
+    # -- what `sneppx ls` shows --
+
+    def inventory(self) -> list[base.Entry]:
+        """Every step-like directory under the root (storage.Entry), with its files' sizes; nothing is read."""
+        return _inventory(self.root)
+
+    def read_entry_file(self, name: str, leaf: str) -> bytes | None:
+        """A small file (manifest, signature) of an inventory entry, or None when it has none."""
+        if base.classify_entry(name) is None or not base.is_plain_name(leaf):
+            raise ValueError(f"{name}/{leaf} is not a file of a step")
+        try:
+            with open(os.path.join(self.root, name, leaf), "rb") as f:
+                return f.read(base.MAX_MANIFEST_BYTES + 1)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+
+def _make_durable_dirs(path: str) -> None:
+    """os.makedirs, then an fsync of the parent of each directory it made: a new directory's name is durable
+    only once its parent is synced, and without that a power cut could take a new root away with the steps
+    committed in it (found by the power-loss sweep, tests/powerloss)."""
+    made = []
+    missing = path
+    while not os.path.isdir(missing):
+        made.append(missing)
+        missing = os.path.dirname(missing)
+    os.makedirs(path, exist_ok=True)
+    for directory in made:
+        _native.fsync_path(os.path.dirname(directory))
+
 
 def _os_error(e: OSError, path: str) -> errors.StorageError:
     if e.errno in (errno_module.ENOSPC, errno_module.EDQUOT):
         return errors.DiskFullError(f"{path}: {e.strerror}", path=path, errno=e.errno)
     return errors.StorageError(f"{path}: {e.strerror}", path=path, errno=e.errno)
+
+
+def _inventory(root: str) -> list[base.Entry]:
+    """LocalStorage.inventory(): every step-like directory under `root`, with its files' sizes."""
+    found = []
+    for entry in os.scandir(root):
+        kind = base.classify_entry(entry.name)
+        if kind is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            files = {f.name: f.stat(follow_symlinks=False).st_size for f in os.scandir(entry.path)
+                     if f.is_file(follow_symlinks=False)}
+        except FileNotFoundError:
+            continue  # removed since the root was listed
+        found.append(base.Entry(entry.name, kind[0], kind[1], files))
+    return found

@@ -61,8 +61,9 @@ class S3Storage:
     straight from the page cache, each with its CRC32C for the server to check.
 
     Every key this object lists, writes or deletes is under `prefix + "/"` (`key()` builds them all), and
-    within it only `step-NNNNNNNNN/...` and `.lease-*`: a root `s3://bkt/jobs/a` never touches `jobs/ab/...`,
-    and a bucket root (`s3://bkt`) owns just those keys at the top of the bucket, nothing else in it.
+    within it only `step-NNNNNNNNN/...`, `.lease-*`, set-aside steps (`.invalid-step-*/...`,
+    `.abandoned-step-*/...`) and the coordinator's records (`FENCE`): a root `s3://bkt/jobs/a` never touches
+    `jobs/ab/...`, and a bucket root (`s3://bkt`) owns just those keys at the top of the bucket, nothing else.
     """
 
     def __init__(self, uri: str, *, client: Any = None, staging_dir: str | None = None,
@@ -255,11 +256,11 @@ class S3Storage:
                 return False
             raise _s3_error(e, "head", self.uri) from None
 
-    def _get(self, key: str) -> tuple[bytes, str] | None:
-        """(body, ETag) of a small object, or None if there is none."""
+    def _get(self, key: str, *, limit: int | None = None) -> tuple[bytes, str] | None:
+        """(body, ETag) of a small object (its first `limit` bytes), or None if there is none."""
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=key)
-            return response["Body"].read(), response["ETag"]
+            return response["Body"].read(limit), response["ETag"]
         except _s3_errors() as e:
             if _error_code(e) in ("404", "NoSuchKey", "NotFound"):
                 return None
@@ -375,23 +376,90 @@ class S3Storage:
         self._delete_keys([self.key(name, base.COMMITTED)])  # invisible from here on
         self._delete_keys([obj["Key"] for obj in self._list(self.key(name) + "/")])
 
-    def quarantine(self, step: int) -> str:
-        """An invalid committed step: deleted, marker first (S3 has no rename to set it aside; its manifest
-        would otherwise keep the step's number from being saved again)."""
-        self.delete(step)
-        return f"s3://{self.bucket}/{self.key(base.step_name(step))}"
+    # -- setting steps aside, and records at the root (coordinator/timeline.py) --
 
-    def incomplete_uploads(self) -> list[tuple[str, str]]:
-        """(key, upload id) of every multipart upload of this root's steps that was never completed."""
+    def set_aside(self, step: int, reason: str) -> str:
+        """Moves a committed step out of the step namespace: its objects are copied (server-side) under
+        `.<reason>-step-...`, then its marker is deleted (invisible as a step from then on), then the rest,
+        manifest.json included, so the step's number can be saved again (its manifest is created with
+        If-None-Match). S3 has no rename; a crash part-way leaves the step committed (and a partial copy that
+        retention bounds like any set-aside step), or objects of an uncommitted step that cleanup removes."""
+        name, aside = base.step_name(step), base.set_aside_name(step, reason)
+        keys = [obj["Key"] for obj in self._list(self.key(name) + "/")]
+        marker = self.key(name, base.COMMITTED)
+        if marker not in keys:
+            raise errors.CheckpointNotFoundError(f"no committed checkpoint for step {step} in {self.uri}",
+                                                 path=self.uri)
+        for key in keys:
+            target = self.key(aside, key[len(self.key(name)) + 1:])
+            try:
+                self.client.copy({"Bucket": self.bucket, "Key": key}, self.bucket, target)
+            except _s3_errors() as e:
+                raise _s3_error(e, f"copy of {key}", self.uri) from None
+        self._delete_keys([marker])
+        self._delete_keys([k for k in keys if k != marker])
+        return f"s3://{self.bucket}/{self.key(aside)}"
+
+    def set_aside_steps(self) -> list[tuple[int, str]]:
+        """(step, name) of every set-aside step of this root (listed by their own prefixes only), including a
+        copy a killed process left as incomplete multipart uploads (large objects are copied in parts): so
+        retention bounds those too, and cleanup, which can't tell them from a live copy, never has to."""
+        found = set()
+        root = self.key("")
+        for reason in base.SET_ASIDE_REASONS:
+            prefix = self.key(f".{reason}-step-")
+            keys = [obj["Key"] for obj in self._list(prefix)] + [key for key, _ in self._uploads(prefix)]
+            for key in keys:
+                name = key[len(root) + 1 if root else 0:].partition("/")[0]
+                step = base.parse_set_aside_name(name)
+                if step is not None:
+                    found.add((step, name))
+        return sorted(found)
+
+    def remove_set_aside(self, name: str) -> None:
+        """Removes a set-aside step: its incomplete uploads (a copy cut short), then its objects."""
+        if base.parse_set_aside_name(name) is None:
+            raise ValueError(f"{name!r} is not a set-aside step")
+        prefix = self.key(name) + "/"
+        for key, upload_id in self._uploads(prefix):
+            self._abort_upload(key, upload_id)
+        self._delete_keys([obj["Key"] for obj in self._list(prefix)])
+
+    def read_record(self, name: str) -> bytes | None:
+        got = self._get(self.key(name), limit=base.MAX_MANIFEST_BYTES + 1)
+        return None if got is None else got[0]
+
+    def write_record(self, name: str, data: bytes) -> None:
+        self._put(self.key(name), data)
+
+    def remove_record(self, name: str) -> None:
+        self._delete_keys([self.key(name)])
+
+    def _uploads(self, prefix: str) -> list[tuple[str, str]]:
+        """(key, upload id) of every multipart upload under `prefix` that was never completed."""
         found = []
         try:
             paginator = self.client.get_paginator("list_multipart_uploads")
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.key("step-")):
-                found += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])
-                          if self._step_of(u["Key"]) is not None]
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                found += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
         except _s3_errors() as e:
             raise _s3_error(e, "list uploads", self.uri) from None
         return found
+
+    def _abort_upload(self, key: str, upload_id: str) -> bool:
+        """Aborts an upload; False when it is gone already (aborted or completed since it was listed)."""
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except _s3_errors() as e:
+            if _error_code(e) == "NoSuchUpload":
+                return False
+            raise _s3_error(e, f"abort upload of {key}", self.uri) from None
+        return True
+
+    def incomplete_uploads(self) -> list[tuple[str, str]]:
+        """(key, upload id) of every multipart upload of this root's steps that was never completed."""
+        return [(key, upload_id) for key, upload_id in self._uploads(self.key("step-"))
+                if self._step_of(key) is not None]
 
     def cleanup(self) -> list[str]:
         """Removes what crashed or failed saves left, where no live writer claims the step (storage/lease.py):
@@ -413,12 +481,8 @@ class S3Storage:
         for key, upload_id in uploads:
             if self._step_of(key) in claimed:
                 continue
-            try:
-                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
-            except _s3_errors() as e:
-                if _error_code(e) == "NoSuchUpload":
-                    continue  # aborted or completed since it was listed (e.g. by the writer it belonged to)
-                raise _s3_error(e, f"abort upload of {key}", self.uri) from None
+            if not self._abort_upload(key, upload_id):
+                continue  # aborted or completed since it was listed (e.g. by the writer it belonged to)
             removed.append(f"upload {upload_id} of s3://{self.bucket}/{key}")
         for step in sorted(seen - committed - claimed):
             if self._exists(self.key(base.step_name(step), base.COMMITTED)):
@@ -436,6 +500,33 @@ class S3Storage:
                 base.remove_tree(entry.path)
                 removed.append(entry.path)
         return removed
+
+    # -- what `sneppx ls` shows --
+
+    def inventory(self) -> list[base.Entry]:
+        """Every step-like prefix under the root (storage.Entry), from one listing: a step is committed when
+        its marker is there. Its files' sizes; nothing is read."""
+        root = self.key("")
+        strip = len(root) + 1 if root else 0
+        files: dict[str, dict[str, int]] = {}
+        for obj in self._list(root + "/" if root else ""):
+            name, slash, leaf = obj["Key"][strip:].partition("/")
+            if slash and leaf and base.classify_entry(name) is not None:
+                files.setdefault(name, {})[leaf] = int(obj["Size"])
+        found = []
+        for name, held in files.items():
+            step, state = base.classify_entry(name)  # type: ignore[misc]
+            if state == "committed" and base.COMMITTED not in held:
+                state = "uncommitted"
+            found.append(base.Entry(name, step, state, held))
+        return found
+
+    def read_entry_file(self, name: str, leaf: str) -> bytes | None:
+        """A small object (manifest, signature, marker) of an inventory entry, or None when it has none."""
+        if base.classify_entry(name) is None or not base.is_plain_name(leaf):
+            raise ValueError(f"{name}/{leaf} is not a file of a step")
+        found = self._get(self.key(name, leaf))
+        return None if found is None else found[0]
 
 
 def _parse_lease(raw: bytes) -> lease.Claim | None:
@@ -464,4 +555,3 @@ def _s3_errors() -> tuple[type[Exception], ...]:
 def _error_code(e: Exception) -> str:
     response = getattr(e, "response", None) or {}
     return str(response.get("Error", {}).get("Code", ""))
-
