@@ -453,7 +453,7 @@ def test_a_new_size_is_a_new_membership_generation_with_one_world_size(
     )
 
 
-def test_ranks_that_failed_with_no_restart_budget_fail_the_job_with_their_exit_codes(
+def test_a_rank_that_failed_with_no_restart_budget_fails_the_job_with_its_exit_code_and_stops_the_rest(
     api: kubernetes.client.ApiClient, namespace: str, operator: kopf.testing.KopfRunner
 ) -> None:
     job = k8s_helpers.valid_job("crash", max_nodes=2)
@@ -461,36 +461,39 @@ def test_ranks_that_failed_with_no_restart_budget_fail_the_job_with_their_exit_c
     _create_job(api, namespace, job)
     pods = k8s_helpers.wait_for(lambda: (p := _pods(api, namespace, "crash")) and len(p) == 2 and p, "2 pods")
     core = kubernetes.client.CoreV1Api(api)
-    for pod, (code, reason) in zip(pods, [(1, "Error"), (137, "OOMKilled")], strict=True):
-        core.patch_namespaced_pod_status(  # play kubelet: the training container exited
-            pod.metadata.name,
-            namespace,
-            {
-                "status": {
-                    "phase": "Failed",
-                    "containerStatuses": [
-                        {
-                            "name": "trainer",
-                            "image": "example.org/train:1",
-                            "imageID": "",
-                            "ready": False,
-                            "restartCount": 0,
-                            "state": {"terminated": {"exitCode": code, "reason": reason}},
-                        }
-                    ],
-                }
-            },
-        )
+    core.patch_namespaced_pod_status(  # play kubelet: rank 0's training container was OOM-killed
+        pods[0].metadata.name,
+        namespace,
+        {
+            "status": {
+                "phase": "Failed",
+                "containerStatuses": [
+                    {
+                        "name": "trainer",
+                        "image": "example.org/train:1",
+                        "imageID": "",
+                        "ready": False,
+                        "restartCount": 0,
+                        "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}},
+                    }
+                ],
+            }
+        },
+    )
     status = _wait_for_phase(api, namespace, "crash", "Failed")
     failed = _condition(status, "Failed")
     assert failed["reason"] == "RestartBudgetExhausted"
-    assert (
-        "rank 0 (pod crash-0) failed (Error) with exit code 1; rank 1 (pod crash-1) failed (OOMKilled) with exit "
-        "code 137; the restart budget (failurePolicy.maxRestarts 0) is used up" in failed["message"]
+    assert failed["message"] == (
+        "rank 0 (pod crash-0) failed (OOMKilled) with exit code 137; the restart budget "
+        "(failurePolicy.maxRestarts 0) is used up, so the job has failed"
     )
-    assert [(r["rank"], r.get("exitCode")) for r in status["ranks"]] == [(0, 1), (1, 137)]
+    assert [(r["rank"], r.get("exitCode")) for r in status["ranks"]][0] == (0, 137)
     assert status.get("completionTime")
     _wait_for_warning(api, namespace, "crash", "RestartBudgetExhausted")
+    k8s_helpers.wait_for(
+        lambda: [p.metadata.name for p in _pods(api, namespace, "crash")] == ["crash-0"],
+        "rank 1 stopped; the failed pod kept for its logs",
+    )
 
 
 def test_test_namespaces_enforce_the_restricted_profile(
