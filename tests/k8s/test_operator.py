@@ -487,7 +487,7 @@ def test_a_rank_that_failed_with_no_restart_budget_fails_the_job_with_its_exit_c
         "rank 0 (pod crash-0) failed (OOMKilled) with exit code 137; the restart budget "
         "(failurePolicy.maxRestarts 0) is used up, so the job has failed"
     )
-    assert [(r["rank"], r.get("exitCode")) for r in status["ranks"]][0] == (0, 137)
+    assert (status["ranks"][0]["rank"], status["ranks"][0].get("exitCode")) == (0, 137)
     assert status.get("completionTime")
     _wait_for_warning(api, namespace, "crash", "RestartBudgetExhausted")
     k8s_helpers.wait_for(
