@@ -264,8 +264,7 @@ class NodeAgent:
                     log.warning("%s: can't poll the rendezvous: %s", self.s.agent_id, e)
                     continue
                 if nxt.superseded and not join_pending:
-                    by = "is sealed" if nxt.sealed else f"was joined by {', '.join(sorted(nxt.closing))}"
-                    return self._failure(f"generation {nxt.generation} {by}")
+                    return self._failure(nxt.why())
                 if nxt.waiting and not join_pending:
                     join_pending = True
                     self._event("join_pending", generation=m.generation, waiting=sorted(nxt.waiting))
