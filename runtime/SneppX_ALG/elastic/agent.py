@@ -141,6 +141,15 @@ class WorkerProcess:
         return f"exited with code {code}"
 
 
+class Terminated(Exception):
+    """SIGTERM in operator mode: the pod is being deleted (a resize, the job's end, a node drained)."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the agent is on its way out
+    raise Terminated()
+
+
 class NodeAgent:
     def __init__(self, settings: AgentSettings):
         self.s = settings
@@ -163,11 +172,15 @@ class NodeAgent:
 
     def run(self) -> int:
         code, reason = EXIT_FAILED, ""
+        if self.s.operator_mode:  # the pod's first process: SIGTERM's default action would not apply to PID 1
+            signal.signal(signal.SIGTERM, _terminate)
         try:
             membership = self._join(None, frozenset())
             while True:
                 outcome = self._run_generation(membership)
                 if outcome.kind == "done":
+                    if self.link is not None and membership.node_rank(self.s.agent_id) == 0:
+                        self.link.report(membership, self.resumed_from, force=True)  # the last step saved
                     self.rdzv.finish("completed")
                     code, reason = 0, "completed"
                     return code
@@ -194,6 +207,11 @@ class NodeAgent:
         except errors.RendezvousTimeoutError as e:
             reason = f"failed: {e}"
             code = EXIT_NODE_FAILED if self.s.operator_mode else code
+            return code
+        except Terminated:
+            code, reason = 128 + signal.SIGTERM, "terminated (SIGTERM): the pod is being deleted"
+            for w in self.workers:  # now: what they hold in memory is in the checkpoints or lost anyway
+                w.kill()
             return code
         finally:
             if self.link is not None:
