@@ -14,6 +14,7 @@ import json
 import pathlib
 import signal
 import sys
+import time
 from typing import Any
 
 import k8s_cluster
@@ -37,7 +38,8 @@ EVERY = 3  # checkpoint interval (steps)
 FINISH_TIMEOUT = 300.0  # a failure bound only: four processes train on a loaded 2-core machine
 
 
-def training_job(name: str, *, steps: int, max_nodes: int = 2, min_nodes: int = 1, **knobs: Any) -> dict[str, Any]:
+def training_job(name: str, *, steps: int, max_nodes: int = 2, min_nodes: int = 1,
+                 failure_policy: dict[str, Any] | None = None, **knobs: Any) -> dict[str, Any]:
     """A job whose pods run elastic_script.py: rank 0 writes its progress and final parameters to `out/` on the
     job's volume (`output(pods)` here)."""
     job = k8s_helpers.valid_job(name, max_nodes=max_nodes, min_nodes=min_nodes)
@@ -47,7 +49,8 @@ def training_job(name: str, *, steps: int, max_nodes: int = 2, min_nodes: int = 
     settings = {"steps": steps, "every": EVERY, "sleep": 0.1, "restart_delay": 0.2, **knobs}
     container["env"] = [{"name": f"E_{k.upper()}", "value": str(v)} for k, v in settings.items()]
     spec["template"]["spec"]["terminationGracePeriodSeconds"] = 5
-    spec["failurePolicy"] = {"restartDelay": {"initialSeconds": 0, "multiplier": 2, "maxSeconds": 1}}
+    spec["failurePolicy"] = {"restartDelay": {"initialSeconds": 0, "multiplier": 2, "maxSeconds": 1},
+                             **(failure_policy or {})}
     spec["checkpoint"]["maxToKeep"] = 3
     return job
 
@@ -134,4 +137,35 @@ def test_max_nodes_raised_at_run_time_grows_the_world_at_the_next_generation(
     assert ended[0]["code"] == 143 and "SIGTERM" in ended[0]["reason"]  # the old pod went at the resize
     assert done["rendezvous"]["worldSize"] == 3 and done["rendezvous"]["generation"] >= grown["generation"]
     assert json.loads((out / "final.json").read_text())["world_size"] == 3
+    assert_params_match(out, steps)
+
+
+def test_quorum_lost_with_pause_stops_training_until_the_node_returns(
+    api: kubernetes.client.ApiClient, cluster: k8s_cluster.Cluster, namespace: str,
+    operator: kopf.testing.KopfRunner, pods: pod_runner.PodRunner, tmp_path: pathlib.Path,
+) -> None:
+    out, steps = output(pods), 45
+    # quorum.actionOnLoss defaults to Pause; the lost node's pod stays Terminating until the node returns
+    apply(cluster, namespace, training_job("pause", steps=steps, failure_policy={"terminatingPodTimeoutSeconds": 3600}),
+          tmp_path)
+    k8s_helpers.wait_for(lambda: progress(out)["step"] >= 2 * EVERY and progress(out)["world_size"] == 2,
+                         "two pods training together", FINISH_TIMEOUT)
+    lost = k8s_helpers.running_pods(api, namespace, "pause")[1]
+    pods.set_node_ready(lost.spec.node_name, False)  # its processes die with it
+    wait_status(api, namespace, "pause", "phase Paused", lambda s: s.get("phase") == "Paused")
+    k8s_helpers.wait_for(lambda: any(e["kind"] == "paused" for e in agent_events(pods, "pause-0")),
+                         "the survivor's agent to pause its worker", FINISH_TIMEOUT)
+    time.sleep(3)  # paused for a while: unpaused, the survivor would train some 20 steps meanwhile
+    paused_at_step = progress(out)["step"]
+    pods.set_node_ready(lost.spec.node_name, True)  # its kubelet finishes the deletion; a replacement comes
+
+    done = wait_finished(api, namespace, "pause")
+    assert done["phase"] == "Succeeded", (done, {p: pods.log_of(p)[-3000:] for p in ("pause-0", "pause-1")})
+    survivor = agent_events(pods, "pause-0")
+    paused = next(e for e in survivor if e["kind"] == "paused")
+    resumed = next(e for e in survivor if e["kind"] == "resumed")
+    assert paused["t"] < resumed["t"]
+    during = [e for e in survivor if e["kind"] == "step" and paused["t"] < e["t"] < resumed["t"]]
+    assert len(during) <= 1, during  # at most the step already in flight; then the worker waits in ctx.report
+    assert paused_at_step < steps and done["restartCount"] == 1
     assert_params_match(out, steps)
