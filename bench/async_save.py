@@ -11,9 +11,13 @@ For each state size (MiB; --big adds 4096), in one run:
 - training step time while a save persists in the background vs without (a step: three 384x384 matmuls,
   with numpy's BLAS limited to one thread here, plus an in-place update of 16 MiB of the state);
 - peak host memory growth during save()+wait() as a fraction of the state (VmHWM reset per measure).
-S3: S3Storage.upload_file (parallel multipart, per-part CRC32C) vs boto3's upload_file (TransferManager
-defaults) of the same file to the same server on 127.0.0.1, on each test server in turn: moto (an emulation,
-itself the bottleneck) and the Versity S3 Gateway (a real S3 server writing to the local disk).
+S3, on each test server in turn (moto, an emulation, itself the bottleneck; the Versity S3 Gateway, a real S3
+server writing to the local disk), both on 127.0.0.1:
+- end to end: a synchronous save() of an --s3-mib state (async_save=False: snapshot, shard streamed up in parts
+  as it is written, manifest, parts check, commit marker; max_to_keep=None, so no retention read-back) vs
+  boto3's upload_file (TransferManager defaults) of a file holding the same bytes, rounds interleaved;
+- S3Storage.upload_file (a finished file: parallel multipart, per-part CRC32C, what signed steps still use)
+  vs boto3's upload_file of the same file.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.format import as_fast
 from SneppX_ALG import _native, coordinator, storage
 from tests import s3_servers
 
@@ -173,11 +178,16 @@ def bench_size(total_mib: int, root: str) -> dict[str, float]:
     return out
 
 
-def bench_s3(size_mib: int, workdir: str) -> dict[str, dict[str, float] | str]:
-    """Upload GB/s per server kind ({"ours": ..., "boto3": ...}), or why that server was not measured."""
+def bench_s3(size_mib: int, workdir: str, rounds: int) -> dict[str, dict[str, float] | str]:
+    """GB/s per server kind ({"save": ..., "boto3_state": ..., "ours": ..., "boto3": ...}), or why that
+    server was not measured."""
     path = os.path.join(workdir, "shard.bin")
     with open(path, "wb") as f:
         f.writelines(os.urandom(MiB) for _ in range(size_mib))
+    state = make_state(size_mib * MiB)
+    state_path = os.path.join(workdir, "state.bin")
+    with open(state_path, "wb") as f:
+        f.writelines(memoryview(v).cast("B") for v in state.values())
     os.environ.update(s3_servers.ENV)  # the dummy credentials both servers accept
     results: dict[str, dict[str, float] | str] = {}
     for kind in s3_servers.KINDS:
@@ -188,18 +198,40 @@ def bench_s3(size_mib: int, workdir: str) -> dict[str, dict[str, float] | str]:
             results[kind] = str(e).splitlines()[0]
             continue
         try:
-            results[kind] = upload_rates(server.client(), path, size_mib)
+            client = server.client()
+            client.create_bucket(Bucket="bench")
+            results[kind] = {**save_rates(client, state, state_path, size_mib, rounds),
+                             **upload_rates(client, path, size_mib)}
         finally:
             s3_servers.stop(server)
             shutil.rmtree(server_dir, ignore_errors=True)
     os.unlink(path)
+    os.unlink(state_path)
     return results
+
+
+def save_rates(client: Any, state: dict[str, np.ndarray], path: str, size_mib: int, rounds: int,
+               ) -> dict[str, float]:
+    """GB/s of a synchronous save() of `state` to S3, end to end, and of boto3's upload_file of the same bytes,
+    the best of `rounds` interleaved rounds."""
+    import boto3.s3.transfer
+
+    coord = coordinator.CheckpointCoordinator("s3://bench/saves", s3_client=client, async_save=False,
+                                              max_to_keep=None, staging_bytes=size_mib * MiB + 64 * MiB,
+                                              device="cpu")
+    coord.save(state, step=0)  # staging buffers allocated, part buffers made
+    times: dict[str, list[float]] = {"save": [], "boto3_state": []}
+    for i in range(rounds):
+        times["save"].append(timed(lambda i=i: coord.save(state, step=i + 1)))
+        times["boto3_state"].append(timed(lambda i=i: client.upload_file(
+            path, "bench", f"boto3-state/{i}", Config=boto3.s3.transfer.TransferConfig())))
+    coord.close()
+    return {name: size_mib * MiB / min(t) / 1e9 for name, t in times.items()}
 
 
 def upload_rates(client: Any, path: str, size_mib: int) -> dict[str, float]:
     import boto3.s3.transfer
 
-    client.create_bucket(Bucket="bench")
     ours = storage.S3Storage("s3://bench/ours", client=client)
     results: dict[str, float] = {}
     for name, fn in (
@@ -239,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--big", action="store_true", help="also 4096 MiB")
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     parser.add_argument("--s3-mib", type=int, default=256)
+    parser.add_argument("--s3-rounds", type=int, default=3, help="interleaved S3 rounds; the fastest counts")
+    parser.add_argument("--s3-only", action="store_true", help="only the S3 tables")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")] + ([4096] if args.big else [])
     base = args.dir or tempfile.mkdtemp(prefix="sneppx-bench-")
@@ -249,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
           "(first, steady, 1/4 staging) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     try:
-        for mib in sizes:
+        for mib in [] if args.s3_only else sizes:
             r = bench_size(mib, root)
             print(f"| {mib} MiB | {r['copy'] * 1e3:.0f} ms | {r['save'] * 1e3:.0f} ms | "
                   f"{r['save'] / r['copy']:.2f}x | {r['save_sync'] * 1e3:.0f} ms | {r['save_sync'] / r['save']:.1f}x | "
@@ -259,14 +293,18 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['step_during'] * 1e3:.1f} / {r['step_alone'] * 1e3:.1f} ms "
                   f"({r['step_during'] / r['step_alone']:.2f}x, {int(r['steps_during'])} steps) | "
                   f"{r['peak_first']:.2f}, {r['peak_steady']:.2f}, {r['peak_bounded']:.2f} |", flush=True)
-        print(f"\n| S3 upload of {args.s3_mib} MiB on 127.0.0.1 | S3Storage.upload_file | boto3 upload_file | ratio |")
-        print("|---|---|---|---|")
-        for kind, r in bench_s3(args.s3_mib, base).items():
+        s3 = bench_s3(args.s3_mib, base, args.s3_rounds)
+        print(f"\n| S3, {args.s3_mib} MiB on 127.0.0.1 (load {os.getloadavg()[0]:.1f}) | sync save(), end to end | "
+              "boto3 upload_file, same bytes | save vs upload_file | S3Storage.upload_file | boto3 upload_file | "
+              "ratio |")
+        print("|---|---|---|---|---|---|---|")
+        for kind, r in s3.items():
             if isinstance(r, str):
-                print(f"| {kind} | not measured: {r} | | |")
+                print(f"| {kind} | not measured: {r} | | | | | |")
             else:
-                print(f"| {kind} | {r['ours']:.2f} GB/s | {r['boto3']:.2f} GB/s | {r['ours'] / r['boto3']:.2f}x |",
-                      flush=True)
+                print(f"| {kind} | {r['save']:.2f} GB/s | {r['boto3_state']:.2f} GB/s | "
+                      f"{as_fast(r['save'] / r['boto3_state'])} | {r['ours']:.2f} GB/s | "
+                      f"{r['boto3']:.2f} GB/s | {as_fast(r['ours'] / r['boto3'])} |", flush=True)
         d2h = bench_d2h(1024)
         if d2h is None:
             print("\nD2H copy engine: no GPU on this machine (run on a GPU machine for the pinned D2H figures)")

@@ -1,9 +1,13 @@
 """Save, load and validate of one SNPX file against the physical limit and what users pick instead.
 
-    python -m bench format [-- --sizes 64,256,1024 --dir bench-output --repeat 3]
+    python -m bench format [-- --sizes 16,64,256,1024 --dir bench-output --repeat 3]
+    python -m bench format -- --big             # adds 2 GiB and 4 GiB
 
-Save: CheckpointWriter (through its fsync) vs a raw O_DIRECT write of the same bytes from page-aligned memory
-(the disk's limit), safetensors.numpy.save_file + fsync, np.savez + fsync, pickle.dump + fsync.
+Save: CheckpointWriter (through its fsync, rename and directory fsync) as a user gets it (the write mode
+measured for this filesystem, checkpoint/write_mode.py; SNEPPX_WRITE_MODE overrides) and in each mode forced,
+vs the disk's limit in both modes: a raw O_DIRECT write of the same bytes from page-aligned memory and a raw
+buffered write + fsync, each in 8 MiB writes; and vs what users pick instead: safetensors.numpy.save_file +
+fsync, np.savez + fsync, pickle.dump + fsync.
 Load (file in the page cache): CheckpointReader.read of every tensor with CRC verification, zero-copy and
 copied into owned arrays, vs safetensors.numpy.load_file and np.load (neither verifies anything).
 Validate: validate_checkpoint vs CRC32C alone over the same bytes in memory (one core).
@@ -25,6 +29,7 @@ import numpy as np
 
 from bench import common
 from SneppX_ALG import _native, checkpoint
+from SneppX_ALG.checkpoint import write_mode
 
 TENSORS = 16
 
@@ -57,7 +62,13 @@ def fastest(repeat: int, candidates: dict[str, Callable[[], object]],
 
 
 def raw_direct_write(path: str, state: dict[str, np.ndarray]) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    """The bytes written with O_DIRECT straight from the (page-aligned) arrays, 8 MiB a write, then fdatasync."""
+    raw_write(path, state, os.O_DIRECT)
+
+
+def raw_write(path: str, state: dict[str, np.ndarray], flags: int = 0) -> None:
+    """The bytes written straight from the arrays, 8 MiB a write, then fdatasync: buffered unless flags say."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
     try:
         for arr in state.values():
             view = memoryview(arr).cast("B")
@@ -66,6 +77,24 @@ def raw_direct_write(path: str, state: dict[str, np.ndarray]) -> None:
         os.fdatasync(fd)
     finally:
         os.close(fd)
+
+
+def as_fast(ratio: float, who: str = "SNPX", than: str = "") -> str:
+    """A speed ratio (the other's time over ours) in words that read right both ways: "SNPX 1.20x as fast",
+    "SNPX 0.87x as fast (slower)"."""
+    return f"{who} {ratio:.2f}x as fast" + (f" as {than}" if than else "") + (" (slower)" if ratio < 1 else "")
+
+
+def chosen_mode(directory: str) -> str:
+    """What a default CheckpointWriter uses in `directory`, and why (probing now if it never has)."""
+    env = write_mode.mode_from_env()
+    if env != "auto":
+        return f"{env} ({write_mode.ENV_MODE})"
+    direct = write_mode.use_direct(directory)
+    entry = write_mode.cached_entry(directory) or {}
+    measured = (f": probe O_DIRECT {entry['direct_gbps']} GB/s, buffered {entry['buffered_gbps']} GB/s, "
+                f"{entry.get('probed', '')}" if "direct_gbps" in entry else "")
+    return f"{'direct' if direct else 'buffered'} (measured{measured})"
 
 
 def warm(path: str) -> None:
@@ -79,16 +108,19 @@ def run(size_mib: int, directory: str, repeat: int) -> list[tuple[str, float, st
     total = size_mib << 20
     state = aligned_state(total)
     nbytes = sum(a.nbytes for a in state.values())
-    paths = {k: os.path.join(directory, f"{k}-{size_mib}") for k in ("snpx", "raw", "st", "npz", "pkl")}
+    keys = ("snpx", "snpx-direct", "snpx-buffered", "raw", "raw-buffered", "st", "npz", "pkl")
+    paths = {k: os.path.join(directory, f"{k}-{size_mib}") for k in keys}
 
     def clean(key: str) -> None:
         if os.path.exists(paths[key]):
             os.remove(paths[key])
 
-    def save_snpx() -> None:
-        with checkpoint.CheckpointWriter(paths["snpx"]) as w:
-            for name, arr in state.items():
-                w.write(name, arr)
+    def save_snpx(key: str, direct: bool | None) -> Callable[[], None]:
+        def save() -> None:
+            with checkpoint.CheckpointWriter(paths[key], direct=direct) as w:
+                for name, arr in state.items():
+                    w.write(name, arr)
+        return save
 
     def save_st() -> None:
         from safetensors.numpy import save_file
@@ -109,14 +141,23 @@ def run(size_mib: int, directory: str, repeat: int) -> list[tuple[str, float, st
             os.fsync(f.fileno())
 
     rows = []
-    t = fastest(repeat, {"raw": lambda: raw_direct_write(paths["raw"], state), "snpx": save_snpx, "st": save_st,
-                         "npz": save_npz, "pkl": save_pickle}, before=clean)
+    t = fastest(repeat, {"raw": lambda: raw_direct_write(paths["raw"], state),
+                         "raw-buffered": lambda: raw_write(paths["raw-buffered"], state),
+                         "snpx": save_snpx("snpx", None), "snpx-direct": save_snpx("snpx-direct", True),
+                         "snpx-buffered": save_snpx("snpx-buffered", False),
+                         "st": save_st, "npz": save_npz, "pkl": save_pickle}, before=clean)
     gbps = {k: nbytes / v / 1e9 for k, v in t.items()}
-    rows.append(("save: SNPX CheckpointWriter (fsync)", gbps["snpx"], "1.00x"))
-    rows.append(("save: raw O_DIRECT write, same bytes", gbps["raw"], f"SNPX = {t['raw'] / t['snpx']:.2f}x of it"))
+    limit = min(t["raw"], t["raw-buffered"])
+    rows.append(("save: SNPX CheckpointWriter (fsync, rename, dir fsync)", gbps["snpx"],
+                 f"{limit / t['snpx']:.2f}x the faster raw write"))
+    rows.append(("save: SNPX, O_DIRECT forced", gbps["snpx-direct"], f"{limit / t['snpx-direct']:.2f}x"))
+    rows.append(("save: SNPX, buffered write-behind forced", gbps["snpx-buffered"],
+                 f"{limit / t['snpx-buffered']:.2f}x"))
+    rows.append(("save: raw O_DIRECT write, same bytes", gbps["raw"], f"{limit / t['raw']:.2f}x"))
+    rows.append(("save: raw buffered write + fdatasync", gbps["raw-buffered"], f"{limit / t['raw-buffered']:.2f}x"))
     for key, label in (("st", "safetensors save_file + fsync"), ("npz", "np.savez + fsync"),
                        ("pkl", "pickle.dump + fsync")):
-        rows.append((f"save: {label}", gbps[key], f"SNPX {t[key] / t['snpx']:.2f}x faster"))
+        rows.append((f"save: {label}", gbps[key], as_fast(t[key] / t["snpx"])))
 
     for p in (paths["snpx"], paths["st"], paths["npz"]):
         warm(p)
@@ -138,15 +179,15 @@ def run(size_mib: int, directory: str, repeat: int) -> list[tuple[str, float, st
 
     lt = fastest(repeat, {"zero": load_snpx(False), "copy": load_snpx(True), "st": load_st, "npz": load_npz})
     rows.append(("load: SNPX, CRC-verified, zero-copy", nbytes / lt["zero"] / 1e9,
-                 f"{lt['st'] / lt['zero']:.2f}x safetensors"))
+                 as_fast(lt["st"] / lt["zero"], than="safetensors")))
     rows.append(("load: SNPX, CRC-verified, copied", nbytes / lt["copy"] / 1e9,
-                 f"{lt['st'] / lt['copy']:.2f}x safetensors"))
+                 as_fast(lt["st"] / lt["copy"], than="safetensors")))
     rows.append(("load: safetensors load_file (no check)", nbytes / lt["st"] / 1e9, "1.00x"))
     rows.append(("load: np.load of .npz (no check)", nbytes / lt["npz"] / 1e9,
-                 f"SNPX zero-copy {lt['npz'] / lt['zero']:.2f}x faster"))
+                 as_fast(lt["npz"] / lt["zero"], "SNPX zero-copy")))
 
     blob = np.concatenate([a.view(np.uint8) for a in state.values()])
-    vc = fastest(repeat, {"validate": lambda: checkpoint.validate_checkpoint(paths["snpx"]),
+    vc = fastest(3 * repeat, {"validate": lambda: checkpoint.validate_checkpoint(paths["snpx"]),
                           "crc": lambda: _native.crc32c(blob)})
     v, c = vc["validate"], vc["crc"]
     rows.append(("validate_checkpoint (cached file)", nbytes / v / 1e9, f"{c / v:.2f}x of CRC alone"))
@@ -159,14 +200,18 @@ def run(size_mib: int, directory: str, repeat: int) -> list[tuple[str, float, st
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench format")
-    parser.add_argument("--sizes", default="64,256,1024", help="state sizes in MiB (issue range: 64..2048)")
+    parser.add_argument("--sizes", default="16,64,256,1024", help="state sizes in MiB (issue range: 16..4096)")
+    parser.add_argument("--big", action="store_true", help="also 2 GiB and 4 GiB")
     parser.add_argument("--dir", default="bench-output")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args(argv)
     os.makedirs(args.dir, exist_ok=True)
     print(f"SNPX save/load/validate; {TENSORS} float32 tensors; best of {args.repeat}; dir {args.dir} "
-          f"({shutil.disk_usage(args.dir).free >> 30} GiB free); CRC kernel {_native.crc32c_kernels()[-1]}\n")
-    for size in (int(s) for s in args.sizes.split(",")):
+          f"({shutil.disk_usage(args.dir).free >> 30} GiB free); CRC kernel {_native.crc32c_kernels()[-1]}; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"write mode of a default CheckpointWriter here: {chosen_mode(args.dir)}\n")
+    sizes = sorted({int(s) for s in args.sizes.split(",")} | ({2048, 4096} if args.big else set()))
+    for size in sizes:
         print(f"### {size} MiB\n\n| operation | GB/s | ratio |\n|---|---|---|")
         for name, gbps, ratio in run(size, args.dir, args.repeat):
             print(f"| {name} | {gbps:.2f} | {ratio} |")

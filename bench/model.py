@@ -37,6 +37,7 @@ from SneppX_ALG.model import data, training
 from SneppX_ALG.model import transformer as model_lib
 
 OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+SETTLE_S = 0.3  # before each timed candidate: the last one's BLAS threads stop spinning
 RECIPE = {"vocab_size": 1000, "dim": 128, "num_heads": 4, "num_layers": 2, "ffn_dim": 512, "max_seq_len": 64}
 MEDIUM = {"vocab_size": 8192, "dim": 512, "num_heads": 8, "num_layers": 4, "ffn_dim": 2048, "max_seq_len": 256}
 LARGE = {"vocab_size": 32000, "dim": 1024, "num_heads": 16, "num_layers": 6, "ffn_dim": 4096, "max_seq_len": 512}
@@ -68,13 +69,20 @@ def train_flops(config: model_lib.ModelConfig, batch: int, seq: int) -> int:
 
 
 def fastest(candidates: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
-    """Seconds per call, fastest of `repeat` round-robin rounds (load elsewhere hits every candidate alike)."""
+    """Seconds per call, fastest of `repeat` round-robin rounds (load elsewhere hits every candidate alike).
+
+    In each round a candidate starts after a pause, runs once untimed, then timed: each is measured as it runs
+    in a loop of its own (a training loop), not in the wake of the one before. OpenBLAS's worker threads spin
+    on a core for a while after a multi-threaded call; a model step right after the 2048^3 matmul used to
+    share its cores with that spin (measured 32-35 ms instead of 20 ms for the recipe-1 step, two threads)."""
     for _ in range(2):
         for fn in candidates.values():
             fn()  # warm-up: allocations, BLAS threads, page faults
     best = {name: float("inf") for name in candidates}
     for _ in range(repeat):
         for name, fn in candidates.items():
+            time.sleep(SETTLE_S)
+            fn()
             start = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - start)

@@ -14,6 +14,15 @@ import pytest
 import s3_servers
 from s3_servers import S3Server, free_port
 
+# ---- checkpoint writes: one write mode for the whole session -------------------------------------------------
+# CheckpointWriter probes O_DIRECT against buffered writes on the first save to a filesystem
+# (checkpoint/write_mode.py). A probe inside a test would write files the test doesn't expect and pass the fault
+# hook's write sites, so the session pins the mode: O_DIRECT, the default before the probe existed, unless the
+# run sets SNEPPX_WRITE_MODE itself (`SNEPPX_WRITE_MODE=buffered pytest ...` runs every test in the other mode;
+# tests/unit/test_write_mode.py covers the probe). Set here, it reaches the processes tests start too.
+os.environ.setdefault("SNEPPX_WRITE_MODE", "direct")
+
+
 # ---- S3: real S3 servers on 127.0.0.1 (moto and the Versity S3 Gateway), talked to over HTTP by boto3 ------
 # Every test that uses these fixtures runs once per server: test_x[moto], test_x[versitygw]. Each server
 # starts once per session (pytest groups the tests by server).

@@ -59,21 +59,28 @@ int sx_crc32c_with(int kernel, uint32_t crc, const void *buf, size_t len, uint32
 uint32_t sx_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 /* Splits large buffers over up to nthreads threads (0 = online CPUs). */
 uint32_t sx_crc32c_parallel(uint32_t crc, const void *buf, size_t len, int nthreads);
+/* crcs[i] = CRC32C of the lengths[i] bytes at base + offsets[i], for n ranges at once: their bytes are split
+ * evenly over up to nthreads threads (0 = online CPUs) whatever the ranges' sizes, so many small ranges (the
+ * tensors of a small checkpoint) use every core as one large one does. SX_ENOMEM, SX_EINVAL. */
+int sx_crc32c_ranges(const void *base, size_t n, const uint64_t *offsets, const uint64_t *lengths, uint32_t *crcs,
+                     int nthreads);
 
 /* ---- durable file writing ---------------------------------------------- */
-/* A file written in one streaming pass: appends go through aligned staging
- * buffers, handed to a background I/O thread (O_DIRECT where the filesystem
- * allows it, buffered with write-behind otherwise), while the caller fills the
- * next buffer. CRC32C of each append is computed as it is copied in. A finished
- * writer's buffers are kept (two at most) for the next one, so periodic saves
- * don't page-fault fresh memory every time. */
+/* A file written in one streaming pass: appends are queued to two background
+ * writer threads, so the device always has the next write waiting. Under
+ * O_DIRECT (where the filesystem allows it) bytes are copied into aligned
+ * staging buffers; in buffered mode large appends are written straight from the
+ * caller's memory with write-behind (sync_file_range, then the written pages
+ * dropped). CRC32C of each append is computed as it is copied or written. A
+ * finished writer's buffers are kept (four at most) for the next one, so
+ * periodic saves don't page-fault fresh memory every time. */
 typedef struct sx_file sx_file;
 
-/* Creates path exclusively (O_EXCL). buffer_bytes: per staging buffer (two of
- * them), rounded up to the alignment; 0 = 8 MiB. direct: 1 try O_DIRECT and
- * fall back, 0 buffered. */
+/* Creates path exclusively (O_EXCL). buffer_bytes: per staging buffer (four of
+ * them) and per write, rounded up to the alignment; 0 = 2 MiB. direct: 1 try
+ * O_DIRECT and fall back, 0 buffered. */
 int sx_file_create(const char *path, size_t buffer_bytes, int direct, sx_file **out);
-/* Appends len bytes; *crc is updated with them (pass NULL to skip). */
+/* Appends len bytes; *crc is updated with them (pass NULL to skip). buf is not read after the call. */
 int sx_file_append(sx_file *f, const void *buf, size_t len, uint32_t *crc);
 /* Appends zero bytes up to the next multiple of alignment. */
 int sx_file_pad(sx_file *f, uint64_t alignment);
@@ -426,5 +433,14 @@ int sx_copier_wait_stream(sx_copier *c, uintptr_t stream);
 int sx_cuda_stream_create(int device, uintptr_t *out);
 int sx_cuda_stream_destroy(int device, uintptr_t stream);
 int sx_cuda_memset_async(int device, void *dst, int value, size_t len, uintptr_t stream);
+
+/* ---- benchmarks only: the memory read ceiling (membench.c) ----------------
+ * Widths: 0 = 64-bit scalar loads, 1 = AVX2 (256-bit), 2 = AVX-512 (512-bit), 3 = AVX-512 over four
+ * streams a quarter of the buffer apart (as the CRC kernels read three). */
+/* Bit w set: width w runs on this CPU. */
+unsigned sx_memory_read_widths(void);
+/* Reads every byte of buf once with loads of that width on the calling thread; *out gets the xor of its
+ * 64-bit words, then of its last len % 8 bytes (the same at every width; nothing is optimised away). SX_EINVAL for a width this CPU lacks. */
+int sx_memory_read(int width, const void *buf, size_t len, uint64_t *out);
 
 #endif

@@ -73,6 +73,21 @@ def crc32c_parallel(data: Any, crc: int = 0, threads: int = 0) -> int:
     return int(lib.sx_crc32c_parallel(crc, buf, len(buf), threads))
 
 
+def crc32c_ranges(data: Any, ranges: list[tuple[int, int]], threads: int = 0) -> list[int]:
+    """CRC32C of each (offset, length) range of a buffer, the bytes of all of them split over threads (0 = all
+    CPUs): many small ranges use every core, as one large one does."""
+    buf = as_buffer(data)
+    for offset, length in ranges:
+        if offset < 0 or length < 0 or offset + length > len(buf):
+            raise ValueError(f"range ({offset}, {length}) is outside the buffer of {len(buf)} bytes")
+    n = len(ranges)
+    offsets = ffi.new("uint64_t[]", [r[0] for r in ranges])
+    lengths = ffi.new("uint64_t[]", [r[1] for r in ranges])
+    out = ffi.new("uint32_t[]", max(n, 1))
+    raise_for(lib.sx_crc32c_ranges(buf, n, offsets, lengths, out, threads), "crc32c of ranges")
+    return list(out)[:n]
+
+
 def crc32c_with(kernel: str, data: Any, crc: int = 0) -> int:
     """CRC32C with one named kernel (tests and benchmarks); ValueError if the CPU lacks it."""
     buf = as_buffer(data)
@@ -701,3 +716,26 @@ def cuda_memset_async(device: int, pointer: int, value: int, nbytes: int, stream
     """cudaMemsetAsync on a stream (tests, benchmarks): work a copy can be ordered after."""
     _raise_cuda(lib.sx_cuda_memset_async(device, ffi.cast("void *", pointer), value, nbytes, stream),
                 "cudaMemsetAsync")
+
+
+# ---- benchmarks only: the memory read ceiling ----------------------------------------------------------
+
+MEMORY_READ_WIDTHS = {"scalar64": 0, "avx2": 1, "avx512": 2, "avx512x4": 3}
+
+
+def memory_read_widths() -> list[str]:
+    """The load widths this CPU runs for memory_read, widest last ("avx512x4": four streams at once)."""
+    mask = lib.sx_memory_read_widths()
+    return [name for name, w in MEMORY_READ_WIDTHS.items() if mask & (1 << w)]
+
+
+def memory_read(data: Any, width: str | None = None) -> int:
+    """Reads every byte of a buffer once with loads of `width` (default: the widest this CPU runs) on the
+    calling thread, for the memory read ceiling in benchmarks; returns the xor of its 64-bit words."""
+    buf = as_buffer(data)
+    name = width or memory_read_widths()[-1]  # (four AVX-512 streams where the CPU has AVX-512)
+    if name not in MEMORY_READ_WIDTHS:
+        raise ValueError(f"unknown load width {name!r}; choose from {', '.join(MEMORY_READ_WIDTHS)}")
+    out = ffi.new("uint64_t *")
+    raise_for(lib.sx_memory_read(MEMORY_READ_WIDTHS[name], buf, len(buf), out), f"memory read ({name})")
+    return int(out[0])

@@ -41,8 +41,11 @@ def assert_params_match(run: Run, steps: int) -> None:
     expected = reference_params(steps)
     got = run.params()
     assert set(got) == set(expected)
-    for name in expected:  # world sizes differ in summation order only; a lost or repeated step is ~lr (3e-3) off
-        np.testing.assert_allclose(got[name], expected[name], rtol=1e-3, atol=1e-5, err_msg=name)
+    for name in expected:
+        # World sizes differ in summation order only: float noise, which AdamW's normalised update lifts to about
+        # 1e-5 on elements near zero; a step lost or repeated moves elements by about lr (3e-3).
+        scale = float(np.abs(expected[name]).max())
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-3, atol=1e-3 * scale, err_msg=name)
 
 
 def kinds(result: dict[str, Any], kind: str) -> list[dict[str, Any]]:

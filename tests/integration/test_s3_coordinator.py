@@ -12,7 +12,8 @@ import threading
 import numpy as np
 import pytest
 
-from SneppX_ALG import CheckpointCoordinator, Transformer, errors, storage
+from SneppX_ALG import CheckpointCoordinator, Transformer, _native, errors, storage
+from SneppX_ALG.checkpoint import signing
 
 MiB = 1 << 20
 
@@ -64,6 +65,111 @@ def test_multipart_shards_round_trip_bitwise_and_retention_deletes_marker_first(
     assert info.step == 3 and info.training_state == {"pos": 3} and got["n"] == 3
     assert got["w"].tobytes() == want["w"].tobytes() and got["emb"].tobytes() == want["emb"].tobytes()
     assert not [k for k in keys(client, s3_bucket) if "step-000000001" in k]
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_a_shard_streams_to_s3_as_it_is_written_with_no_local_file(s3_bucket, s3_env, tmp_path,
+                                                                   signed: bool) -> None:
+    """Unsigned steps: every part of the shard goes up from memory while the writer runs (the step's local
+    staging directory never holds the shard), the first part (with the header, written last) at the end.
+    Signed steps still stage a file: the manifest's digest of the shard is a read-back of it."""
+    client = s3_env.client()
+    staged: list[bool] = []  # at each UploadPart: was there a shard file in a local staging directory?
+    staging = tmp_path / "staging"
+    staging.mkdir()
+
+    def look(**_) -> None:
+        staged.append(any(p.name.startswith("shard-") for p in staging.rglob("*")))
+
+    client.meta.events.register("before-call.s3.UploadPart", look)
+    private, public = signing.generate_keypair()
+    coord = CheckpointCoordinator(f"s3://{s3_bucket}/st", s3_client=client, staging_bytes=4 * MiB,
+                                  signing_key=private if signed else None,
+                                  trusted_keys=[public] if signed else None)
+    coord._storage.part_bytes, coord._storage.staging_dir = 5 * MiB, str(staging)
+    want = state_for(1, big=23 * MiB)
+    coord.save(want, step=1)
+    coord.wait()
+    assert len(staged) >= 5 and all(staged) == signed and any(staged) == signed
+    etag = client.head_object(Bucket=s3_bucket, Key="st/step-000000001/shard-00000.snpx")["ETag"]
+    assert etag.strip('"').endswith("-5"), f"expected a 5-part object, got ETag {etag}"
+    got = {"w": np.zeros((128, 64), np.float32), "emb": None, "n": None}
+    assert coord.restore(got).step == 1
+    assert got["emb"].tobytes() == want["emb"].tobytes() and got["w"].tobytes() == want["w"].tobytes()
+    assert storage.S3Storage(f"s3://{s3_bucket}/st", client=client).incomplete_uploads() == []
+    coord.close()
+
+
+def test_a_shard_key_already_taken_is_not_streamed_over(s3_bucket, s3_env, tmp_path) -> None:
+    """An object at the shard's key (here what a crash left) is replaced only once the shard is whole (upload()):
+    the writer stages a file instead of streaming, and the step commits as before."""
+    client = s3_env.client()
+    client.put_object(Bucket=s3_bucket, Key="lo/step-000000001/shard-00000.snpx", Body=b"partial")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    staged: list[bool] = []
+    client.meta.events.register("before-call.s3.UploadPart",
+                                lambda **_: staged.append(any(staging.rglob("shard-*"))))
+    coord = CheckpointCoordinator(f"s3://{s3_bucket}/lo", s3_client=client, cleanup_on_start=False,
+                                  staging_bytes=4 * MiB)
+    coord._storage.part_bytes, coord._storage.staging_dir = 5 * MiB, str(staging)
+    want = state_for(1, big=12 * MiB)
+    coord.save(want, step=1)
+    coord.wait()
+    assert staged and all(staged)
+    got = {"w": np.zeros((128, 64), np.float32), "emb": None, "n": None}
+    assert coord.restore(got).step == 1 and got["emb"].tobytes() == want["emb"].tobytes()
+    coord.close()
+
+
+def test_a_streamed_upload_changes_only_bytes_not_sent_yet(s3_bucket, s3_env) -> None:
+    """The sink holds the first part back (the header is patched there last); an uploaded part can't change."""
+    store = storage.S3Storage(f"s3://{s3_bucket}/sink", client=s3_env.client(), part_bytes=5 * MiB)
+    pending = store.begin(1)
+    sink = store.shard_sink(pending, "shard-00000.snpx")
+    assert sink is not None
+    data = np.random.default_rng(0).integers(0, 255, 17 * MiB, dtype=np.uint8)
+    assert sink.append(data) == _native.crc32c(data)
+    sink.pwrite(b"HEAD", 0)  # part 1: held back
+    sink.pwrite(b"tail", 16 * MiB)  # part 4: being filled
+    with pytest.raises(errors.StorageError, match="uploaded already"):
+        sink.pwrite(b"x", 6 * MiB)  # part 2: sent
+    sink.finish()
+    body = s3_env.client().get_object(Bucket=s3_bucket, Key=sink.key)["Body"].read()
+    want = bytearray(data.tobytes())
+    want[0:4], want[16 * MiB:16 * MiB + 4] = b"HEAD", b"tail"
+    assert body == bytes(want) and sink.result == (len(want), sink.result[1])
+    store.abort(pending)  # takes back the finished object: it was never committed
+    assert keys(s3_env.client(), s3_bucket) == [] and store.incomplete_uploads() == []
+
+
+def test_a_streamed_shard_is_the_rank_s_upload_and_is_not_deleted_once_another_writer_owns_the_step(
+        s3_bucket, s3_env) -> None:
+    """upload() reports a streamed shard's finished object as this rank's part (what finalize checks), and
+    abort() takes it back; but after a finalize that lost the step to another writer (its manifest first), the
+    abort that follows (the coordinator's, for the failed step) deletes nothing: the keys may be that writer's."""
+    client = s3_env.client()
+    store = storage.S3Storage(f"s3://{s3_bucket}/own", client=client, part_bytes=5 * MiB)
+    shard = "shard-00000.snpx"
+    data = np.random.default_rng(1).integers(0, 255, 6 * MiB, dtype=np.uint8)
+    for step in (1, 2):
+        pending = store.begin(step)
+        sink = store.shard_sink(pending, shard)
+        assert sink is not None
+        sink.append(data)
+        sink.finish()
+        parts = store.upload(pending, [shard])
+        assert parts == {shard: sink.result} and pending.uploaded == {sink.key: sink.result}
+        if step == 1:
+            store.abort(pending)
+            assert keys(client, s3_bucket) == []
+            continue
+        client.put_object(Bucket=s3_bucket, Key="own/step-000000002/manifest.json", Body=b"another writer's")
+        with pytest.raises(errors.CheckpointExistsError, match="another writer"):
+            store.finalize(pending, json.dumps({"shards": [shard]}).encode(), None, parts)
+        store.abort(pending)
+        assert keys(client, s3_bucket) == ["own/step-000000002/manifest.json", f"own/step-000000002/{shard}"]
+    assert store.incomplete_uploads() == []
 
 
 def test_a_marker_is_written_once_even_by_two_writers(s3_bucket, s3_env) -> None:
@@ -221,7 +327,8 @@ def test_a_part_that_does_not_match_its_crc32c_is_refused_and_nothing_is_committ
 
     def corrupt_second_part(request, **_) -> None:
         if "partNumber=2" in request.url:
-            body = bytearray(request.body.getvalue())
+            raw = request.body  # a file-like over bytes, or the part buffer itself (streamed uploads)
+            body = bytearray(raw.getvalue() if hasattr(raw, "getvalue") else raw)
             body[100] ^= 1
             request.data = bytes(body)
 

@@ -239,3 +239,53 @@ def test_threads_hashing_large_buffers_concurrently_get_the_right_values() -> No
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads)
     assert results == {i: [expected[i]] * 3 for i in range(4)}
+
+
+def _xor_fold(data: bytes) -> int:
+    """The fold sx_memory_read computes, in numpy: xor of the whole 64-bit words, then of the last bytes."""
+    words = len(data) // 8
+    value = int(np.bitwise_xor.reduce(np.frombuffer(data[:words * 8], dtype="<u8"))) if words else 0
+    for byte in data[words * 8:]:
+        value ^= byte
+    return value
+
+
+@pytest.mark.parametrize("width", _native.memory_read_widths())
+@pytest.mark.parametrize("start,length", [(0, 0), (3, 7), (0, 64), (5, 511), (1, 513), (0, 4096 + 77),
+                                          (11, 200_000)])
+def test_memory_read_reads_every_byte_at_every_width(width: str, start: int, length: int) -> None:
+    # The benchmark ceiling must read everything it is timed over: a loop that skipped a tail or a block
+    # would report a bandwidth it never achieved.
+    data = POOL[start:start + length]
+    assert _native.memory_read(data, width) == _xor_fold(data)
+
+
+def test_memory_read_refuses_an_unknown_width() -> None:
+    with pytest.raises(ValueError, match="unknown load width"):
+        _native.memory_read(b"abc", "avx1024")
+
+
+@settings(max_examples=40, deadline=None)
+@given(cuts=st.lists(st.tuples(st.integers(0, len(POOL)), st.integers(0, 70_000)), max_size=12),
+       threads=st.integers(0, 5))
+def test_ranges_get_the_crc_of_each_range_whatever_the_split(cuts: list[tuple[int, int]], threads: int) -> None:
+    # Ranges in any order, overlapping, empty: each gets its own CRC (these stay under the per-thread minimum;
+    # the test below has shares whose edges fall inside ranges).
+    ranges = [(offset, min(length, len(POOL) - offset)) for offset, length in cuts]
+    expected = [_native.crc32c(POOL[o:o + n]) for o, n in ranges]
+    assert _native.crc32c_ranges(POOL, ranges, threads) == expected
+
+
+def test_ranges_large_enough_for_several_threads() -> None:
+    # The bytes of all ranges are cut into equal shares across threads, so a share's edge falls inside ranges
+    # (and a range spans several shares): every range's CRC must still be its own.
+    data = np.frombuffer(os.urandom(20 << 20), dtype=np.uint8)
+    ranges = [(0, 3 << 20), (5 << 20, 1), (5 << 20, 9 << 20), ((14 << 20) + 7, (6 << 20) - 7), (100, 0)]
+    expected = [google_crc32c.value(data[o:o + n].tobytes()) for o, n in ranges]
+    for threads in (1, 2, 3, 0):
+        assert _native.crc32c_ranges(data, ranges, threads) == expected
+
+
+def test_a_range_outside_the_buffer_is_refused() -> None:
+    with pytest.raises(ValueError, match="outside the buffer"):
+        _native.crc32c_ranges(b"abcd", [(2, 3)])

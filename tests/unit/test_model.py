@@ -190,3 +190,27 @@ def test_config_json_round_trips_and_foreign_configs_are_refused():
         model_lib.ModelConfig.from_json({"layers": 3})
     with pytest.raises(errors.ModelConfigError, match="unknown keys"):
         model_lib.ModelConfig.from_json(dict(config.to_json(), extra=1))
+
+
+def test_a_batch_split_over_threads_gives_the_loss_and_gradients_of_the_whole_batch():
+    # With two BLAS threads a large enough batch runs as two parts on two threads (Transformer docstring,
+    # "Cores"); each part's terms are over the whole batch's tokens, so the sums are the whole batch's values.
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    model = perturbed_tiny_model("float64")
+    tokens = np.random.default_rng(6).integers(0, TINY["vocab_size"], (101, TINY["max_seq_len"] + 1))
+    assert len(model_lib.batch_parts(101, TINY["max_seq_len"], 2)) == 2
+    with threadpoolctl.threadpool_limits(1, user_api="blas"):
+        whole_loss, whole_grads = model.loss_and_grads(tokens)
+    with threadpoolctl.threadpool_limits(2, user_api="blas"):
+        split_loss, split_grads = model.loss_and_grads(tokens)
+        assert model.loss(tokens) == split_loss  # loss() splits the same way: the same bits
+    assert split_loss == pytest.approx(whole_loss, rel=1e-12)
+    for name, grad in whole_grads.items():
+        np.testing.assert_allclose(split_grads[name], grad, rtol=1e-9, atol=1e-14, err_msg=name)
+
+
+def test_batch_parts_cover_every_row_once_and_keep_small_batches_whole():
+    assert model_lib.batch_parts(16, 64, 2) == [(0, 8), (8, 16)]
+    assert model_lib.batch_parts(7, 128, 3) == [(0, 2), (2, 4), (4, 7)]
+    assert model_lib.batch_parts(12, 16, 2) == [(0, 12)]  # 192 tokens: one part
+    assert model_lib.batch_parts(3, 1000, 8) == [(0, 1), (1, 2), (2, 3)]  # never more parts than rows

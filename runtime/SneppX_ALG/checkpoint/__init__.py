@@ -6,6 +6,7 @@ Modules, lowest first (each imports only those before it):
     format     the SNPX file format, pure (spec: docs/FORMAT.md)
     signing    keys, digests, signature blocks: the pure cryptography
     arrays     tensors in and out through DLPack and the array interface (bfloat16 included)
+    write_mode O_DIRECT or buffered write-behind, measured once per filesystem
     file       CheckpointWriter / CheckpointReader
     verify     signatures and digests checked against files on disk; signing existing files
     manifest   the step manifest codec (manifest.json), pure

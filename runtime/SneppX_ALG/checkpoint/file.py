@@ -1,7 +1,7 @@
 """Writing, reading and validating one SNPX checkpoint file.
 
-`CheckpointWriter` streams tensors through the native writer (O_DIRECT where the filesystem allows it,
-CRC32C computed as the bytes are copied) into a temporary name and commits with fsync, rename and a
+`CheckpointWriter` streams tensors through the native writer (O_DIRECT or buffered write-behind, whichever
+measured faster on the filesystem: checkpoint/write_mode.py; CRC32C computed as the bytes are copied) into a temporary name and commits with fsync, rename and a
 directory fsync, so a reader sees either the whole file or none. `CheckpointReader` maps the file and hands
 out zero-copy, read-only arrays, verifying each tensor's CRC32C on first read (and, given trusted keys, the
 table's signature before parsing it and each tensor's digest). `validate_checkpoint` checks
@@ -17,15 +17,36 @@ import os
 import secrets
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from SneppX_ALG import _native, errors, storage
-from SneppX_ALG.checkpoint import arrays, format, signing
+from SneppX_ALG.checkpoint import arrays, format, signing, write_mode
 
 # Writes go to the native writer in pieces of this size so signing digests can stream alongside.
 _PIECE = 64 << 20
+# check_tensors hashes about this many bytes per native call: progress is reported between calls.
+_CHECK_BATCH = 256 << 20
+
+
+class Sink(Protocol):
+    """Where a CheckpointWriter streams its bytes instead of a file of its own (e.g. an S3 object uploaded in
+    parts as it is written: storage/s3.py). The same calls as `_native.NativeFile`; `finish()` makes the bytes
+    durable where they go (or, failing, takes back what was sent), `abort()` takes back what was sent."""
+
+    @property
+    def size(self) -> int: ...
+
+    def append(self, data: Any) -> int: ...
+
+    def pad(self, alignment: int) -> None: ...
+
+    def pwrite(self, data: Any, offset: int) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def abort(self) -> None: ...
 
 
 def _little_endian_pieces(array: np.ndarray, piece: int) -> Iterator[memoryview]:
@@ -53,14 +74,18 @@ class CheckpointWriter:
     A clean exit from the `with` block commits (temp name, fsync, rename, directory fsync); an exception
     leaves no file at `path` (and the previous file there, if any, untouched). A failed fsync fails the write.
     With `signing_key` (an Ed25519 private key), a digest of every tensor is computed in the same pass and the
-    table is signed (see checkpoint/signing.py).
+    table is signed (see checkpoint/signing.py). `direct`: True for O_DIRECT, False for buffered writes with
+    write-behind, None (default) for what SNEPPX_WRITE_MODE says or else what measured faster on the
+    directory's filesystem (checkpoint/write_mode.py). `sink`: stream the file there instead (a `Sink`: no temp
+    file, no rename; `commit()` ends with `sink.finish()`, a failure with `sink.abort()`; `path` names it).
 
     A writer is single-use: after `commit()` or `abort()` (explicit, or a failed commit), `write` and `commit`
     raise `CheckpointClosedError` and never touch `path` again, and leaving the `with` block does nothing.
     """
 
     def __init__(self, path: str | os.PathLike[str], metadata: dict[str, str] | None = None, config: Any = None,
-                 *, signing_key: Any = None, direct: bool = True, buffer_bytes: int = 0):
+                 *, signing_key: Any = None, direct: bool | None = None, buffer_bytes: int = 0,
+                 sink: Sink | None = None):
         self.path = os.fspath(path)
         try:
             self.metadata = format.check_metadata(metadata or {})
@@ -73,7 +98,8 @@ class CheckpointWriter:
         self._buffer_bytes = buffer_bytes
         self._entries: list[format.TensorEntry] = []
         self._names: set[str] = set()
-        self._file: _native.NativeFile | None = None
+        self._sink = sink
+        self._file: Sink | None = None
         self._broken: BaseException | None = None
         self._tmp = ""
         self.committed = False
@@ -102,11 +128,16 @@ class CheckpointWriter:
         self._check_not_finished()
         if self._file is not None:
             return
+        if self._sink is not None:
+            self._file = self._sink
+            self._file.append(bytes(format.DATA_OFFSET))  # the header block, filled in at commit
+            return
         directory, base = os.path.split(os.path.abspath(self.path))
         if not os.path.isdir(directory):
             raise errors.CheckpointNotFoundError(f"directory {directory} does not exist", path=self.path)
         self._tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        self._file = _native.NativeFile(self._tmp, direct=self._direct, buffer_bytes=self._buffer_bytes)
+        direct = write_mode.use_direct(directory, self._direct)
+        self._file = _native.NativeFile(self._tmp, direct=direct, buffer_bytes=self._buffer_bytes)
         self._file.append(bytes(format.DATA_OFFSET))  # the header block, filled in at commit
 
     def write(self, name: str, tensor: Any, *, global_shape: tuple[int, ...] | None = None,
@@ -195,11 +226,15 @@ class CheckpointWriter:
                 signature_crc32c=_native.crc32c(signature) if signature else 0)
             self._file.pwrite(format.encode_header(header), 0)
             file, self._file = self._file, None
-            file.finish()
+            file.finish()  # a sink that fails to finish takes back what it sent itself, as a file is removed
         except BaseException:
             self._finished = "its commit failed"
             self._drop()
             raise
+        if self._sink is not None:
+            self._finished = "committed"
+            self.committed = True
+            return
         try:
             _native.rename_durable(self._tmp, self.path)
         except BaseException:
@@ -442,3 +477,27 @@ def check_tensor(reader: CheckpointReader, entry: format.TensorEntry, *,
     crc = _native.crc32c_parallel(data)
     digest_problem = digest_check() if digest_check is not None else None
     return tensor_errors(entry, crc, reader.padding_is_zero(entry), digest_problem, path=reader.path)
+
+
+def check_tensors(reader: CheckpointReader, progress: Callable[[int, int], None] | None = None,
+                  ) -> list[errors.CheckpointFormatError]:
+    """Checks every tensor's CRC32C and padding (not digests), in file order; what is wrong, [] when nothing.
+
+    The tensors' bytes are hashed a batch at a time, each batch split evenly over every core whatever the
+    tensors' sizes (a file of small tensors is checked as fast as one of large ones, and one native call per
+    batch instead of one per tensor). `progress(done, total)` after each batch: bytes of the file checked."""
+    found: list[errors.CheckpointFormatError] = []
+    entries = reader.table.tensors
+    start = 0
+    while start < len(entries):
+        end, size = start + 1, entries[start].length
+        while end < len(entries) and size + entries[end].length <= _CHECK_BATCH:
+            size += entries[end].length
+            end += 1
+        batch, start = entries[start:end], end
+        crcs = _native.crc32c_ranges(reader._mmap, [(e.offset, e.length) for e in batch])
+        for entry, crc in zip(batch, crcs, strict=True):
+            found += tensor_errors(entry, crc, reader.padding_is_zero(entry), path=reader.path)
+        if progress is not None:
+            progress(batch[-1].offset + batch[-1].length, reader.header.table_offset)
+    return found

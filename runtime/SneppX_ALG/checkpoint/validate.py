@@ -43,12 +43,8 @@ def validate_checkpoint(path: str | os.PathLike[str], trusted_keys: Any = None, 
         return False, [str(e)]
     except OSError as e:
         return False, [f"{path}: can't read: {e.strerror or e}"]
-    problems: list[str] = []
     with reader:
-        for entry in reader.table.tensors:
-            problems += [str(e) for e in file.check_tensor(reader, entry)]
-            if progress is not None:
-                progress(entry.offset + entry.length, reader.header.table_offset)
+        problems = [str(e) for e in file.check_tensors(reader, progress)]
     return not problems, problems
 
 

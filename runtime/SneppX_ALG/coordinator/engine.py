@@ -23,6 +23,7 @@ import logging
 import os
 import queue
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -126,6 +127,10 @@ class Job:
 
     def fail(self, error: BaseException) -> None:
         """This rank's part of the step failed: kept, the writer dropped; the step's end still runs."""
+        # The error outlives the call that raised it: its frames must not keep staging views and the arrays over
+        # them (a memoryview with an array exporting from it, freed by the cycle collector, crashed CPython 3.11
+        # in _memory_release: seen when a write failed inside _write_buffer).
+        traceback.clear_frames(error.__traceback__)
         if self.error is None:
             self.error = error
         self.failed = True
@@ -255,14 +260,22 @@ class Engine:
             return
         assert job.pending is not None
         try:
-            job.writer = file.CheckpointWriter(
-                os.path.join(job.pending.local_dir, self.shard_name),
-                metadata={"sneppx.step": str(job.step), "sneppx.shard": str(group.rank)})
+            job.writer = self._shard_writer(job.pending, self.shard_name,
+                                            {"sneppx.step": str(job.step), "sneppx.shard": str(group.rank)})
             job.writer.open()
         except Exception as e:
             if group.world_size == 1:
                 raise
             job.fail(e)
+
+    def _shard_writer(self, pending: storage.PendingStep, shard: str,
+                      metadata: dict[str, str]) -> file.CheckpointWriter:
+        """The writer of one shard: streamed to the store where it takes streams (S3: uploaded in parts as it is
+        written), else a file in the step's local directory. A signed step's shards are files: the shard's
+        digest in the manifest is a read-back of the finished file (_file_record: its header, at the start,
+        is written last, and BLAKE3 hashes from the start)."""
+        sink = self.store.shard_sink(pending, shard) if self.signing_key is None else None
+        return file.CheckpointWriter(os.path.join(pending.local_dir, shard), metadata=metadata, sink=sink)
 
     def _write_buffer(self, job: Job, buffer: Any, pieces: list[plan.Piece]) -> None:
         assert job.writer is not None and self.pool is not None

@@ -262,6 +262,8 @@ class CheckpointCoordinator:
             # From here on this rank takes part in the step's protocol whatever happens (coordinator/engine.py):
             # what fails below is reported to the group by the writer, at the step's end.
             job = engine.Job(step, training_state=training_state)
+            if not self.async_save:  # save() waits for the commit anyway: the writer starts with the snapshot
+                job.may_write.set()
             worker.submit("begin", job)
             try:
                 self._stage(job, obj)

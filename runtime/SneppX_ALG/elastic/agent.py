@@ -282,14 +282,18 @@ class NodeAgent:
                 messages = w.channel.receive(0) if w.channel is not None else []
             except control.ChannelClosed:
                 if w.proc is not None:
-                    w.proc.wait()
-                return first or self._failure(f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} "
-                                              f"{w.how_it_ended()}")
+                    try:
+                        w.proc.wait(1.0)  # its exit code or signal, for the reason
+                    except subprocess.TimeoutExpired:
+                        w.proc.kill()
+                first = first or Outcome("failure", f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} "
+                                                    f"{w.how_it_ended()}")
+                continue
             for message in messages:  # all of them: a worker's `failed` and `idle` may come in one read
                 outcome = self._on_message(w, message, m, assign)
                 first = first or outcome
         if first is not None:
-            return first
+            return self._failure(first.reason) if first.kind == "failure" else first
         states = {w.state for w in self.workers}
         if states == {"done"}:
             self._event("done", generation=m.generation)
@@ -322,9 +326,9 @@ class NodeAgent:
             w.state = kind
         elif kind == "failed":
             w.state = "failed"
-            return self._failure(f"rank {w.rank}'s collectives failed: {message.get('error', '')[:500]}")
+            return Outcome("failure", f"rank {w.rank}'s collectives failed: {message.get('error', '')[:500]}")
         elif kind == "error":
-            return self._failure(f"rank {w.rank}'s train_fn raised: {message.get('error', '')[-1500:]}")
+            return Outcome("failure", f"rank {w.rank}'s train_fn raised: {message.get('error', '')[-1500:]}")
         elif kind == "fatal":
             return Outcome("fatal", f"rank {w.rank}: {message.get('error', '')[:1500]}")
         return None
@@ -349,21 +353,26 @@ class NodeAgent:
 
     def _settle(self, m: rendezvous.Membership, hb: heartbeat.HeartbeatMonitor | None, others: Mapping[str, str],
                 suspects: frozenset[str]) -> frozenset[str]:
-        """Before joining the next generation: wait until each other member has either joined it or fallen
-        silent on the heartbeat (at most two heartbeat timeouts), so the join names every node that is gone
-        and the sealer need not wait for them."""
-        deadline = time.monotonic() + 2 * self.s.heartbeat_timeout
+        """Before joining the next generation: wait until each other member is known to be alive (heard on the
+        heartbeat well after the failure: a dead node sends nothing then) or to have joined it, or has fallen
+        silent (at most two heartbeat timeouts), so the join names every node that is gone and the sealer
+        need not wait for them. Live peers settle in about two heartbeat intervals."""
+        started = time.monotonic()
+        deadline = started + 2 * self.s.heartbeat_timeout
         gone = set(suspects)
         while hb is not None:
             gone |= {others[p] for p in hb.suspected_peers() if p in others}
+            since = time.monotonic() - started - 2 * self.s.heartbeat_interval
+            alive = {others[p] for p, view in hb.status().items()
+                     if p in others and view.last_alive is not None and view.last_alive < since}
             try:
                 moved = set(self.rdzv.poll(m).closing)
             except errors.RecordUnavailableError:
                 moved = set()
-            if set(others.values()) <= gone | moved or time.monotonic() >= deadline:
+            if set(others.values()) <= gone | alive | moved or time.monotonic() >= deadline:
                 break
             time.sleep(TICK)
-        return frozenset(gone)
+        return frozenset(gone - alive)
 
     def _abort_workers(self, m: rendezvous.Membership) -> None:
         """Ends the generation's collectives on every worker; one that doesn't come back idle within

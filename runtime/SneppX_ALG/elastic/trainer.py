@@ -88,7 +88,7 @@ class ElasticTrainer:
     min_nodes: the fewest nodes a generation may have (default 1: survivors go on alone).
     last_call: after min_nodes joined, how long a forming generation waits for the others (at the start).
     hang_timeout: a worker that sends no heartbeat (a thread, every 0.1 s) for this long is stopped or wedged,
-        and is killed. step_timeout: a worker that reports no step (ctx.save/ctx.report) for this long is
+        and is killed (raise it if train_fn calls C code that holds the GIL longer than that). step_timeout: a worker that reports no step (ctx.save/ctx.report) for this long is
         killed (None: no limit). heartbeat_timeout: an agent silent this long is gone, with its node.
     backend: "tcp" (CPU) or "nccl" (GPU `local_rank`) for ctx.group. collective_timeout: the deadline of one
         collective (a failure is normally seen far sooner: see agent.py).

@@ -21,13 +21,16 @@ file's JSON config, so `Transformer.from_checkpoint` can rebuild the right model
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import itertools
 import math
 import os
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import numpy as np
+import threadpoolctl
 
 from SneppX_ALG import errors
 from SneppX_ALG.checkpoint import file
@@ -226,6 +229,18 @@ def gelu_backward(dout: np.ndarray, u: np.ndarray, tanh_term: np.ndarray, ws: Wo
     return dout
 
 
+def embedding_grad(table: np.ndarray, ids: np.ndarray, grad_rows: np.ndarray) -> np.ndarray:
+    """d loss / d table for rows gathered by `ids`: each row's gradients summed into its id's row. By sorting
+    the ids and summing runs (np.add.reduceat): np.add.at, the obvious way, took ~1 ms a step (~3%)."""
+    grad = np.zeros_like(table)
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
+    if starts.size:
+        grad[sorted_ids[starts]] = np.add.reduceat(grad_rows[order], starts, axis=0)
+    return grad
+
+
 def causal_mask(seq_len: int, dtype: np.dtype) -> np.ndarray:
     """Additive (T, T) mask: 0 on and below the diagonal, -inf above it (a token never sees the future)."""
     mask = np.zeros((seq_len, seq_len), dtype)
@@ -233,19 +248,55 @@ def causal_mask(seq_len: int, dtype: np.dtype) -> np.ndarray:
     return mask
 
 
-def softmax_cross_entropy(logits: np.ndarray, targets: np.ndarray) -> tuple[float, np.ndarray]:
-    """Mean next-token cross-entropy of (N, V) logits; returns (loss, dloss/dlogits), the latter in logits' memory."""
+def softmax_cross_entropy(logits: np.ndarray, targets: np.ndarray, total: int | None = None,
+                          ) -> tuple[float, np.ndarray]:
+    """Next-token cross-entropy of (N, V) logits summed and divided by `total` tokens (default N: the mean; a
+    part of a batch passes the batch's count); returns (loss, dloss/dlogits), the latter in logits' memory."""
     n = logits.shape[0]
+    total = n if total is None else total
     rows = np.arange(n)
     logits -= logits.max(axis=-1, keepdims=True)
     target_logits = logits[rows, targets]
     probs = np.exp(logits, out=logits)
     sums = probs.sum(axis=-1, keepdims=True)
-    loss = -float(np.mean(target_logits - np.log(sums[:, 0]), dtype=np.float64))
-    sums *= n
-    probs /= sums  # softmax / n
-    probs[rows, targets] -= probs.dtype.type(1.0 / n)
+    loss = -float(np.sum(target_logits - np.log(sums[:, 0]), dtype=np.float64)) / total
+    sums *= total
+    probs /= sums  # softmax / total
+    probs[rows, targets] -= probs.dtype.type(1.0 / total)
     return loss, probs
+
+
+# --- running a step on several cores -----------------------------------------------------------------------
+
+
+def _blas() -> Any:
+    """threadpoolctl's controller of the BLAS libraries numpy loaded, made once (finding them costs ~1 ms)."""
+    global _BLAS
+    if _BLAS is None:
+        _BLAS = threadpoolctl.ThreadpoolController().select(user_api="blas")
+    return _BLAS
+
+
+_BLAS: Any = None
+
+
+def blas_threads() -> int:
+    """How many threads BLAS may use now (OPENBLAS_NUM_THREADS, threadpoolctl limits): the cores a step uses."""
+    counts = [lib.num_threads for lib in _blas().lib_controllers]
+    return max(counts) if counts else 1
+
+
+# A part of a batch gets at least this many tokens: below it, handing a part to a thread costs about what
+# running it there saves (and tiny test batches keep the numerics of one part).
+MIN_PART_TOKENS = 256
+
+
+def batch_parts(batch: int, seq: int, threads: int) -> list[tuple[int, int]]:
+    """The (start, stop) rows of each part a (batch, seq) batch is split into, at most one part per thread and
+    at least MIN_PART_TOKENS tokens a part: as equal as can be."""
+    parts = max(1, min(batch, threads, batch * seq // MIN_PART_TOKENS))
+    bounds = [batch * i // parts for i in range(parts + 1)]
+    return list(itertools.pairwise(bounds))
 
 
 # --- the model ------------------------------------------------------------------------------------------------
@@ -271,6 +322,15 @@ class Transformer:
     loss and the gradient of every parameter. `params` maps names to arrays; `state_dict()` / `load_state_dict()`
     are the flat `name -> ndarray` view of the model (and, when asked, of the attached trainer) that checkpointing
     uses, and `save_checkpoint` / `load_checkpoint` / `from_checkpoint` read and write SNPX files.
+
+    Cores: `loss` and `loss_and_grads` split the batch into one part per BLAS thread (blas_threads(): the
+    default, OPENBLAS_NUM_THREADS, or a threadpoolctl limit; parts of MIN_PART_TOKENS tokens at least) and run
+    the parts on that many threads at once,
+    each with single-threaded BLAS. The small matmuls and the elementwise work of a step then both use every
+    core, where BLAS threads alone spread only the matmuls, and each of ~60 small matmuls waits for its
+    threads (measured: 0.27x of a plain matmul's FLOP/s with two BLAS threads, docs/BENCHMARKS.md). The
+    parts' losses and gradients are summed in part order, so the same machine and thread count give the same
+    bits; a different thread count rounds differently (within float tolerance).
     """
 
     def __init__(self, vocab_size: int = 1000, dim: int = 128, num_heads: int = 4, num_layers: int = 2,
@@ -281,7 +341,9 @@ class Transformer:
         # Set by training.Trainer: with it, checkpoints can carry optimizer, data position and RNG too.
         self.trainer: TrainingStateOwner | None = None
         self._mask = causal_mask(self.config.max_seq_len, np.dtype(self.config.dtype))
-        self._workspace = Workspace()
+        self._workspaces = [Workspace()]  # one per part of a batch (one per thread)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # threads for parts 1.., made on first use
+        self._pool_threads = 0
 
     @classmethod
     def from_config(cls, config: ModelConfig, *, seed: int = 0) -> Transformer:
@@ -314,9 +376,9 @@ class Transformer:
                 f"(min {array.min()}, max {array.max()})")
         return array
 
-    def _forward(self, tokens: np.ndarray) -> tuple[np.ndarray, list[Any]]:
-        """(B, T) ids -> (B*T, V) logits and the activations the backward pass needs, all in workspace buffers."""
-        c, p, ws = self.config, self.params, self._workspace
+    def _forward(self, tokens: np.ndarray, ws: Workspace) -> tuple[np.ndarray, list[Any]]:
+        """(B, T) ids -> (B*T, V) logits and the activations the backward pass needs, all in `ws`'s buffers."""
+        c, p = self.config, self.params
         dtype = np.dtype(c.dtype)
         batch, seq = tokens.shape
         n, h, hd = batch * seq, c.num_heads, c.head_dim
@@ -362,7 +424,7 @@ class Transformer:
     def forward(self, tokens: Any) -> np.ndarray:
         """Logits of shape (batch, seq, vocab) for integer ids of shape (batch, seq) or (seq,)."""
         ids = self._check_tokens(tokens, "tokens", self.config.max_seq_len)
-        logits, _ = self._forward(ids)
+        logits, _ = self._forward(ids, self._workspaces[0])
         return logits.reshape(ids.shape[0], ids.shape[1], self.config.vocab_size).copy()  # not the workspace
 
     def _split_targets(self, tokens: Any, targets: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -381,23 +443,57 @@ class Transformer:
     def loss(self, tokens: Any, targets: Any = None) -> float:
         """Mean cross-entropy (nats/token). Without targets, predicts tokens[:, 1:] from tokens[:, :-1]."""
         ids, tgt = self._split_targets(tokens, targets)
-        logits, _ = self._forward(ids)
-        loss, _ = softmax_cross_entropy(logits, tgt.reshape(-1))
-        return loss
+        return sum(self._in_parts(ids, tgt, self._part_loss))
 
     def loss_and_grads(self, tokens: Any, targets: Any = None) -> tuple[float, dict[str, np.ndarray]]:
         """The loss (as `loss`) and d loss / d param for every parameter, by a hand-written backward pass.
 
-        The returned gradients are new arrays the caller owns; activations live in the model's workspace.
+        The returned gradients are new arrays the caller owns; activations live in the model's workspaces.
         """
         ids, tgt = self._split_targets(tokens, targets)
-        c, p, ws = self.config, self.params, self._workspace
+        results = self._in_parts(ids, tgt, self._part_loss_and_grads)
+        loss, grads = results[0]
+        for part_loss, part_grads in results[1:]:
+            loss += part_loss
+            for name, grad in part_grads.items():
+                grads[name] += grad
+        return loss, grads
+
+    def _in_parts(self, ids: np.ndarray, tgt: np.ndarray, work: Any) -> list[Any]:
+        """work(ids part, targets part, token total, workspace) for each part of the batch, the parts on their
+        own threads with single-threaded BLAS (see the class docstring); the results in part order."""
+        parts = batch_parts(ids.shape[0], ids.shape[1], blas_threads())
+        total = tgt.size
+        while len(self._workspaces) < len(parts):
+            self._workspaces.append(Workspace())
+        jobs = [(ids[lo:hi], tgt[lo:hi], total, self._workspaces[i]) for i, (lo, hi) in enumerate(parts)]
+        if len(jobs) == 1:
+            return [work(*jobs[0])]
+        if self._pool_threads < len(jobs) - 1:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool = concurrent.futures.ThreadPoolExecutor(len(jobs) - 1, thread_name_prefix="sneppx-model")
+            self._pool_threads = len(jobs) - 1
+        with _blas().limit(limits=1):
+            futures = [self._pool.submit(work, *job) for job in jobs[1:]]
+            first = work(*jobs[0])  # this thread takes the first part
+            return [first] + [f.result() for f in futures]
+
+    def _part_loss(self, ids: np.ndarray, tgt: np.ndarray, total: int, ws: Workspace) -> float:
+        logits, _ = self._forward(ids, ws)
+        loss, _ = softmax_cross_entropy(logits, tgt.reshape(-1), total)
+        return loss
+
+    def _part_loss_and_grads(self, ids: np.ndarray, tgt: np.ndarray, total: int,
+                             ws: Workspace) -> tuple[float, dict[str, np.ndarray]]:
+        """One part's share of the batch's loss and gradients (its tokens' terms over the batch's `total`)."""
+        c, p = self.config, self.params
         dtype = np.dtype(c.dtype)
         batch, seq = ids.shape
         n, h, hd = batch * seq, c.num_heads, c.head_dim
         scale = dtype.type(1.0 / math.sqrt(hd))
-        logits, cache = self._forward(ids)
-        loss, dlogits = softmax_cross_entropy(logits, tgt.reshape(-1))
+        logits, cache = self._forward(ids, ws)
+        loss, dlogits = softmax_cross_entropy(logits, tgt.reshape(-1), total)
         grads: dict[str, np.ndarray] = {}
         d_ln_in = ws("d_ln_in", (n, c.dim), dtype)  # the gradient arriving at a LayerNorm's output
 
@@ -448,8 +544,7 @@ class Transformer:
 
         grads["pos_emb"] = np.zeros_like(p["pos_emb"])
         grads["pos_emb"][:seq] = dx.reshape(batch, seq, c.dim).sum(axis=0)
-        grads["tok_emb"] = np.zeros_like(p["tok_emb"])
-        np.add.at(grads["tok_emb"], ids.reshape(-1), dx)
+        grads["tok_emb"] = embedding_grad(p["tok_emb"], ids.reshape(-1), dx)
         return loss, {name: grads[name] for name in p}
 
     # --- state as flat dicts of arrays (what checkpoints hold) ---

@@ -15,7 +15,7 @@ import secrets
 import shutil
 import stat
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from SneppX_ALG import _native, errors
 
@@ -61,7 +61,9 @@ def parse_set_aside_name(name: str) -> int | None:
 
 @dataclass
 class PendingStep:
-    """A step being written: this rank's shard files go into `local_dir`; nothing is visible until finalize().
+    """A step being written: this rank's shard files go into `local_dir`, or stream to the store through the
+    sinks it handed out (`streamed`, by shard name: S3 uploads them as they are written); nothing is visible
+    until finalize().
 
     `token` names the step in flight for the other ranks of a group (locally, the temporary directory they all
     write into; on S3 nothing: each rank stages its own files); `uploaded` holds what this rank put on the
@@ -72,6 +74,7 @@ class PendingStep:
     token: str = ""
     owner: bool = True  # False for a rank that joined rank 0's step: locally, the directory is not its to remove
     uploaded: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
+    streamed: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 # What one rank wrote of a step, as finalize() checks it: {file name: (size, ETag or "" locally)}.
@@ -113,6 +116,11 @@ class Storage(Protocol):
     def begin(self, step: int) -> PendingStep: ...
 
     def join(self, step: int, token: str) -> PendingStep: ...
+
+    def shard_sink(self, pending: PendingStep, name: str) -> Any:
+        """A checkpoint.file.Sink that streams shard `name` straight to the store, or None: write the file into
+        `pending.local_dir` (upload() puts it up)."""
+        ...
 
     def upload(self, pending: PendingStep, names: list[str]) -> Parts: ...
 

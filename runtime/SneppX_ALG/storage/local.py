@@ -85,6 +85,10 @@ class LocalStorage:
         """The files are in place already (written durably into the temporary directory): their sizes."""
         return {name: (self._size(pending.local_dir, name), "") for name in names}
 
+    def shard_sink(self, pending: base.PendingStep, name: str) -> None:
+        """None: shards are files in the step's temp directory, renamed into place by finalize()."""
+        return None
+
     def _end(self, step: int) -> None:
         self._in_flight.pop(step, None)
         self.lease.release(step)

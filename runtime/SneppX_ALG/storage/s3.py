@@ -4,6 +4,7 @@ compare-and-swap records (conditional PUTs: If-None-Match to create, If-Match on
 from __future__ import annotations
 
 import base64
+import collections
 import concurrent.futures
 import contextlib
 import datetime
@@ -11,6 +12,7 @@ import email.utils
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -51,15 +53,18 @@ def _s3_error(e: Exception, what: str, uri: str) -> errors.StorageError:
 
 
 def _crc32c_b64(data: Any) -> str:
-    return base64.b64encode(_native.crc32c(data).to_bytes(4, "big")).decode()
+    return _b64_crc(_native.crc32c(data))
+
+
+def _b64_crc(crc: int) -> str:
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
 
 
 class S3Storage:
-    """Steps as prefixes in a bucket; shards are written to a local staging directory, then uploaded.
-
-    Why stage to a local file: an SNPX header records sizes known only at the end, and S3 objects are
-    immutable, so the file is finished (and its CRCs known) before upload; parts then go up in parallel
-    straight from the page cache, each with its CRC32C for the server to check.
+    """Steps as prefixes in a bucket; a shard streams up in parts as it is written (StreamingUpload, via
+    shard_sink), or, where it can't (a signed step, a key already taken), is written to a local staging
+    directory, then uploaded: parts go up in parallel straight from the page cache, each with its CRC32C for
+    the server to check.
 
     Every key this object lists, writes or deletes is under `prefix + "/"` (`key()` builds them all), and
     within it only `step-NNNNNNNNN/...`, `.lease-*`, set-aside steps (`.invalid-step-*/...`,
@@ -78,6 +83,10 @@ class S3Storage:
         os.makedirs(self.staging_dir, exist_ok=True)
         self.lease = lease.WriterLease(publish=self._publish_lease, refresh=self._publish_lease,
                                        withdraw=self._withdraw_lease, expiry_s=lease_expiry_s)
+        # Part buffers of streamed uploads, kept from one save to the next (fresh memory costs a page fault
+        # per 4 KiB the first time it is written).
+        self._buffers: list[bytearray] = []
+        self._buffers_lock = threading.Lock()
 
     def key(self, *parts: str) -> str:
         """`<prefix>/<parts joined by "/">` (no prefix: the parts alone)."""
@@ -168,15 +177,22 @@ class S3Storage:
         return self.begin(step)
 
     def upload(self, pending: base.PendingStep, names: list[str]) -> base.Parts:
-        """Puts this rank's files (named in its local_dir) under the step's prefix: {name: (size, ETag)}. They
+        """Puts this rank's files under the step's prefix: {name: (size, ETag)}. A file shard_sink streamed is
+        there already (its finished upload is taken as it is); any other is uploaded from its local_dir. They
         are recorded in pending.uploaded, so abort() takes them back."""
         name = base.step_name(pending.step)
         parts: base.Parts = {}
         for leaf in names:
+            key = self.key(name, leaf)
+            sink = pending.streamed.get(leaf)
+            if sink is not None:
+                if sink.result is None:
+                    raise errors.StorageError(f"s3://{self.bucket}/{key} was not finished", path=self.uri)
+                pending.uploaded[key] = parts[leaf] = sink.result
+                continue
             path = os.path.join(pending.local_dir, leaf)
             if not os.path.isfile(path):
                 raise errors.StorageError(f"{path} was not written", path=path)
-            key = self.key(name, leaf)
             size = os.path.getsize(path)
             etag = self.upload_file(path, key)
             pending.uploaded[key] = parts[leaf] = (size, etag)
@@ -269,19 +285,34 @@ class S3Storage:
         return current[1] if current[0] == body else None
 
     def abort(self, pending: base.PendingStep) -> None:
-        """Drops this rank's part of a step that will not commit: what it uploaded (best effort: cleanup gets
-        the rest once no claim stands), its staging directory, its claim."""
-        uploaded, pending.uploaded = list(pending.uploaded), {}
+        """Drops this rank's part of a step that will not commit: its open streams stopped (uploads aborted),
+        what it put on the server deleted (best effort: cleanup gets the rest once no claim stands), its staging
+        directory, its claim."""
         try:
+            self._stop_streams(pending)
+            name = base.step_name(pending.step)
+            uploaded = set(pending.uploaded) | {self.key(name, shard) for shard, sink in pending.streamed.items()
+                                                if sink.result is not None}
+            pending.uploaded = {}
             with contextlib.suppress(errors.StorageError):
-                self._delete_keys(uploaded)
+                self._delete_keys(sorted(uploaded))
         finally:
             self.leave(pending)
 
     def leave(self, pending: base.PendingStep) -> None:
-        """This rank is done with the step: its staging directory goes, its claim ends; its uploads stay."""
-        base.remove_tree(pending.local_dir)
-        self.lease.release(pending.step)
+        """This rank is done with the step: its staging directory goes, its claim ends; its uploads stay. A
+        stream still open is stopped: it can no longer be part of a commit."""
+        try:
+            self._stop_streams(pending)
+        finally:
+            pending.streamed.clear()
+            base.remove_tree(pending.local_dir)
+            self.lease.release(pending.step)
+
+    @staticmethod
+    def _stop_streams(pending: base.PendingStep) -> None:
+        for sink in pending.streamed.values():
+            sink.abort()  # nothing for a finished one
 
     def _exists(self, key: str) -> bool:
         try:
@@ -354,6 +385,33 @@ class S3Storage:
             raise
         finally:
             os.close(fd)
+
+    def shard_sink(self, pending: base.PendingStep, name: str) -> StreamingUpload | None:
+        """A sink (checkpoint.file.Sink) that uploads shard `name` of a pending step in parts as a writer
+        streams it: no local staging file. upload() reports the finished upload as the shard's.
+
+        None (write a local file, put up by upload() when this rank's part is done) when the step has a marker or a
+        manifest (committed, or being committed: finalize refuses it, and the coordinator may first set a
+        committed step aside, copying its objects) or an object at this shard's key (another writer's, or
+        left by a crash): a shard streamed there would replace it before those checks."""
+        step = base.step_name(pending.step)
+        if any(self._exists(self.key(step, leaf)) for leaf in (base.COMMITTED, base.MANIFEST, name)):
+            return None
+        sink = StreamingUpload(self, self.key(step, name))
+        pending.streamed[name] = sink
+        return sink
+
+    def _take_buffer(self) -> bytearray:
+        with self._buffers_lock:
+            if self._buffers:
+                return self._buffers.pop()
+        return bytearray(self.part_bytes)
+
+    def _give_buffer(self, buffer: bytearray) -> None:
+        """Keeps a part buffer for the next upload (at most threads + 2: what one upload holds at once)."""
+        with self._buffers_lock:
+            if len(self._buffers) < self.threads + 2 and len(buffer) == self.part_bytes:
+                self._buffers.append(buffer)
 
     # -- reading and deleting --
 
@@ -758,3 +816,178 @@ def _s3_errors() -> tuple[type[Exception], ...]:
 def _error_code(e: Exception) -> str:
     response = getattr(e, "response", None) or {}
     return str(response.get("Error", {}).get("Code", ""))
+
+
+class StreamingUpload:
+    """One object uploaded in parts while it is written: a CheckpointWriter's sink (checkpoint.file.Sink).
+
+    Why: staging a shard in a local file and uploading it afterwards costs a local write, an fsync and a
+    read-back, and the upload can't start before the last byte is written; here each part goes up as soon as
+    it is full, from memory, while the writer fills the next (measured in docs/BENCHMARKS.md, "S3 saves").
+
+    The first part is held back until finish(): the SNPX header, at the start, is written last, and the parts
+    of a multipart upload may be sent in any order. Each part's CRC32C is computed as the bytes are copied in
+    (with the CRC the writer gets back for them) and sent for the server to check. Memory: at most
+    `threads` parts in flight, one filling and the first, each `part_bytes`. An object that fits in one part
+    is sent with a single PUT at finish(). finish() completes the upload, the object appearing whole or not at
+    all; a failure aborts the upload (the parts are discarded by the server), as abort() does.
+    """
+
+    def __init__(self, store: S3Storage, key: str):
+        self.store, self.key = store, key
+        self.size = 0
+        self.result: tuple[int, str] | None = None  # (size, ETag) once finish() succeeded
+        self._copier = _native.Copier(-1)
+        self._part = store._take_buffer()  # the part being filled: number self._number
+        self._number, self._fill, self._part_crc = 1, 0, 0
+        self._first: bytearray | None = None  # part 1, once full: held until finish()
+        self._upload_id: str | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._inflight: collections.deque[tuple[concurrent.futures.Future[dict[str, Any]], bytearray]] = (
+            collections.deque())
+        self._parts: list[dict[str, Any]] = []
+        self._done = False
+
+    def append(self, data: Any) -> int:
+        """Copies bytes into the parts (their CRC32C computed as they are copied); returns that CRC."""
+        self._check_open()
+        view = memoryview(data).cast("B") if memoryview(data).format != "B" else memoryview(data)
+        crc = 0
+        while len(view):
+            n = min(len(view), len(self._part) - self._fill)
+            piece_crc = int(self._copier.copy(memoryview(self._part)[self._fill:self._fill + n], view[:n]) or 0)
+            self._part_crc = _native.crc32c_combine(self._part_crc, piece_crc, n)
+            crc = _native.crc32c_combine(crc, piece_crc, n)
+            self._fill += n
+            self.size += n
+            view = view[n:]
+            if self._fill == len(self._part):
+                self._seal()
+        return crc
+
+    def pad(self, alignment: int) -> None:
+        if self.size % alignment:
+            self.append(bytes(alignment - self.size % alignment))
+
+    def pwrite(self, data: Any, offset: int) -> None:
+        """Changes bytes already appended: only in the first part (held back) or the part being filled."""
+        self._check_open()
+        data = bytes(data)
+        end = offset + len(data)
+        if offset < 0 or end > self.size:
+            raise ValueError(f"pwrite of {len(data)} bytes at {offset} is outside the {self.size} bytes written")
+        part_bytes = len(self._part)
+        if end <= part_bytes:
+            target = self._first if self._first is not None else self._part
+            target[offset:end] = data
+            if target is self._part:
+                self._part_crc = _native.crc32c(memoryview(self._part)[:self._fill])
+            return
+        start = (self._number - 1) * part_bytes
+        if offset < start:
+            raise errors.StorageError(f"s3://{self.store.bucket}/{self.key}: bytes at {offset} were uploaded "
+                                      "already and can't be changed", path=self.store.uri)
+        self._part[offset - start:end - start] = data
+        self._part_crc = _native.crc32c(memoryview(self._part)[:self._fill])
+
+    def finish(self) -> None:
+        """Uploads what is left (the last part, then the first) and completes the upload; on failure the upload
+        is aborted and the error raised."""
+        self._check_open()
+        try:
+            if self._first is None:  # one part: a single PUT
+                body = bytes(memoryview(self._part)[:self._fill])
+                self.result = (len(body), self.store._put(self.key, body))
+            else:
+                if self._fill:
+                    self._submit(self._number, self._part, self._fill, self._part_crc)
+                    self._part = bytearray(0)
+                first, self._first = self._first, None  # final now: up alongside the last parts
+                self._submit(1, first, len(first), _native.crc32c(first))
+                while self._inflight:
+                    self._collect(block=True)
+                self._parts.sort(key=lambda p: p["PartNumber"])
+                response = self.store.client.complete_multipart_upload(
+                    Bucket=self.store.bucket, Key=self.key, UploadId=self._upload_id,
+                    MultipartUpload={"Parts": self._parts})
+                self.result = (self.size, str(response["ETag"]))
+        except BaseException as e:
+            self.abort()
+            if isinstance(e, Exception) and not isinstance(e, errors.SneppXError):
+                raise _s3_error(e, f"upload of {self.key}", self.store.uri) from None
+            raise
+        self._close()
+
+    def abort(self) -> None:
+        """Stops the upload: waits for parts in flight, then aborts it on the server (best effort: cleanup()
+        aborts what is left of a writer that is gone)."""
+        if self._done:
+            return
+        for future, _ in self._inflight:
+            with contextlib.suppress(BaseException):
+                future.result()
+        self._inflight.clear()
+        if self._upload_id is not None:
+            with contextlib.suppress(errors.StorageError):
+                self.store._abort_upload(self.key, self._upload_id)
+        self._close()
+
+    def _check_open(self) -> None:
+        if self._done:
+            raise errors.StorageError(f"s3://{self.store.bucket}/{self.key}: this upload is over",
+                                      path=self.store.uri)
+
+    def _close(self) -> None:
+        self._done = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        for buffer in (self._part, self._first):
+            if buffer is not None:
+                self.store._give_buffer(buffer)
+        self._part, self._first = bytearray(0), None
+
+    def _seal(self) -> None:
+        """The part being filled is full: the first is held back, any other goes up; a new part begins."""
+        if self._number == 1:
+            self._first = self._part
+        else:
+            self._submit(self._number, self._part, len(self._part), self._part_crc)
+        self._number += 1
+        self._fill, self._part_crc = 0, 0
+        while len(self._inflight) >= self.store.threads:  # bounded memory: wait for the oldest part
+            self._collect(block=True)
+        self._collect(block=False)
+        self._part = self.store._take_buffer()
+
+    def _start(self) -> None:
+        """Creates the multipart upload (when the second part is needed: a one-part object is one PUT)."""
+        if self._upload_id is not None:
+            return
+        try:
+            self._upload_id = self.store.client.create_multipart_upload(
+                Bucket=self.store.bucket, Key=self.key, ChecksumAlgorithm="CRC32C")["UploadId"]
+        except _s3_errors() as e:
+            raise _s3_error(e, f"start upload of {self.key}", self.store.uri) from None
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.store.threads, thread_name_prefix="sneppx-s3-part")
+
+    def _submit(self, number: int, buffer: bytearray, length: int, crc: int) -> None:
+        self._start()
+        assert self._pool is not None
+        body = buffer if length == len(buffer) else bytes(memoryview(buffer)[:length])  # boto3 takes no views
+        self._inflight.append((self._pool.submit(self._upload_part, number, body, crc), buffer))
+
+    def _collect(self, *, block: bool) -> None:
+        """Takes finished parts off the front of the queue (waiting for the first one when `block`); a failed
+        part raises its error."""
+        while self._inflight and (block or self._inflight[0][0].done()):
+            future, buffer = self._inflight.popleft()
+            self._parts.append(future.result())
+            self.store._give_buffer(buffer)
+            block = False
+
+    def _upload_part(self, number: int, body: bytes | bytearray, crc: int) -> dict[str, Any]:
+        checksum = _b64_crc(crc)
+        response = self.store.client.upload_part(
+            Bucket=self.store.bucket, Key=self.key, UploadId=self._upload_id, PartNumber=number, Body=body,
+            ChecksumAlgorithm="CRC32C", ChecksumCRC32C=checksum)
+        return {"PartNumber": number, "ETag": response["ETag"], "ChecksumCRC32C": checksum}
