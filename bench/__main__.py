@@ -7,7 +7,7 @@ import importlib
 import sys
 
 AREAS = ["crc", "format", "model", "async_save", "signing", "restore", "heartbeat", "comm", "rendezvous",
-         "sharded", "elastic"]
+         "sharded", "operator", "elastic"]
 
 
 def run(argv: list[str]) -> None:

@@ -16,7 +16,17 @@ The environment each rank's containers get (the contract with the in-pod runtime
     SNEPPX_CHECKPOINT_URI               file:///var/lib/sneppx/checkpoints (the PVC's mount) or
                                         s3://bucket/<prefix>, s3://bucket/<namespace>/<job> without one
     SNEPPX_SAVE_EVERY_N_STEPS, SNEPPX_MAX_TO_KEEP, SNEPPX_CHECKPOINT_VALIDATION, SNEPPX_ROLLBACK_DEPTH
+    SNEPPX_RENDEZVOUS_OBJECT            the job's rendezvous ConfigMap (storage/job_object.py); its records
+                                        carry what may change under running pods (pause, node bounds)
+    SNEPPX_POD_NAME                     the agent's id in the rendezvous
+    SNEPPX_MIN_NODES, SNEPPX_MAX_NODES  the node bounds when the pod was made
+    SNEPPX_HANG_TIMEOUT_SECONDS         after this long without a step, agents report a peer hung (0: never)
     AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL   (S3 storage only)
+
+Each job also gets its own ServiceAccount, Role and RoleBinding: the role allows get, watch, update and patch
+on the job's rendezvous ConfigMap (by resourceNames) and nothing else. Rank pods run as that account, and
+only the first container (the agent) gets its token, through a projected volume at the standard path (so
+the Kubernetes client's in-cluster configuration finds it); sidecars and init containers get none.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from SneppX_ALG import errors
+from SneppX_ALG.storage import job_object
 from sneppx_operator import restricted
 
 GROUP = "sneppx.io"
@@ -39,17 +50,24 @@ LABEL_JOB = "sneppx.io/job"
 LABEL_RANK = "sneppx.io/rank"
 LABEL_GENERATION = "sneppx.io/membership-generation"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+COMPONENT_RENDEZVOUS = "rendezvous"
 MANAGED_BY = "sneppx-operator"
 
 HEARTBEAT_KEY = "heartbeat-key"
 HEARTBEAT_DIR = "/var/run/sneppx/heartbeat"
 CHECKPOINT_DIR = "/var/lib/sneppx/checkpoints"
 TMP_DIR = "/tmp"
+TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"  # where in-cluster clients look for it
+TOKEN_EXPIRATION_SECONDS = 3600  # the kubelet renews a projected token at 80% of its life
 # The operator's own volumes; a template that uses these names is refused rather than silently changed.
 VOLUME_HEARTBEAT = "sneppx-heartbeat"
 VOLUME_CHECKPOINTS = "sneppx-checkpoints"
 VOLUME_TMP = "sneppx-tmp"
-RESERVED_VOLUMES = frozenset({VOLUME_HEARTBEAT, VOLUME_CHECKPOINTS, VOLUME_TMP})
+VOLUME_TOKEN = "sneppx-api-token"
+RESERVED_VOLUMES = frozenset({VOLUME_HEARTBEAT, VOLUME_CHECKPOINTS, VOLUME_TMP, VOLUME_TOKEN})
+# The agent's only permissions: its job's rendezvous object, read and compare-and-swap.
+AGENT_VERBS = ("get", "watch", "update", "patch")
 # Env the operator owns; template values for these names are replaced (SNEPPX_* is refused by the CRD).
 OPERATOR_ENV_NAMES = frozenset(
     {
@@ -75,6 +93,11 @@ def secret_name(job_name: str, job_uid: str) -> str:
     operator may not read Secrets (least privilege), so it can't check a Secret's owner the way it checks
     a Service's or a Pod's."""
     return f"{job_name}-heartbeat-{job_uid[:8]}"
+
+
+def agent_name(job_name: str) -> str:
+    """The job's ServiceAccount, Role and RoleBinding (one name for the three)."""
+    return f"{job_name}-agent"
 
 
 def pod_name(job_name: str, rank: int) -> str:
@@ -144,6 +167,76 @@ def build_secret(job_name: str, namespace: str, job_uid: str, heartbeat_key: byt
     }
 
 
+def control_record(spec: Mapping[str, Any], *, paused: bool, reason: str, pod_generation: int) -> job_object.Control:
+    """What the operator tells the agents through the rendezvous object (job_object.CONTROL_KEY)."""
+    elastic, policy = spec["elastic"], spec.get("failurePolicy") or {}
+    return job_object.Control(
+        paused=paused,
+        reason=reason,
+        min_nodes=int(elastic["minNodes"]),
+        max_nodes=int(elastic["maxNodes"]),
+        pod_generation=pod_generation,
+        hang_timeout_seconds=int(policy.get("hangTimeoutSeconds", 1800)),
+    )
+
+
+def build_rendezvous_object(
+    job_name: str, namespace: str, job_uid: str, control: job_object.Control
+) -> dict[str, Any]:
+    """The job's rendezvous ConfigMap (storage/job_object.py), created with the operator's control record; the
+    agents add the rest by compare-and-swap."""
+    labels = {LABEL_COMPONENT: COMPONENT_RENDEZVOUS}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(job_object.object_name(job_name), namespace, job_name, job_uid, labels),
+        "data": {
+            job_object.data_key(job_object.CONTROL_KEY): job_object.encode_value(
+                job_object.CONTROL_KEY, job_object.control_to_json(control)
+            )
+        },
+    }
+
+
+def build_service_account(job_name: str, namespace: str, job_uid: str) -> dict[str, Any]:
+    """The account the job's agents run as. No token is mounted for it unless a pod asks for one by volume
+    (the rank pods' agent container does; nothing else should)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _metadata(agent_name(job_name), namespace, job_name, job_uid),
+        "automountServiceAccountToken": False,
+    }
+
+
+def build_role(job_name: str, namespace: str, job_uid: str) -> dict[str, Any]:
+    """get, watch, update and patch on the job's rendezvous ConfigMap, by name, and nothing else (no list, no
+    create: RBAC can't limit those by name)."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _metadata(agent_name(job_name), namespace, job_name, job_uid),
+        "rules": [
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": [job_object.object_name(job_name)],
+                "verbs": list(AGENT_VERBS),
+            }
+        ],
+    }
+
+
+def build_role_binding(job_name: str, namespace: str, job_uid: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _metadata(agent_name(job_name), namespace, job_name, job_uid),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": agent_name(job_name)},
+        "subjects": [{"kind": "ServiceAccount", "name": agent_name(job_name), "namespace": namespace}],
+    }
+
+
 def checkpoint_uri(job_name: str, namespace: str, spec: Mapping[str, Any]) -> str:
     """Where the ranks keep checkpoints. Without an S3 prefix each job gets its own, <namespace>/<job>:
     jobs sharing a bucket must never see (or retire) each other's steps."""
@@ -163,9 +256,11 @@ def rank_env(
     job_name: str, namespace: str, spec: Mapping[str, Any], rank: int, world_size: int, generation: int
 ) -> list[dict[str, Any]]:
     elastic, checkpoint = spec["elastic"], spec["checkpoint"]
+    policy = spec.get("failurePolicy") or {}
     env = [
         _env("SNEPPX_JOB", job_name),
-        _env("SNEPPX_NAMESPACE", namespace),
+        _env(job_object.ENV_NAMESPACE, namespace),
+        _env(job_object.ENV_POD_NAME, pod_name(job_name, rank)),
         _env("RANK", rank),
         _env("NODE_RANK", rank),
         _env("WORLD_SIZE", world_size),
@@ -179,6 +274,10 @@ def rank_env(
         _env("SNEPPX_MAX_TO_KEEP", checkpoint.get("maxToKeep", 3)),
         _env("SNEPPX_CHECKPOINT_VALIDATION", checkpoint.get("validation", "Full")),
         _env("SNEPPX_ROLLBACK_DEPTH", checkpoint.get("rollbackDepth", 2)),
+        _env(job_object.ENV_OBJECT, job_object.object_name(job_name)),
+        _env(job_object.ENV_MIN_NODES, elastic["minNodes"]),
+        _env(job_object.ENV_MAX_NODES, elastic["maxNodes"]),
+        _env(job_object.ENV_HANG_TIMEOUT, policy.get("hangTimeoutSeconds", 1800)),
     ]
     s3 = checkpoint["storage"].get("s3")
     if s3 is not None:
@@ -225,13 +324,39 @@ def _check_template(pod_spec: Mapping[str, Any]) -> None:
         raise errors.JobSpecError(
             f"spec.template.spec.volumes uses {sorted(taken)}: these names are reserved for the operator's own volumes"
         )
-    reserved_paths = {HEARTBEAT_DIR, CHECKPOINT_DIR, TMP_DIR}
+    account = pod_spec.get("serviceAccountName") or pod_spec.get("serviceAccount")
+    if account:
+        raise errors.JobSpecError(
+            f"spec.template.spec.serviceAccountName is {account!r}: ranks run as the job's own ServiceAccount, "
+            "which may touch only the job's rendezvous object (leave it unset)"
+        )
+    reserved_paths = {HEARTBEAT_DIR, CHECKPOINT_DIR, TMP_DIR, TOKEN_DIR}
     for container in [*(pod_spec.get("initContainers") or []), *pod_spec["containers"]]:
         clash = {m.get("mountPath") for m in container.get("volumeMounts") or []} & reserved_paths
         if clash:
             raise errors.JobSpecError(
                 f"container {container.get('name')!r} mounts {sorted(clash)}: the operator mounts its own volumes there"
             )
+
+
+def _token_volume() -> dict[str, Any]:
+    """What automountServiceAccountToken would mount, as an explicit projected volume: a token that expires
+    and is bound to the pod, the cluster's CA and the namespace."""
+    return {
+        "name": VOLUME_TOKEN,
+        "projected": {
+            "defaultMode": 0o444,
+            "sources": [
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": TOKEN_EXPIRATION_SECONDS}},
+                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                {
+                    "downwardAPI": {
+                        "items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]
+                    }
+                },
+            ],
+        },
+    }
 
 
 def build_pod(
@@ -271,16 +396,24 @@ def build_pod(
         return built
 
     pod_spec["containers"] = [with_rank_env(c) for c in pod_spec["containers"]]
+    # Only the agent (the first container) talks to the API server, so only it gets the token.
+    agent = pod_spec["containers"][0]
+    agent["volumeMounts"] = [
+        {"name": VOLUME_TOKEN, "mountPath": TOKEN_DIR, "readOnly": True},
+        *agent["volumeMounts"],
+    ]
     if pod_spec.get("initContainers"):
         pod_spec["initContainers"] = [
             restricted.with_container_defaults(c) for c in pod_spec["initContainers"]
         ]
-    pod_spec["volumes"] = [*volumes, *(pod_spec.get("volumes") or [])]
+    pod_spec["volumes"] = [*volumes, _token_volume(), *(pod_spec.get("volumes") or [])]
     pod_spec["securityContext"] = restricted.with_pod_defaults(pod_spec.get("securityContext"))
     pod_spec["hostname"] = pod_name(job_name, rank)
     pod_spec["subdomain"] = service_name(job_name)
     pod_spec["restartPolicy"] = "Never"
-    # Ranks don't call the Kubernetes API with the namespace's ServiceAccount (a token is refused below).
+    pod_spec["serviceAccountName"] = agent_name(job_name)
+    # The token goes to the agent container alone, by the projected volume above; automounting would give
+    # it to every container (restricted.check refuses a template that asks for it).
     pod_spec.setdefault("automountServiceAccountToken", False)
     restricted.check(pod_spec, annotations)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}

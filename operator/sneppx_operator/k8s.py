@@ -18,6 +18,7 @@ import kopf
 import kubernetes
 from kubernetes.client import ApiException
 
+from SneppX_ALG.storage import job_object
 from sneppx_operator import builders, reconcile
 
 _lock = threading.Lock()
@@ -44,32 +45,46 @@ def connect() -> None:
         previous.close()
 
 
-def _core() -> kubernetes.client.CoreV1Api:
+def _client() -> kubernetes.client.ApiClient:
     with _lock:
         api = _api
     if api is None:
         connect()
-        return _core()
-    return kubernetes.client.CoreV1Api(api)
+        return _client()
+    return api
 
 
-# What the operator may read (the chart's RBAC): Secrets are not readable, so a Secret's owner can't be
-# checked; the job's Secret carries the job's uid in its name instead (builders.secret_name).
-def _readers(core: kubernetes.client.CoreV1Api) -> dict[str, Any]:
-    return {"Pod": core.read_namespaced_pod, "Service": core.read_namespaced_service}
+def _core() -> kubernetes.client.CoreV1Api:
+    return kubernetes.client.CoreV1Api(_client())
 
 
-def _read_meta(
-    core: kubernetes.client.CoreV1Api, kind: str, namespace: str, name: str
-) -> dict[str, Any] | None:
+def _calls(verb: str) -> dict[str, Any]:
+    """The namespaced create/read/delete call of each kind the operator manages."""
+    core = _core()
+    rbac = kubernetes.client.RbacAuthorizationV1Api(_client())
+    kinds = {
+        "Pod": (core, "pod"),
+        "Service": (core, "service"),
+        "Secret": (core, "secret"),
+        "ConfigMap": (core, "config_map"),
+        "ServiceAccount": (core, "service_account"),
+        "Role": (rbac, "role"),
+        "RoleBinding": (rbac, "role_binding"),
+    }
+    if verb == "read":  # Secrets are not readable (the chart's RBAC): a Secret's name carries the job's uid
+        kinds.pop("Secret")
+    return {kind: getattr(api, f"{verb}_namespaced_{name}") for kind, (api, name) in kinds.items()}
+
+
+def _read_meta(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
     """The object's metadata (camelCase, as in a manifest); None when it is gone."""
     try:
-        found = _readers(core)[kind](name, namespace)
+        found = _calls("read")[kind](name, namespace)
     except ApiException as exc:
         if exc.status == 404:
             return None
         raise
-    return dict(core.api_client.sanitize_for_serialization(found.metadata))
+    return dict(_client().sanitize_for_serialization(found.metadata))
 
 
 def _holder(meta: Mapping[str, Any]) -> str:
@@ -85,25 +100,19 @@ class _NameInUse(Exception):
 
 
 def create(body: Mapping[str, Any]) -> bool:
-    """Create a namespaced Pod, Service or Secret. False when this job's object is already there; raises
+    """Create one of the job's namespaced objects. False when this job's object is already there; raises
     _NameInUse when the name is held by an object the job (the body's controller) doesn't control."""
-    core = _core()
-    creators = {
-        "Pod": core.create_namespaced_pod,
-        "Service": core.create_namespaced_service,
-        "Secret": core.create_namespaced_secret,
-    }
     kind, namespace, name = str(body["kind"]), body["metadata"]["namespace"], body["metadata"]["name"]
     try:
-        creators[kind](namespace, dict(body))
+        _calls("create")[kind](namespace, dict(body))
     except ApiException as exc:
         if exc.status != 409:
             raise
     else:
         return True
-    if kind not in _readers(core):  # a Secret: its name carries the job's uid
+    if kind not in _calls("read"):  # a Secret: its name carries the job's uid
         return False
-    existing = _read_meta(core, kind, namespace, name)
+    existing = _read_meta(kind, namespace, name)
     job_uid = reconcile.controller_uid(body["metadata"])
     if existing is not None and reconcile.controller_uid(existing) != job_uid:
         raise _NameInUse(_holder(existing))
@@ -111,29 +120,86 @@ def create(body: Mapping[str, Any]) -> bool:
 
 
 def delete(namespace: str, action: reconcile.Delete) -> bool:
-    """Delete a namespaced Pod, Service or Secret the job controls. False when it is already gone or isn't
-    the job's: a readable object is checked first, and its uid goes into the delete's preconditions so an
-    object recreated under the same name in between is left alone."""
-    core = _core()
-    deleters = {
-        "Pod": core.delete_namespaced_pod,
-        "Service": core.delete_namespaced_service,
-        "Secret": core.delete_namespaced_secret,
-    }
+    """Delete one of the job's namespaced objects. False when it is already gone or isn't the job's: a
+    readable object is checked first, and its uid goes into the delete's preconditions so an object
+    recreated under the same name in between is left alone. A forced delete has no grace period (a pod
+    whose kubelet is gone: the API server removes it at once)."""
     uid = action.uid
-    if uid is None and action.kind in _readers(core):
-        existing = _read_meta(core, action.kind, namespace, action.name)
+    if uid is None and action.kind in _calls("read"):
+        existing = _read_meta(action.kind, namespace, action.name)
         if existing is None or reconcile.controller_uid(existing) != action.owner_uid:
             return False
         uid = existing.get("uid")
-    options = kubernetes.client.V1DeleteOptions(preconditions=kubernetes.client.V1Preconditions(uid=uid))
+    options = kubernetes.client.V1DeleteOptions(
+        preconditions=kubernetes.client.V1Preconditions(uid=uid) if uid else None,
+        grace_period_seconds=0 if action.force else None,
+    )
     try:
-        deleters[action.kind](action.name, namespace, body=options if uid else None)
+        _calls("delete")[action.kind](action.name, namespace, body=options)
     except ApiException as exc:
         if exc.status in (404, 409):  # gone, or (409) a different object now holds the name
             return False
         raise
     return True
+
+
+def put_records(namespace: str, action: reconcile.PutRecords) -> bool:
+    """Write the operator's records into the job's rendezvous ConfigMap (a merge patch of those entries only,
+    so the agents' records beside them are untouched). The object's uid is the patch's precondition: a
+    ConfigMap recreated under the name by someone else is never written."""
+    existing = _read_meta("ConfigMap", namespace, action.name)
+    if existing is None or reconcile.controller_uid(existing) != action.owner_uid:
+        return False
+    data = {
+        job_object.data_key(key): None if value is None else job_object.encode_value(key, value)
+        for key, value in action.records
+    }
+    patch = {"metadata": {"uid": existing.get("uid")}, "data": data}
+    try:
+        _core().patch_namespaced_config_map(
+            action.name, namespace, patch, _content_type="application/merge-patch+json"
+        )
+    except ApiException as exc:
+        if exc.status in (404, 409):
+            return False
+        raise
+    return True
+
+
+def delete_job(namespace: str, action: reconcile.DeleteJob) -> bool:
+    """Delete the ElasticTrainingJob itself (its TTL ran out), only while it is the object with that uid."""
+    options = kubernetes.client.V1DeleteOptions(preconditions=kubernetes.client.V1Preconditions(uid=action.uid))
+    try:
+        kubernetes.client.CustomObjectsApi(_client()).delete_namespaced_custom_object(
+            builders.GROUP, builders.VERSION, namespace, builders.PLURAL, action.name, body=options
+        )
+    except ApiException as exc:
+        if exc.status in (404, 409):
+            return False
+        raise
+    return True
+
+
+def patch_job_status(namespace: str, name: str, uid: str, patch: Mapping[str, Any]) -> None:
+    """Merge the changed status fields into the job's status subresource, only while it is the job with
+    that uid (a job deleted and recreated under the name in between is left alone: 409)."""
+    if not patch:
+        return
+    body = {"metadata": {"uid": uid}, "status": dict(patch)}
+    kubernetes.client.CustomObjectsApi(_client()).patch_namespaced_custom_object_status(
+        builders.GROUP, builders.VERSION, namespace, builders.PLURAL, name, body,
+        _content_type="application/merge-patch+json",
+    )
+
+
+def _carry_out(namespace: str, action: reconcile.Action) -> bool:
+    if isinstance(action, reconcile.Create):
+        return create(action.body)
+    if isinstance(action, reconcile.PutRecords):
+        return put_records(namespace, action)
+    if isinstance(action, reconcile.DeleteJob):
+        return delete_job(namespace, action)
+    return delete(namespace, action)
 
 
 def apply(namespace: str, actions: Iterable[reconcile.Action]) -> reconcile.Outcome:
@@ -142,9 +208,7 @@ def apply(namespace: str, actions: Iterable[reconcile.Action]) -> reconcile.Outc
     done: list[reconcile.Action] = []
     for action in actions:
         try:
-            changed = (
-                create(action.body) if isinstance(action, reconcile.Create) else delete(namespace, action)
-            )
+            changed = _carry_out(namespace, action)
         except _NameInUse as clash:
             refusal = reconcile.Refusal(action, 409, "name in use", name_in_use=True, holder=clash.holder)
             return reconcile.Outcome(tuple(done), refusal)

@@ -1,16 +1,25 @@
-"""Pure reconciliation: (job spec, observed pods) -> the actions to take and the status to write.
+"""Pure reconciliation: (job spec, observed pods, nodes and rendezvous object) -> the actions to take and the
+status to write.
 
-Why pure: every decision the operator makes (which pods to create or delete, which phase and conditions
-to report, what to do when the API server refuses something) is tested here without a cluster, and the
-same function serves every trigger (create, update, resume, the periodic resync): level-triggered, so a
-missed event is repaired on the next pass.
+Why pure: every decision the operator makes (which pods to create, delete or force-delete, when a rank is
+restarted and whether that counts, when the job pauses, fails or is done, which phase and conditions to
+report, what to do when the API server refuses something) is tested here without a cluster, and the same
+function serves every trigger: level-triggered, so a missed event is repaired on the next pass.
 
-Call order (see handlers.py): observe pods (an index kopf keeps) -> plan() -> k8s.apply() the actions ->
-settle() what happened into the status to write, the events to post and whether to retry.
+Call order (see handlers.py): observe pods, nodes and the rendezvous object (indexes kopf keeps) -> plan() ->
+k8s.apply() the actions -> settle() what happened into the status to write, the events to post, the restarts
+to count and when to look again.
 
 Ownership: the job acts only on objects whose controller ownerReference carries its uid. A pod with the
 job's labels but another controller is neither counted nor deleted; a name held by someone else's object
 is reported (condition ResourceFailure, reason NameInUse) and never taken over.
+
+Lifecycle (docs/OPERATOR.md has it for users): each rank has a slot, a pod named <job>-<rank>, in the current
+pod generation (`membershipGeneration`, one world size). A slot whose pod failed, was evicted or deleted, sits
+on a NotReady node or was reported hung by an agent is restarted: its pod is deleted and, once the name is free
+and the restart delay has passed, a replacement is created. A pod stuck Terminating past
+terminatingPodTimeoutSeconds is force-deleted. Each restart is counted once (by the uid of the pod it
+replaces) against maxRestarts unless an Ignore rule says otherwise. Quorum is counted over healthy slots.
 """
 
 from __future__ import annotations
@@ -21,12 +30,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from SneppX_ALG import errors
-from sneppx_operator import builders
+from SneppX_ALG.storage import job_object
+from sneppx_operator import builders, policy
 
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 ACTIVE_POD_PHASES = frozenset({"Pending", "Running", "Unknown"})
 REASON_INVALID_SPEC = "InvalidSpec"
-REASON_RANKS_FAILED = "RanksFailed"
+REASON_BUDGET_EXHAUSTED = "RestartBudgetExhausted"
+REASON_EXIT_CODE_RULE = "ExitCodeRule"
+REASON_QUORUM_LOST = "QuorumLost"
+REASON_DEADLINE = "DeadlineExceeded"
 # Like a ReplicaSet's ReplicaFailure: True while an object the job needs can't be created or deleted.
 CONDITION_RESOURCE_FAILURE = "ResourceFailure"
 REASON_NAME_IN_USE = "NameInUse"
@@ -34,6 +47,8 @@ REASON_FAILED_CREATE = "FailedCreate"
 REASON_FAILED_DELETE = "FailedDelete"
 # The API server's answers that no retry can change: the object itself is invalid.
 SPEC_REJECTED_CODES = frozenset({400, 422})
+MAX_HISTORY = 32  # status.restartHistory keeps the most recent restarts
+MAX_PROBLEMS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +61,9 @@ class Job:
     status: Mapping[str, Any]
 
     @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> Job:
+    def from_body(cls, body: Mapping[str, Any], status: Mapping[str, Any] | None = None) -> Job:
+        """`status` replaces the body's when given: the operator's own last write, newer than a watch event
+        that has not arrived yet."""
         meta = body["metadata"]
         return cls(
             name=meta["name"],
@@ -54,8 +71,15 @@ class Job:
             uid=meta["uid"],
             generation=int(meta.get("generation", 0)),
             spec=body.get("spec") or {},
-            status=body.get("status") or {},
+            status=status if status is not None else (body.get("status") or {}),
         )
+
+
+def parse_time(text: Any) -> datetime.datetime | None:
+    try:
+        return job_object.parse_time(text)
+    except ValueError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +97,8 @@ class ObservedPod:
     controller_uid: str | None = None  # the uid in its controller ownerReference: which job owns it
     exit_code: int | None = None  # the training container's, once it has terminated
     reason: str | None = None  # why it ended (OOMKilled, Error, Evicted), when the kubelet says
+    deleted_at: datetime.datetime | None = None  # deletionTimestamp: when its grace period ends
+    created_at: datetime.datetime | None = None
 
 
 def controller_uid(meta: Mapping[str, Any]) -> str | None:
@@ -106,6 +132,8 @@ def observe_pod(
         controller_uid=controller_uid(meta),
         exit_code=exit_code,
         reason=reason or status.get("reason"),
+        deleted_at=parse_time(meta.get("deletionTimestamp")),
+        created_at=parse_time(meta.get("creationTimestamp")),
     )
 
 
@@ -124,6 +152,35 @@ def _training_container_end(
 
 
 @dataclasses.dataclass(frozen=True)
+class ObservedNode:
+    name: str
+    ready: bool
+    since: datetime.datetime | None = None  # when its Ready condition last changed
+
+
+def observe_node(name: str, status: Mapping[str, Any]) -> ObservedNode:
+    """A node is ready while its Ready condition is True (False: the kubelet says so; Unknown: it went silent
+    and the node controller noticed)."""
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    if ready is None:
+        return ObservedNode(name, True)
+    return ObservedNode(name, ready.get("status") == "True", parse_time(ready.get("lastTransitionTime")))
+
+
+@dataclasses.dataclass(frozen=True)
+class ObservedObject:
+    """The job's rendezvous ConfigMap as the operator sees it."""
+
+    uid: str
+    controller_uid: str | None
+    view: job_object.View
+
+
+def observe_rendezvous(meta: Mapping[str, Any], data: Mapping[str, str] | None) -> ObservedObject:
+    return ObservedObject(str(meta.get("uid") or ""), controller_uid(meta), job_object.read_view(data))
+
+
+@dataclasses.dataclass(frozen=True)
 class Create:
     body: Mapping[str, Any]
 
@@ -139,15 +196,36 @@ class Create:
 @dataclasses.dataclass(frozen=True)
 class Delete:
     """Delete an object only while `owner_uid` (the job) controls it; `uid`, when known, is sent as the
-    delete's precondition so an object replaced under the same name is never the one deleted."""
+    delete's precondition so an object replaced under the same name is never the one deleted. `force`
+    deletes with a grace period of 0 (a pod whose kubelet is gone or stuck)."""
 
     kind: str
     name: str
     owner_uid: str
     uid: str | None = None
+    force: bool = False
 
 
-Action = Create | Delete
+@dataclasses.dataclass(frozen=True)
+class PutRecords:
+    """Write (or, with None, remove) records of the job's rendezvous object, by record key."""
+
+    name: str
+    owner_uid: str
+    records: tuple[tuple[str, Mapping[str, Any] | None], ...]
+    kind: str = "ConfigMap"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeleteJob:
+    """Delete the job itself (ttlSecondsAfterFinished), only while it is still the object with `uid`."""
+
+    name: str
+    uid: str
+    kind: str = builders.KIND
+
+
+Action = Create | Delete | PutRecords | DeleteJob
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +258,26 @@ class Event:
 
 
 @dataclasses.dataclass(frozen=True)
+class Restart:
+    """A restart the plan decided: the failure, whether it counts, and the delete that carries it out (None
+    when the pod is already gone: it counts at once)."""
+
+    failure: policy.Failure
+    generation: int
+    counted: bool
+    why: str
+    pod_uid: str = ""
+    action: Action | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     actions: tuple[Action, ...]
     status: dict[str, Any]
+    restarts: tuple[Restart, ...] = ()
+    events: tuple[Event, ...] = ()
+    wake_after: float | None = None  # seconds until a time-based decision is due (backoff, windows, TTL)
+    recovered_after: float | None = None  # seconds from the last restart to every rank healthy again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,18 +289,21 @@ class Settled:
     events: list[Event]
     error: str | None = None
     retryable: bool = True
+    restarts: tuple[dict[str, Any], ...] = ()  # the restarts that took effect (restartHistory entries)
+    wake_after: float | None = None
+    recovered_after: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Membership:
-    """The membership generation the job's pods belong to and its world size (WORLD_SIZE in every pod)."""
+    """The pod generation the job's pods belong to and its world size (WORLD_SIZE in every pod)."""
 
     generation: int
     world_size: int
 
 
 def timestamp(now: datetime.datetime) -> str:
-    return now.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return job_object.timestamp(now)
 
 
 def condition(
@@ -235,28 +333,26 @@ def find_condition(status: Mapping[str, Any], type_: str) -> Mapping[str, Any] |
     return next((c for c in status.get("conditions") or [] if c.get("type") == type_), None)
 
 
-def quorum(ready: int, desired: int, min_healthy_percent: int) -> tuple[int, bool]:
-    """(healthy percent, met). Met means at least min_healthy_percent of desired, which is > half."""
-    if desired <= 0:
-        return 0, False
-    return ready * 100 // desired, ready * 100 >= min_healthy_percent * desired
+quorum = policy.quorum
 
 
-def next_membership(spec: Mapping[str, Any], status: Mapping[str, Any]) -> Membership:
+def next_membership(spec: Mapping[str, Any], status: Mapping[str, Any], *, group_restart: bool = False) -> Membership:
     """The generation the job's pods must carry now, and its world size.
 
     A generation's world size never changes: every pod of generation g was started with the same
     WORLD_SIZE, so a pod is never created (or kept) with another size under the same generation. When
     the size the spec asks for differs from the current generation's (maxNodes edited, suspend, resume),
-    the next generation starts and the pods of the old one are replaced. The elastic lifecycle (agents
-    re-forming with the ranks that are alive, restarts) decides generations here too, from more inputs.
+    or the whole group restarts (quorum lost with actionOnLoss RestartGroup), the next generation starts and
+    the pods of the old one are replaced. A single rank's restart keeps the generation: its replacement has
+    the same size. (Inside the pods the agents number their own membership generations; rank 0 reports
+    theirs in status.rendezvous.)
     """
     world_size = 0 if spec.get("suspend", False) else int(spec["elastic"]["maxNodes"])
     generation = int(status.get("membershipGeneration") or 0)
     if generation == 0:
         return Membership(1, world_size)
     current = int(status.get("worldSize") or 0)
-    if current == world_size:
+    if current == world_size and not group_restart:
         return Membership(generation, world_size)
     return Membership(generation + 1, world_size)
 
@@ -282,83 +378,326 @@ def _rejected_spec(job: Job) -> str | None:
     return None
 
 
-def plan(job: Job, pods: Sequence[ObservedPod], *, now: datetime.datetime, heartbeat_key: bytes) -> Plan:
-    """Decide what to create or delete and what status to report for one job."""
+# ---- one pass --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Pass:
+    """What one plan() works out, slot by slot, before the phase is decided."""
+
+    actions: list[Action] = dataclasses.field(default_factory=list)
+    restarts: list[Restart] = dataclasses.field(default_factory=list)
+    ranks: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    healthy: int = 0
+    succeeded: int = 0
+    replacing: list[int] = dataclasses.field(default_factory=list)
+    missing: list[int] = dataclasses.field(default_factory=list)  # slots to create a pod for now
+    waiting: list[int] = dataclasses.field(default_factory=list)  # slots whose name an older pod still holds
+    pod_phases: dict[int, str] = dataclasses.field(default_factory=dict)  # of pods this pass restarts
+    fail_job: str | None = None  # an exit-code rule said FailJob: the message
+    wake: list[float] = dataclasses.field(default_factory=list)
+    put: dict[str, Mapping[str, Any] | None] = dataclasses.field(default_factory=dict)
+
+
+def _history_uids(status: Mapping[str, Any]) -> set[str]:
+    return {str(h["podUid"]) for h in status.get("restartHistory") or [] if h.get("podUid")}
+
+
+def _last_restart_at(status: Mapping[str, Any]) -> datetime.datetime | None:
+    history = status.get("restartHistory") or []
+    return parse_time(history[-1].get("time")) if history else None
+
+
+def _lost_message(pod: ObservedPod | None, node: ObservedNode | None) -> tuple[str, str]:
+    """(restart reason, what happened) for a pod that left without the operator deleting it."""
+    if node is not None and not node.ready:
+        return policy.NODE_NOT_READY, f"was on node {node.name}, which is NotReady"
+    if pod is not None and pod.reason == "Evicted":
+        return policy.EVICTED, "was evicted"
+    return policy.POD_DELETED, "was deleted"
+
+
+def _slots(
+    job: Job,
+    membership: Membership,
+    pods: Sequence[ObservedPod],
+    nodes: Mapping[str, ObservedNode],
+    rendezvous: ObservedObject | None,
+    now: datetime.datetime,
+) -> _Pass:
+    """Walk every rank slot of the current generation: what it holds, what to do about it."""
+    spec, previous = job.spec, job.status
+    work = _Pass()
+    mine = [p for p in pods if p.controller_uid == job.uid]
+    same_generation = int(previous.get("membershipGeneration") or 0) == membership.generation
+    before = {int(r["rank"]): r for r in previous.get("ranks") or []} if same_generation else {}
+    accounted = _history_uids(previous)
+    hung = {h.pod: h for h in (rendezvous.view.hung if rendezvous else ())}
+    window = policy.terminating_timeout_seconds(spec)
+
+    for pod in mine:  # a pod stuck Terminating past the window is force-deleted, whatever its slot
+        if not pod.terminating:
+            continue
+        node = nodes.get(pod.node or "")
+        since = [t for t in (pod.deleted_at, node.since if node and not node.ready else None) if t]
+        due = min(since) + datetime.timedelta(seconds=window) if since else None
+        if due is not None and now >= due:
+            work.actions.append(Delete("Pod", pod.name, job.uid, pod.uid or None, force=True))
+        elif due is not None:
+            work.wake.append((due - now).total_seconds())
+
+    for rank in range(membership.world_size):
+        name = builders.pod_name(job.name, rank)
+        holders = [p for p in mine if p.name == name]
+        live = next(
+            (p for p in holders if not p.terminating and p.generation == membership.generation), None
+        )
+        terminating = next((p for p in holders if p.terminating), None)
+        known = before.get(rank) or {}
+        entry: dict[str, Any] = {"rank": rank, "pod": name}
+
+        if live is None:
+            gone_uid = str(known.get("uid") or "")
+            if gone_uid and gone_uid not in accounted:  # it left without the operator deleting it
+                node = nodes.get(str(known.get("node") or ""))
+                lost = terminating if terminating is not None and terminating.uid == gone_uid else None
+                reason, message = _lost_message(lost, node)
+                failure = policy.Failure(rank, name, reason, message)
+                verdict = policy.verdict(spec, failure)
+                work.restarts.append(
+                    Restart(failure, membership.generation, verdict.counted, verdict.why, gone_uid)
+                )
+                known = {"phase": "Replacing"}
+            if known.get("phase") == "Succeeded":
+                entry |= {"phase": "Succeeded", "ready": False}
+                work.succeeded += 1
+            elif any(p.name == name for p in mine):  # the old pod still holds the name
+                replacing = known.get("phase") == "Replacing"
+                entry |= {"phase": "Replacing" if replacing else "Pending", "ready": False}
+                (work.replacing if replacing else work.waiting).append(rank)
+            else:
+                replacing = known.get("phase") == "Replacing"
+                entry |= {"phase": "Replacing" if replacing else "Pending", "ready": False}
+                if replacing:
+                    work.replacing.append(rank)
+                work.missing.append(rank)
+            work.ranks[rank] = entry
+            continue
+
+        entry |= _rank_status(live)
+        node = nodes.get(live.node or "")
+        failure: policy.Failure | None = None
+        if live.phase == "Succeeded":
+            work.succeeded += 1
+        elif live.phase == "Failed":
+            how = "was evicted" if live.reason == "Evicted" else "failed"
+            reason = policy.EVICTED if live.reason == "Evicted" else policy.POD_FAILED
+            failure = policy.Failure(rank, name, reason, how + (f" ({live.reason})" if live.reason else ""),
+                                     live.exit_code)
+        elif node is not None and not node.ready:
+            failure = policy.Failure(rank, name, policy.NODE_NOT_READY, f"is on node {node.name}, which is NotReady")
+        elif live.name in hung and _is_current_report(hung[live.name], live):
+            report = hung[live.name]
+            failure = policy.Failure(
+                rank, name, policy.HANG,
+                f"made no progress for {report.silent_seconds:.0f}s (reported by {report.reported_by})",
+            )
+        elif live.phase == "Running" and live.ready:
+            work.healthy += 1
+
+        if failure is not None:
+            verdict = policy.verdict(spec, failure)
+            if verdict.action == policy.FAIL_JOB:
+                work.fail_job = f"{policy.describe(failure)}, and {verdict.why} ends the job"
+            elif live.uid not in accounted:
+                delete = Delete("Pod", live.name, job.uid, live.uid or None)
+                work.actions.append(delete)
+                work.restarts.append(
+                    Restart(failure, membership.generation, verdict.counted, verdict.why, live.uid, delete)
+                )
+                entry["phase"] = "Replacing"
+                work.replacing.append(rank)
+                work.pod_phases[rank] = live.phase
+            else:  # already restarted; the delete may not have reached this index yet
+                work.actions.append(Delete("Pod", live.name, job.uid, live.uid or None))
+                entry["phase"] = "Replacing"
+                work.replacing.append(rank)
+        work.ranks[rank] = entry
+
+    for record in hung.values():  # every hung report is acted on (above) or stale: it goes either way
+        work.put[job_object.hung_key(record.pod)] = None
+    return work
+
+
+def _is_current_report(report: job_object.HungRank, pod: ObservedPod) -> bool:
+    """A hang report names a pod by name; one made before this pod existed was about its predecessor."""
+    reported = parse_time(report.reported_at)
+    return reported is not None and (pod.created_at is None or reported >= pod.created_at)
+
+
+def plan(
+    job: Job,
+    pods: Sequence[ObservedPod],
+    *,
+    now: datetime.datetime,
+    heartbeat_key: bytes,
+    nodes: Mapping[str, ObservedNode] | None = None,
+    rendezvous: ObservedObject | None = None,
+) -> Plan:
+    """Decide what to create, delete or write and what status to report for one job."""
     previous = job.status
     if _is_terminal(previous):
-        return Plan((), {})
+        return _plan_finished(job, pods, now)
     spec = job.spec
+    nodes = nodes or {}
     suspended = bool(spec.get("suspend", False))
     membership = next_membership(spec, previous)
-    desired = membership.world_size
     min_nodes = int(spec["elastic"]["minNodes"])
-    min_healthy = int((spec.get("quorum") or {}).get("minHealthyPercent", 51))
+    min_healthy, on_loss = policy.quorum_settings(spec)
+    work = _slots(job, membership, pods, nodes, rendezvous, now)
+    restart_count = int(previous.get("restartCount") or 0)
+    counted = sum(1 for r in work.restarts if r.counted)
+    budget = policy.max_restarts(spec)
+    events: list[Event] = []
 
-    # Only pods this job controls count; a look-alike with the job's labels is someone else's.
-    live = [p for p in pods if not p.terminating and p.controller_uid == job.uid]
-    current: dict[int, ObservedPod] = {}
-    stale: list[ObservedPod] = []  # older generations, ranks above the desired size, or all when suspended
-    for pod in sorted(live, key=lambda p: (p.rank, p.name)):
-        if pod.generation == membership.generation and pod.rank < desired and pod.rank not in current:
-            current[pod.rank] = pod
+    desired = membership.world_size
+    # A rank that finished is not a lost one: it counts toward quorum, not toward readyNodes.
+    healthy_percent, quorum_met = quorum(work.healthy + work.succeeded, desired, min_healthy)
+    previous_quorum = find_condition(previous, "QuorumMet") or {}
+    had_quorum = previous_quorum.get("status") == "True" or previous.get("phase") == "Paused"
+    quorum_lost = had_quorum and not quorum_met and desired > 0
+    failed_reason: str | None = None
+    failed_message = ""
+    if quorum_lost and previous_quorum.get("status") == "True":
+        events.append(Event("Warning", REASON_QUORUM_LOST, _quorum_message(work.healthy, desired, min_healthy)
+                            + f"; actionOnLoss is {on_loss}"))
+    if quorum_lost and on_loss == "RestartGroup" and not suspended and work.fail_job is None:
+        group = policy.Failure(-1, "", policy.QUORUM_LOST, _quorum_message(work.healthy, desired, min_healthy))
+        if restart_count + 1 > budget:
+            failed_reason, failed_message = REASON_BUDGET_EXHAUSTED, _budget_message(budget, [group])
         else:
-            stale.append(pod)
-    missing = [rank for rank in range(desired) if rank not in current]
+            membership = next_membership(spec, previous, group_restart=True)
+            work = _slots(job, membership, pods, nodes, rendezvous, now)
+            work.restarts = [Restart(group, membership.generation - 1, True, "quorum.actionOnLoss RestartGroup")]
+            counted, quorum_lost = 1, False
+            healthy_percent, quorum_met = quorum(0, membership.world_size, min_healthy)
+    elif quorum_lost and on_loss == "Fail" and not suspended:
+        failed_reason = REASON_QUORUM_LOST
+        failed_message = _quorum_message(work.healthy, desired, min_healthy) + " and quorum.actionOnLoss is Fail"
 
+    if work.fail_job is not None:
+        failed_reason, failed_message = REASON_EXIT_CODE_RULE, work.fail_job
+    elif failed_reason is None and counted and restart_count + counted > budget:
+        failed_reason = REASON_BUDGET_EXHAUSTED
+        failed_message = _budget_message(budget, [r.failure for r in work.restarts if r.counted])
+    deadline = spec.get("activeDeadlineSeconds")
+    started = parse_time(previous.get("startTime"))
+    if failed_reason is None and deadline and started is not None and not suspended:
+        due = started + datetime.timedelta(seconds=int(deadline))
+        if now >= due:
+            failed_reason = REASON_DEADLINE
+            failed_message = f"the job ran longer than spec.activeDeadlineSeconds ({deadline}s, since {timestamp(started)})"
+        else:
+            work.wake.append((due - now).total_seconds())
+
+    live = [p for p in pods if not p.terminating and p.controller_uid == job.uid]
+    stale = [p for p in sorted(live, key=lambda p: (p.rank, p.name))
+             if p.generation != membership.generation or p.rank >= membership.world_size]
     actions: list[Action] = [Delete("Pod", p.name, job.uid, p.uid or None) for p in stale]
+    if failed_reason is not None:  # nothing more starts; the ranks still running stop
+        work.restarts, work.missing = [], []
+        for rank, phase_was in work.pod_phases.items():
+            work.ranks[rank]["phase"] = phase_was
+        actions = [Delete("Pod", p.name, job.uid, p.uid or None) for p in live if p.phase in ACTIVE_POD_PHASES]
+    else:
+        actions += work.actions
+
     invalid = _rejected_spec(job)
-    if missing and invalid is None:
+    resources: list[Action] = []
+    new_pods: list[Action] = []
+    creatable = [r for r in work.missing if failed_reason is None]
+    last_restart = _last_restart_at(previous)
+    if work.restarts:
+        last_restart = now
+    if creatable and last_restart is not None and (restart_count + counted) > 0:
+        ready_at = last_restart + datetime.timedelta(
+            seconds=policy.restart_delay_seconds(spec, restart_count + counted)
+        )
+        if now < ready_at:  # the restart delay: replacements wait
+            work.wake.append((ready_at - now).total_seconds())
+            creatable = []
+    if creatable and invalid is None:
         try:
             new_pods = [
-                builders.build_pod(
-                    job.name, job.namespace, job.uid, spec, rank, desired, membership.generation
-                )
-                for rank in missing
+                Create(builders.build_pod(job.name, job.namespace, job.uid, spec, rank, membership.world_size,
+                                          membership.generation))
+                for rank in creatable
             ]
         except errors.JobSpecError as exc:
-            invalid = str(exc)
+            invalid, new_pods = str(exc), []
         else:
-            # The Service and Secret go first: pods mount the Secret and resolve rank 0 through the Service.
-            # Creating them whenever a pod is missing repairs them too, at no cost in the steady state.
-            actions.append(Create(builders.build_service(job.name, job.namespace, job.uid, spec)))
-            actions.append(Create(builders.build_secret(job.name, job.namespace, job.uid, heartbeat_key)))
-            actions.extend(Create(body) for body in new_pods)
+            # Everything the pods need goes first: they mount the Secret, resolve rank 0 through the Service
+            # and run as the job's ServiceAccount. Creating these whenever a pod is missing repairs them too.
+            resources = [
+                Create(builders.build_service(job.name, job.namespace, job.uid, spec)),
+                Create(builders.build_secret(job.name, job.namespace, job.uid, heartbeat_key)),
+                Create(builders.build_service_account(job.name, job.namespace, job.uid)),
+                Create(builders.build_role(job.name, job.namespace, job.uid)),
+                Create(builders.build_role_binding(job.name, job.namespace, job.uid)),
+            ]
 
-    ready = sum(1 for p in current.values() if p.ready)
-    finished = desired > 0 and not missing and not any(p.phase in ACTIVE_POD_PHASES for p in current.values())
-    failed = [p for _, p in sorted(current.items()) if p.phase == "Failed"] if finished else []
-
+    finished = desired > 0 and work.succeeded == desired
+    recovering = bool(work.replacing) or (previous.get("phase") == "Restarting" and work.healthy < desired)
     if invalid is not None:
         phase, ready_reason, ready_message = "Failed", REASON_INVALID_SPEC, invalid
     elif suspended:
         phase, ready_reason, ready_message = "Suspended", "Suspended", "spec.suspend is true: no pods run"
-    elif failed:
-        phase, ready_reason, ready_message = "Failed", REASON_RANKS_FAILED, _ranks_failed(membership, failed)
+    elif failed_reason is not None:
+        phase, ready_reason, ready_message = "Failed", failed_reason, failed_message
     elif finished:
         phase, ready_reason, ready_message = "Succeeded", "Succeeded", "every rank exited successfully"
-    elif missing:
-        phase, ready_reason, ready_message = "Creating", "CreatingPods", f"creating pods for ranks {missing}"
-    elif ready >= min_nodes and quorum(ready, desired, min_healthy)[1]:
-        phase, ready_reason, ready_message = "Running", "Running", f"{ready} of {desired} nodes ready"
+    elif quorum_lost and on_loss == "Pause":
+        phase, ready_reason, ready_message = (
+            "Paused", REASON_QUORUM_LOST,
+            _quorum_message(work.healthy, desired, min_healthy) + ": training is paused until it returns",
+        )
+    elif recovering:
+        phase, ready_reason, ready_message = (
+            "Restarting", "Restarting", f"replacing the pods of ranks {sorted(set(work.replacing))}"
+            if work.replacing else f"{work.healthy} of {desired} nodes ready after a restart",
+        )
+    elif work.missing or work.waiting:
+        phase, ready_reason, ready_message = (
+            "Creating", "CreatingPods", f"creating pods for ranks {sorted(work.missing + work.waiting)}"
+        )
+    elif work.healthy >= min_nodes and quorum_met:
+        phase, ready_reason, ready_message = "Running", "Running", f"{work.healthy} of {desired} nodes ready"
     else:
         phase, ready_reason, ready_message = (
             "Pending",
             "WaitingForPods",
-            f"{ready} of {desired} nodes ready, need {min_nodes} and quorum",
+            f"{work.healthy} of {desired} nodes ready, need {min_nodes} and quorum",
         )
+    if previous.get("phase") == "Paused" and phase == "Running":
+        events.append(Event("Normal", "QuorumRestored", _quorum_message(work.healthy, desired, min_healthy)))
+    recovered_after = None
+    if previous.get("phase") in ("Restarting", "Paused") and phase == "Running" and last_restart is not None:
+        recovered_after = max(0.0, (now - last_restart).total_seconds())
 
     status: dict[str, Any] = {
         "membershipGeneration": membership.generation,
         "worldSize": desired,
         "desiredNodes": desired,
-        "readyNodes": ready,
-        "readyDesired": f"{ready}/{desired}",
-        "restartCount": int(previous.get("restartCount") or 0),
-        "ranks": [_rank_status(p) for _, p in sorted(current.items())],
+        "readyNodes": work.healthy,
+        "readyDesired": f"{work.healthy}/{desired}",
+        "restartCount": restart_count,
+        "ranks": [work.ranks[r] for r in sorted(work.ranks)],
     }
-    healthy_percent, quorum_met = quorum(ready, desired, min_healthy)
+    if previous.get("restartHistory"):
+        status["restartHistory"] = list(previous["restartHistory"])
     status["quorum"] = {"healthyPercent": healthy_percent, "met": quorum_met}
-    quorum_message = f"{ready} of {desired} nodes healthy ({healthy_percent}%), quorum needs {min_healthy}%"
+    status.update(_reported(previous, rendezvous, events))
+    quorum_message = _quorum_message(work.healthy, desired, min_healthy)
     conditions_before = previous.get("conditions") or []
     status["conditions"] = [
         condition(
@@ -382,7 +721,114 @@ def plan(job: Job, pods: Sequence[ObservedPod], *, now: datetime.datetime, heart
     ]
     if previous.get("startTime") or not suspended:
         status["startTime"] = previous.get("startTime") or timestamp(now)
-    return Plan(tuple(actions), _with_phase(job, status, phase, ready_reason, ready_message, now))
+
+    # The agents' side: the control record (pause, node bounds) and hang reports that were handled.
+    control = builders.control_record(
+        spec, paused=phase == "Paused", reason=ready_message if phase == "Paused" else "",
+        pod_generation=membership.generation,
+    )
+    object_name = job_object.object_name(job.name)
+    if rendezvous is None:
+        resources.append(Create(builders.build_rendezvous_object(job.name, job.namespace, job.uid, control)))
+    elif rendezvous.controller_uid == job.uid:
+        if rendezvous.view.control != control:
+            work.put[job_object.CONTROL_KEY] = job_object.control_to_json(control)
+        if work.put and failed_reason is None:
+            actions.append(PutRecords(object_name, job.uid, tuple(sorted(work.put.items()))))
+    if invalid is not None:
+        resources, new_pods = [], []
+    final = _with_phase(job, status, phase, ready_reason, ready_message, now)
+    ttl = _ttl_wake(spec, final, now)
+    if ttl is not None:
+        work.wake.append(ttl)
+    return Plan(
+        (*actions, *resources, *new_pods),
+        final,
+        tuple(work.restarts) if failed_reason is None else (),
+        tuple(events),
+        min(work.wake) if work.wake else None,
+        recovered_after,
+    )
+
+
+def _plan_finished(job: Job, pods: Sequence[ObservedPod], now: datetime.datetime) -> Plan:
+    """A job that has succeeded or failed: stop what still runs, and delete the job once its
+    ttlSecondsAfterFinished has passed."""
+    actions: list[Action] = [
+        Delete("Pod", p.name, job.uid, p.uid or None)
+        for p in sorted(pods, key=lambda p: p.name)
+        if p.controller_uid == job.uid and not p.terminating and p.phase in ACTIVE_POD_PHASES
+    ]
+    wake = _ttl_wake(job.spec, job.status, now)
+    if wake == 0.0:
+        actions.append(DeleteJob(job.name, job.uid))
+        wake = None
+    return Plan(tuple(actions), {}, wake_after=wake)
+
+
+def _ttl_wake(spec: Mapping[str, Any], status: Mapping[str, Any], now: datetime.datetime) -> float | None:
+    """Seconds until a finished job's TTL runs out (0.0: it has); None without a TTL."""
+    ttl = spec.get("ttlSecondsAfterFinished")
+    finished = parse_time(status.get("completionTime"))
+    if ttl is None or finished is None:
+        return None
+    return max(0.0, (finished + datetime.timedelta(seconds=int(ttl)) - now).total_seconds())
+
+
+def _quorum_message(healthy: int, desired: int, min_healthy: int) -> str:
+    percent = quorum(healthy, desired, min_healthy)[0]
+    return f"{healthy} of {desired} nodes healthy ({percent}%), quorum needs {min_healthy}%"
+
+
+def _budget_message(budget: int, failures: Sequence[policy.Failure]) -> str:
+    what = "; ".join(
+        policy.describe(f) if f.rank >= 0 else f"quorum was lost ({f.message})" for f in failures
+    )
+    return f"{what}; the restart budget (failurePolicy.maxRestarts {budget}) is used up, so the job has failed"
+
+
+def _checkpoint_status(ref: job_object.CheckpointRef | None) -> dict[str, Any] | None:
+    return None if ref is None else {"step": ref.step, "location": ref.location, "time": ref.time}
+
+
+def _reported(
+    previous: Mapping[str, Any], rendezvous: ObservedObject | None, events: list[Event]
+) -> dict[str, Any]:
+    """Status fields rank 0 reports through the rendezvous object (kept as they were without a report), and
+    an event when the job resumed from a checkpoint or rolled back past newer ones."""
+    out = {k: previous[k] for k in ("lastValidCheckpoint", "resumedFrom", "rendezvous") if previous.get(k)}
+    view = rendezvous.view if rendezvous else job_object.View()
+    report = view.report
+    if report is not None:
+        out["rendezvous"] = {
+            "generation": report.generation,
+            "worldSize": report.world_size,
+            "members": list(report.members),
+            "reportedAt": report.reported_at,
+        }
+        last, resumed = _checkpoint_status(report.last_valid_checkpoint), _checkpoint_status(report.resumed_from)
+        if last is not None:
+            out["lastValidCheckpoint"] = last
+        if resumed is not None:
+            out["resumedFrom"] = resumed
+            if resumed != previous.get("resumedFrom"):
+                newest = (previous.get("lastValidCheckpoint") or {}).get("step")
+                if newest is not None and resumed["step"] < newest:
+                    events.append(Event(
+                        "Warning", "RolledBack",
+                        f"resumed from step {resumed['step']} ({resumed['location']}), rolled back past step "
+                        f"{newest}, which did not validate",
+                    ))
+                else:
+                    events.append(Event(
+                        "Normal", "Resumed", f"resumed from step {resumed['step']} ({resumed['location']})"
+                    ))
+    if view.problems:
+        out.setdefault("rendezvous", {})
+        out["rendezvous"] = {**out["rendezvous"], "problems": [p[:256] for p in view.problems[:MAX_PROBLEMS]]}
+    elif "rendezvous" in out and "problems" in out["rendezvous"]:
+        out["rendezvous"] = {k: v for k, v in out["rendezvous"].items() if k != "problems"}
+    return out
 
 
 def _with_phase(
@@ -405,21 +851,10 @@ def _with_phase(
     return result
 
 
-def _ranks_failed(membership: Membership, failed: Sequence[ObservedPod]) -> str:
-    def how(pod: ObservedPod) -> str:
-        parts = [f"exit code {pod.exit_code}" if pod.exit_code is not None else "", pod.reason or ""]
-        return ", ".join(part for part in parts if part) or "no exit code reported"
-
-    details = "; ".join(f"rank {p.rank}: {how(p)}" for p in failed)
-    return (
-        f"every rank of membership generation {membership.generation} has exited and ranks "
-        f"{[p.rank for p in failed]} failed ({details}); this operator version does not restart the "
-        "group (spec.failurePolicy), so the job has failed"
-    )
-
-
 def _rank_status(pod: ObservedPod) -> dict[str, Any]:
     entry: dict[str, Any] = {"rank": pod.rank, "pod": pod.name, "phase": pod.phase, "ready": pod.ready}
+    if pod.uid:
+        entry["uid"] = pod.uid
     if pod.node:
         entry["node"] = pod.node
     if pod.exit_code is not None:
@@ -429,34 +864,75 @@ def _rank_status(pod: ObservedPod) -> dict[str, Any]:
     return entry
 
 
+def _history_entry(restart: Restart, now: datetime.datetime) -> dict[str, Any]:
+    failure = restart.failure
+    entry: dict[str, Any] = {
+        "time": timestamp(now),
+        "reason": failure.reason,
+        "message": (
+            (policy.describe(failure) if failure.rank >= 0 else failure.message)
+            + ("" if restart.counted else f"; not counted: {restart.why}")
+        )[:1024],
+        "membershipGeneration": restart.generation,
+        "counted": restart.counted,
+    }
+    if failure.rank >= 0:
+        entry["rank"] = failure.rank
+    if failure.exit_code is not None:
+        entry["exitCode"] = failure.exit_code
+    if restart.pod_uid:
+        entry["podUid"] = restart.pod_uid
+    return entry
+
+
 def settle(job: Job, plan: Plan, outcome: Outcome, *, now: datetime.datetime) -> Settled:
     """The status, events and retry decision once the plan's actions were tried (k8s.apply's outcome).
 
+    Restarts count when they took effect: at once for a pod that was already gone, else when the delete of
+    its pod went through (a delete the API server refused is tried again, and counted, on a later pass).
     A spec the API server rejects (400/422) fails the job with InvalidSpec until the spec is edited; any
     other refusal (403 quota or RBAC, a name held by someone else, 5xx) is reported in the ResourceFailure
     condition and retried with backoff. Events go out when something changes, not on every retry.
     """
-    if not plan.status:  # a finished job: nothing was planned or tried
-        return Settled({}, [])
+    if not plan.status:  # a finished job: only its cleanup (and TTL) was tried
+        return Settled({}, [], wake_after=plan.wake_after)
     refused = outcome.refused
     status = dict(plan.status)
+    done = set(map(id, outcome.done))
+    took_effect = [r for r in plan.restarts if r.action is None or id(r.action) in done]
+    restart_events: list[Event] = []
+    if took_effect:
+        count = int(status.get("restartCount") or 0)
+        history = list(status.get("restartHistory") or [])
+        for restart in took_effect:
+            count += 1 if restart.counted else 0
+            history.append(_history_entry(restart, now))
+            budget = f"restart {count} of {policy.max_restarts(job.spec)}" if restart.counted else "not counted"
+            what = policy.describe(restart.failure) if restart.failure.rank >= 0 else restart.failure.message
+            replaced = "its pod is replaced" if restart.failure.rank >= 0 else "every rank's pod is replaced"
+            restart_events.append(Event("Warning", restart.failure.reason, f"{budget}: {what}; {replaced}"))
+        status["restartCount"] = count
+        status["restartHistory"] = history[-MAX_HISTORY:]
+    entries = tuple(_history_entry(r, now) for r in took_effect)
+    events = [*plan.events, *restart_events]
     if refused is None:
-        return Settled(status, events_for(outcome.done, job.status.get("phase"), status, job.status))
+        events += events_for(outcome.done, job.status.get("phase"), status, job.status)
+        return Settled(status, events, restarts=entries, wake_after=plan.wake_after,
+                       recovered_after=plan.recovered_after)
     error = describe_refusal(refused)
     if refused.code in SPEC_REJECTED_CODES and isinstance(refused.action, Create):
         status = _with_phase(job, status, "Failed", REASON_INVALID_SPEC, error, now)
-        return Settled(
-            status, events_for(outcome.done, job.status.get("phase"), status, job.status), error, False
-        )
+        events += events_for(outcome.done, job.status.get("phase"), status, job.status)
+        return Settled(status, events, error, False, entries)
     reason = _refusal_reason(refused)
     before = job.status.get("conditions") or []
     failure = condition(before, CONDITION_RESOURCE_FAILURE, True, reason, error, job.generation, now)
     status["conditions"] = [*status["conditions"], failure]
-    events = events_for(outcome.done, job.status.get("phase"), status, job.status)
+    events += events_for(outcome.done, job.status.get("phase"), status, job.status)
     known = find_condition(job.status, CONDITION_RESOURCE_FAILURE) or {}
     if (known.get("reason"), known.get("message")) != (reason, error):  # once per new problem, not per retry
         events.append(Event("Warning", reason, error))
-    return Settled(status, events, error, True)
+    return Settled(status, events, error, True, entries, plan.wake_after)
 
 
 def describe_refusal(refused: Refusal) -> str:
@@ -467,13 +943,15 @@ def describe_refusal(refused: Refusal) -> str:
             f"{what} already exists and is not controlled by this job ({holder}); the job won't take it over "
             f"or delete it: rename the job or remove that {refused.action.kind}"
         )
-    verb = "create" if isinstance(refused.action, Create) else "delete"
+    verb = {Create: "create", PutRecords: "update"}.get(type(refused.action), "delete")
     return f"the API server refused to {verb} {what} ({refused.code}): {refused.message}"
 
 
 def _refusal_reason(refused: Refusal) -> str:
     if refused.name_in_use:
         return REASON_NAME_IN_USE
+    if isinstance(refused.action, PutRecords):
+        return "FailedUpdate"
     return REASON_FAILED_CREATE if isinstance(refused.action, Create) else REASON_FAILED_DELETE
 
 
@@ -490,6 +968,10 @@ def cleanup_actions(job_name: str, job_uid: str, pods: Iterable[ObservedPod]) ->
         *(Delete("Pod", p.name, job_uid, p.uid) for p in mine),
         Delete("Service", builders.service_name(job_name), job_uid),
         Delete("Secret", builders.secret_name(job_name, job_uid), job_uid),
+        Delete("RoleBinding", builders.agent_name(job_name), job_uid),
+        Delete("Role", builders.agent_name(job_name), job_uid),
+        Delete("ServiceAccount", builders.agent_name(job_name), job_uid),
+        Delete("ConfigMap", job_object.object_name(job_name), job_uid),
     )
 
 
@@ -507,7 +989,8 @@ def events_for(
         for a in done
         if isinstance(a, Create) and a.kind == "Pod"
     )
-    deleted_pods = sorted(a.name for a in done if isinstance(a, Delete) and a.kind == "Pod")
+    deleted_pods = sorted(a.name for a in done if isinstance(a, Delete) and a.kind == "Pod" and not a.force)
+    forced = sorted(a.name for a in done if isinstance(a, Delete) and a.kind == "Pod" and a.force)
     phase = status.get("phase")
     before = previous_status or {}
     generation_before = before.get("membershipGeneration")
@@ -538,6 +1021,11 @@ def events_for(
     if deleted_pods:
         reason = "Suspended" if phase == "Suspended" else "DeletedPods"
         events.append(Event("Normal", reason, f"deleted pods {deleted_pods}"))
+    if forced:
+        events.append(Event(
+            "Warning", "ForceDeletedPods",
+            f"force-deleted pods {forced}: stuck Terminating past failurePolicy.terminatingPodTimeoutSeconds",
+        ))
     if phase and phase != previous_phase:
         ready = find_condition(status, "Ready")
         detail = f": {ready['message']}" if ready else ""

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import k8s_cluster
 import k8s_helpers
@@ -23,9 +24,11 @@ def test_python_m_sneppx_operator_reconciles_its_namespace_and_stops_on_sigterm(
 ) -> None:
     env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig), SNEPPX_RESYNC_SECONDS="1")
     log = cluster.workdir / f"operator-{namespace}.log"
+    metrics_port = k8s_cluster.free_port()
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sneppx_operator", "--namespace", namespace],
+            [sys.executable, "-m", "sneppx_operator", "--namespace", namespace,
+             "--metrics", f"127.0.0.1:{metrics_port}"],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -42,6 +45,11 @@ def test_python_m_sneppx_operator_reconciles_its_namespace_and_stops_on_sigterm(
         k8s_helpers.wait_for(
             lambda: len(core.list_namespaced_pod(namespace, label_selector="sneppx.io/job=cli").items) == 2,
             "pods from the operator process",
+        )
+        gauge = f'sneppx_job_world_size{{job="cli",namespace="{namespace}"}} 2.0'
+        k8s_helpers.wait_for(
+            lambda: gauge in urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode(),
+            "the job's gauges on /metrics",
         )
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]

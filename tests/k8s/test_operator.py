@@ -1,8 +1,8 @@
 """The operator (kopf, in this process through KopfRunner) against the real API server.
 
 The test namespace enforces the restricted Pod Security profile, so the API server's own admission
-plugin rejects any pod the operator builds that isn't restricted. There is no kubelet: tests report pod
-status themselves (k8s_helpers.mark_pod_ready) where a kubelet would.
+plugin rejects any pod the operator builds that isn't restricted. There is no kubelet here: tests report pod
+status themselves (k8s_helpers.mark_pod_ready) where a kubelet would (test_lifecycle.py runs pods for real).
 """
 
 from __future__ import annotations
@@ -180,15 +180,14 @@ def test_status_and_printer_columns_fill_in(
     assert conditions["Suspended"]["status"] == "False"
     assert [r["rank"] for r in status["ranks"]] == [0, 1] and all(r["ready"] for r in status["ranks"])
 
-    # The runtime reports the last valid checkpoint; the operator's status writes must keep it.
-    _custom(api).patch_namespaced_custom_object_status(
-        k8s_helpers.GROUP,
-        k8s_helpers.VERSION,
-        namespace,
-        k8s_helpers.PLURAL,
-        "cols",
-        {"status": {"lastValidCheckpoint": {"step": 1200, "location": "file:///ckpt/step-000001200"}}},
-    )
+    # Rank 0 reports the last valid checkpoint through the job's rendezvous object; the operator puts it in status.
+    report = {
+        "version": 1, "kind": "report", "generation": 0, "world_size": 2, "members": ["cols-0", "cols-1"],
+        "last_valid_checkpoint": {"step": 1200, "location": "file:///ckpt/step-000001200",
+                                  "time": "2026-01-02T03:04:05Z"},
+        "resumed_from": None, "reported_at": "2026-01-02T03:04:06Z",
+    }
+    core.patch_namespaced_config_map("cols-rendezvous", namespace, {"data": {"job.report": json.dumps(report)}})
     table = k8s_helpers.wait_for(
         lambda: (out := cluster.kubectl("get", "etj", "-n", namespace).stdout) and "1200" in out and out,
         "kubectl get etj to show the step",
@@ -454,39 +453,47 @@ def test_a_new_size_is_a_new_membership_generation_with_one_world_size(
     )
 
 
-def test_a_generation_whose_ranks_all_failed_fails_the_job_with_their_exit_codes(
+def test_a_rank_that_failed_with_no_restart_budget_fails_the_job_with_its_exit_code_and_stops_the_rest(
     api: kubernetes.client.ApiClient, namespace: str, operator: kopf.testing.KopfRunner
 ) -> None:
-    _create_job(api, namespace, k8s_helpers.valid_job("crash", max_nodes=2))
+    job = k8s_helpers.valid_job("crash", max_nodes=2)
+    job["spec"]["failurePolicy"] = {"maxRestarts": 0}
+    _create_job(api, namespace, job)
     pods = k8s_helpers.wait_for(lambda: (p := _pods(api, namespace, "crash")) and len(p) == 2 and p, "2 pods")
     core = kubernetes.client.CoreV1Api(api)
-    for pod, (code, reason) in zip(pods, [(1, "Error"), (137, "OOMKilled")], strict=True):
-        core.patch_namespaced_pod_status(  # play kubelet: the training container exited
-            pod.metadata.name,
-            namespace,
-            {
-                "status": {
-                    "phase": "Failed",
-                    "containerStatuses": [
-                        {
-                            "name": "trainer",
-                            "image": "example.org/train:1",
-                            "imageID": "",
-                            "ready": False,
-                            "restartCount": 0,
-                            "state": {"terminated": {"exitCode": code, "reason": reason}},
-                        }
-                    ],
-                }
-            },
-        )
+    core.patch_namespaced_pod_status(  # play kubelet: rank 0's training container was OOM-killed
+        pods[0].metadata.name,
+        namespace,
+        {
+            "status": {
+                "phase": "Failed",
+                "containerStatuses": [
+                    {
+                        "name": "trainer",
+                        "image": "example.org/train:1",
+                        "imageID": "",
+                        "ready": False,
+                        "restartCount": 0,
+                        "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}},
+                    }
+                ],
+            }
+        },
+    )
     status = _wait_for_phase(api, namespace, "crash", "Failed")
     failed = _condition(status, "Failed")
-    assert failed["reason"] == "RanksFailed"
-    assert "rank 0: exit code 1, Error; rank 1: exit code 137, OOMKilled" in failed["message"]
-    assert [(r["rank"], r.get("exitCode")) for r in status["ranks"]] == [(0, 1), (1, 137)]
+    assert failed["reason"] == "RestartBudgetExhausted"
+    assert failed["message"] == (
+        "rank 0 (pod crash-0) failed (OOMKilled) with exit code 137; the restart budget "
+        "(failurePolicy.maxRestarts 0) is used up, so the job has failed"
+    )
+    assert (status["ranks"][0]["rank"], status["ranks"][0].get("exitCode")) == (0, 137)
     assert status.get("completionTime")
-    _wait_for_warning(api, namespace, "crash", "RanksFailed")
+    _wait_for_warning(api, namespace, "crash", "RestartBudgetExhausted")
+    k8s_helpers.wait_for(
+        lambda: [p.metadata.name for p in _pods(api, namespace, "crash")] == ["crash-0"],
+        "rank 1 stopped; the failed pod kept for its logs",
+    )
 
 
 def test_test_namespaces_enforce_the_restricted_profile(

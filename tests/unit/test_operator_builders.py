@@ -290,6 +290,7 @@ def test_every_container_gets_env_and_mounts_and_template_volumes_are_kept() -> 
         "sneppx-heartbeat",
         "sneppx-tmp",
         "sneppx-checkpoints",
+        "sneppx-api-token",
         "data",
     ]
     assert built["volumes"][0]["secret"] == {"secretName": "train-heartbeat-uid-1", "defaultMode": 0o440}
@@ -300,6 +301,10 @@ def test_every_container_gets_env_and_mounts_and_template_volumes_are_kept() -> 
         assert mounts["/var/run/sneppx/heartbeat"]["readOnly"] is True
         assert mounts["/var/lib/sneppx/checkpoints"]["subPath"] == "runs/a"
         assert "/tmp" in mounts, "a read-only root filesystem needs a writable /tmp"
+    token_mounts = [
+        [m["name"] for m in c["volumeMounts"] if m["mountPath"] == builders.TOKEN_DIR] for c in built["containers"]
+    ]
+    assert token_mounts == [["sneppx-api-token"], []], "only the agent (first) container gets the API token"
 
 
 def test_s3_storage_env_takes_credentials_from_the_secret() -> None:
@@ -365,3 +370,72 @@ def test_secret_holds_the_heartbeat_key() -> None:
 def test_short_heartbeat_key_is_refused() -> None:
     with pytest.raises(errors.JobSpecError, match="at least 32 bytes"):
         builders.build_secret("train", "ns", "uid-1", b"short")
+
+
+def test_ranks_run_as_the_jobs_service_account_with_a_projected_token_not_an_automounted_one() -> None:
+    built = pod()["spec"]
+    assert built["serviceAccountName"] == "train-agent"
+    assert built["automountServiceAccountToken"] is False
+    token = next(v for v in built["volumes"] if v["name"] == "sneppx-api-token")["projected"]
+    sources = {next(iter(source)): source for source in token["sources"]}
+    assert sources["serviceAccountToken"]["serviceAccountToken"] == {"path": "token", "expirationSeconds": 3600}
+    assert sources["configMap"]["configMap"]["name"] == "kube-root-ca.crt"
+    agent = built["containers"][0]
+    mount = next(m for m in agent["volumeMounts"] if m["name"] == "sneppx-api-token")
+    assert mount == {"name": "sneppx-api-token", "mountPath": builders.TOKEN_DIR, "readOnly": True}
+
+
+def test_the_agent_gets_the_rendezvous_object_and_the_lifecycle_knobs_in_its_environment() -> None:
+    job = spec(failurePolicy={"hangTimeoutSeconds": 90})
+    env = env_of(pod(job)["spec"]["containers"][0])
+    assert env["SNEPPX_RENDEZVOUS_OBJECT"] == "train-rendezvous"
+    assert env["SNEPPX_POD_NAME"] == "train-1"
+    assert env["SNEPPX_HANG_TIMEOUT_SECONDS"] == "90"
+    assert env["SNEPPX_MIN_NODES"] == "1" and env["SNEPPX_MAX_NODES"] == "4"
+
+
+@pytest.mark.parametrize("field", ["serviceAccountName", "serviceAccount"])
+def test_a_template_service_account_is_refused(field: str) -> None:
+    job = spec()
+    job["template"]["spec"][field] = "admin"
+    with pytest.raises(errors.JobSpecError, match="job's own ServiceAccount"):
+        pod(job)
+
+
+def test_a_template_mount_on_the_token_path_is_refused() -> None:
+    job = spec()
+    job["template"]["spec"]["containers"][0]["volumeMounts"] = [{"name": "x", "mountPath": builders.TOKEN_DIR}]
+    with pytest.raises(errors.JobSpecError, match="mounts its own volumes"):
+        pod(job)
+
+
+def test_the_agents_role_reaches_only_the_jobs_rendezvous_object() -> None:
+    role = builders.build_role("train", "ns", "uid-1")
+    assert role["rules"] == [
+        {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": ["train-rendezvous"],
+            "verbs": ["get", "watch", "update", "patch"],
+        }
+    ]
+    binding = builders.build_role_binding("train", "ns", "uid-1")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "train-agent"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "train-agent", "namespace": "ns"}]
+    account = builders.build_service_account("train", "ns", "uid-1")
+    assert account["automountServiceAccountToken"] is False
+    for built in (role, binding, account):
+        assert built["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+
+
+def test_the_rendezvous_object_starts_with_the_operators_control_record() -> None:
+    control = builders.control_record(spec(), paused=False, reason="", pod_generation=2)
+    assert (control.min_nodes, control.max_nodes, control.pod_generation, control.hang_timeout_seconds) == (
+        1, 4, 2, 1800
+    )
+    built = builders.build_rendezvous_object("train", "ns", "uid-1", control)
+    assert built["metadata"]["name"] == "train-rendezvous"
+    assert built["metadata"]["labels"]["app.kubernetes.io/component"] == "rendezvous"
+    from SneppX_ALG.storage import job_object
+
+    assert job_object.read_view(built["data"]).control == control

@@ -48,14 +48,17 @@ app.kubernetes.io/part-of: sneppx
 {{- end }}
 
 {{/*
-What the operator does inside a namespace it watches. No wildcards; Secrets and Services are only
-created and deleted (names are derived from the job, so nothing is listed or read); pods are
-watched through one label-selected watch.
+What the operator does inside a namespace it watches. No wildcards; Secrets are only created and deleted
+(never read); pods, nodes and the jobs' rendezvous ConfigMaps are watched through one label-selected watch
+each. Each job gets a ServiceAccount, Role and RoleBinding whose Role allows get, watch, update and patch on
+that job's rendezvous ConfigMap alone: RBAC lets the operator grant only what it holds itself (no escalate
+or bind verbs here), so it holds those verbs on ConfigMaps.
 */}}
 {{- define "sneppx-operator.namespacedRules" -}}
 - apiGroups: ["sneppx.io"]
   resources: ["elastictrainingjobs"]
-  verbs: ["get", "list", "watch", "patch"]
+  # delete: ttlSecondsAfterFinished
+  verbs: ["get", "list", "watch", "patch", "delete"]
 - apiGroups: ["sneppx.io"]
   resources: ["elastictrainingjobs/status"]
   verbs: ["get", "patch"]
@@ -66,9 +69,15 @@ watched through one label-selected watch.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete"]
-# get: a Service whose name is taken is checked for its controller before it is adopted or deleted.
+# get: an object whose name is taken is checked for its controller before it is adopted or deleted.
 - apiGroups: [""]
-  resources: ["services"]
+  resources: ["services", "serviceaccounts"]
+  verbs: ["get", "create", "delete"]
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
   verbs: ["get", "create", "delete"]
 # Never readable: the job's Secret is recognised by its name, which carries the job's uid.
 - apiGroups: [""]
@@ -80,12 +89,16 @@ watched through one label-selected watch.
 {{- end }}
 
 {{/*
-Cluster-level reads kopf needs: the CRDs (to notice the ElasticTrainingJob resource come and go) and,
-only when watching a list of namespaces (which may be globs), the namespaces themselves.
+Cluster-level reads: the CRDs (kopf notices the ElasticTrainingJob resource come and go), the nodes (a rank
+on a NotReady node is replaced) and, only when watching a list of namespaces (which may be globs), the
+namespaces themselves.
 */}}
 {{- define "sneppx-operator.clusterRules" -}}
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+- apiGroups: [""]
+  resources: ["nodes"]
   verbs: ["list", "watch"]
 {{- if .Values.watchNamespaces }}
 - apiGroups: [""]
