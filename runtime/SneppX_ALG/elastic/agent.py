@@ -142,11 +142,13 @@ class NodeAgent:
                                         max_restart_delay=max(60.0, settings.restart_delay))
         self.workers = [WorkerProcess(i) for i in range(settings.workers)]
         self.failures = 0
+        self.generation: int | None = None
 
     # -- the agent's life --
 
     def run(self) -> int:
         code, reason = EXIT_FAILED, ""
+        self._event("started", pid=os.getpid(), heartbeat=self.heartbeat_address)
         try:
             membership = self._join(None, frozenset())
             while True:
@@ -205,6 +207,7 @@ class NodeAgent:
     # -- one generation --
 
     def _run_generation(self, m: rendezvous.Membership) -> Outcome:
+        self.generation = m.generation
         others = {mm.heartbeat: mm.agent_id for mm in m.members if mm.agent_id != self.s.agent_id}
         hb = None
         if others:
@@ -313,6 +316,10 @@ class NodeAgent:
                 self._assign(w, m, assign)
         elif message.get("generation") != m.generation:
             return None  # beats, and the last words of a generation that is over
+        elif kind == "saved":
+            w.last_progress = now
+            if message.get("rank") == 0:
+                self._event("saved", generation=m.generation, step=message.get("step"))
         elif kind == "progress":
             w.last_progress = now
             if message.get("rank") == 0:
@@ -348,7 +355,7 @@ class NodeAgent:
 
     def _failure(self, reason: str, suspects: frozenset[str] = frozenset()) -> Outcome:
         log.warning("%s: %s", self.s.agent_id, reason)
-        self._event("failure", reason=reason)
+        self._event("failure", generation=self.generation, reason=reason)
         return Outcome("failure", reason, suspects)
 
     def _settle(self, m: rendezvous.Membership, hb: heartbeat.HeartbeatMonitor | None, others: Mapping[str, str],

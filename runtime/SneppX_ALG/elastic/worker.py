@@ -147,7 +147,7 @@ class TrainContext:
         pending = np.array([1 if self._worker.join_pending.is_set() else 0], dtype=np.int64)
         self.group.allreduce(pending, op="max")
         self.coordinator.save(obj, step, training_state=training_state)
-        self.report(step)
+        self._worker.report("saved", generation=self.generation, rank=self.rank, step=int(step))
         if pending[0]:
             self.coordinator.wait()
             raise errors.MembershipChangingError(
