@@ -167,6 +167,7 @@ class NodeAgent:
                                         max_restart_delay=max(60.0, settings.restart_delay))
         self.workers = [WorkerProcess(i) for i in range(settings.workers)]
         self.failures = 0
+        self.generation: int | None = None
 
     # -- the agent's life --
 
@@ -174,6 +175,7 @@ class NodeAgent:
         code, reason = EXIT_FAILED, ""
         if self.s.operator_mode:  # the pod's first process: SIGTERM's default action would not apply to PID 1
             signal.signal(signal.SIGTERM, _terminate)
+        self._event("started", pid=os.getpid(), heartbeat=self.heartbeat_address)
         try:
             membership = self._join(None, frozenset())
             while True:
@@ -286,6 +288,7 @@ class NodeAgent:
     # -- one generation --
 
     def _run_generation(self, m: rendezvous.Membership) -> Outcome:
+        self.generation = m.generation
         others = {mm.heartbeat: mm.agent_id for mm in m.members if mm.agent_id != self.s.agent_id}
         hb = None
         if others:
@@ -398,6 +401,10 @@ class NodeAgent:
                 self._assign(w, m, assign)
         elif message.get("generation") != m.generation:
             return None  # beats, and the last words of a generation that is over
+        elif kind == "saved":
+            w.last_progress = now
+            if message.get("rank") == 0:
+                self._event("saved", generation=m.generation, step=message.get("step"))
         elif kind == "progress":
             w.last_progress = now
             if message.get("rank") == 0:
@@ -437,7 +444,7 @@ class NodeAgent:
 
     def _failure(self, reason: str, suspects: frozenset[str] = frozenset()) -> Outcome:
         log.warning("%s: %s", self.s.agent_id, reason)
-        self._event("failure", reason=reason)
+        self._event("failure", generation=self.generation, reason=reason)
         return Outcome("failure", reason, suspects)
 
     def _settle(self, m: rendezvous.Membership, hb: heartbeat.HeartbeatMonitor | None, others: Mapping[str, str],

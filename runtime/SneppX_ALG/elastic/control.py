@@ -9,7 +9,7 @@ Agent -> worker: `assign` (a generation: ranks, world size, addresses), `join_pe
 at the next checkpoint boundary), `abort` (the generation is over: end its collectives now), `pause` and `resume`
 (operator mode: the job is paused; `ctx.report` waits), `exit`.
 Worker -> agent: `beat` (every BEAT_INTERVAL, from a thread: a worker that stops beating is stopped or wedged),
-`progress` (a step finished), `restored`, `done` (train_fn returned everywhere), `boundary` (stopped at a
+`progress` (a step finished), `saved` (a checkpoint step was handed to the coordinator), `restored`, `done` (train_fn returned everywhere), `boundary` (stopped at a
 checkpoint boundary to let agents join), `failed` (the generation broke: a collective error), `idle` (ready for
 the next `assign`), `fatal` (an error retrying can't fix, e.g. a rollback past the limit).
 """

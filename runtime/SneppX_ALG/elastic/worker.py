@@ -147,11 +147,12 @@ class TrainContext:
         pending = np.array([1 if self._worker.join_pending.is_set() else 0], dtype=np.int64)
         self.group.allreduce(pending, op="max")
         self.coordinator.save(obj, step, training_state=training_state)
-        self.report(step)
+        self._worker.report("saved", generation=self.generation, rank=self.rank, step=int(step))
         if pending[0]:
             self.coordinator.wait()
             raise errors.MembershipChangingError(
                 f"generation {self.generation} ends at step {step}: agents are waiting to join", step=step)
+        self._worker.wait_while_paused(self.rank, self.generation)
 
     def report(self, step: int, **metrics: float) -> None:
         """Tells the agent that `step` finished (a worker that reports no step for the trainer's step_timeout
