@@ -16,6 +16,7 @@ from SneppX_ALG.checkpoint import (
 from SneppX_ALG.coordinator import CheckpointCoordinator
 from SneppX_ALG.elastic.fault_tolerance import FaultToleranceManager
 from SneppX_ALG.elastic.heartbeat import HeartbeatMonitor
+from SneppX_ALG.elastic.trainer import ElasticTrainer
 from SneppX_ALG.errors import SneppXError
 from SneppX_ALG.model import SyntheticLanguage, Trainer, Transformer
 
@@ -23,6 +24,7 @@ __all__ = [
     "CheckpointCoordinator",
     "CheckpointReader",
     "CheckpointWriter",
+    "ElasticTrainer",
     "FaultToleranceManager",
     "HeartbeatMonitor",
     "SignedUpdateManager",

@@ -464,3 +464,30 @@ class ShardingMismatchError(SneppXError, ValueError):
     """What was saved or asked for doesn't fit together: ranks whose shards of a tensor don't cover it exactly
     once, ranks that declare different replicated tensors, or a restore target that the step lacks or whose
     dtype or global shape differs from the saved tensor's. Nothing is committed or loaded."""
+
+
+# --- the ElasticTrainer: a run of agents and workers that survives failures -------------------------------
+
+
+class ElasticRunError(SneppXError):
+    """An ElasticTrainer run ended without finishing train_fn: `.reason` says why (as the agent that ended it
+    wrote it), `.history` lists the failures each agent recorded (time, reason, attempt, delay)."""
+
+    def __init__(self, message: str, *, reason: str = "", history: list[object] | None = None):
+        super().__init__(message)
+        self.reason = reason
+        self.history = list(history or [])
+
+
+class ElasticLaunchError(SneppXError):
+    """run() can't start worker processes the way it was called (e.g. from an interactive session: workers
+    re-run the script that called run(), so there must be one)."""
+
+
+class MembershipChangingError(SneppXError):
+    """Raised by `ctx.save()` after its step committed when agents wait to join: train_fn stops at this
+    checkpoint boundary and the ElasticTrainer resumes it in the bigger generation. Let it propagate."""
+
+    def __init__(self, message: str, *, step: int):
+        super().__init__(message)
+        self.step = step

@@ -385,3 +385,22 @@ def test_a_non_contiguous_tensor_is_staged_without_a_full_copy_per_piece(tmp_pat
     got = {"t": np.zeros(tensor.shape, tensor.dtype.newbyteorder("<"))}
     CheckpointCoordinator(tmp_path).restore(got)
     assert np.array_equal(got["t"], tensor)
+
+
+def test_a_commit_fence_that_refuses_keeps_the_step_from_committing(tmp_path) -> None:
+    """The ElasticTrainer's fence: once a newer membership generation exists, the old one commits nothing."""
+    over = False
+
+    def fence() -> None:
+        if over:
+            raise errors.StaleGenerationError("generation 3 is over: generation 4 is sealed", generation=3)
+
+    state = {"w": np.arange(1000, dtype=np.float32)}
+    with CheckpointCoordinator(str(tmp_path), device="cpu", commit_fence=fence) as coord:
+        coord.save(state, step=1)
+        coord.wait()
+        over = True
+        coord.save(state, step=2)
+        with pytest.raises(errors.StaleGenerationError):
+            coord.wait()
+        assert coord.committed_steps() == [1] and coord.latest().step == 1

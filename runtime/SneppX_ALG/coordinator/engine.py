@@ -24,6 +24,7 @@ import os
 import queue
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -144,13 +145,14 @@ class Engine:
 
     def __init__(self, known: steps.Steps, max_to_keep: int | None, keep_every_n_steps: int | None,
                  signing_key: Any, group: group_lib.Group = group_lib.SOLO,
-                 block_bytes: int = manifest_codec.BLOCK_BYTES):
+                 block_bytes: int = manifest_codec.BLOCK_BYTES, commit_fence: Callable[[], None] | None = None):
         self.known = known
         self.store = known.store
         self.retention = (max_to_keep, keep_every_n_steps)
         self.signing_key = signing_key
         self.group = group
         self.block_bytes = block_bytes
+        self.commit_fence = commit_fence
         self._stored_fence_checked = False  # a fence record left by an interrupted process is finished once
         self.queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.error: BaseException | None = None
@@ -403,6 +405,8 @@ class Engine:
         signature = None
         if self.signing_key is not None:  # written before the commit point, by finalize()
             signature = signing.manifest_signature(manifest, self.signing_key)
+        if self.commit_fence is not None:
+            self.commit_fence()  # e.g. StaleGenerationError: a generation that is over commits nothing
         pending, job.pending = job.pending, None  # finalize() ends it, whatever happens
         try:
             self.store.finalize(pending, manifest, signature, parts)  # the commit point

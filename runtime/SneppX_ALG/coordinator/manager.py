@@ -53,7 +53,7 @@ import os
 import threading
 import types
 import weakref
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any, Self
 
 import numpy as np
@@ -124,6 +124,9 @@ class CheckpointCoordinator:
     checksum_block_bytes: the size of the blocks each chunk's CRC32C is taken per (a power of two, 4 KiB to
         64 MiB), so a resharded load reads whole blocks only where it needs part of a chunk. Smaller blocks
         read less beyond what is needed and make a larger manifest (8 hex digits per block, 72 when signed).
+    commit_fence: called by the committing rank right before each step's commit point; whatever it raises
+        fails the step instead (the ElasticTrainer passes the rendezvous' `check_fence`, so a membership
+        generation that is over commits nothing).
     """
 
     def __init__(self, checkpoint_root: str | os.PathLike[str], save_every_n_steps: int | None = None,
@@ -132,7 +135,8 @@ class CheckpointCoordinator:
                  s3_client: Any = None, staging_dir: str | None = None, cleanup_on_start: bool | None = None,
                  signing_key: Any = None, trusted_keys: Any = None, read_only: bool = False,
                  group: group_lib.Group | None = None,
-                 checksum_block_bytes: int = manifest_codec.BLOCK_BYTES):
+                 checksum_block_bytes: int = manifest_codec.BLOCK_BYTES,
+                 commit_fence: Callable[[], None] | None = None):
         for name, value in (("save_every_n_steps", save_every_n_steps), ("max_to_keep", max_to_keep),
                             ("keep_every_n_steps", keep_every_n_steps)):
             if value is not None and (not isinstance(value, int) or value < 0):
@@ -178,7 +182,7 @@ class CheckpointCoordinator:
         self._closed = False
         self._steps = steps.Steps(self._storage, self._trusted_keys)
         self._engine = engine.Engine(self._steps, max_to_keep, keep_every_n_steps, self._signing_key, self.group,
-                                     checksum_block_bytes)
+                                     checksum_block_bytes, commit_fence)
         self._finalizer = weakref.finalize(self, self._engine.shutdown)
 
     @staticmethod

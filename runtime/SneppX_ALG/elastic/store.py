@@ -1,13 +1,15 @@
 """The small key-value store through which the ranks of a membership generation find each other.
 
 Why a Protocol of two calls: the same rendezvous must work on a laptop (a local directory), on a cluster with a
-shared filesystem, on S3 and inside Kubernetes (later issues add those stores). Keys are create-only: a value is
+shared filesystem, on S3 and inside Kubernetes: `DirectoryStore` is a directory, `RecordKeyStore` puts the keys in
+the compare-and-swap records the rendezvous already uses (`storage.open_record_store`: a directory or S3). Keys are create-only: a value is
 written once and never changes, so readers need no locks, a retried write can't overwrite a peer's, and a key
 namespaced by generation (`generation_key`) can't be confused with the same name in another generation.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import tempfile
@@ -15,6 +17,7 @@ import time
 from typing import Protocol
 
 from SneppX_ALG import errors
+from SneppX_ALG.storage import record
 
 MAX_KEY_LENGTH = 512
 MAX_VALUE_BYTES = 1 << 20
@@ -104,3 +107,51 @@ class DirectoryStore:
             if len(value) > MAX_VALUE_BYTES:
                 raise errors.StoreError(f"store key {key!r} holds more than {MAX_VALUE_BYTES} bytes")
             return value
+
+
+class RecordKeyStore:
+    """A Store over a `storage.record.RecordStore` (a directory or S3), under `prefix`: how the ranks of an
+    ElasticTrainer run find each other on whatever store holds the run's checkpoints, with no server of its
+    own. set() is the record store's create-if-absent; get() polls with backoff up to `poll_max`."""
+
+    def __init__(self, records: record.RecordStore, prefix: str, *, poll_interval: float = 0.01,
+                 poll_max: float = 0.2):
+        self.prefix = prefix.rstrip("/")
+        record.check_key(self.prefix)
+        self.records = records
+        self.poll_interval, self.poll_max = poll_interval, poll_max
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{check_key(key)}"
+
+    def set(self, key: str, value: bytes) -> None:
+        if len(value) > MAX_VALUE_BYTES:
+            raise ValueError(f"store value for {key!r} is {len(value)} bytes; the limit is {MAX_VALUE_BYTES}")
+        try:
+            self.records.create(self._key(key), {"value": base64.b64encode(value).decode()})
+        except errors.RecordExistsError:
+            raise errors.StoreKeyExistsError(f"store key {key!r} is already set (keys are create-only)") from None
+        except errors.RecordError as e:
+            raise errors.StoreError(f"can't write store key {key!r} under {self.records.uri}: {e}") from e
+
+    def get(self, key: str, timeout: float) -> bytes:
+        deadline = time.monotonic() + timeout
+        interval = self.poll_interval
+        while True:
+            try:
+                found = self.records.read(self._key(key))
+            except errors.RecordUnavailableError:
+                found = None  # transient: poll again until the deadline
+            except errors.RecordError as e:
+                raise errors.StoreError(f"can't read store key {key!r} under {self.records.uri}: {e}") from e
+            if found is not None:
+                try:
+                    return base64.b64decode(found.value["value"], validate=True)
+                except (KeyError, TypeError, ValueError) as e:
+                    raise errors.StoreError(f"store key {key!r} does not hold a value: {e}") from None
+            now = time.monotonic()
+            if now >= deadline:
+                raise errors.StoreTimeoutError(
+                    f"store key {key!r} was not set within {timeout:g}s (under {self.records.uri})")
+            time.sleep(min(interval, deadline - now))
+            interval = min(interval * 1.5, self.poll_max)

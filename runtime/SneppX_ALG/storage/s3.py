@@ -987,7 +987,10 @@ class StreamingUpload:
 
     def _upload_part(self, number: int, body: bytes | bytearray, crc: int) -> dict[str, Any]:
         checksum = _b64_crc(crc)
-        response = self.store.client.upload_part(
-            Bucket=self.store.bucket, Key=self.key, UploadId=self._upload_id, PartNumber=number, Body=body,
-            ChecksumAlgorithm="CRC32C", ChecksumCRC32C=checksum)
+        try:
+            response = self.store.client.upload_part(
+                Bucket=self.store.bucket, Key=self.key, UploadId=self._upload_id, PartNumber=number, Body=body,
+                ChecksumAlgorithm="CRC32C", ChecksumCRC32C=checksum)
+        except _s3_errors() as e:  # on a pool thread: the writer gets it from the part's future, typed
+            raise _s3_error(e, f"upload part {number} of {self.key}", self.store.uri) from None
         return {"PartNumber": number, "ETag": response["ETag"], "ChecksumCRC32C": checksum}

@@ -1,0 +1,429 @@
+"""The node agent of an ElasticTrainer run: one per node, it supervises the node's worker processes and takes the
+node through membership generations.
+
+    join (rendezvous) -> run the generation -> it ends:
+        every worker finished       -> mark the run finished, exit 0
+        agents wait to join         -> the workers stop at a checkpoint boundary -> join the next (bigger) one
+        a failure                   -> abort the workers' collectives, count the failure (max_restarts), back off
+                                       (restart_delay), join the next generation with who is left
+        an error no retry can fix   -> mark the run failed, exit EXIT_FAILED
+
+What counts as a failure, and how fast it is seen:
+- a worker of this node exits or is killed: its end of the control channel closes (at once);
+- a worker stops beating for `hang_timeout` (stopped, or wedged where even a thread can't run): it is killed;
+- a worker reports no step for `step_timeout` (alive but stuck, e.g. a deadlock in Python): it is killed;
+- a worker's collectives fail (a peer's process died: its connections reset at once, PeerLostError);
+- another node's agent falls silent on the heartbeat (`heartbeat_timeout`: the node is gone);
+- the next generation was opened by another agent (it saw one of the above first).
+Surviving workers keep their processes (worker.py); a killed or dead one is replaced before the next generation.
+
+Every decision is written as a JSON line to `events_path` (one file per agent): the figures of `bench elastic` and
+the demo's display come from there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from SneppX_ALG import errors, storage
+from SneppX_ALG.elastic import control, heartbeat, rendezvous
+from SneppX_ALG.elastic.fault_tolerance import FaultToleranceManager
+from SneppX_ALG.elastic.worker import ENV_CONTROL_FD, ENV_LOCAL_RANK
+
+log = logging.getLogger(__name__)
+
+EXIT_FAILED = 3  # the run failed for good (budget, rollback limit, join timeout): the result file says why
+TICK = 0.02  # how often the agent looks at its workers when nothing arrives
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSettings:
+    run_id: str
+    agent_id: str
+    host: str
+    workers: int
+    elastic_root: str
+    worker_command: Sequence[str]
+    worker_env: Mapping[str, str]
+    rendezvous: rendezvous.RendezvousConfig
+    max_restarts: int = 3
+    restart_delay: float = 1.0
+    heartbeat_interval: float = 0.1
+    heartbeat_timeout: float = 0.8
+    hang_timeout: float = 1.0
+    start_timeout: float = 120.0  # a new worker process has this long to import and say it is ready
+    step_timeout: float | None = None
+    abort_grace: float = 5.0
+    poll_period: float = 0.25
+    events_path: str | None = None
+    result_path: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    kind: str  # done | boundary | failure | fatal
+    reason: str = ""
+    suspects: frozenset[str] = frozenset()
+
+
+class WorkerProcess:
+    """One worker process of this node and what the agent knows of it."""
+
+    def __init__(self, local_rank: int):
+        self.local_rank = local_rank
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.channel: control.Channel | None = None
+        self.state = "dead"  # dead | starting | running | done | boundary | failed: in the current generation
+        self.idle = False  # it said it waits for an `assign` (after starting, or once a generation ended)
+        self.generation: int | None = None
+        self.rank: int | None = None
+        self.last_beat = self.last_progress = time.monotonic()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and self.channel is not None
+
+    def spawn(self, command: Sequence[str], env: Mapping[str, str]) -> None:
+        mine, theirs = socket.socketpair()
+        self.proc = subprocess.Popen(list(command), pass_fds=(theirs.fileno(),),
+                                     env={**env, ENV_CONTROL_FD: str(theirs.fileno()),
+                                          ENV_LOCAL_RANK: str(self.local_rank)})
+        theirs.close()
+        self.channel = control.Channel(mine)
+        self.state, self.generation, self.idle = "starting", None, False
+        self.last_beat = self.last_progress = time.monotonic()
+
+    def send(self, kind: str, **fields: Any) -> bool:
+        if self.channel is None:
+            return False
+        try:
+            self.channel.send(kind, **fields)
+            return True
+        except control.ChannelClosed:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait()
+        if self.channel is not None:
+            self.channel.close()
+        self.proc, self.channel, self.state = None, None, "dead"
+
+    def how_it_ended(self) -> str:
+        code = None if self.proc is None else self.proc.poll()
+        if code is None:
+            return "its control channel closed"
+        if code < 0:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+
+class NodeAgent:
+    def __init__(self, settings: AgentSettings):
+        self.s = settings
+        self.records = storage.open_record_store(settings.elastic_root)
+        self.heartbeat_address = f"{settings.host}:{free_udp_port(settings.host)}"
+        self.rdzv = rendezvous.Rendezvous(self.records, settings.run_id, agent_id=settings.agent_id,
+                                          host=settings.host, heartbeat=self.heartbeat_address,
+                                          workers=settings.workers, config=settings.rendezvous)
+        self.ft = FaultToleranceManager(max_restarts=settings.max_restarts, restart_delay=settings.restart_delay,
+                                        max_restart_delay=max(60.0, settings.restart_delay))
+        self.workers = [WorkerProcess(i) for i in range(settings.workers)]
+        self.failures = 0
+        self.generation: int | None = None
+
+    # -- the agent's life --
+
+    def run(self) -> int:
+        code, reason = EXIT_FAILED, ""
+        self._event("started", pid=os.getpid(), heartbeat=self.heartbeat_address)
+        try:
+            membership = self._join(None, frozenset())
+            while True:
+                outcome = self._run_generation(membership)
+                if outcome.kind == "done":
+                    self.rdzv.finish("completed")
+                    code, reason = 0, "completed"
+                    return code
+                if outcome.kind == "fatal":
+                    reason = f"failed: {outcome.reason}"
+                    self.rdzv.finish(reason)
+                    return code
+                if outcome.kind == "failure":
+                    self.failures += 1
+                    time.sleep(self.ft.record_failure(outcome.reason))
+                membership = self._join(membership, outcome.suspects)
+        except errors.RestartBudgetExhaustedError as e:
+            reason = f"failed: {e}"
+            self.rdzv.finish(reason)
+            return code
+        except errors.RendezvousClosedError as e:
+            finished = self.records.read(rendezvous.finished_key(self.s.run_id))
+            reason = str(finished.value.get("reason", "")) if finished is not None else str(e)
+            code = 0 if reason == "completed" else EXIT_FAILED
+            return code
+        except errors.RendezvousTimeoutError as e:
+            reason = f"failed: {e}"
+            return code
+        finally:
+            for w in self.workers:
+                w.send("exit")
+            deadline = time.monotonic() + 5
+            for w in self.workers:
+                if w.proc is not None:
+                    try:
+                        w.proc.wait(max(0.0, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        pass
+                w.kill()
+            self._event("exit", code=code, reason=reason)
+            if self.s.result_path:
+                write_json(self.s.result_path, {"code": code, "reason": reason, "history": self.ft.status()["failures"]})
+
+    def _join(self, previous: rendezvous.Membership | None, suspects: frozenset[str]) -> rendezvous.Membership:
+        started = time.monotonic()
+        for w in self.workers:  # replace dead workers while the rendezvous forms
+            if not w.alive:
+                w.kill()
+                w.spawn(self.s.worker_command, self.s.worker_env)
+        membership = self.rdzv.join(previous=previous, suspects=suspects)
+        self._event("generation", generation=membership.generation, world_size=membership.world_size,
+                    members=list(membership.agent_ids), joined_in=time.monotonic() - started,
+                    node_rank=membership.node_rank(self.s.agent_id))
+        return membership
+
+    # -- one generation --
+
+    def _run_generation(self, m: rendezvous.Membership) -> Outcome:
+        self.generation = m.generation
+        others = {mm.heartbeat: mm.agent_id for mm in m.members if mm.agent_id != self.s.agent_id}
+        hb = None
+        if others:
+            hb = heartbeat.HeartbeatMonitor(list(others), bind=self.heartbeat_address, job_id=self.s.run_id,
+                                            interval=self.s.heartbeat_interval, timeout=self.s.heartbeat_timeout,
+                                            generation=m.generation).start()
+        try:
+            outcome = self._watch(m, hb, others)
+            if outcome.kind in ("failure", "fatal"):
+                outcome = dataclasses.replace(outcome, suspects=self._settle(m, hb, others, outcome.suspects))
+                self._abort_workers(m)
+            return outcome
+        finally:
+            if hb is not None:
+                hb.stop()
+
+    def _watch(self, m: rendezvous.Membership, hb: heartbeat.HeartbeatMonitor | None,
+               others: Mapping[str, str]) -> Outcome:
+        join_pending = False
+        next_poll = time.monotonic()
+        assign = {"membership": rendezvous.membership_to_json(m), "agent_id": self.s.agent_id,
+                  "restarts": self.ft.restarts}
+        for w in self.workers:
+            if w.alive and w.idle:  # a survivor of the last generation, waiting in the same process
+                self._assign(w, m, assign)
+        while True:
+            outcome = self._read_workers(m, assign)
+            if outcome is not None:
+                return outcome
+            now = time.monotonic()
+            for w in self.workers:
+                if not w.alive:
+                    return self._failure(f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} "
+                                         f"{w.how_it_ended()}")
+                silent = now - w.last_beat
+                if silent > (self.s.start_timeout if w.state == "starting" else self.s.hang_timeout):
+                    w.kill()
+                    return self._failure(f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} sent no "
+                                         f"heartbeat for {silent:.1f}s (stopped or wedged): killed")
+                stuck = now - w.last_progress
+                if self.s.step_timeout is not None and w.state == "running" and stuck > self.s.step_timeout:
+                    w.kill()
+                    return self._failure(f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} finished no "
+                                         f"step for {stuck:.1f}s (step_timeout): killed")
+            if hb is not None:
+                gone = [others[p] for p in hb.suspected_peers() if p in others]
+                if gone and self._run_completed():
+                    return Outcome("done")  # the others finished and left first
+                if gone:
+                    return self._failure(f"node {', '.join(sorted(gone))} fell silent on the heartbeat",
+                                         suspects=frozenset(gone))
+            if now >= next_poll:
+                next_poll = now + self.s.poll_period
+                try:
+                    nxt = self.rdzv.poll(m)
+                except errors.RecordUnavailableError as e:
+                    log.warning("%s: can't poll the rendezvous: %s", self.s.agent_id, e)
+                    continue
+                if nxt.superseded and not join_pending:
+                    by = "is sealed" if nxt.sealed else f"was joined by {', '.join(sorted(nxt.closing))}"
+                    return self._failure(f"generation {nxt.generation} {by}")
+                if nxt.waiting and not join_pending:
+                    join_pending = True
+                    self._event("join_pending", generation=m.generation, waiting=sorted(nxt.waiting))
+                    for w in self.workers:
+                        w.send("join_pending")
+
+    def _read_workers(self, m: rendezvous.Membership, assign: dict[str, Any]) -> Outcome | None:
+        channels = {w.channel.fileno(): w for w in self.workers if w.channel is not None}
+        ready, _, _ = select.select(list(channels), [], [], TICK)
+        first: Outcome | None = None
+        for fd in ready:
+            w = channels[fd]
+            try:
+                messages = w.channel.receive(0) if w.channel is not None else []
+            except control.ChannelClosed:
+                if w.proc is not None:
+                    try:
+                        w.proc.wait(1.0)  # its exit code or signal, for the reason
+                    except subprocess.TimeoutExpired:
+                        w.proc.kill()
+                first = first or Outcome("failure", f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} "
+                                                    f"{w.how_it_ended()}")
+                continue
+            for message in messages:  # all of them: a worker's `failed` and `idle` may come in one read
+                outcome = self._on_message(w, message, m, assign)
+                first = first or outcome
+        if first is not None:
+            return self._failure(first.reason) if first.kind == "failure" else first
+        states = {w.state for w in self.workers}
+        if states == {"done"}:
+            self._event("done", generation=m.generation)
+            return Outcome("done")
+        if states == {"boundary"}:
+            self._event("boundary", generation=m.generation)
+            return Outcome("boundary")
+        return None
+
+    def _on_message(self, w: WorkerProcess, message: dict[str, Any], m: rendezvous.Membership,
+                    assign: dict[str, Any]) -> Outcome | None:
+        kind, now = message["kind"], time.monotonic()
+        w.last_beat = now
+        if kind == "idle":
+            w.idle = True
+            if w.generation != m.generation:
+                self._assign(w, m, assign)
+        elif message.get("generation") != m.generation:
+            return None  # beats, and the last words of a generation that is over
+        elif kind == "saved":
+            w.last_progress = now
+            if message.get("rank") == 0:
+                self._event("saved", generation=m.generation, step=message.get("step"))
+        elif kind == "progress":
+            w.last_progress = now
+            if message.get("rank") == 0:
+                self._event("step", generation=m.generation, step=message.get("step"),
+                            metrics=message.get("metrics", {}))
+        elif kind == "restored":
+            if message.get("rank") == 0:
+                self._event("restored", generation=m.generation, step=message.get("step"),
+                            rolled_back=message.get("rolled_back", []))
+        elif kind in ("done", "boundary"):
+            w.state = kind
+        elif kind == "failed":
+            w.state = "failed"
+            return Outcome("failure", f"rank {w.rank}'s collectives failed: {message.get('error', '')[:500]}")
+        elif kind == "error":
+            return Outcome("failure", f"rank {w.rank}'s train_fn raised: {message.get('error', '')[-1500:]}")
+        elif kind == "fatal":
+            return Outcome("fatal", f"rank {w.rank}: {message.get('error', '')[:1500]}")
+        return None
+
+    def _assign(self, w: WorkerProcess, m: rendezvous.Membership, assign: dict[str, Any]) -> None:
+        w.send("assign", local_rank=w.local_rank, **assign)
+        w.state, w.generation, w.idle = "running", m.generation, False
+        w.rank = m.global_rank(self.s.agent_id, w.local_rank)
+        w.last_progress = time.monotonic()
+
+    def _run_completed(self) -> bool:
+        try:
+            finished = self.records.read(rendezvous.finished_key(self.s.run_id))
+        except errors.RecordError:
+            return False
+        return finished is not None and finished.value.get("reason") == "completed"
+
+    def _failure(self, reason: str, suspects: frozenset[str] = frozenset()) -> Outcome:
+        log.warning("%s: %s", self.s.agent_id, reason)
+        self._event("failure", generation=self.generation, reason=reason)
+        return Outcome("failure", reason, suspects)
+
+    def _settle(self, m: rendezvous.Membership, hb: heartbeat.HeartbeatMonitor | None, others: Mapping[str, str],
+                suspects: frozenset[str]) -> frozenset[str]:
+        """Before joining the next generation: wait until each other member is known to be alive (heard on the
+        heartbeat well after the failure: a dead node sends nothing then) or to have joined it, or has fallen
+        silent (at most two heartbeat timeouts), so the join names every node that is gone and the sealer
+        need not wait for them. Live peers settle in about two heartbeat intervals."""
+        started = time.monotonic()
+        deadline = started + 2 * self.s.heartbeat_timeout
+        gone = set(suspects)
+        while hb is not None:
+            gone |= {others[p] for p in hb.suspected_peers() if p in others}
+            since = time.monotonic() - started - 2 * self.s.heartbeat_interval
+            alive = {others[p] for p, view in hb.status().items()
+                     if p in others and view.last_alive is not None and view.last_alive < since}
+            try:
+                moved = set(self.rdzv.poll(m).closing)
+            except errors.RecordUnavailableError:
+                moved = set()
+            if set(others.values()) <= gone | alive | moved or time.monotonic() >= deadline:
+                break
+            time.sleep(TICK)
+        return frozenset(gone - alive)
+
+    def _abort_workers(self, m: rendezvous.Membership) -> None:
+        """Ends the generation's collectives on every worker; one that doesn't come back idle within
+        `abort_grace` is wedged, and is killed (replaced before the next generation)."""
+        for w in self.workers:
+            if w.alive and not w.idle and w.state != "starting":
+                w.send("abort")
+        deadline = time.monotonic() + self.s.abort_grace
+        while True:
+            busy = {w.channel.fileno(): w for w in self.workers
+                    if w.alive and not w.idle and w.state != "starting" and w.channel is not None}
+            if not busy or time.monotonic() >= deadline:
+                break
+            ready, _, _ = select.select(list(busy), [], [], TICK)
+            for fd in ready:
+                w = busy[fd]
+                try:
+                    for message in w.channel.receive(0) if w.channel is not None else []:
+                        w.last_beat = time.monotonic()
+                        w.idle = w.idle or message["kind"] == "idle"
+                except control.ChannelClosed:
+                    w.kill()
+        for w in self.workers:
+            if w.alive and not w.idle and w.state != "starting":
+                log.warning("%s: worker %d did not end generation %d within %.1fs: killed", self.s.agent_id,
+                            w.local_rank, m.generation, self.s.abort_grace)
+                w.kill()
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        if self.s.events_path is None:
+            return
+        line = json.dumps({"t": time.time(), "agent": self.s.agent_id, "kind": kind, **fields}, allow_nan=False)
+        with open(self.s.events_path, "a") as f:
+            f.write(line + "\n")
+
+
+def free_udp_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def write_json(path: str, value: Any) -> None:
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "w") as f:
+        json.dump(value, f)
+    os.replace(temporary, path)

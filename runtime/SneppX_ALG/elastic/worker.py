@@ -1,0 +1,290 @@
+"""A worker process of an ElasticTrainer run: it calls the user's train_fn once per membership generation.
+
+Why the process outlives a generation: starting Python, importing the user's framework and initialising a GPU
+take seconds, and reconnecting does not. When a generation ends (a peer failed, agents join at a checkpoint
+boundary), the agent aborts this worker's collectives, train_fn returns with an error, and the same process
+waits for the next `assign`: a new process group, a new coordinator, a resharded restore (in-process
+reconfiguration). Only a worker that died or wedged is replaced by a new process.
+
+The agent talks to it over `control.Channel`. A thread beats on it every `control.BEAT_INTERVAL`, so the agent
+tells a stopped (SIGSTOP) or wedged process from a busy one; another reads it, so `abort` reaches the process
+groups while train_fn runs. When the agent's end closes (the node is gone) the worker exits at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import socket
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from SneppX_ALG import coordinator as coordinator_lib
+from SneppX_ALG import errors, storage
+from SneppX_ALG.elastic import collectives, control, rendezvous
+from SneppX_ALG.elastic import store as store_lib
+
+log = logging.getLogger(__name__)
+
+ENV_CONTROL_FD = "SNEPPX_CONTROL_FD"
+ENV_LOCAL_RANK = "SNEPPX_LOCAL_RANK"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    """What every worker of a run is configured with (from the ElasticTrainer's arguments)."""
+
+    checkpoint_dir: str
+    elastic_root: str  # where the run's records live (rendezvous, process-group addresses)
+    run_id: str
+    backend: collectives.Backend = "tcp"
+    collective_timeout: float = 300.0
+    max_to_keep: int | None = 5
+    async_save: bool = True
+    rollback_depth: int = 2
+    max_restarts: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    """One generation as one worker sees it (the agent's `assign` message)."""
+
+    membership: rendezvous.Membership
+    agent_id: str
+    local_rank: int
+    restarts: int
+
+    @property
+    def generation(self) -> int:
+        return self.membership.generation
+
+    @property
+    def node_rank(self) -> int:
+        return self.membership.node_rank(self.agent_id)
+
+    @property
+    def rank(self) -> int:
+        return self.membership.global_rank(self.agent_id, self.local_rank)
+
+    @property
+    def local_world_size(self) -> int:
+        return self.membership.members[self.node_rank].workers
+
+    @property
+    def master(self) -> tuple[str, int]:
+        """Node 0's host and a port for torchrun-style code: the number of its heartbeat port (UDP), which
+        makes it stable within the generation and different between agents on one host."""
+        first = self.membership.members[0]
+        return first.host, int(first.heartbeat.rsplit(":", 1)[1])
+
+
+class TrainContext:
+    """What `train_fn(ctx)` gets: who this rank is in the current membership generation, its process groups,
+    the run's (sharded) checkpoint coordinator, and what was restored.
+
+    rank, world_size, local_rank, local_world_size, node_rank, num_nodes, generation, restarts
+    group: the generation's ProcessGroup for training collectives (allreduce, reduce_scatter, ...)
+    coordinator: a CheckpointCoordinator on `checkpoint_dir` saving one shard per rank (its own process group)
+    restored: the CheckpointInfo of the last `restore()` (step, training_state), or None
+    rolled_back: the newer committed steps that restore() skipped because they did not validate
+    device: "cpu", or "cuda:<local_rank>" with backend="nccl"
+    """
+
+    def __init__(self, assignment: Assignment, settings: WorkerSettings, group: collectives.ProcessGroup,
+                 coordinator: coordinator_lib.CheckpointCoordinator, worker: Worker):
+        self.rank = assignment.rank
+        self.world_size = assignment.membership.world_size
+        self.local_rank = assignment.local_rank
+        self.local_world_size = assignment.local_world_size
+        self.node_rank = assignment.node_rank
+        self.num_nodes = len(assignment.membership.members)
+        self.generation = assignment.generation
+        self.restarts = assignment.restarts
+        self.group = group
+        self.coordinator = coordinator
+        self.device = f"cuda:{assignment.local_rank}" if settings.backend == "nccl" else "cpu"
+        self.restored: coordinator_lib.CheckpointInfo | None = None
+        self.rolled_back: list[coordinator_lib.SkippedCheckpoint] = []
+        self._settings = settings
+        self._worker = worker
+
+    @property
+    def membership_changing(self) -> bool:
+        """True once agents wait to join (or this generation is ending): the next `save()` is the last of the
+        generation. A loop that saves with `ctx.save` needs no other check."""
+        return self._worker.join_pending.is_set() or self._worker.aborted.is_set()
+
+    def restore(self, obj: Any) -> coordinator_lib.CheckpointInfo | None:
+        """Loads the newest checkpoint that validates into `obj` (a dict of arrays, or an object with
+        `load_sharded_state_dict`), resharded for this world size, rolling back past invalid steps: at most
+        `rollback_depth` of them (RollbackLimitError past that: a decision for a person). None: no checkpoint
+        yet, start from scratch. Every rank calls it."""
+        before = len(self.coordinator.skipped)
+        info = self.coordinator.restore(obj)
+        skipped = list(self.coordinator.skipped[before:])
+        if len(skipped) > self._settings.rollback_depth:
+            raise errors.RollbackLimitError(
+                f"{len(skipped)} newer committed checkpoints are invalid (steps "
+                f"{', '.join(str(s.step) for s in skipped)}); rollback_depth={self._settings.rollback_depth}",
+                skipped=skipped)
+        self.restored, self.rolled_back = info, skipped
+        self._worker.report("restored", generation=self.generation, rank=self.rank,
+                            step=None if info is None else info.step,
+                            rolled_back=[{"step": s.step, "problems": list(s.problems[:3])} for s in skipped])
+        return info
+
+    def save(self, obj: Any, step: int, *, training_state: Any = None) -> None:
+        """Saves checkpoint `step` (every rank, same step; it commits in the background) and reports progress.
+        If agents wait to join, every rank learns it here at the same step (one small allreduce): the step is
+        committed, then `save` raises MembershipChangingError, which the ElasticTrainer catches to form the
+        bigger generation. Don't catch it in train_fn."""
+        pending = np.array([1 if self._worker.join_pending.is_set() else 0], dtype=np.int64)
+        self.group.allreduce(pending, op="max")
+        self.coordinator.save(obj, step, training_state=training_state)
+        self._worker.report("saved", generation=self.generation, rank=self.rank, step=int(step))
+        if pending[0]:
+            self.coordinator.wait()
+            raise errors.MembershipChangingError(
+                f"generation {self.generation} ends at step {step}: agents are waiting to join", step=step)
+
+    def report(self, step: int, **metrics: float) -> None:
+        """Tells the agent that `step` finished (a worker that reports no step for the trainer's step_timeout
+        counts as hung); `metrics` (e.g. loss=) are shown by the agent's log and the demo's display."""
+        self._worker.report("progress", generation=self.generation, rank=self.rank, step=int(step),
+                            metrics={k: float(v) for k, v in metrics.items()})
+
+
+class Worker:
+    """The worker process' side of the control channel (see the module docstring)."""
+
+    def __init__(self, channel: control.Channel, settings: WorkerSettings,
+                 train_fn: Callable[[TrainContext], Any]):
+        self.channel = channel
+        self.settings = settings
+        self.train_fn = train_fn
+        self.join_pending = threading.Event()
+        self.aborted = threading.Event()
+        self._assignments: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._groups: list[collectives.ProcessGroup] = []
+        self._groups_lock = threading.Lock()
+
+    def report(self, kind: str, **fields: Any) -> None:
+        try:
+            self.channel.send(kind, **fields)
+        except control.ChannelClosed:
+            os._exit(1)  # the agent is gone: so is this node
+
+    def serve(self) -> int:
+        threading.Thread(target=self._beat, name="sneppx-worker-beat", daemon=True).start()
+        threading.Thread(target=self._read, name="sneppx-worker-control", daemon=True).start()
+        self.report("idle")
+        while True:
+            message = self._assignments.get()
+            if message["kind"] == "exit":
+                return 0
+            assignment = Assignment(
+                rendezvous.parse_membership(message["membership"], key="assign", run_id=self.settings.run_id,
+                                            generation=message["membership"]["generation"]),
+                message["agent_id"], message["local_rank"], message["restarts"])
+            self.join_pending.clear()  # the agent sends `assign` only once this worker is idle
+            self.aborted.clear()
+            self._run_generation(assignment)
+            self.report("idle", generation=assignment.generation)
+
+    def _beat(self) -> None:
+        stop = threading.Event()
+        while not stop.wait(control.BEAT_INTERVAL):
+            self.report("beat")
+
+    def _read(self) -> None:
+        while True:
+            try:
+                messages = self.channel.receive(None)
+            except control.ChannelClosed:
+                os._exit(1)  # the agent died (its node was killed): never outlive it
+            for message in messages:
+                if message["kind"] in ("assign", "exit"):
+                    self._assignments.put(message)
+                elif message["kind"] == "join_pending":
+                    self.join_pending.set()
+                elif message["kind"] == "abort":
+                    self.aborted.set()
+                    with self._groups_lock:
+                        for group in self._groups:
+                            group.abort()
+
+    def _run_generation(self, a: Assignment) -> None:
+        s = self.settings
+        set_torchrun_environment(a, s)
+        records = storage.open_record_store(s.elastic_root)
+        fence_view = rendezvous.Rendezvous(records, s.run_id, agent_id=a.agent_id, host=a.master[0],
+                                           heartbeat=f"{a.master[0]}:{a.master[1]}",
+                                           workers=a.local_world_size)
+        coordinator = None
+        groups: list[collectives.ProcessGroup] = []
+        try:
+            for name in ("train", "checkpoint"):  # async saves run their collectives beside training's
+                groups.append(collectives.ProcessGroup(
+                    store_lib.RecordKeyStore(records, f"comm/{s.run_id}/{name}"), a.rank, a.membership.world_size,
+                    a.generation, backend=s.backend if name == "train" else "tcp", timeout=s.collective_timeout,
+                    device=a.local_rank))
+                with self._groups_lock:
+                    self._groups = list(groups)
+                    if self.aborted.is_set():
+                        raise errors.CollectiveAbortedError(f"generation {a.generation} was aborted",
+                                                            rank=a.rank, generation=a.generation)
+            coordinator = coordinator_lib.CheckpointCoordinator(
+                s.checkpoint_dir, max_to_keep=s.max_to_keep, async_save=s.async_save, device="cpu",
+                group=groups[1], commit_fence=lambda: fence_view.check_fence(a.membership))
+            self.train_fn(TrainContext(a, s, groups[0], coordinator, self))
+            coordinator.close()  # the last save commits (or fails) on every rank
+            coordinator = None
+            groups[0].barrier()  # every rank is done: no agent leaves while a peer still needs it
+            self.report("done", generation=a.generation)
+        except errors.MembershipChangingError as e:
+            self.report("boundary", generation=a.generation, step=e.step)
+        except errors.RollbackLimitError as e:
+            self.report("fatal", generation=a.generation, error=f"{type(e).__name__}: {e}")
+        except Exception as e:
+            if self.aborted.is_set() or isinstance(e, errors.CollectiveError | errors.StoreError |
+                                                   errors.ShardedCheckpointError):
+                self.report("failed", generation=a.generation, error=f"{type(e).__name__}: {e}")
+            else:  # the user's code failed: this process is replaced, and the failure counted
+                self.report("error", generation=a.generation, error=traceback.format_exc(limit=20)[-4000:])
+                os._exit(1)
+        finally:
+            with self._groups_lock:
+                self._groups = []
+            for group in groups:
+                group.abort()  # a no-op when the call that ended it was a success
+                group.close()
+            if coordinator is not None:
+                try:
+                    coordinator.close()
+                except errors.SneppXError as e:
+                    log.info("generation %d: its unfinished save ends with the generation: %s", a.generation, e)
+
+
+def set_torchrun_environment(a: Assignment, s: WorkerSettings) -> None:
+    """The variables torchrun sets, so code written for its contract runs unchanged."""
+    master_addr, master_port = a.master
+    os.environ.update({
+        "RANK": str(a.rank), "WORLD_SIZE": str(a.membership.world_size), "LOCAL_RANK": str(a.local_rank),
+        "LOCAL_WORLD_SIZE": str(a.local_world_size), "GROUP_RANK": str(a.node_rank),
+        "NODE_RANK": str(a.node_rank), "ROLE_RANK": str(a.rank), "ROLE_WORLD_SIZE": str(a.membership.world_size),
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "TORCHELASTIC_RUN_ID": s.run_id,
+        "TORCHELASTIC_RESTART_COUNT": str(a.restarts), "TORCHELASTIC_MAX_RESTARTS": str(s.max_restarts),
+        "SNEPPX_GENERATION": str(a.generation),
+    })
+
+
+def main(train_fn: Callable[[TrainContext], Any], settings: WorkerSettings) -> int:
+    """A worker process' whole life (the ElasticTrainer calls it when SNEPPX_CONTROL_FD is set)."""
+    channel = control.Channel(socket.socket(fileno=int(os.environ[ENV_CONTROL_FD])))
+    return Worker(channel, settings, train_fn).serve()
