@@ -158,6 +158,7 @@ class NodeAgent:
         self.link = pod.JobLink(self.records, settings.checkpoint_dir, settings.agent_id) if settings.operator_mode \
             else None
         self.paused = False
+        self.step_timeout = settings.step_timeout  # operator mode: the control record's, from the next generation
         self.resumed_from: int | None = None  # the step this generation restored (rank 0's report)
         self.heartbeat_address = f"{settings.host}:{free_udp_port(settings.host)}"
         self.rdzv = rendezvous.Rendezvous(self.records, settings.run_id, agent_id=settings.agent_id,
@@ -251,9 +252,11 @@ class NodeAgent:
 
     def _follow_bounds(self, control_record: job_object.Control | None) -> None:
         """Operator mode: the next generation forms with the node bounds of the operator's control record
-        (elastic.minNodes/maxNodes as they are now; a change never touches a running generation)."""
+        (elastic.minNodes/maxNodes as they are now; a change never touches a running generation), and its
+        workers are held to its hang timeout (failurePolicy.hangTimeoutSeconds; 0: none)."""
         if control_record is None:
             return
+        self.step_timeout = float(control_record.hang_timeout_seconds) or None
         config = self.rdzv.config
         try:
             self.rdzv.config = dataclasses.replace(config, min_nodes=max(1, control_record.min_nodes),
@@ -334,7 +337,7 @@ class NodeAgent:
                     return self._failure(f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} sent no "
                                          f"heartbeat for {silent:.1f}s (stopped or wedged): killed")
                 stuck = now - w.last_progress
-                if self.s.step_timeout is not None and w.state == "running" and stuck > self.s.step_timeout:
+                if self.step_timeout is not None and w.state == "running" and stuck > self.step_timeout:
                     w.kill()
                     return self._failure(f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} finished no "
                                          f"step for {stuck:.1f}s (step_timeout): killed")

@@ -11,6 +11,7 @@ Records of generation g of run R (keys of a `storage.record.RecordStore`):
     rdzv/R/g000000007/membership        created once, by the first agent to seal: one per generation
     rdzv/R/g000000007/sealer            renewed by whoever is sealing generation 7 while it forms
     rdzv/R/g000000007/alive             renewed by node 0 of generation 7 while it runs (compare-and-swap)
+    rdzv/R/floor                        raised by each sweep: generations below it were removed
     rdzv/R/finished                     created when the run ends
 
 1. An agent finds the newest generation g (probing prefixes: O(log G) listings). If g is sealed and lists
@@ -37,6 +38,12 @@ and join them at a checkpoint boundary. Then it seals when `max_nodes` agents jo
 suspects to be gone has joined (and at least `min_nodes` did): survivors of a failure re-form without
 waiting; or when at least `min_nodes` joined and `last_call` seconds passed since the observer first saw
 that many. `join_timeout` bounds the wait (`RendezvousTimeoutError`).
+
+Old generations go: the agent that sealed generation g raises the run's floor to g-1 and then deletes the records
+of every generation below it (`sweep`, from `poll`), so a run keeps about two generations' records however long
+it runs (in operator mode they share one ConfigMap of 1 MiB). Everything that could still look at a removed
+generation reads the floor first (joins, a sealer right before it seals, every `check_fence`, `poll` every
+`lease_timeout / 4`).
 
 docs/ELASTIC.md ("Rendezvous") has the safety argument (one membership per generation; no single point of
 failure; why a partitioned minority can't commit a checkpoint, with `check_fence`) and the request counts.
