@@ -112,10 +112,11 @@ class Run:
         """Makes a failure of `kind` (see KINDS); returns its time.time() and what was hit."""
         if kind == "worker":
             pid, _, agent, local_rank = rng.choice([p for p in demo.run_processes(self.run_id) if p[1] == "worker"])
+            sent_at = time.time()  # before the signal: a peer may notice a SIGKILL before a clock read after it
             os.kill(pid, signal.SIGKILL)
-            return time.time(), f"worker {local_rank} of {agent}"
-        demo.kill_node(self.run_id, demo.KILLED_NODE, signal.SIGKILL if kind == "node" else signal.SIGSTOP)
-        return time.time(), demo.KILLED_NODE
+            return sent_at, f"worker {local_rank} of {agent}"
+        sent_at = demo.kill_node(self.run_id, demo.KILLED_NODE, signal.SIGKILL if kind == "node" else signal.SIGSTOP)
+        return sent_at, demo.KILLED_NODE
 
     def stop(self) -> None:
         for pgid in [self.proc.pid] + [pid for pid, role, *_ in demo.run_processes(self.run_id) if role == "agent"]:

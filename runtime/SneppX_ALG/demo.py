@@ -385,11 +385,14 @@ def run_processes(run_id: str) -> list[tuple[int, str, str, str]]:
     return sorted(found)
 
 
-def kill_node(run_id: str, agent_id: str, sig: int = signal.SIGKILL) -> None:
+def kill_node(run_id: str, agent_id: str, sig: int = signal.SIGKILL) -> float:
     """Signals a whole node: its agent's process group (the launcher starts each agent in a session of its
-    own), which holds the agent and its workers."""
+    own), which holds the agent and its workers. Returns the time.time() of the signal, taken just before it:
+    a peer can notice a SIGKILL within microseconds, before a clock read after the kill."""
     agent_pid = next(pid for pid, role, agent, _ in run_processes(run_id) if role == "agent" and agent == agent_id)
+    sent_at = time.time()
     os.killpg(agent_pid, sig)
+    return sent_at
 
 
 class RunDisplay:
@@ -470,8 +473,7 @@ def elastic_scene(args: argparse.Namespace, console: Any) -> bool:
             for e in log.poll():
                 display.show(e)
             if display.killed_at is None and display.step >= args.kill_at:
-                kill_node(run_id, KILLED_NODE)
-                display.killed_at = time.time()
+                display.killed_at = kill_node(run_id, KILLED_NODE)
                 display.say(f"[bold red]step {display.step}: SIGKILL to {KILLED_NODE}[/] (its agent and its "
                             f"{WORKERS_PER_NODE} workers: a node failure)")
             time.sleep(0.05)
