@@ -337,7 +337,11 @@ def kubeconfig(server: str, ca_pem: bytes, token: str) -> dict[str, Any]:
 
 
 def _mapped(value: str, mounts: dict[str, str]) -> str:
-    """An environment value or argument with a mount path (or file:// URI of one) pointing at its local dir."""
+    """An environment value or argument with a mount path (or file:// URI of one) pointing at its local dir. A
+    path that exists on this machine is left alone: it is the "image's" own file (this interpreter, a test
+    script), which may well live under a mount path such as /tmp when the repository is checked out there."""
+    if os.path.exists(value):
+        return value
     for path, local in sorted(mounts.items(), key=lambda item: -len(item[0])):
         if value == path or value.startswith(path + "/"):
             return local + value[len(path):]
