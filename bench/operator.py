@@ -1,7 +1,8 @@
-"""Operator recovery: from a rank's process killed (or its node lost) to the job's pods replaced and Running.
+"""Operator recovery: from a rank's process killed (or its node lost) to the job's pods replaced and Running, and
+to the job training again.
 
-    python -m bench operator                     # 10 kills and 5 node losses, about 2 minutes
-    python -m bench operator -- --kills 20 --node-losses 0
+    python -m bench operator                     # 10 + 5 + 2 x 5 kills, about 4 minutes
+    python -m bench operator -- --kills 20 --node-losses 0 --trainings 10
 
 On the test cluster of tests/k8s (a real kube-apiserver and etcd on 127.0.0.1) with the operator as a real
 process (`python -m sneppx_operator`, default resync of 10 s: it reacts to watch events, not to the resync) and
@@ -16,6 +17,13 @@ the kubelet stand-in of tests/k8s/pod_runner.py running each rank as a local pro
   Running. Kubernetes itself needs the node-monitor grace period (40 s) to mark the node NotReady at all, and
   then evicts its pods after the default 300 s toleration, and a pod stuck Terminating on a dead node is never
   removed without a force delete: those are the figures compared.
+- training: jobs that really train (tests/integration/elastic_script.py in operator mode: the reference
+  Transformer, DataParallelTrainer, a checkpoint every 5 steps on the runner's shared volume; 2 pods of one worker
+  each). Rank 1's pod's processes (its agent and worker) are SIGKILLed; the clock stops at the first training
+  step rank 0 finishes in a later membership generation (the agents' own events, in rank 0's pod log: after the
+  rendezvous and the restore from the last valid checkpoint), and again at the first step of a generation back at
+  full size (the replacement pod joined). Two jobs: minNodes 1 (the survivor goes on alone, then grows back at a
+  checkpoint boundary) and minNodes 2 (it must wait for the replacement pod).
 
 Side by side: the restart figures against Kubernetes' 40 s node-monitor grace period (the time before the
 control plane even notices a lost node) and 340 s (grace plus the default eviction toleration).
@@ -47,6 +55,8 @@ from bench import common
 NODE_MONITOR_GRACE_S = 40.0
 DEFAULT_EVICTION_S = 300.0
 STANDIN = REPO / "tests" / "k8s" / "rank_standin.py"
+SCRIPT = REPO / "tests" / "integration" / "elastic_script.py"
+CHECKPOINT_DIR = "/var/lib/sneppx/checkpoints"  # where the operator mounts the job's volume
 
 
 def _job(name: str, terminating_timeout: int) -> dict[str, Any]:
@@ -59,6 +69,53 @@ def _job(name: str, terminating_timeout: int) -> dict[str, Any]:
         "terminatingPodTimeoutSeconds": terminating_timeout,
     }
     return job
+
+
+def _training_job(name: str, min_nodes: int) -> dict[str, Any]:
+    """Two pods training for as long as the bench runs; each job checkpoints to its own directory of the volume."""
+    job = k8s_helpers.valid_job(name, max_nodes=2, min_nodes=min_nodes)
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    container["command"] = ["python", str(SCRIPT), f"{CHECKPOINT_DIR}/out", CHECKPOINT_DIR]
+    # restart_delay 0: each kill is timed alike (the trainer's default, 1 s doubling per failure, would make
+    # the n-th kill of one job wait 2^n s; the operator's restartDelay is 0 here too)
+    knobs = {"STEPS": 10**7, "EVERY": 5, "SLEEP": 0.05, "RESTART_DELAY": 0, "MAX_RESTARTS": 1000}
+    container["env"] = [{"name": f"E_{k}", "value": str(v)} for k, v in knobs.items()]
+    job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 5
+    job["spec"]["checkpoint"]["storage"]["pvc"]["subPath"] = name
+    job["spec"]["failurePolicy"] = {"maxRestarts": 1000,
+                                    "restartDelay": {"initialSeconds": 0, "multiplier": 1, "maxSeconds": 0}}
+    return job
+
+
+def _training_state(runner: pod_runner.PodRunner, job: str) -> tuple[dict[int, int], list[dict[str, Any]]]:
+    """Rank 0's agent's view: world size by membership generation, and its steps (the pod log's events)."""
+    events = k8s_helpers.agent_events(runner.log_of(f"{job}-0"))
+    sizes = {e["generation"]: e["world_size"] for e in events if e["kind"] == "generation"}
+    return sizes, [e for e in events if e["kind"] == "step"]
+
+
+def _measure_training(runner: pod_runner.PodRunner, job: str) -> tuple[float, float]:
+    """(killed -> training again, killed -> training again at full size), in seconds."""
+    def steady() -> tuple[int] | None:  # (the generation,) once 2 pods trained 10 steps in it (2 checkpoints)
+        sizes, steps = _training_state(runner, job)
+        if not steps or sizes.get(steps[-1]["generation"]) != 2:
+            return None
+        newest = steps[-1]["generation"]
+        return (newest,) if sum(s["generation"] == newest for s in steps) >= 10 else None
+
+    (generation,) = k8s_helpers.wait_for(steady, "two pods training", 300)
+    killed_at = time.time()
+    runner.kill(f"{job}-1", signal.SIGKILL)
+
+    def first_step(full: bool) -> float | None:
+        sizes, steps = _training_state(runner, job)
+        return next((s["t"] for s in steps if s["generation"] > generation and s["t"] > killed_at
+                     and (not full or sizes.get(s["generation"]) == 2)), None)
+
+    again = k8s_helpers.wait_for(lambda: first_step(False), "training again", 300)
+    full = k8s_helpers.wait_for(lambda: first_step(True), "training again at full size", 300)
+    print(f"  {job}: killed -> training {again - killed_at:.2f} s, at full size {full - killed_at:.2f} s", flush=True)
+    return again - killed_at, full - killed_at
 
 
 def _status(custom: kubernetes.client.CustomObjectsApi, namespace: str, name: str) -> dict[str, Any]:
@@ -116,6 +173,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench operator")
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--node-losses", type=int, default=5)
+    parser.add_argument("--trainings", type=int, default=5, help="kills of a training job, for each of two jobs")
     args = parser.parse_args(argv)
     print(f"machine: {common.cpu_model()}, {os.cpu_count()} CPUs; test cluster on 127.0.0.1", flush=True)
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="sneppx-bench-operator-"))
@@ -137,9 +195,25 @@ def main(argv: list[str]) -> None:
                                                        k8s_helpers.PLURAL, _job(name, timeout))
             kills = [_measure(runner, api, namespace, "kill", False) for _ in range(args.kills)]
             losses = [_measure(runner, api, namespace, "node", True) for _ in range(args.node_losses)]
+            for name in ("kill", "node"):  # their pods stop: the training jobs get the machine
+                custom.delete_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace,
+                                                       k8s_helpers.PLURAL, name)
+            trained: dict[str, list[tuple[float, float]]] = {}
+            for name, min_nodes in (("elastic", 1), ("fixed", 2)):
+                if args.trainings:
+                    custom.create_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace,
+                                                           k8s_helpers.PLURAL, _training_job(name, min_nodes))
+                    trained[name] = [_measure_training(runner, name) for _ in range(args.trainings)]
+                    custom.delete_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace,
+                                                           k8s_helpers.PLURAL, name)
         print("what is timed: the event -> the job Running again with a new pod for the rank, both ranks ready")
         _summary("SIGKILL -> replaced and Running", kills)
         _summary("node NotReady -> replaced, Running", losses)
+        if trained:
+            print("what is timed: SIGKILL of rank 1's processes -> rank 0's first training step in a later generation")
+            _summary("minNodes 1: killed -> training", [a for a, _ in trained["elastic"]])
+            _summary("minNodes 1: killed -> full size", [f for _, f in trained["elastic"]])
+            _summary("minNodes 2: killed -> training", [a for a, _ in trained["fixed"]])
         print(f"Kubernetes alone: a lost node is noticed after {NODE_MONITOR_GRACE_S:.0f} s and its pods evicted "
               f"after {NODE_MONITOR_GRACE_S + DEFAULT_EVICTION_S:.0f} s; one stuck Terminating stays until someone "
               "force-deletes it.", flush=True)

@@ -19,6 +19,7 @@ The environment each rank's containers get (the contract with the in-pod runtime
     SNEPPX_RENDEZVOUS_OBJECT            the job's rendezvous ConfigMap (storage/job_object.py); its records
                                         carry what may change under running pods (pause, node bounds)
     SNEPPX_POD_NAME                     the agent's id in the rendezvous
+    SNEPPX_HOST                         the pod's IP (downward API): where its agent and workers listen
     SNEPPX_MIN_NODES, SNEPPX_MAX_NODES  the node bounds when the pod was made
     SNEPPX_HANG_TIMEOUT_SECONDS         after this long without a step, agents report a peer hung (0: never)
     AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL   (S3 storage only)
@@ -261,6 +262,7 @@ def rank_env(
         _env("SNEPPX_JOB", job_name),
         _env(job_object.ENV_NAMESPACE, namespace),
         _env(job_object.ENV_POD_NAME, pod_name(job_name, rank)),
+        {"name": job_object.ENV_HOST, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         _env("RANK", rank),
         _env("NODE_RANK", rank),
         _env("WORLD_SIZE", world_size),

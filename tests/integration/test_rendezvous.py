@@ -338,6 +338,53 @@ class Scenarios:
         memberships = {j.result() for j in joining}
         assert [(m.generation, m.agent_ids) for m in memberships] == [(1, ("a", "b"))]
 
+    # ---- old generations are removed --------------------------------------------------------------------
+
+    def test_old_generations_are_removed_and_nothing_goes_back_to_them(self, store) -> None:
+        a, b = (make_agent(store, "sweep", x, min_nodes=2, max_nodes=2, join_timeout=60) for x in "ab")
+        history = [{j.result() for j in (Joining(a), Joining(b))}.pop()]
+        for _ in range(4):  # generations 1-4: both move on together; the sealer removes the old at its poll
+            m = history[-1]
+            history.append({j.result() for j in (Joining(a, previous=m), Joining(b, previous=m))}.pop())
+            for agent in (a, b):
+                agent.poll(history[-1])
+        assert history[-1].generation == 4
+        left = {rendezvous.generation_of("sweep", k) for k in store.keys("rdzv/sweep/")}
+        assert left == {3, 4, None}, store.keys("rdzv/sweep/")  # None: the run's floor record
+        assert a.floor() == 3
+        # a stalled process of generation 1 (a new object: it has read nothing since) finds it over
+        stalled = make_agent(store, "sweep", "a")
+        assert stalled.poll(history[1]).superseded
+        with pytest.raises(errors.StaleGenerationError, match="records were removed"):
+            stalled.check_fence(history[1])
+        b.check_fence(history[-1])  # the running generation is not over
+        # a new agent joins where the run is (generation 5, once 4 stops renewing its lease), not at 0
+        c = make_agent(store, "sweep", "c", min_nodes=1, max_nodes=3, last_call=0.1, seal_grace=0.2,
+                       lease_timeout=0.5)
+        assert c.newest_generation() == 4
+        assert c.join().generation == 5
+        # and so does an agent still holding generation 0
+        a_again = make_agent(store, "sweep", "a", min_nodes=1, max_nodes=3, last_call=0.1, seal_grace=0.2,
+                             lease_timeout=0.5)
+        assert a_again.join(previous=history[0]).generation == 6  # 5 sealed without it; 6 once 5 is over
+        assert not store.keys("rdzv/sweep/g000000001/")
+
+    def test_a_sealer_that_stalled_while_its_generation_was_removed_does_not_seal_it(self, store) -> None:
+        first = make_agent(store, "stall", "b")
+        generation0 = first.join()
+
+        def stall(seconds: float) -> None:  # while x waits: two generations run and are removed (as by a sweep)
+            if store.read("rdzv/stall/floor") is None:
+                store.create("rdzv/stall/floor", {"version": 1, "kind": "floor", "run_id": "stall",
+                                                  "generation": 3, "agent_id": "b", "at": 0.0})
+            time.sleep(seconds)
+
+        x = rendezvous.Rendezvous(store, "stall", agent_id="a", host="127.0.0.1", heartbeat="127.0.0.1:29500",
+                                  workers=1, sleep=stall, config=rendezvous.RendezvousConfig(
+                                      min_nodes=1, max_nodes=2, last_call=0.1, lease_timeout=0.3))
+        assert x.join(previous=generation0).generation == 3
+        assert store.read(rendezvous.membership_key("stall", 1)) is None  # (its join stays until a sweep)
+
     def test_a_finished_run_refuses_new_joins(self, store) -> None:
         agent = make_agent(store, "done", "a")
         agent.join()

@@ -18,7 +18,9 @@ from collections.abc import Iterator
 
 import k8s_cluster
 import k8s_helpers
+import kopf.testing
 import kubernetes
+import pod_runner
 import pytest
 
 # The operator's periodic resync carries pod readiness into job status; short in tests so they finish fast.
@@ -74,3 +76,28 @@ def _start_with_retries(
         except k8s_cluster.ClusterStartError as exc:
             failures.append(exc)
     raise failures[-1]
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: k8s_cluster.Cluster) -> Iterator[kopf.testing.KopfRunner]:
+    """The operator, in this process (kopf's test runner), for every namespace."""
+    runner = kopf.testing.KopfRunner(
+        ["run", "--standalone", "--all-namespaces", "--verbose", "-m", "sneppx_operator.handlers"], timeout=60
+    )
+    with runner:
+        yield runner
+    assert runner.exception is None, runner.output[-4000:]
+
+
+@pytest.fixture
+def pods(
+    api: kubernetes.client.ApiClient, cluster: k8s_cluster.Cluster, namespace: str, tmp_path: pathlib.Path
+) -> Iterator[pod_runner.PodRunner]:
+    """The kubelet stand-in for the test's namespace, with three Nodes; the namespace's jobs are deleted after."""
+    nodes = tuple(f"{namespace[-6:]}-node-{i}" for i in range(3))
+    with pod_runner.PodRunner(api, cluster.server, cluster.ca.cert_pem, namespace, tmp_path, nodes) as runner:
+        yield runner
+        for node in nodes:  # so the jobs' pods can go
+            runner.set_node_ready(node, True)
+        k8s_helpers.delete_jobs(api, namespace)  # the operator stops looking after them before their pods stop
+    assert not runner.errors, runner.errors[:5]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
 import time
@@ -13,6 +14,7 @@ import kubernetes
 import kubernetes.config.kube_config
 
 GROUP, VERSION, PLURAL = "sneppx.io", "v1alpha1", "elastictrainingjobs"
+TIMEOUT = 90.0  # how long a job test waits for a state (a failure bound only: loaded 2-core machines)
 T = TypeVar("T")
 
 
@@ -134,3 +136,72 @@ def restricted_violations(pod_spec: dict[str, Any]) -> list[str]:
         if security.get("readOnlyRootFilesystem") is not True:
             problems.append(f"{name}: root filesystem is writable")
     return problems
+
+
+# ---- jobs: create one, read its status, wait for a state -------------------------------------------------------
+
+
+def custom(api: kubernetes.client.ApiClient) -> kubernetes.client.CustomObjectsApi:
+    return kubernetes.client.CustomObjectsApi(api)
+
+
+def create(api: kubernetes.client.ApiClient, namespace: str, job: dict[str, Any]) -> None:
+    custom(api).create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job)
+
+
+def status(api: kubernetes.client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    """The job's status ({} before the operator wrote one; {"gone": True} once the job is deleted)."""
+    try:
+        job = custom(api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    except kubernetes.client.ApiException as exc:
+        if exc.status == 404:
+            return {"gone": True}
+        raise
+    return job.get("status") or {}
+
+
+def wait_status(api: kubernetes.client.ApiClient, namespace: str, name: str, what: str, check: Any,
+                timeout: float = TIMEOUT) -> dict[str, Any]:
+    return wait_for(lambda: (s := status(api, namespace, name)) and check(s) and s, what, timeout)
+
+
+def wait_running(api: kubernetes.client.ApiClient, namespace: str, name: str, count: int = 2) -> dict[str, Any]:
+    return wait_status(api, namespace, name, f"phase Running with {count} ready",
+                       lambda s: s.get("phase") == "Running" and s.get("readyNodes") == count)
+
+
+def reason(s: dict[str, Any], type_: str = "Ready") -> str:
+    return next((c.get("reason", "") for c in s.get("conditions") or [] if c["type"] == type_), "")
+
+
+def running_pods(api: kubernetes.client.ApiClient, namespace: str, job: str) -> list[Any]:
+    found = kubernetes.client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=f"sneppx.io/job={job}")
+    return sorted((p for p in found.items if p.status.phase == "Running" and not p.metadata.deletion_timestamp),
+                  key=lambda p: p.metadata.name)
+
+
+def events(api: kubernetes.client.ApiClient, namespace: str, name: str) -> list[tuple[str, str]]:
+    found = kubernetes.client.CoreV1Api(api).list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={name},involvedObject.kind=ElasticTrainingJob")
+    return [(e.reason, e.message) for e in found.items]
+
+
+def delete_jobs(api: kubernetes.client.ApiClient, namespace: str) -> None:
+    args = (GROUP, VERSION, namespace, PLURAL)
+    for job in custom(api).list_namespaced_custom_object(*args)["items"]:
+        custom(api).delete_namespaced_custom_object(*args, job["metadata"]["name"])
+    wait_for(lambda: not custom(api).list_namespaced_custom_object(*args)["items"], "the jobs deleted", TIMEOUT)
+
+
+def agent_events(log: str) -> list[dict[str, Any]]:
+    """An ElasticTrainer agent's events in its pod's log (operator mode prints one JSON object per line; the
+    lines its workers print are skipped)."""
+    found = []
+    for line in log.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and "kind" in event and "agent" in event and "t" in event:
+            found.append(event)
+    return found

@@ -6,7 +6,7 @@ pods really run and really die. The runner does for one namespace what a schedul
 
 * binds each pending pod to a Ready fake Node (the Binding subresource, as the scheduler does);
 * runs the pod's first container's command (`python` is this interpreter) as a local process, with the pod's
-  environment and its volumes mapped to local directories: a persistentVolumeClaim to one shared directory
+  environment (the downward API's pod IP is 127.0.0.1) and its volumes mapped to local directories: a persistentVolumeClaim to one shared directory
   (the "PVC"), a Secret to its files, an emptyDir to a directory of its own, and the projected API token to a
   kubeconfig with a token requested for the pod's ServiceAccount (TokenRequest, bound to the pod), so the
   process talks to the API server as that account, under its RBAC; environment values under a mount path are
@@ -200,9 +200,12 @@ class PodRunner:
         container = pod.spec.containers[0]
         env = {"PATH": os.environ.get("PATH", ""), "HOME": str(root), "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+        fields = {"status.podIP": "127.0.0.1", "metadata.name": name, "metadata.namespace": self.namespace}
         for item in container.env or []:
             if item.value is not None:
                 env[item.name] = _mapped(item.value, mounts)
+            elif item.value_from is not None and item.value_from.field_ref is not None:  # the downward API
+                env[item.name] = fields[item.value_from.field_ref.field_path]
         if TOKEN_PATH in mounts:
             env["KUBECONFIG"] = str(pathlib.Path(mounts[TOKEN_PATH]) / "kubeconfig")
         command = [*(container.command or []), *(container.args or [])]
@@ -334,7 +337,11 @@ def kubeconfig(server: str, ca_pem: bytes, token: str) -> dict[str, Any]:
 
 
 def _mapped(value: str, mounts: dict[str, str]) -> str:
-    """An environment value or argument with a mount path (or file:// URI of one) pointing at its local dir."""
+    """An environment value or argument with a mount path (or file:// URI of one) pointing at its local dir. A
+    path that exists on this machine is left alone: it is the "image's" own file (this interpreter, a test
+    script), which may well live under a mount path such as /tmp when the repository is checked out there."""
+    if os.path.exists(value):
+        return value
     for path, local in sorted(mounts.items(), key=lambda item: -len(item[0])):
         if value == path or value.startswith(path + "/"):
             return local + value[len(path):]

@@ -3,6 +3,7 @@ server, as the job's agent ServiceAccount (a TokenRequest token held to the Role
 
 from __future__ import annotations
 
+import concurrent.futures
 import pathlib
 import threading
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import pytest
 import yaml
 
 from SneppX_ALG import errors
+from SneppX_ALG.elastic import rendezvous
 from SneppX_ALG.storage import job_object, kube
 from sneppx_operator import builders
 
@@ -139,3 +141,30 @@ def test_the_agent_can_not_touch_another_jobs_object_and_a_full_object_is_refuse
         store.create(f"pad/{i}", chunk)
     with pytest.raises(errors.RecordStoreError, match="a ConfigMap holds about"):
         store.create("pad/3", chunk)
+
+
+def test_the_object_stays_small_over_many_generations(
+    api: kubernetes.client.ApiClient, namespace: str, agent: kubernetes.client.ApiClient
+) -> None:
+    """Each sealer removes the generations before the previous one (rendezvous.Rendezvous.sweep), so a job that
+    re-forms for days keeps a few generations' records in its ConfigMap, never 1 MiB of them."""
+    _make_object(api, namespace)
+    store = kube.KubernetesRecordStore(namespace, "job-rendezvous", api_client=agent)
+    agents = [rendezvous.Rendezvous(store, "job", agent_id=f"job-{i}", host="127.0.0.1",
+                                    heartbeat=f"127.0.0.1:{29500 + i}", workers=8,
+                                    config=rendezvous.RendezvousConfig(min_nodes=3, max_nodes=3)) for i in range(3)]
+    sizes = []
+    membership = None
+    for _ in range(12):
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            joined = list(pool.map(lambda a: a.join(previous=membership), agents))
+        membership = joined[0]
+        for a in agents:
+            a.poll(membership)
+        data = kubernetes.client.CoreV1Api(api).read_namespaced_config_map("job-rendezvous", namespace).data
+        sizes.append(sum(len(k) + len(v) for k, v in data.items()))
+    assert membership is not None and membership.generation == 11
+    kept = {rendezvous.generation_of("job", k) for k in store.keys("rdzv/job/")} - {None}
+    assert kept == {10, 11}
+    assert max(sizes[3:]) <= 1.1 * min(sizes[3:]), sizes  # flat once the sweeps begin, not growing
+    assert store.read(job_object.CONTROL_KEY) is not None, "the operator's record is never swept"

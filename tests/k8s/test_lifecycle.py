@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import pathlib
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import k8s_cluster
@@ -21,44 +20,14 @@ import kubernetes
 import pod_runner
 import pytest
 import yaml
+from k8s_helpers import create, events, reason, running_pods, wait_running, wait_status
 
 from SneppX_ALG.storage import job_object
 
 pytestmark = pytest.mark.k8s
 
 STANDIN = str(pathlib.Path(__file__).with_name("rank_standin.py"))
-TIMEOUT = 90.0
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: k8s_cluster.Cluster) -> Iterator[kopf.testing.KopfRunner]:
-    runner = kopf.testing.KopfRunner(
-        ["run", "--standalone", "--all-namespaces", "--verbose", "-m", "sneppx_operator.handlers"], timeout=60
-    )
-    with runner:
-        yield runner
-    assert runner.exception is None, runner.output[-4000:]
-
-
-@pytest.fixture
-def pods(
-    api: kubernetes.client.ApiClient, cluster: k8s_cluster.Cluster, namespace: str, tmp_path: pathlib.Path
-) -> Iterator[pod_runner.PodRunner]:
-    nodes = tuple(f"{namespace[-6:]}-node-{i}" for i in range(3))
-    with pod_runner.PodRunner(api, cluster.server, cluster.ca.cert_pem, namespace, tmp_path, nodes) as runner:
-        yield runner
-        for node in nodes:  # so the jobs' pods can go
-            runner.set_node_ready(node, True)
-        _delete_jobs(api, namespace)  # the operator stops looking after them before their pods stop running
-    assert not runner.errors, runner.errors[:5]
-
-
-def _delete_jobs(api: kubernetes.client.ApiClient, namespace: str) -> None:
-    custom = kubernetes.client.CustomObjectsApi(api)
-    args = (k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL)
-    for job in custom.list_namespaced_custom_object(*args)["items"]:
-        custom.delete_namespaced_custom_object(*args, job["metadata"]["name"])
-    k8s_helpers.wait_for(lambda: not custom.list_namespaced_custom_object(*args)["items"], "the jobs deleted", TIMEOUT)
+TIMEOUT = k8s_helpers.TIMEOUT
 
 
 def standin_job(name: str, *args: str, max_nodes: int = 2, min_nodes: int = 1, **spec: Any) -> dict[str, Any]:
@@ -71,51 +40,6 @@ def standin_job(name: str, *args: str, max_nodes: int = 2, min_nodes: int = 1, *
     job["spec"]["failurePolicy"] = policy
     job["spec"].update(spec)
     return job
-
-
-def _custom(api: kubernetes.client.ApiClient) -> kubernetes.client.CustomObjectsApi:
-    return kubernetes.client.CustomObjectsApi(api)
-
-
-def create(api: kubernetes.client.ApiClient, namespace: str, job: dict[str, Any]) -> None:
-    _custom(api).create_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace,
-                                                 k8s_helpers.PLURAL, job)
-
-
-def status(api: kubernetes.client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
-    try:
-        job = _custom(api).get_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace,
-                                                        k8s_helpers.PLURAL, name)
-    except kubernetes.client.ApiException as exc:
-        if exc.status == 404:
-            return {"gone": True}
-        raise
-    return job.get("status") or {}
-
-
-def wait_status(api: kubernetes.client.ApiClient, namespace: str, name: str, what: str, check: Any) -> dict[str, Any]:
-    return k8s_helpers.wait_for(lambda: (s := status(api, namespace, name)) and check(s) and s, what, TIMEOUT)
-
-
-def reason(s: dict[str, Any], type_: str = "Ready") -> str:
-    return next((c.get("reason", "") for c in s.get("conditions") or [] if c["type"] == type_), "")
-
-
-def running_pods(api: kubernetes.client.ApiClient, namespace: str, job: str) -> list[Any]:
-    found = kubernetes.client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=f"sneppx.io/job={job}")
-    return sorted((p for p in found.items if p.status.phase == "Running" and not p.metadata.deletion_timestamp),
-                  key=lambda p: p.metadata.name)
-
-
-def events(api: kubernetes.client.ApiClient, namespace: str, name: str) -> list[tuple[str, str]]:
-    found = kubernetes.client.CoreV1Api(api).list_namespaced_event(
-        namespace, field_selector=f"involvedObject.name={name},involvedObject.kind=ElasticTrainingJob")
-    return [(e.reason, e.message) for e in found.items]
-
-
-def wait_running(api: kubernetes.client.ApiClient, namespace: str, name: str, count: int = 2) -> dict[str, Any]:
-    return wait_status(api, namespace, name, f"phase Running with {count} ready",
-                       lambda s: s.get("phase") == "Running" and s.get("readyNodes") == count)
 
 
 def test_a_sigkilled_rank_is_replaced_and_restarts_shows_one(
@@ -220,7 +144,7 @@ def test_max_nodes_raised_at_run_time_grows_the_world_at_the_next_generation(
 ) -> None:
     create(api, namespace, standin_job("grow", "--report-step", "10", max_nodes=2))
     wait_running(api, namespace, "grow")
-    _custom(api).patch_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace,
+    k8s_helpers.custom(api).patch_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace,
                                                 k8s_helpers.PLURAL, "grow", {"spec": {"elastic": {"maxNodes": 3}}})
     grown = wait_status(api, namespace, "grow", "generation 2 running with 3 ranks",
                         lambda s: s.get("membershipGeneration") == 2 and s.get("readyNodes") == 3
@@ -319,5 +243,5 @@ def _pod(core: kubernetes.client.CoreV1Api, namespace: str, name: str) -> Any:
 
 
 def _uid(api: kubernetes.client.ApiClient, namespace: str, name: str) -> str:
-    return str(_custom(api).get_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace,
+    return str(k8s_helpers.custom(api).get_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace,
                                                          k8s_helpers.PLURAL, name)["metadata"]["uid"])

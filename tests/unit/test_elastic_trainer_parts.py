@@ -10,11 +10,13 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from SneppX_ALG import ElasticTrainer, errors, storage
-from SneppX_ALG.elastic import control, trainer
+from SneppX_ALG import CheckpointCoordinator, ElasticTrainer, errors, storage
+from SneppX_ALG.elastic import control, pod, rendezvous, trainer
 from SneppX_ALG.elastic.store import RecordKeyStore
+from SneppX_ALG.storage import job_object
 
 
 def pair() -> tuple[control.Channel, socket.socket]:
@@ -102,3 +104,69 @@ def test_run_refuses_what_it_cannot_do(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(sys, "argv", [""])
     with pytest.raises(errors.ElasticLaunchError, match="interactive"):
         ElasticTrainer(train_fn=train, checkpoint_dir=str(tmp_path)).run()
+
+
+# ---- operator mode: the pod's environment and the agent's link to the job's object ------------------------------
+
+POD_ENV = {"SNEPPX_RENDEZVOUS_OBJECT": "train-rendezvous", "SNEPPX_NAMESPACE": "team-a", "SNEPPX_JOB": "train",
+           "SNEPPX_POD_NAME": "train-1", "SNEPPX_HOST": "10.0.0.7", "SNEPPX_PROCS_PER_NODE": "8",
+           "SNEPPX_MIN_NODES": "2", "SNEPPX_MAX_NODES": "4", "SNEPPX_HANG_TIMEOUT_SECONDS": "90",
+           "SNEPPX_CHECKPOINT_URI": "file:///var/lib/sneppx/checkpoints", "SNEPPX_MAX_TO_KEEP": "3",
+           "SNEPPX_ROLLBACK_DEPTH": "1"}
+
+
+def test_the_pods_environment_is_the_word_on_the_jobs_shape() -> None:
+    assert pod.PodEnvironment.from_environ({}) is None  # standalone
+    p = pod.PodEnvironment.from_environ(POD_ENV)
+    assert p == pod.PodEnvironment(job="train", pod_name="train-1", host="10.0.0.7", procs_per_node=8, min_nodes=2,
+                                   max_nodes=4, step_timeout=90.0, checkpoint_uri="file:///var/lib/sneppx/checkpoints",
+                                   max_to_keep=3, rollback_depth=1)
+    assert pod.PodEnvironment.from_environ({**POD_ENV, "SNEPPX_HANG_TIMEOUT_SECONDS": "0"}).step_timeout is None
+    for name, value, problem in [("SNEPPX_POD_NAME", "", "SNEPPX_POD_NAME is not"),
+                                 ("SNEPPX_PROCS_PER_NODE", "eight", "not an integer"),
+                                 ("SNEPPX_MAX_NODES", "0", "below 1"), ("SNEPPX_JOB", "../x", "not a Kubernetes name")]:
+        with pytest.raises(errors.ElasticLaunchError, match=problem):
+            pod.PodEnvironment.from_environ({**POD_ENV, name: value})
+
+
+def test_rank_0s_report_is_what_the_operator_reads_and_follows_the_newest_committed_step(tmp_path: Path) -> None:
+    records = storage.open_record_store(str(tmp_path / "object"))
+    link = pod.JobLink(records, str(tmp_path / "ckpts"), "train-0")
+    member = rendezvous.Member("train-0", "0" * 32, "10.0.0.7", "10.0.0.7:29500", 2, 0.0)
+    other = rendezvous.Member("train-1", "1" * 32, "10.0.0.8", "10.0.0.8:29500", 2, 0.0)
+    membership = rendezvous.Membership("train", 4, (member, other), "train-0")
+
+    def view() -> job_object.Report:
+        stored = records.read(job_object.REPORT_KEY)
+        assert stored is not None
+        data = {job_object.data_key(job_object.REPORT_KEY): job_object.encode_value(job_object.REPORT_KEY,
+                                                                                    stored.value)}
+        found = job_object.read_view(data)
+        assert not found.problems and found.report is not None, found.problems
+        return found.report
+
+    link.report(membership, None, force=True)
+    first = view()
+    assert (first.generation, first.world_size, first.members) == (4, 4, ("train-0", "train-1"))
+    assert first.last_valid_checkpoint is None and first.resumed_from is None
+    with CheckpointCoordinator(str(tmp_path / "ckpts"), async_save=False, device="cpu") as saver:
+        saver.save({"w": np.arange(4.0)}, step=12)
+    link.report(membership, None)  # within the interval: not written again
+    assert view() == first
+    link.report(membership, 9, force=True)
+    report = view()
+    assert report.last_valid_checkpoint is not None and report.last_valid_checkpoint.step == 12
+    assert report.last_valid_checkpoint.location == f"{tmp_path / 'ckpts'}/step-000000012"
+    assert report.resumed_from is not None and report.resumed_from.step == 9
+    link.close()
+
+
+def test_the_operators_control_record_is_read_and_garbage_is_ignored(tmp_path: Path) -> None:
+    records = storage.open_record_store(str(tmp_path))
+    link = pod.JobLink(records, str(tmp_path / "ckpts"), "train-0")
+    assert link.control() is None
+    control = job_object.Control(True, "quorum lost", 2, 3, 1, 60)
+    records.create(job_object.CONTROL_KEY, job_object.control_to_json(control))
+    assert link.control() == control
+    pod.put(records, job_object.CONTROL_KEY, {"kind": "control", "paused": "yes"})
+    assert link.control() is None

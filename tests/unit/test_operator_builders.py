@@ -392,6 +392,7 @@ def test_the_agent_gets_the_rendezvous_object_and_the_lifecycle_knobs_in_its_env
     assert env["SNEPPX_POD_NAME"] == "train-1"
     assert env["SNEPPX_HANG_TIMEOUT_SECONDS"] == "90"
     assert env["SNEPPX_MIN_NODES"] == "1" and env["SNEPPX_MAX_NODES"] == "4"
+    assert env["SNEPPX_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}  # where its agent listens
 
 
 @pytest.mark.parametrize("field", ["serviceAccountName", "serviceAccount"])

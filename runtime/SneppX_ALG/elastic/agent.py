@@ -17,8 +17,14 @@ What counts as a failure, and how fast it is seen:
 - the next generation was opened by another agent (it saw one of the above first).
 Surviving workers keep their processes (worker.py); a killed or dead one is replaced before the next generation.
 
-Every decision is written as a JSON line to `events_path` (one file per agent): the figures of `bench elastic` and
-the demo's display come from there.
+Every decision is written as a JSON line to `events_path` (one file per agent; "-": standard output, the pod's
+log in operator mode): the figures of `bench elastic` and `bench operator` and the demo's display come from there.
+
+In operator mode (`operator_mode`, pod.py) the agent is its pod's command: its rendezvous records are in the job's
+ConfigMap, it takes the node bounds of each generation from the operator's `job/control` and follows its pause,
+and while its node is rank 0 it keeps `job/report` current. Failures that end only this agent (its restart
+budget, a join timeout) exit with EXIT_NODE_FAILED without marking the run finished: the pod fails and the
+operator's failurePolicy decides (a replacement pod, counted against maxRestarts).
 """
 
 from __future__ import annotations
@@ -31,18 +37,21 @@ import select
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from SneppX_ALG import errors, storage
-from SneppX_ALG.elastic import control, heartbeat, rendezvous
+from SneppX_ALG.elastic import control, heartbeat, pod, rendezvous
 from SneppX_ALG.elastic.fault_tolerance import FaultToleranceManager
 from SneppX_ALG.elastic.worker import ENV_CONTROL_FD, ENV_LOCAL_RANK
+from SneppX_ALG.storage import job_object
 
 log = logging.getLogger(__name__)
 
 EXIT_FAILED = 3  # the run failed for good (budget, rollback limit, join timeout): the result file says why
+EXIT_NODE_FAILED = 1  # operator mode: this agent gave up (budget, join timeout); its pod fails and is replaced
 TICK = 0.02  # how often the agent looks at its workers when nothing arrives
 
 
@@ -65,8 +74,10 @@ class AgentSettings:
     step_timeout: float | None = None
     abort_grace: float = 5.0
     poll_period: float = 0.25
-    events_path: str | None = None
+    events_path: str | None = None  # "-": standard output
     result_path: str | None = None
+    operator_mode: bool = False  # a pod of an ElasticTrainingJob (pod.py): records in the job's ConfigMap
+    checkpoint_dir: str = ""  # operator mode: where node rank 0 looks for the last valid checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,10 +141,25 @@ class WorkerProcess:
         return f"exited with code {code}"
 
 
+class Terminated(Exception):
+    """SIGTERM in operator mode: the pod is being deleted (a resize, the job's end, a node drained)."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the agent is on its way out
+    raise Terminated()
+
+
 class NodeAgent:
     def __init__(self, settings: AgentSettings):
         self.s = settings
-        self.records = storage.open_record_store(settings.elastic_root)
+        self.records = (pod.rendezvous_store(settings.elastic_root) if settings.operator_mode
+                        else storage.open_record_store(settings.elastic_root))
+        self.link = pod.JobLink(self.records, settings.checkpoint_dir, settings.agent_id) if settings.operator_mode \
+            else None
+        self.paused = False
+        self.step_timeout = settings.step_timeout  # operator mode: the control record's, from the next generation
+        self.resumed_from: int | None = None  # the step this generation restored (rank 0's report)
         self.heartbeat_address = f"{settings.host}:{free_udp_port(settings.host)}"
         self.rdzv = rendezvous.Rendezvous(self.records, settings.run_id, agent_id=settings.agent_id,
                                           host=settings.host, heartbeat=self.heartbeat_address,
@@ -148,12 +174,16 @@ class NodeAgent:
 
     def run(self) -> int:
         code, reason = EXIT_FAILED, ""
+        if self.s.operator_mode:  # the pod's first process: SIGTERM's default action would not apply to PID 1
+            signal.signal(signal.SIGTERM, _terminate)
         self._event("started", pid=os.getpid(), heartbeat=self.heartbeat_address)
         try:
             membership = self._join(None, frozenset())
             while True:
                 outcome = self._run_generation(membership)
                 if outcome.kind == "done":
+                    if self.link is not None and membership.node_rank(self.s.agent_id) == 0:
+                        self.link.report(membership, self.resumed_from, force=True)  # the last step saved
                     self.rdzv.finish("completed")
                     code, reason = 0, "completed"
                     return code
@@ -167,6 +197,9 @@ class NodeAgent:
                 membership = self._join(membership, outcome.suspects)
         except errors.RestartBudgetExhaustedError as e:
             reason = f"failed: {e}"
+            if self.s.operator_mode:  # this pod gives up; the operator's budget decides about the job
+                code = EXIT_NODE_FAILED
+                return code
             self.rdzv.finish(reason)
             return code
         except errors.RendezvousClosedError as e:
@@ -176,8 +209,16 @@ class NodeAgent:
             return code
         except errors.RendezvousTimeoutError as e:
             reason = f"failed: {e}"
+            code = EXIT_NODE_FAILED if self.s.operator_mode else code
+            return code
+        except Terminated:
+            code, reason = 128 + signal.SIGTERM, "terminated (SIGTERM): the pod is being deleted"
+            for w in self.workers:  # now: what they hold in memory is in the checkpoints or lost anyway
+                w.kill()
             return code
         finally:
+            if self.link is not None:
+                self.link.close()
             for w in self.workers:
                 w.send("exit")
             deadline = time.monotonic() + 5
@@ -198,11 +239,54 @@ class NodeAgent:
             if not w.alive:
                 w.kill()
                 w.spawn(self.s.worker_command, self.s.worker_env)
+        if self.link is not None:
+            self._follow_bounds(self.link.control())
         membership = self.rdzv.join(previous=previous, suspects=suspects)
+        self.resumed_from = None
         self._event("generation", generation=membership.generation, world_size=membership.world_size,
                     members=list(membership.agent_ids), joined_in=time.monotonic() - started,
                     node_rank=membership.node_rank(self.s.agent_id))
+        if self.link is not None and membership.node_rank(self.s.agent_id) == 0:
+            self.link.report(membership, None, force=True)
         return membership
+
+    def _follow_bounds(self, control_record: job_object.Control | None) -> None:
+        """Operator mode: the next generation forms with the node bounds of the operator's control record
+        (elastic.minNodes/maxNodes as they are now; a change never touches a running generation), and its
+        workers are held to its hang timeout (failurePolicy.hangTimeoutSeconds; 0: none)."""
+        if control_record is None:
+            return
+        self.step_timeout = float(control_record.hang_timeout_seconds) or None
+        config = self.rdzv.config
+        try:
+            self.rdzv.config = dataclasses.replace(config, min_nodes=max(1, control_record.min_nodes),
+                                                   max_nodes=control_record.max_nodes)
+        except ValueError as e:
+            log.warning("%s: ignoring the control record's node bounds: %s", self.s.agent_id, e)
+            return
+        if self.rdzv.config != config:
+            self._event("bounds", min_nodes=self.rdzv.config.min_nodes, max_nodes=self.rdzv.config.max_nodes)
+
+    def _follow_operator(self, m: rendezvous.Membership, now: float, due: float) -> float:
+        """Operator mode, while a generation runs: the pause in the control record (every CONTROL_POLL_S) and,
+        on node rank 0, the job's report. Returns when to read the control record next."""
+        assert self.link is not None
+        if now >= due:
+            due = now + pod.CONTROL_POLL_S
+            control_record = self.link.control()
+            paused = bool(control_record is not None and control_record.paused)
+            if paused != self.paused:
+                self.paused = paused
+                self._event("paused" if paused else "resumed", generation=m.generation,
+                            reason=control_record.reason if control_record is not None else "")
+                for w in self.workers:
+                    w.send("pause" if paused else "resume")
+        if self.paused:  # a paused worker makes no progress, and is not hung
+            for w in self.workers:
+                w.last_progress = now
+        if m.node_rank(self.s.agent_id) == 0:
+            self.link.report(m, self.resumed_from)
+        return due
 
     # -- one generation --
 
@@ -233,11 +317,16 @@ class NodeAgent:
         for w in self.workers:
             if w.alive and w.idle:  # a survivor of the last generation, waiting in the same process
                 self._assign(w, m, assign)
+            if self.paused:
+                w.send("pause")
+        control_due = 0.0
         while True:
             outcome = self._read_workers(m, assign)
             if outcome is not None:
                 return outcome
             now = time.monotonic()
+            if self.link is not None:
+                control_due = self._follow_operator(m, now, control_due)
             for w in self.workers:
                 if not w.alive:
                     return self._failure(f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} "
@@ -248,7 +337,7 @@ class NodeAgent:
                     return self._failure(f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} sent no "
                                          f"heartbeat for {silent:.1f}s (stopped or wedged): killed")
                 stuck = now - w.last_progress
-                if self.s.step_timeout is not None and w.state == "running" and stuck > self.s.step_timeout:
+                if self.step_timeout is not None and w.state == "running" and stuck > self.step_timeout:
                     w.kill()
                     return self._failure(f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} finished no "
                                          f"step for {stuck:.1f}s (step_timeout): killed")
@@ -267,8 +356,7 @@ class NodeAgent:
                     log.warning("%s: can't poll the rendezvous: %s", self.s.agent_id, e)
                     continue
                 if nxt.superseded and not join_pending:
-                    by = "is sealed" if nxt.sealed else f"was joined by {', '.join(sorted(nxt.closing))}"
-                    return self._failure(f"generation {nxt.generation} {by}")
+                    return self._failure(nxt.why())
                 if nxt.waiting and not join_pending:
                     join_pending = True
                     self._event("join_pending", generation=m.generation, waiting=sorted(nxt.waiting))
@@ -329,6 +417,10 @@ class NodeAgent:
             if message.get("rank") == 0:
                 self._event("restored", generation=m.generation, step=message.get("step"),
                             rolled_back=message.get("rolled_back", []))
+                step = message.get("step")
+                self.resumed_from = step if isinstance(step, int) and not isinstance(step, bool) else None
+                if self.link is not None and m.node_rank(self.s.agent_id) == 0:
+                    self.link.report(m, self.resumed_from, force=True)
         elif kind in ("done", "boundary"):
             w.state = kind
         elif kind == "failed":
@@ -412,6 +504,10 @@ class NodeAgent:
         if self.s.events_path is None:
             return
         line = json.dumps({"t": time.time(), "agent": self.s.agent_id, "kind": kind, **fields}, allow_nan=False)
+        if self.s.events_path == "-":
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+            return
         with open(self.s.events_path, "a") as f:
             f.write(line + "\n")
 

@@ -6,7 +6,8 @@ learns at once when a worker dies (end of file), and the worker when its agent d
 its node.
 
 Agent -> worker: `assign` (a generation: ranks, world size, addresses), `join_pending` (agents wait to join: stop
-at the next checkpoint boundary), `abort` (the generation is over: end its collectives now), `exit`.
+at the next checkpoint boundary), `abort` (the generation is over: end its collectives now), `pause` and `resume`
+(operator mode: the job is paused; `ctx.report` waits), `exit`.
 Worker -> agent: `beat` (every BEAT_INTERVAL, from a thread: a worker that stops beating is stopped or wedged),
 `progress` (a step finished), `saved` (a checkpoint step was handed to the coordinator), `restored`, `done` (train_fn returned everywhere), `boundary` (stopped at a
 checkpoint boundary to let agents join), `failed` (the generation broke: a collective error), `idle` (ready for

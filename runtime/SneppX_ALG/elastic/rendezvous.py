@@ -11,6 +11,7 @@ Records of generation g of run R (keys of a `storage.record.RecordStore`):
     rdzv/R/g000000007/membership        created once, by the first agent to seal: one per generation
     rdzv/R/g000000007/sealer            renewed by whoever is sealing generation 7 while it forms
     rdzv/R/g000000007/alive             renewed by node 0 of generation 7 while it runs (compare-and-swap)
+    rdzv/R/floor                        raised by each sweep: generations below it were removed
     rdzv/R/finished                     created when the run ends
 
 1. An agent finds the newest generation g (probing prefixes: O(log G) listings). If g is sealed and lists
@@ -38,6 +39,12 @@ suspects to be gone has joined (and at least `min_nodes` did): survivors of a fa
 waiting; or when at least `min_nodes` joined and `last_call` seconds passed since the observer first saw
 that many. `join_timeout` bounds the wait (`RendezvousTimeoutError`).
 
+Old generations go: the agent that sealed generation g raises the run's floor to g-1 and then deletes the records
+of every generation below it (`sweep`, from `poll`), so a run keeps about two generations' records however long
+it runs (in operator mode they share one ConfigMap of 1 MiB). Everything that could still look at a removed
+generation reads the floor first (joins, a sealer right before it seals, every `check_fence`, `poll` every
+`lease_timeout / 4`).
+
 docs/ELASTIC.md ("Rendezvous") has the safety argument (one membership per generation; no single point of
 failure; why a partitioned minority can't commit a checkpoint, with `check_fence`) and the request counts.
 """
@@ -45,13 +52,14 @@ failure; why a partitioned minority can't commit a checkpoint, with `check_fence
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import logging
 import random
 import re
 import secrets
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from SneppX_ALG import errors
@@ -136,6 +144,14 @@ class Membership:
             raise ValueError(f"local rank {local_rank} is outside 0..{workers - 1} on {agent_id}")
         return self.rank_offset(agent_id) + local_rank
 
+    @property
+    def instance(self) -> str:
+        """16 hex digits naming this sealed membership and no other: its generation and its members' agent ids
+        and incarnations (random per process). Keys derived from it can't collide with those of a run that
+        reused the run id and generation numbers (a job deleted and created again under the same name)."""
+        text = f"{self.run_id}/{self.generation}/" + ",".join(f"{m.agent_id}:{m.incarnation}" for m in self.members)
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
 
 @dataclass(frozen=True)
 class NextGeneration:
@@ -145,11 +161,20 @@ class NextGeneration:
     sealed: bool  # its membership exists: the running generation is over
     closing: frozenset[str]  # members of the running generation that joined it: the running one is over
     waiting: frozenset[str]  # agents not in the running generation that joined it: late joiners
+    collected: bool = False  # the running generation's records were removed: newer generations have run
 
     @property
     def superseded(self) -> bool:
         """The running generation is over: stop its collectives and join this one."""
-        return self.sealed or bool(self.closing)
+        return self.sealed or bool(self.closing) or self.collected
+
+    def why(self) -> str:
+        """Why the running generation is over, for people (only when `superseded`)."""
+        if self.collected:
+            return f"generation {self.generation - 1}'s records were removed: newer generations have run"
+        if self.sealed:
+            return f"generation {self.generation} is sealed"
+        return f"generation {self.generation} was joined by {', '.join(sorted(self.closing))}"
 
 
 @dataclass(frozen=True)
@@ -214,6 +239,19 @@ def sealer_key(run_id: str, generation: int) -> str:
 
 def finished_key(run_id: str) -> str:
     return f"rdzv/{run_id}/finished"
+
+
+def floor_key(run_id: str) -> str:
+    return f"rdzv/{run_id}/floor"
+
+
+def generation_of(run_id: str, key: str) -> int | None:
+    """The generation a record key of the run belongs to (None: a key of the whole run, or another run's)."""
+    head = f"rdzv/{run_id}/g"
+    digits = key[len(head):len(head) + GENERATION_DIGITS]
+    if not key.startswith(head) or len(digits) != GENERATION_DIGITS or not digits.isdigit():
+        return None
+    return int(digits) if key[len(head) + GENERATION_DIGITS:].startswith("/") else None
 
 
 def member_to_json(member: Member) -> dict[str, Any]:
@@ -432,6 +470,8 @@ class Rendezvous:
         self._random = random.Random()
         self._newest_seen = 0
         self._lease: _Beat | None = None
+        self._sweep_below: int | None = None  # records of generations below this are to be removed (we sealed)
+        self._floor_checked_at: float | None = None
 
     # -- joining ------------------------------------------------------------------------------------------
 
@@ -460,6 +500,9 @@ class Rendezvous:
 
     def _join_generation(self, generation: int, suspects: frozenset[str], deadline: float) -> Membership | int:
         """The sealed membership this agent is in, or the next generation to try."""
+        floor = self._retrying(self.floor, deadline)
+        if generation < floor:
+            return floor  # its records were removed: it ended long ago
         sealed = self._retrying(lambda: self._membership(generation), deadline)
         if sealed is not None:
             return self._outcome(generation, sealed)
@@ -584,6 +627,9 @@ class Rendezvous:
         suspected: set[str] = set().union(*(j.suspects for j in joins))
         if not self._ready(generation, [j.member.agent_id for j in joins], suspected, previous, seen, now):
             return None
+        floor = self.floor()
+        if generation < floor:  # a sealer that stalled while newer generations ran and removed this one
+            return floor
         outcome = self._seal(generation, choose_members(joins, previous, self.config.max_nodes))
         if outcome is not None:  # tell the waiting agents to read the membership
             seen.beat.due = 0.0
@@ -660,6 +706,8 @@ class Rendezvous:
             return None if sealed is None else self._outcome(generation, sealed)
         log.info("%s: sealed generation %d of %s with %s", self.agent_id, generation, self.run_id,
                  ", ".join(membership.agent_ids))
+        if generation >= 2:
+            self._sweep_below = generation - 1  # removed by poll(), off the path to training
         return self._outcome(generation, membership)
 
     def _give_up(self, generation: int, seen: _Observation) -> Membership:
@@ -693,35 +741,49 @@ class Rendezvous:
     def poll(self, membership: Membership) -> NextGeneration:
         """What is happening at the generation after `membership`: one listing. Node 0 of the generation
         also renews its `alive` record here when due (every `lease_timeout / 4`), which keeps late joiners
-        waiting for a checkpoint boundary instead of forming a generation of their own."""
+        waiting for a checkpoint boundary instead of forming a generation of their own. Every
+        `lease_timeout / 4` it also reads the run's floor (a generation whose records were removed is over,
+        whatever the listing says), and the agent that sealed `membership` removes the records of the
+        generations before the previous one here (`sweep`)."""
+        now = self._clock()
         if membership.members[0].agent_id == self.agent_id and membership.includes(self.agent_id,
                                                                                     self.incarnation):
             key = lease_key(self.run_id, membership.generation)
             if self._lease is None or self._lease.key != key:
                 self._lease = _Beat(key)
             self._renew(self._lease, {"kind": "alive", "generation": membership.generation},
-                        self.config.lease_timeout / 4, self._clock())
-        return self._next(membership)
+                        self.config.lease_timeout / 4, now)
+        if self._sweep_below is not None:
+            self.sweep()
+        check_floor = self._floor_checked_at is None or now - self._floor_checked_at >= self.config.lease_timeout / 4
+        if check_floor:
+            self._floor_checked_at = now
+        return self._next(membership, check_floor=check_floor)
 
     def check_fence(self, membership: Membership) -> None:
         """Raises `StaleGenerationError` if a newer generation than `membership` exists (sealed, or joined
         by one of its members): called right before a checkpoint's commit point, so a generation that is
         over commits nothing. docs/ELASTIC.md says what this does and doesn't guarantee."""
-        nxt = self._next(membership)
+        nxt = self._next(membership, check_floor=True)
         if nxt.superseded:
-            why = "is sealed" if nxt.sealed else f"was joined by {', '.join(sorted(nxt.closing))}"
             raise errors.StaleGenerationError(f"generation {membership.generation} of run {self.run_id} is over: "
-                                              f"generation {nxt.generation} {why}",
-                                              generation=membership.generation)
+                                              f"{nxt.why()}", generation=membership.generation)
 
-    def _next(self, membership: Membership) -> NextGeneration:
+    def _next(self, membership: Membership, *, check_floor: bool) -> NextGeneration:
+        """What the generation after `membership` holds: one listing. With `check_floor`, and nothing there
+        that ends `membership`, also one read of the floor: when newer generations have run and removed
+        `membership`'s records and those of the generation after it, the listing is empty and only the floor
+        tells (a process that stalled through several generations must not commit for its old one)."""
         generation = membership.generation + 1
         prefix = generation_prefix(self.run_id, generation)
         keys = self.store.keys(prefix)
         joined = {k[len(prefix) + len("join/"):] for k in keys if k.startswith(prefix + "join/")}
         members = set(membership.agent_ids)
-        return NextGeneration(generation, membership_key(self.run_id, generation) in keys,
-                              frozenset(joined & members), frozenset(joined - members))
+        nxt = NextGeneration(generation, membership_key(self.run_id, generation) in keys,
+                             frozenset(joined & members), frozenset(joined - members))
+        if check_floor and not nxt.superseded and self.floor() > membership.generation:
+            return replace(nxt, collected=True)
+        return nxt
 
     def _renew(self, beat: _Beat, fields: dict[str, Any], period: float, now: float) -> None:
         """Rewrites a record this agent renews (compare-and-swap on what it wrote last), if it is due. Only
@@ -757,11 +819,12 @@ class Rendezvous:
         def opened(generation: int) -> bool:
             return bool(self.store.keys(generation_prefix(self.run_id, generation), limit=1))
 
-        low = self._newest_seen
+        floor = self.floor()  # generations below it were removed; the floor's own has records
+        low = max(self._newest_seen, floor)
         if not opened(low):
-            if low == 0 or not opened(0):
-                return None
-            low = 0
+            if low == floor or not opened(floor):
+                return None if floor == 0 else floor  # (the floor moved on meanwhile: joining finds it again)
+            low = floor
         step = 1
         while low + step <= MAX_GENERATION and opened(low + step):
             low, step = low + step, step * 2
@@ -771,6 +834,74 @@ class Rendezvous:
             low, high = (middle, high) if opened(middle) else (low, middle)
         self._newest_seen = low
         return low
+
+    # -- removing old generations ---------------------------------------------------------------------------
+
+    def floor(self) -> int:
+        """The lowest generation of the run that may still have records (0 until a sweep raised it): records
+        of generations below it were removed, and no agent joins, seals or commits for one of them."""
+        try:
+            stored = self.store.read(floor_key(self.run_id))
+        except errors.RecordCorruptError as e:
+            log.warning("%s: ignoring an invalid floor record: %s", self.agent_id, e)
+            return 0
+        value = None if stored is None else stored.value.get("generation")
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_GENERATION:
+            return value
+        return 0
+
+    def sweep(self, limit: int = 64) -> bool:
+        """Removes the records of the generations before the one before the generation this agent sealed last
+        (`poll()` calls it; at most `limit` deletions per call). True when nothing is left to remove.
+
+        Why it is safe: generation g is sealed, so g-1 is over, and g-2 ended before g-1 was sealed. Nothing
+        live reads a generation below g-1: agents join g+1 or later, a sealer of g+1 reads only g's
+        membership and lease, `poll`/`check_fence` of g-1 list only g. The floor is raised to g-1 *before*
+        anything is removed, so an agent that stalled through all this (a join, a seal, a commit for an old
+        generation) learns from the floor that its generation is over instead of reading its absence as
+        "not sealed yet". What is left: an agent that read the floor and then stalled for a whole
+        generation before creating a membership writes one stray record; its own next poll finds it over,
+        and the next sweep removes it."""
+        below = self._sweep_below
+        if below is None:
+            return True
+        try:
+            self._raise_floor(below)
+            old = [k for k in self.store.keys(f"rdzv/{self.run_id}/")
+                   if (g := generation_of(self.run_id, k)) is not None and g < below]
+            for key in old[:limit]:
+                self.store.delete(key)
+        except errors.RecordError as e:  # tried again at the next poll
+            log.warning("%s: could not remove the records of generations before %d: %s", self.agent_id, below, e)
+            return False
+        if len(old) > limit:
+            return False
+        self._sweep_below = None
+        return True
+
+    def _raise_floor(self, generation: int) -> None:
+        """Sets the floor to `generation` unless it is already there or higher (compare-and-swap)."""
+        key = floor_key(self.run_id)
+        value = {"version": RECORD_VERSION, "kind": "floor", "run_id": self.run_id, "generation": generation,
+                 "agent_id": self.agent_id, "at": self._wall_clock()}
+        for _ in range(8):
+            try:
+                stored = self.store.read(key)
+            except errors.RecordCorruptError:
+                self.store.delete(key)
+                continue
+            current = None if stored is None else stored.value.get("generation")
+            if isinstance(current, int) and not isinstance(current, bool) and current >= generation:
+                return
+            try:
+                if stored is None:
+                    self.store.create(key, value)
+                else:
+                    self.store.swap(key, value, stored.version)
+                return
+            except (errors.RecordExistsError, errors.RecordConflictError):
+                continue  # another sweeper moved it: look again
+        raise errors.RecordUnavailableError(f"{key} kept changing while {self.agent_id} raised it", key=key)
 
     def membership(self, generation: int) -> Membership | None:
         """The sealed membership of a generation; None if it is not sealed, or void."""

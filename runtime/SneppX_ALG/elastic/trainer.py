@@ -17,6 +17,10 @@ in a child reaches run() again, which then plays that role and exits instead of 
 runs in every process: keep it to imports and definitions. On several machines, each runs the script with the
 same `checkpoint_dir` and SNEPPX_RUN_ID (and the job key in SNEPPX_HEARTBEAT_KEY_FILE) and
 `run(..., local_nodes=1)`; they find each other through the checkpoint store (docs/ELASTIC.md, "ElasticTrainer").
+
+Operator mode: in a pod of an ElasticTrainingJob (SNEPPX_RENDEZVOUS_OBJECT is set) the process you start is
+that pod's node agent, with no launcher (the operator replaces failed pods), and the job spec's word, from the
+pod's environment (pod.py), wins over run()'s arguments and the constructor's: see `run()`.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from SneppX_ALG import errors, storage
-from SneppX_ALG.elastic import agent, rendezvous, worker
+from SneppX_ALG.elastic import agent, pod, rendezvous, worker
 from SneppX_ALG.elastic.collectives import Backend
 from SneppX_ALG.elastic.heartbeat import ENV_KEY, ENV_KEY_FILE
 
@@ -126,23 +130,33 @@ class ElasticTrainer:
 
     @property
     def elastic_root(self) -> str:
-        return self.checkpoint_dir.rstrip("/") + "/" + ELASTIC_DIR
+        return elastic_root(self.checkpoint_dir)
 
     def run(self, num_nodes: int = 1, num_gpus: int = 1, *, local_nodes: int | None = None) -> RunResult:
         """Trains until train_fn returned on every worker of a generation; see the class docstring.
         num_gpus: workers per node (GPUs; CPU slots without). local_nodes: agents this machine starts
-        (default num_nodes: the whole job here)."""
+        (default num_nodes: the whole job here).
+
+        In a pod of an ElasticTrainingJob (operator mode) this process is the pod's node agent and never
+        returns: it exits 0 when training completed, else non-zero (the pod fails; the operator decides). The
+        job spec wins over the arguments: num_nodes and min_nodes are elastic.maxNodes and minNodes
+        (SNEPPX_MAX_NODES, SNEPPX_MIN_NODES; later changes come through the job's control record), num_gpus is
+        elastic.procsPerNode, checkpoint_dir, max_to_keep and rollback_depth are the job's checkpoint settings,
+        step_timeout is failurePolicy.hangTimeoutSeconds (0: none); restart_nodes does not apply."""
         if not (isinstance(num_nodes, int) and isinstance(num_gpus, int) and num_nodes >= 1 and num_gpus >= 1):
             raise ValueError(f"num_nodes and num_gpus must be ints >= 1, got {num_nodes!r}, {num_gpus!r}")
-        if self.min_nodes > num_nodes:
+        in_pod = pod.PodEnvironment.from_environ(os.environ)
+        if self.min_nodes > num_nodes and in_pod is None:
             raise ValueError(f"min_nodes={self.min_nodes} is more than num_nodes={num_nodes}")
         role = os.environ.get(ENV_ROLE)
         if role == "worker":
-            self._exit(worker.main(self.train_fn, self._worker_settings(os.environ[ENV_RUN_ID])))
+            self._exit(worker.main(self.train_fn, self._worker_settings(os.environ[ENV_RUN_ID], in_pod)))
         if role == "agent":
             self._exit(agent.NodeAgent(self._agent_settings(num_nodes, num_gpus)).run())
         if role is not None:
             raise errors.ElasticLaunchError(f"{ENV_ROLE}={role!r} is not a role (agent or worker)")
+        if in_pod is not None:
+            self._exit(agent.NodeAgent(self._pod_agent_settings(in_pod)).run())
         return self._launch(num_nodes, num_gpus, num_nodes if local_nodes is None else local_nodes)
 
     # -- the roles --
@@ -154,11 +168,32 @@ class ElasticTrainer:
         sys.stderr.flush()
         os._exit(code)  # not sys.exit: nothing after run() in the script may run in an agent or worker
 
-    def _worker_settings(self, run_id: str) -> worker.WorkerSettings:
+    def _worker_settings(self, run_id: str, in_pod: pod.PodEnvironment | None = None) -> worker.WorkerSettings:
+        if in_pod is not None:  # the job spec's checkpoint settings
+            return worker.WorkerSettings(
+                checkpoint_dir=in_pod.checkpoint_uri, elastic_root=elastic_root(in_pod.checkpoint_uri),
+                run_id=run_id, backend=self.backend, collective_timeout=self.collective_timeout,
+                max_to_keep=in_pod.max_to_keep, rollback_depth=in_pod.rollback_depth, max_restarts=self.max_restarts)
         return worker.WorkerSettings(
             checkpoint_dir=self.checkpoint_dir, elastic_root=self.elastic_root, run_id=run_id, backend=self.backend,
             collective_timeout=self.collective_timeout, max_to_keep=self.max_to_keep,
             rollback_depth=self.rollback_depth, max_restarts=self.max_restarts)
+
+    def _pod_agent_settings(self, p: pod.PodEnvironment) -> agent.AgentSettings:
+        """This pod's node agent: the run is the job, the agent the pod; its workers run this script again."""
+        if not (os.environ.get(ENV_KEY_FILE) or os.environ.get(ENV_KEY)):
+            raise errors.ElasticLaunchError(f"operator mode needs the job's key in {ENV_KEY_FILE} (the operator "
+                                            "mounts it from the job's Secret)")
+        env = {**os.environ, ENV_ROLE: "worker", ENV_RUN_ID: p.job, ENV_AGENT_ID: p.pod_name}
+        return agent.AgentSettings(
+            run_id=p.job, agent_id=p.pod_name, host=p.host, workers=p.procs_per_node,
+            elastic_root=elastic_root(p.checkpoint_uri), worker_command=script_command(), worker_env=env,
+            rendezvous=rendezvous.RendezvousConfig(min_nodes=min(p.min_nodes, p.max_nodes), max_nodes=p.max_nodes,
+                                                   last_call=self.last_call, join_timeout=self.join_timeout),
+            max_restarts=self.max_restarts, restart_delay=self.restart_delay,
+            heartbeat_timeout=self.heartbeat_timeout, hang_timeout=self.hang_timeout, step_timeout=p.step_timeout,
+            poll_period=1.0, events_path=os.environ.get(ENV_EVENTS) or "-", operator_mode=True,
+            checkpoint_dir=p.checkpoint_uri)
 
     def _agent_settings(self, num_nodes: int, num_gpus: int) -> agent.AgentSettings:
         env = os.environ
@@ -292,6 +327,12 @@ class _Node:
         except (FileNotFoundError, ValueError):
             return None
         return value if isinstance(value, dict) else None
+
+
+def elastic_root(checkpoint_dir: str) -> str:
+    """Where a run's records live beside its checkpoints (the rendezvous, in standalone mode, and the process
+    groups' addresses)."""
+    return checkpoint_dir.rstrip("/") + "/" + ELASTIC_DIR
 
 
 def script_command() -> list[str]:

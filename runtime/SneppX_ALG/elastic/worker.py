@@ -27,7 +27,7 @@ import numpy as np
 
 from SneppX_ALG import coordinator as coordinator_lib
 from SneppX_ALG import errors, storage
-from SneppX_ALG.elastic import collectives, control, rendezvous
+from SneppX_ALG.elastic import collectives, control, pod, rendezvous
 from SneppX_ALG.elastic import store as store_lib
 
 log = logging.getLogger(__name__)
@@ -152,12 +152,16 @@ class TrainContext:
             self.coordinator.wait()
             raise errors.MembershipChangingError(
                 f"generation {self.generation} ends at step {step}: agents are waiting to join", step=step)
+        self._worker.wait_while_paused(self.rank, self.generation)
 
     def report(self, step: int, **metrics: float) -> None:
         """Tells the agent that `step` finished (a worker that reports no step for the trainer's step_timeout
-        counts as hung); `metrics` (e.g. loss=) are shown by the agent's log and the demo's display."""
+        counts as hung); `metrics` (e.g. loss=) are shown by the agent's log and the demo's display.
+        While the job is paused (operator mode: quorum lost with actionOnLoss Pause) it waits here, the
+        training state kept in memory, until the job resumes or the generation ends."""
         self._worker.report("progress", generation=self.generation, rank=self.rank, step=int(step),
                             metrics={k: float(v) for k, v in metrics.items()})
+        self._worker.wait_while_paused(self.rank, self.generation)
 
 
 class Worker:
@@ -170,6 +174,8 @@ class Worker:
         self.train_fn = train_fn
         self.join_pending = threading.Event()
         self.aborted = threading.Event()
+        self.running = threading.Event()  # cleared while the job is paused
+        self.running.set()
         self._assignments: queue.Queue[dict[str, Any]] = queue.Queue()
         self._groups: list[collectives.ProcessGroup] = []
         self._groups_lock = threading.Lock()
@@ -197,6 +203,14 @@ class Worker:
             self._run_generation(assignment)
             self.report("idle", generation=assignment.generation)
 
+    def wait_while_paused(self, rank: int, generation: int) -> None:
+        """Returns at once unless the job is paused; then when it resumes. CollectiveAbortedError if the
+        generation ends meanwhile (train_fn returns, and the worker is assigned the next one)."""
+        while not self.running.wait(0.1):
+            if self.aborted.is_set():
+                raise errors.CollectiveAbortedError(f"generation {generation} ended while the job was paused",
+                                                    rank=rank, generation=generation)
+
     def _beat(self) -> None:
         stop = threading.Event()
         while not stop.wait(control.BEAT_INTERVAL):
@@ -213,6 +227,8 @@ class Worker:
                     self._assignments.put(message)
                 elif message["kind"] == "join_pending":
                     self.join_pending.set()
+                elif message["kind"] in ("pause", "resume"):
+                    (self.running.clear if message["kind"] == "pause" else self.running.set)()
                 elif message["kind"] == "abort":
                     self.aborted.set()
                     with self._groups_lock:
@@ -222,17 +238,21 @@ class Worker:
     def _run_generation(self, a: Assignment) -> None:
         s = self.settings
         set_torchrun_environment(a, s)
-        records = storage.open_record_store(s.elastic_root)
-        fence_view = rendezvous.Rendezvous(records, s.run_id, agent_id=a.agent_id, host=a.master[0],
-                                           heartbeat=f"{a.master[0]}:{a.master[1]}",
+        records = storage.open_record_store(s.elastic_root)  # process groups' addresses, beside the checkpoints
+        fence_view = rendezvous.Rendezvous(pod.rendezvous_store(s.elastic_root), s.run_id, agent_id=a.agent_id,
+                                           host=a.master[0], heartbeat=f"{a.master[0]}:{a.master[1]}",
                                            workers=a.local_world_size)
+        host = a.membership.members[a.node_rank].host  # where this node's agent is reachable: so are we
         coordinator = None
         groups: list[collectives.ProcessGroup] = []
         try:
             for name in ("train", "checkpoint"):  # async saves run their collectives beside training's
+                # named by the sealed membership, not only its number: a run id used again (a job created
+                # again under its name, on the same volume) starts at generation 0 again
+                prefix = f"comm/{s.run_id}/{a.membership.instance}/{name}"
                 groups.append(collectives.ProcessGroup(
-                    store_lib.RecordKeyStore(records, f"comm/{s.run_id}/{name}"), a.rank, a.membership.world_size,
-                    a.generation, backend=s.backend if name == "train" else "tcp", timeout=s.collective_timeout,
+                    store_lib.RecordKeyStore(records, prefix), a.rank, a.membership.world_size, a.generation,
+                    backend=s.backend if name == "train" else "tcp", host=host, timeout=s.collective_timeout,
                     device=a.local_rank))
                 with self._groups_lock:
                     self._groups = list(groups)

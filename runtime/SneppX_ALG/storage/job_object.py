@@ -57,6 +57,12 @@ ENV_HANG_TIMEOUT = "SNEPPX_HANG_TIMEOUT_SECONDS"
 ENV_MIN_NODES = "SNEPPX_MIN_NODES"
 ENV_MAX_NODES = "SNEPPX_MAX_NODES"
 ENV_POD_NAME = "SNEPPX_POD_NAME"  # the agent's id in the rendezvous and in job/hung/<pod>
+ENV_JOB = "SNEPPX_JOB"  # the job's name: the agents' run id
+ENV_HOST = "SNEPPX_HOST"  # the pod's IP (downward API): where its agent and workers listen
+ENV_PROCS_PER_NODE = "SNEPPX_PROCS_PER_NODE"  # workers per pod
+ENV_CHECKPOINT_URI = "SNEPPX_CHECKPOINT_URI"
+ENV_MAX_TO_KEEP = "SNEPPX_MAX_TO_KEEP"
+ENV_ROLLBACK_DEPTH = "SNEPPX_ROLLBACK_DEPTH"
 
 _DATA_KEY_RE = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
 _POD_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")

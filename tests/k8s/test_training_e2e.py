@@ -1,0 +1,177 @@
+"""Training that really runs under the real API server: an ElasticTrainingJob applied with kubectl, whose pods run
+recipe 3's script (tests/integration/elastic_script.py: the reference Transformer, DataParallelTrainer, sharded
+checkpoints) in operator mode, each pod's agent rendezvousing through the job's ConfigMap as the job's
+ServiceAccount. Failures are real signals to real processes (tests/k8s/pod_runner.py plays kubelet); the checkpoints
+are in the runner's shared "PVC" directory.
+
+Every job must end at the parameters of the same training run uninterrupted in one process: a restore that lost or
+repeated a step, or restored the wrong data position, would not. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+import sys
+import time
+from typing import Any
+
+import k8s_cluster
+import k8s_helpers
+import kopf.testing
+import kubernetes
+import pod_runner
+import pytest
+import yaml
+from k8s_helpers import wait_status
+
+from sneppx_operator import builders
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "integration"))
+from elastic_script import assert_params_match  # noqa: E402  (the script and its checks live there)
+
+pytestmark = pytest.mark.k8s
+
+SCRIPT = str(pathlib.Path(__file__).parents[1] / "integration" / "elastic_script.py")
+EVERY = 3  # checkpoint interval (steps)
+STEPS = 90  # enough that the job is still training when each test's failure or resize has taken effect
+FINISH_TIMEOUT = 300.0  # a failure bound only: four processes train on a loaded 2-core machine
+
+
+def training_job(name: str, *, steps: int, max_nodes: int = 2, min_nodes: int = 1,
+                 failure_policy: dict[str, Any] | None = None, **knobs: Any) -> dict[str, Any]:
+    """A job whose pods run elastic_script.py: rank 0 writes its progress and final parameters to `out/` on the
+    job's volume (`output(pods)` here)."""
+    job = k8s_helpers.valid_job(name, max_nodes=max_nodes, min_nodes=min_nodes)
+    spec = job["spec"]
+    container = spec["template"]["spec"]["containers"][0]
+    container["command"] = ["python", SCRIPT, f"{builders.CHECKPOINT_DIR}/out", builders.CHECKPOINT_DIR]
+    settings = {"steps": steps, "every": EVERY, "sleep": 0.1, "restart_delay": 0.2, **knobs}
+    container["env"] = [{"name": f"E_{k.upper()}", "value": str(v)} for k, v in settings.items()]
+    spec["template"]["spec"]["terminationGracePeriodSeconds"] = 5
+    spec["failurePolicy"] = {"restartDelay": {"initialSeconds": 0, "multiplier": 2, "maxSeconds": 1},
+                             **(failure_policy or {})}
+    spec["checkpoint"]["maxToKeep"] = 3
+    return job
+
+
+def apply(cluster: k8s_cluster.Cluster, namespace: str, job: dict[str, Any], tmp: pathlib.Path) -> None:
+    """`kubectl apply`, as a user would."""
+    manifest = tmp / f"{job['metadata']['name']}.yaml"
+    manifest.write_text(yaml.safe_dump(job))
+    cluster.kubectl("apply", "-n", namespace, "-f", str(manifest))
+
+
+def output(pods: pod_runner.PodRunner) -> pathlib.Path:
+    """Where the pods' `<volume>/out` is on this machine (rank 0's script makes it)."""
+    return pods.checkpoints / "out"
+
+
+def progress(out: pathlib.Path) -> dict[str, Any]:
+    try:
+        return json.loads((out / "progress.json").read_text())  # type: ignore[no-any-return]
+    except (FileNotFoundError, ValueError):
+        return {"step": 0, "generation": -1, "world_size": 0}
+
+
+def agent_events(pods: pod_runner.PodRunner, pod: str) -> list[dict[str, Any]]:
+    return k8s_helpers.agent_events(pods.log_of(pod))
+
+
+def wait_finished(api: kubernetes.client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    return wait_status(api, namespace, name, "the job Succeeded or Failed",
+                       lambda s: s.get("phase") in ("Succeeded", "Failed"), FINISH_TIMEOUT)
+
+
+@pytest.mark.parametrize("min_nodes", [1, 2])
+def test_a_sigkilled_rank_is_replaced_and_training_resumes_from_the_last_valid_checkpoint(
+    api: kubernetes.client.ApiClient, cluster: k8s_cluster.Cluster, namespace: str,
+    operator: kopf.testing.KopfRunner, pods: pod_runner.PodRunner, tmp_path: pathlib.Path, min_nodes: int,
+) -> None:
+    out, steps = output(pods), STEPS
+    apply(cluster, namespace, training_job("train", steps=steps, min_nodes=min_nodes), tmp_path)
+    k8s_helpers.wait_for(lambda: progress(out)["step"] >= 3 * EVERY and progress(out)["world_size"] == 2,
+                         "two pods training together past a few checkpoints", FINISH_TIMEOUT)
+    pods.kill("train-1", signal.SIGKILL)  # the agent and its worker: the whole rank
+
+    done = wait_finished(api, namespace, "train")
+    logs = {pod: pods.log_of(pod)[-4000:] for pod in ("train-0", "train-1")}
+    assert done["phase"] == "Succeeded", (done, logs)
+    assert done["restartCount"] == 1
+    assert [(h["reason"], h["rank"], h["exitCode"]) for h in done["restartHistory"]] == [("PodFailed", 1, 137)]
+    assert done["lastValidCheckpoint"]["step"] == steps  # the final save, reported by rank 0's agent
+    assert done["lastValidCheckpoint"]["location"].endswith(f"/step-{steps:09d}")
+
+    survivor = agent_events(pods, "train-0")
+    failure = next(e for e in survivor if e["kind"] == "failure")
+    before = max(e["step"] for e in survivor if e["kind"] == "step" and e["t"] <= failure["t"])
+    resumed = next(e for e in survivor if e["kind"] == "restored" and e["t"] > failure["t"])
+    assert resumed["step"] is not None and before - resumed["step"] <= 2 * EVERY, (before, resumed)
+    sizes = [e["world_size"] for e in survivor if e["kind"] == "generation"]
+    if min_nodes == 1:  # the survivor went on alone (and grew back if the replacement joined before the end)
+        assert sizes[0] == 2 and sizes[1] == 1, sizes
+    else:  # it waited for the replacement
+        assert set(sizes) == {2} and len(sizes) >= 2, sizes
+        assert json.loads((out / "final.json").read_text())["world_size"] == 2
+    exits = [e["code"] for e in agent_events(pods, "train-1") if e["kind"] == "exit"]
+    assert exits == [0], logs["train-1"]  # the killed agent left no exit; its replacement's run completed
+
+    table = cluster.kubectl("get", "etj", "train", "-n", namespace).stdout
+    header, row = (line.split() for line in table.strip().splitlines())
+    assert header[:5] == ["NAME", "PHASE", "READY", "RESTARTS", "LAST-VALID-STEP"]
+    assert (row[0], row[1], row[3], row[4]) == ("train", "Succeeded", "1", str(steps)), table
+    assert_params_match(out, steps)
+
+
+def test_max_nodes_raised_at_run_time_grows_the_world_at_the_next_generation(
+    api: kubernetes.client.ApiClient, cluster: k8s_cluster.Cluster, namespace: str,
+    operator: kopf.testing.KopfRunner, pods: pod_runner.PodRunner, tmp_path: pathlib.Path,
+) -> None:
+    out, steps = output(pods), STEPS
+    apply(cluster, namespace, training_job("grow", steps=steps, max_nodes=2), tmp_path)
+    k8s_helpers.wait_for(lambda: progress(out)["step"] >= 2 * EVERY and progress(out)["world_size"] == 2,
+                         "two pods training together", FINISH_TIMEOUT)
+    cluster.kubectl("patch", "etj", "grow", "-n", namespace, "--type=merge", "-p",
+                    json.dumps({"spec": {"elastic": {"maxNodes": 3}}}))
+    grown = k8s_helpers.wait_for(lambda: progress(out)["world_size"] == 3 and progress(out),
+                                 "three pods training together", FINISH_TIMEOUT)
+    done = wait_finished(api, namespace, "grow")
+    assert done["phase"] == "Succeeded", (done, {p: pods.log_of(p)[-3000:] for p in ("grow-0", "grow-1", "grow-2")})
+    assert done.get("restartCount", 0) == 0, "a resize is not a restart"
+    ended = [e for e in agent_events(pods, "grow-0") if e["kind"] == "exit"]
+    assert ended[0]["code"] == 143 and "SIGTERM" in ended[0]["reason"]  # the old pod went at the resize
+    assert done["rendezvous"]["worldSize"] == 3 and done["rendezvous"]["generation"] >= grown["generation"]
+    assert json.loads((out / "final.json").read_text())["world_size"] == 3
+    assert_params_match(out, steps)
+
+
+def test_quorum_lost_with_pause_stops_training_until_the_node_returns(
+    api: kubernetes.client.ApiClient, cluster: k8s_cluster.Cluster, namespace: str,
+    operator: kopf.testing.KopfRunner, pods: pod_runner.PodRunner, tmp_path: pathlib.Path,
+) -> None:
+    out, steps = output(pods), STEPS
+    # quorum.actionOnLoss defaults to Pause; the lost node's pod stays Terminating until the node returns
+    apply(cluster, namespace, training_job("pause", steps=steps, failure_policy={"terminatingPodTimeoutSeconds": 3600}),
+          tmp_path)
+    k8s_helpers.wait_for(lambda: progress(out)["step"] >= 2 * EVERY and progress(out)["world_size"] == 2,
+                         "two pods training together", FINISH_TIMEOUT)
+    lost = k8s_helpers.running_pods(api, namespace, "pause")[1]
+    pods.set_node_ready(lost.spec.node_name, False)  # its processes die with it
+    wait_status(api, namespace, "pause", "phase Paused", lambda s: s.get("phase") == "Paused")
+    k8s_helpers.wait_for(lambda: any(e["kind"] == "paused" for e in agent_events(pods, "pause-0")),
+                         "the survivor's agent to pause its worker", FINISH_TIMEOUT)
+    time.sleep(3)  # paused for a while: unpaused, the survivor would train some 20 steps meanwhile
+    paused_at_step = progress(out)["step"]
+    pods.set_node_ready(lost.spec.node_name, True)  # its kubelet finishes the deletion; a replacement comes
+
+    done = wait_finished(api, namespace, "pause")
+    assert done["phase"] == "Succeeded", (done, {p: pods.log_of(p)[-3000:] for p in ("pause-0", "pause-1")})
+    survivor = agent_events(pods, "pause-0")
+    paused = next(e for e in survivor if e["kind"] == "paused")
+    resumed = next(e for e in survivor if e["kind"] == "resumed")
+    assert paused["t"] < resumed["t"]
+    during = [e for e in survivor if e["kind"] == "step" and paused["t"] < e["t"] < resumed["t"]]
+    assert len(during) <= 1, during  # at most the step already in flight; then the worker waits in ctx.report
+    assert paused_at_step < steps and done["restartCount"] == 1
+    assert_params_match(out, steps)
