@@ -109,7 +109,7 @@ def test_run_refuses_what_it_cannot_do(tmp_path: Path, monkeypatch: pytest.Monke
 # ---- operator mode: the pod's environment and the agent's link to the job's object ------------------------------
 
 POD_ENV = {"SNEPPX_RENDEZVOUS_OBJECT": "train-rendezvous", "SNEPPX_NAMESPACE": "team-a", "SNEPPX_JOB": "train",
-           "SNEPPX_POD_NAME": "train-1", "SNEPPX_HOST": "10.0.0.7", "SNEPPX_PROCS_PER_NODE": "8",
+           "SNEPPX_POD_NAME": "train-1", "SNEPPX_HOST": "127.0.0.7", "SNEPPX_PROCS_PER_NODE": "8",
            "SNEPPX_MIN_NODES": "2", "SNEPPX_MAX_NODES": "4", "SNEPPX_HANG_TIMEOUT_SECONDS": "90",
            "SNEPPX_CHECKPOINT_URI": "file:///var/lib/sneppx/checkpoints", "SNEPPX_MAX_TO_KEEP": "3",
            "SNEPPX_ROLLBACK_DEPTH": "1"}
@@ -118,7 +118,7 @@ POD_ENV = {"SNEPPX_RENDEZVOUS_OBJECT": "train-rendezvous", "SNEPPX_NAMESPACE": "
 def test_the_pods_environment_is_the_word_on_the_jobs_shape() -> None:
     assert pod.PodEnvironment.from_environ({}) is None  # standalone
     p = pod.PodEnvironment.from_environ(POD_ENV)
-    assert p == pod.PodEnvironment(job="train", pod_name="train-1", host="10.0.0.7", procs_per_node=8, min_nodes=2,
+    assert p == pod.PodEnvironment(job="train", pod_name="train-1", host="127.0.0.7", procs_per_node=8, min_nodes=2,
                                    max_nodes=4, step_timeout=90.0, checkpoint_uri="file:///var/lib/sneppx/checkpoints",
                                    max_to_keep=3, rollback_depth=1)
     assert pod.PodEnvironment.from_environ({**POD_ENV, "SNEPPX_HANG_TIMEOUT_SECONDS": "0"}).step_timeout is None
@@ -132,8 +132,8 @@ def test_the_pods_environment_is_the_word_on_the_jobs_shape() -> None:
 def test_rank_0s_report_is_what_the_operator_reads_and_follows_the_newest_committed_step(tmp_path: Path) -> None:
     records = storage.open_record_store(str(tmp_path / "object"))
     link = pod.JobLink(records, str(tmp_path / "ckpts"), "train-0")
-    member = rendezvous.Member("train-0", "0" * 32, "10.0.0.7", "10.0.0.7:29500", 2, 0.0)
-    other = rendezvous.Member("train-1", "1" * 32, "10.0.0.8", "10.0.0.8:29500", 2, 0.0)
+    member = rendezvous.Member("train-0", "0" * 32, "127.0.0.7", "127.0.0.7:29500", 2, 0.0)
+    other = rendezvous.Member("train-1", "1" * 32, "127.0.0.8", "127.0.0.8:29500", 2, 0.0)
     membership = rendezvous.Membership("train", 4, (member, other), "train-0")
 
     def view() -> job_object.Report:
