@@ -124,17 +124,8 @@ def _status(custom: kubernetes.client.CustomObjectsApi, namespace: str, name: st
     return job.get("status") or {}
 
 
-def _rank_pod(core: kubernetes.client.CoreV1Api, namespace: str, name: str) -> Any:
-    try:
-        return core.read_namespaced_pod(name, namespace)
-    except kubernetes.client.ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
-
-
 def _recovered(core: Any, custom: Any, namespace: str, job: str, old_uid: str) -> bool:
-    pod = _rank_pod(core, namespace, f"{job}-1")
+    pod = k8s_helpers.read_or_none(core.read_namespaced_pod, f"{job}-1", namespace)
     if pod is None or pod.metadata.uid == old_uid or pod.status.phase != "Running":
         return False
     status = _status(custom, namespace, job)

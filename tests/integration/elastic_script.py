@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -89,7 +90,8 @@ class Run:
     def __init__(self, out: Path, checkpoint_dir: str, **knobs: Any):
         self.out = out
         out.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **{f"E_{k.upper()}": str(v) for k, v in knobs.items()}}
+        self.run_id = f"test-{secrets.token_hex(6)}"  # the launcher's run id: how its processes are found
+        env = {**os.environ, **{f"E_{k.upper()}": str(v) for k, v in knobs.items()}, "SNEPPX_RUN_ID": self.run_id}
         self.log = open(out / "log.txt", "wb")
         self.proc = subprocess.Popen([sys.executable, __file__, str(out), checkpoint_dir], env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -113,21 +115,10 @@ class Run:
             time.sleep(0.02)
 
     def processes(self) -> list[tuple[int, str, str, str]]:
-        """(pid, role, agent id, local rank) of this run's agents and workers, found by their environment."""
-        found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                raw = Path(f"/proc/{entry}/environ").read_bytes()
-            except OSError:
-                continue
-            env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-            if env.get(b"E_OUT", b"").decode() != str(self.out) or b"SNEPPX_ELASTIC_ROLE" not in env:
-                continue
-            found.append((int(entry), env[b"SNEPPX_ELASTIC_ROLE"].decode(), env.get(b"SNEPPX_AGENT_ID", b"").decode(),
-                          env.get(b"SNEPPX_LOCAL_RANK", b"").decode()))
-        return sorted(found)
+        """(pid, role, agent id, local rank) of this run's live agents and workers."""
+        from SneppX_ALG import demo  # the test's side only: the script's own processes never need it
+
+        return demo.run_processes(self.run_id)
 
     def worker(self, agent_id: str, local_rank: int) -> int:
         return self._find("worker", agent_id, str(local_rank))

@@ -141,6 +141,20 @@ def restricted_violations(pod_spec: dict[str, Any]) -> list[str]:
 # ---- jobs: create one, read its status, wait for a state -------------------------------------------------------
 
 
+def read_or_none(call: Callable[..., T], *args: Any) -> T | None:
+    """What a read call returns, or None when the object does not exist (404)."""
+    try:
+        return call(*args)
+    except kubernetes.client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def exists(call: Callable[..., Any], *args: Any) -> bool:
+    return read_or_none(call, *args) is not None
+
+
 def custom(api: kubernetes.client.ApiClient) -> kubernetes.client.CustomObjectsApi:
     return kubernetes.client.CustomObjectsApi(api)
 

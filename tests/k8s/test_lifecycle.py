@@ -188,12 +188,12 @@ def test_the_agents_token_reaches_its_jobs_rendezvous_object_and_nothing_else(
     create(api, namespace, standin_job("theirs", max_nodes=1))
     core = kubernetes.client.CoreV1Api(api)
     for job in ("mine", "theirs"):
-        k8s_helpers.wait_for(lambda j=job: _exists(core.read_namespaced_config_map, f"{j}-rendezvous", namespace),
+        k8s_helpers.wait_for(lambda j=job: k8s_helpers.exists(core.read_namespaced_config_map, f"{j}-rendezvous", namespace),
                              f"{job}'s rendezvous object", TIMEOUT)
     k8s_helpers.wait_for(
-        lambda: _exists(kubernetes.client.RbacAuthorizationV1Api(api).read_namespaced_role_binding, "mine-agent",
+        lambda: k8s_helpers.exists(kubernetes.client.RbacAuthorizationV1Api(api).read_namespaced_role_binding, "mine-agent",
                         namespace), "the agent's RoleBinding", TIMEOUT)
-    pod = k8s_helpers.wait_for(lambda: _pod(core, namespace, "mine-0"), "mine's pod", TIMEOUT)
+    pod = k8s_helpers.wait_for(lambda: k8s_helpers.read_or_none(core.read_namespaced_pod, "mine-0", namespace), "mine's pod", TIMEOUT)
     request = {"spec": {"expirationSeconds": 600, "boundObjectRef": {
         "apiVersion": "v1", "kind": "Pod", "name": "mine-0", "uid": pod.metadata.uid}}}
     token = core.create_namespaced_service_account_token("mine-agent", namespace, request).status.token
@@ -221,25 +221,6 @@ def test_the_agents_token_reaches_its_jobs_rendezvous_object_and_nothing_else(
         agent_api.close()
     account = core.read_namespaced_service_account("mine-agent", namespace)
     assert account.automount_service_account_token is False
-
-
-def _exists(call: Any, *args: Any) -> bool:
-    try:
-        call(*args)
-    except kubernetes.client.ApiException as exc:
-        if exc.status == 404:
-            return False
-        raise
-    return True
-
-
-def _pod(core: kubernetes.client.CoreV1Api, namespace: str, name: str) -> Any:
-    try:
-        return core.read_namespaced_pod(name, namespace)
-    except kubernetes.client.ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
 
 
 def _uid(api: kubernetes.client.ApiClient, namespace: str, name: str) -> str:

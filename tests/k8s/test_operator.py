@@ -75,22 +75,12 @@ def _events(api: kubernetes.client.ApiClient, namespace: str, name: str) -> list
     return [(e.type, e.reason, e.message) for e in events.items]
 
 
-def _exists(call: Any, *args: Any) -> bool:
-    try:
-        call(*args)
-    except kubernetes.client.ApiException as exc:
-        if exc.status == 404:
-            return False
-        raise
-    return True
-
-
 def _delete_job_and_wait(api: kubernetes.client.ApiClient, namespace: str, name: str) -> None:
     _custom(api).delete_namespaced_custom_object(
         k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, name
     )
     k8s_helpers.wait_for(
-        lambda: not _exists(_get_job, api, namespace, name), "the job to go (finalizer released)"
+        lambda: not k8s_helpers.exists(_get_job, api, namespace, name), "the job to go (finalizer released)"
     )
 
 
@@ -209,8 +199,8 @@ def test_suspend_deletes_pods_keeps_job_and_resume_recreates_them(
     assert status["readyDesired"] == "0/0"
     assert {c["type"]: c["status"] for c in status["conditions"]}["Suspended"] == "True"
     core = kubernetes.client.CoreV1Api(api)
-    assert _exists(core.read_namespaced_service, "pause", namespace), "suspend must keep the Service"
-    assert _exists(core.read_namespaced_secret, _secret_name(job), namespace), "suspend must keep the Secret"
+    assert k8s_helpers.exists(core.read_namespaced_service, "pause", namespace), "suspend must keep the Service"
+    assert k8s_helpers.exists(core.read_namespaced_secret, _secret_name(job), namespace), "suspend must keep the Secret"
     k8s_helpers.wait_for(
         lambda: any(e[1] == "Suspended" for e in _events(api, namespace, "pause")), "a Suspended event"
     )
@@ -239,13 +229,13 @@ def test_delete_removes_pods_service_and_secret(
     k8s_helpers.wait_for(lambda: len(_pods(api, namespace, "gone")) == 2, "2 rank pods")
     core = kubernetes.client.CoreV1Api(api)
     k8s_helpers.wait_for(
-        lambda: _exists(core.read_namespaced_secret, _secret_name(job), namespace), "the Secret"
+        lambda: k8s_helpers.exists(core.read_namespaced_secret, _secret_name(job), namespace), "the Secret"
     )
 
     _delete_job_and_wait(api, namespace, "gone")
     assert _pods(api, namespace, "gone") == []
-    assert not _exists(core.read_namespaced_service, "gone", namespace)
-    assert not _exists(core.read_namespaced_secret, _secret_name(job), namespace)
+    assert not k8s_helpers.exists(core.read_namespaced_service, "gone", namespace)
+    assert not k8s_helpers.exists(core.read_namespaced_secret, _secret_name(job), namespace)
 
 
 def test_invalid_template_fails_the_job_with_a_warning_and_recovers_when_fixed(
@@ -375,8 +365,8 @@ def test_a_pod_name_someone_else_holds_is_reported_with_its_controller(
 
     _delete_job_and_wait(api, namespace, "db")
     assert core.read_namespaced_pod("db-0", namespace).metadata.uid == pod.metadata.uid
-    assert not _exists(core.read_namespaced_service, "db", namespace), "the job's own Service goes"
-    assert not _exists(core.read_namespaced_secret, _secret_name(job), namespace), "and its Secret"
+    assert not k8s_helpers.exists(core.read_namespaced_service, "db", namespace), "the job's own Service goes"
+    assert not k8s_helpers.exists(core.read_namespaced_secret, _secret_name(job), namespace), "and its Secret"
 
 
 def test_a_quota_refusal_reaches_status_and_events_and_clears_when_the_quota_allows(

@@ -218,7 +218,7 @@ class ElasticTrainer:
                 raise errors.ElasticLaunchError(
                     f"nodes on several machines share the job key: set {ENV_KEY_FILE} (or {ENV_KEY}) on each")
             env[ENV_KEY] = secrets.token_hex(32)  # the job's key: heartbeats and collectives are authenticated
-        storage.open_record_store(self.elastic_root)  # a bad checkpoint_dir fails here, not in every agent
+        records = storage.open_record_store(self.elastic_root)  # a bad checkpoint_dir fails here, not in every agent
         with tempfile.TemporaryDirectory(prefix="sneppx-run-") as scratch:
             if self.events_dir is not None:
                 os.makedirs(self.events_dir, exist_ok=True)
@@ -234,13 +234,13 @@ class ElasticTrainer:
                         if node.finished:
                             continue
                         if code is None:
-                            if node.proc is None and self._run_over(run_id):  # no need to bring it back now
+                            if node.proc is None and run_over(records, run_id):  # no need to bring it back now
                                 node.finished = True
                             continue
                         if code in (0, agent.EXIT_FAILED):
                             node.finished = True
                             continue
-                        if self._run_over(run_id):  # it died as the run ended: nothing left to do
+                        if run_over(records, run_id):  # it died as the run ended: nothing left to do
                             node.finished = True
                         elif self.restart_nodes and restarts < self.max_restarts + num_nodes:
                             restarts += 1
@@ -265,12 +265,6 @@ class ElasticTrainer:
                 raise errors.RestartBudgetExhaustedError(f"run {run_id} {reason}", history=history)
             raise errors.ElasticRunError(f"run {run_id} {reason}", reason=reason, history=history)
         return RunResult(run_id, events)
-
-    def _run_over(self, run_id: str) -> bool:
-        try:
-            return storage.open_record_store(self.elastic_root).read(rendezvous.finished_key(run_id)) is not None
-        except errors.RecordError:
-            return False
 
 
 class _Node:
@@ -333,6 +327,14 @@ def elastic_root(checkpoint_dir: str) -> str:
     """Where a run's records live beside its checkpoints (the rendezvous, in standalone mode, and the process
     groups' addresses)."""
     return checkpoint_dir.rstrip("/") + "/" + ELASTIC_DIR
+
+
+def run_over(records: storage.RecordStore, run_id: str) -> bool:
+    """Whether an agent marked the run finished (completed or failed)."""
+    try:
+        return records.read(rendezvous.finished_key(run_id)) is not None
+    except errors.RecordError:
+        return False
 
 
 def script_command() -> list[str]:
