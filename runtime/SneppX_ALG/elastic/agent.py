@@ -167,7 +167,6 @@ class NodeAgent:
         self.ft = FaultToleranceManager(max_restarts=settings.max_restarts, restart_delay=settings.restart_delay,
                                         max_restart_delay=max(60.0, settings.restart_delay))
         self.workers = [WorkerProcess(i) for i in range(settings.workers)]
-        self.failures = 0
         self.generation: int | None = None
 
     # -- the agent's life --
@@ -192,7 +191,6 @@ class NodeAgent:
                     self.rdzv.finish(reason)
                     return code
                 if outcome.kind == "failure":
-                    self.failures += 1
                     time.sleep(self.ft.record_failure(outcome.reason))
                 membership = self._join(membership, outcome.suspects)
         except errors.RestartBudgetExhaustedError as e:

@@ -289,10 +289,6 @@ class _Node:
                                      env={**env, ENV_AGENT_ID: self.agent_id, ENV_EVENTS: self.events_path,
                                           ENV_RESULT: self.result_path})
 
-    @property
-    def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
-
     def poll(self) -> int | None:
         if self.proc is None and self.restart_at is not None and time.monotonic() >= self.restart_at:
             self.start(*self.restart)
