@@ -145,7 +145,8 @@ int sx_copier_create(int device, size_t piece_bytes, int nthreads, sx_copier **o
 void sx_copier_destroy(sx_copier *c);
 int sx_copier_device(const sx_copier *c);
 /* Staging memory: pinned (cudaHostAlloc) on a device copier, 4 KiB-aligned
- * malloc otherwise. Free with the copier that allocated it. */
+ * malloc otherwise. Free with the copier that allocated it: before or after
+ * sx_copier_destroy (each buffer keeps the copier's memory until it is freed). */
 int sx_copier_alloc(sx_copier *c, size_t len, void **out);
 void sx_copier_free(sx_copier *c, void *p);
 /* Copies len bytes (kind SX_COPY_H2H or SX_COPY_D2H). With crc non-NULL, *crc

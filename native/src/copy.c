@@ -172,7 +172,15 @@ struct sx_copier {
     cuda_event events[MAX_INFLIGHT];
     int nevents;
     cuda_event producer; /* recorded on a producer's stream; the copier's stream waits for it */
+    /* The handle's reference plus one per staging buffer not yet freed (atomic). sx_copier_free needs
+     * `device`, and a garbage collector runs finalizers in any order (CPython's cycle collector, as at
+     * interpreter exit, often destroys the copier before its buffers): the struct lives until the last. */
+    int refs;
 };
+
+static void copier_unref(sx_copier *c) {
+    if (__atomic_sub_fetch(&c->refs, 1, __ATOMIC_ACQ_REL) == 0) free(c);
+}
 
 int sx_copier_create(int device, size_t piece_bytes, int nthreads, sx_copier **out) {
     if (!out || device < -1) return SX_EINVAL;
@@ -180,6 +188,7 @@ int sx_copier_create(int device, size_t piece_bytes, int nthreads, sx_copier **o
     sx_copier *c = calloc(1, sizeof *c);
     if (!c) return SX_ENOMEM;
     c->device = device;
+    c->refs = 1;
     c->nthreads = nthreads > 0 ? nthreads : (int)split_online_cpus();
     if (c->nthreads > CPU_MAX_THREADS) c->nthreads = CPU_MAX_THREADS;
     c->piece = piece_bytes ? piece_bytes : ((size_t)8 << 20);
@@ -208,8 +217,9 @@ void sx_copier_destroy(sx_copier *c) {
         for (int i = 0; i < c->nevents; i++) cuda.EventDestroy(c->events[i]);
         if (c->producer) cuda.EventDestroy(c->producer);
         if (c->stream) cuda.StreamDestroy(c->stream);
+        c->stream = NULL, c->nevents = 0, c->producer = NULL;
     }
-    free(c);
+    copier_unref(c); /* freed now, or by the free of its last buffer */
 }
 
 int sx_copier_device(const sx_copier *c) { return c ? c->device : -1; }
@@ -217,19 +227,24 @@ int sx_copier_device(const sx_copier *c) { return c ? c->device : -1; }
 int sx_copier_alloc(sx_copier *c, size_t len, void **out) {
     if (!c || !out || !len) return SX_EINVAL;
     *out = NULL;
+    int rc;
     if (c->device >= 0) {
         /* pinned, so D2H runs at full link speed and asynchronously; pin once and reuse */
-        int rc = cuda_status(cuda.SetDevice(c->device));
+        rc = cuda_status(cuda.SetDevice(c->device));
         if (rc == SX_OK) rc = cuda_status(cuda.HostAlloc(out, len, HOST_ALLOC_PORTABLE));
-        return rc;
+    } else {
+        rc = posix_memalign(out, 4096, len) ? SX_ENOMEM : SX_OK;
     }
-    return posix_memalign(out, 4096, len) ? SX_ENOMEM : SX_OK;
+    if (rc != SX_OK) { *out = NULL; return rc; }
+    __atomic_add_fetch(&c->refs, 1, __ATOMIC_RELAXED); /* the buffer keeps the copier */
+    return SX_OK;
 }
 
 void sx_copier_free(sx_copier *c, void *p) {
     if (!c || !p) return;
     if (c->device >= 0) cuda.FreeHost(p);
     else free(p);
+    copier_unref(c);
 }
 
 /* -- host to host: plain threads, each hashing its slice as it copies -- */

@@ -284,8 +284,11 @@ class Copier:
         """A writable buffer (cffi) of nbytes; pinned on a device copier. Keep it alive while in use."""
         out = ffi.new("void **")
         _raise_cuda(lib.sx_copier_alloc(self._c, nbytes, out), "allocate staging memory")
-        copier = self._c  # the buffer must not outlive the copier that frees it
-        return ffi.gc(ffi.cast("char *", out[0]), lambda p: lib.sx_copier_free(copier, p), nbytes)
+        # A cycle collection (as at interpreter exit) may destroy the copier before this buffer: the C copier
+        # stays allocated until its last buffer is freed (copy.c). The finalizer holds the C function itself,
+        # not the module global `lib`, which interpreter shutdown may have cleared by the time it runs.
+        copier, free = self._c, lib.sx_copier_free
+        return ffi.gc(ffi.cast("char *", out[0]), lambda p: free(copier, p), nbytes)
 
     def view(self, buffer: Any, nbytes: int) -> memoryview:
         """A memoryview over the first nbytes of a buffer from alloc()."""
