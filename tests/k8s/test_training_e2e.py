@@ -11,6 +11,7 @@ repeated a step, or restored the wrong data position, would not. No timing is as
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import signal
 import sys
@@ -26,6 +27,7 @@ import pytest
 import yaml
 from k8s_helpers import wait_status
 
+from SneppX_ALG.storage import job_object
 from sneppx_operator import builders
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "integration"))
@@ -174,4 +176,78 @@ def test_quorum_lost_with_pause_stops_training_until_the_node_returns(
     during = [e for e in survivor if e["kind"] == "step" and paused["t"] < e["t"] < resumed["t"]]
     assert len(during) <= 1, during  # at most the step already in flight; then the worker waits in ctx.report
     assert paused_at_step < steps and done["restartCount"] == 1
+    assert_params_match(out, steps)
+
+
+def process_group(pgid: int) -> dict[int, str]:
+    """The processes of a process group (a pod's: its agent and the agent's workers) and their states (R, S, T...)."""
+    found = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, ...
+        if int(fields[2]) == pgid:
+            found[int(entry.name)] = fields[0]
+    return found
+
+
+def test_a_rank_whose_agent_is_wedged_is_reported_hung_by_the_other_agent_and_replaced(
+    api: kubernetes.client.ApiClient, cluster: k8s_cluster.Cluster, namespace: str,
+    operator: kopf.testing.KopfRunner, pods: pod_runner.PodRunner, tmp_path: pathlib.Path,
+) -> None:
+    """The real agents, no stand-in: rank 1's whole pod (its agent and its worker) is SIGSTOPped, so its pod stays
+    Running and Ready and nothing but an agent's `job/hung/<pod>` report can get it replaced. The survivor trains
+    on alone, reports it once it has been out of the generations for hangTimeoutSeconds, the operator replaces
+    the pod (restart reason Hang), and the replacement joins and training finishes at full size."""
+    # Slower steps, not more of them (float noise grows with the steps): the survivor must still be training when
+    # the replacement joins, some hangTimeoutSeconds and a pod start after the stop.
+    out, steps, hang = output(pods), 120, 10
+    job = training_job("hung", steps=steps, sleep=0.3, failure_policy={"hangTimeoutSeconds": hang})
+    job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 1  # a stopped agent never ends at SIGTERM
+    apply(cluster, namespace, job, tmp_path)
+    k8s_helpers.wait_for(lambda: progress(out)["step"] >= 3 * EVERY and progress(out)["world_size"] == 2,
+                         "two pods training together past a few checkpoints", FINISH_TIMEOUT)
+    stopped = pods.pid("hung-1")
+    assert stopped is not None
+    try:
+        assert len(process_group(stopped)) >= 2, process_group(stopped)  # the agent and its worker
+        pods.kill("hung-1", signal.SIGSTOP)  # wedged: alive, Running and Ready, doing nothing
+        k8s_helpers.wait_for(lambda: set(process_group(stopped).values()) == {"T"}, "the whole pod stopped")
+        assert [p.metadata.name for p in k8s_helpers.running_pods(api, namespace, "hung")] == ["hung-0", "hung-1"]
+
+        seen = k8s_helpers.wait_for(  # (or the survivor to finish training without it: no report then)
+            lambda: [e for e in agent_events(pods, "hung-0") if e["kind"] in ("hung_reported", "exit")],
+            "the survivor's agent to report hung-1 hung", FINISH_TIMEOUT)
+        reported = [e for e in seen if e["kind"] == "hung_reported"]
+        assert reported, seen
+        done = wait_finished(api, namespace, "hung")
+    finally:
+        if pods.pid("hung-1") == stopped:  # the test failed before the operator replaced it
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                os.killpg(stopped, sig)
+    logs = {pod: pods.log_of(pod)[-4000:] for pod in ("hung-0", "hung-1")}
+    assert done["phase"] == "Succeeded", (done, logs)
+    assert [(h["reason"], h["rank"]) for h in done["restartHistory"]] == [("Hang", 1)], done["restartHistory"]
+    assert done["restartCount"] == 1
+
+    survivor = agent_events(pods, "hung-0")
+    first = reported[0]
+    assert (first["pod"], first["rank"]) == ("hung-1", 1), reported
+    assert first["silent_seconds"] >= hang
+    assert any("hung-1" in e["reason"] for e in survivor if e["kind"] == "failure")  # silent on the heartbeat
+    sizes = [(e["generation"], e["world_size"]) for e in survivor if e["kind"] == "generation"]
+    alone = next(g for g, size in sizes if size == 1)
+    assert first["last_generation"] < alone <= first["generation"], (sizes, first)  # it reported while alone
+    assert sizes[0][1] == 2 and sizes[-1][1] == 2, sizes  # and grew back when the replacement joined
+    assert all(e["pod"] == "hung-1" for e in survivor if e["kind"] == "hung_reported")
+    assert json.loads((out / "final.json").read_text())["world_size"] == 2
+    exits = [e["code"] for e in agent_events(pods, "hung-1") if e["kind"] == "exit"]
+    assert exits == [0], logs["hung-1"]  # the stopped agent left no exit (SIGKILLed); its replacement completed
+    data = kubernetes.client.CoreV1Api(api).read_namespaced_config_map(
+        job_object.object_name("hung"), namespace).data or {}
+    assert not [k for k in data if (job_object.record_key(k) or "").startswith(job_object.HUNG_PREFIX)], data
     assert_params_match(out, steps)

@@ -22,9 +22,12 @@ log in operator mode): the figures of `bench elastic` and `bench operator` and t
 
 In operator mode (`operator_mode`, pod.py) the agent is its pod's command: its rendezvous records are in the job's
 ConfigMap, it takes the node bounds of each generation from the operator's `job/control` and follows its pause,
-and while its node is rank 0 it keeps `job/report` current. Failures that end only this agent (its restart
-budget, a join timeout) exit with EXIT_NODE_FAILED without marking the run finished: the pod fails and the
-operator's failurePolicy decides (a replacement pod, counted against maxRestarts).
+and while its node is rank 0 it keeps `job/report` current and reports in `job/hung/<pod>` each peer that has
+been out of the generations (neither a member nor waiting to join) for the job's hang timeout: a pod whose agent
+is wedged stays Running and Ready, and only that report gets it replaced (pod.AbsentMembers). Failures that end
+only this agent (its restart budget, a join timeout) exit with EXIT_NODE_FAILED without marking the run
+finished: the pod fails and the operator's failurePolicy decides (a replacement pod, counted against
+maxRestarts).
 """
 
 from __future__ import annotations
@@ -157,6 +160,7 @@ class NodeAgent:
                         else storage.open_record_store(settings.elastic_root))
         self.link = pod.JobLink(self.records, settings.checkpoint_dir, settings.agent_id) if settings.operator_mode \
             else None
+        self.absent = pod.AbsentMembers(settings.agent_id) if settings.operator_mode else None  # hung peers
         self.paused = False
         self.step_timeout = settings.step_timeout  # operator mode: the control record's, from the next generation
         self.resumed_from: int | None = None  # the step this generation restored (rank 0's report)
@@ -240,6 +244,8 @@ class NodeAgent:
         if self.link is not None:
             self._follow_bounds(self.link.control())
         membership = self.rdzv.join(previous=previous, suspects=suspects)
+        if self.absent is not None:
+            self.absent.formed(membership, time.monotonic())
         self.resumed_from = None
         self._event("generation", generation=membership.generation, world_size=membership.world_size,
                     members=list(membership.agent_ids), joined_in=time.monotonic() - started,
@@ -285,6 +291,18 @@ class NodeAgent:
         if m.node_rank(self.s.agent_id) == 0:
             self.link.report(m, self.resumed_from)
         return due
+
+    def _report_absent(self, m: rendezvous.Membership, nxt: rendezvous.NextGeneration, now: float) -> None:
+        """Operator mode, after each poll of the running generation: who waits to join (no longer absent) and,
+        on node rank 0, `job/hung/<pod>` for each peer out of the generations for the hang timeout (the control
+        record's, `step_timeout`). Store errors are logged; what is still due goes at the next poll."""
+        assert self.absent is not None and self.link is not None
+        self.absent.waiting(nxt.waiting, now)
+        if m.node_rank(self.s.agent_id) != 0:
+            return
+        for hung in self.link.report_hung(self.absent, self.step_timeout):
+            self._event("hung_reported", generation=m.generation, pod=hung.pod, rank=hung.rank,
+                        last_generation=hung.generation, silent_seconds=hung.silent_seconds)
 
     # -- one generation --
 
@@ -355,6 +373,8 @@ class NodeAgent:
                     continue
                 if nxt.superseded and not join_pending:
                     return self._failure(nxt.why())
+                if self.absent is not None and not nxt.superseded:
+                    self._report_absent(m, nxt, now)
                 if nxt.waiting and not join_pending:
                     join_pending = True
                     self._event("join_pending", generation=m.generation, waiting=sorted(nxt.waiting))

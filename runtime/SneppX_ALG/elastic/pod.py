@@ -5,7 +5,8 @@ it in every rank's environment (operator/sneppx_operator/builders.py, `rank_env`
 (`PodEnvironment`), so the agent and its workers agree on where the records and checkpoints are. The other half
 is the agent's link to the job's rendezvous object beyond the rendezvous itself (`JobLink`): the operator's
 `job/control` record in (node bounds for the next generation, pause), node rank 0's `job/report` out (what
-`kubectl get etj` shows).
+`kubectl get etj` shows) and its `job/hung/<pod>` reports about peers that stayed out of the generations for the
+job's hang timeout (`AbsentMembers` keeps track of who is out and since when).
 
 Where records live in a pod (docs/OPERATOR.md, "Inside the pods"):
 - the rendezvous (`rdzv/<job>/...`) in the job's ConfigMap (`storage.kube`), the only object the pod's token may
@@ -21,10 +22,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import math
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from SneppX_ALG import coordinator as coordinator_lib
 from SneppX_ALG import errors, storage
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 CHECKPOINT_POLL_S = 2.0  # how often node rank 0's agent looks for a newly committed step (one listing)
 CONTROL_POLL_S = 1.0  # how often an agent reads the operator's control record while a generation runs
 REPORT_MIN_INTERVAL_S = 1.0  # rank 0's report is rewritten at most this often (it changes with each checkpoint)
+HUNG_REPORTS_PER_POLL = 8  # hang reports node rank 0 writes at one poll at most (the others at the next polls)
+ABSENCE_MARGIN_S = 1.0  # added to a hang report's silent_seconds: see `hung_record`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +173,133 @@ class JobLink:
             return self._last_valid
         return steps[-1] if steps else None
 
+    def report_hung(self, absent: AbsentMembers, timeout: float | None, *,
+                    limit: int = HUNG_REPORTS_PER_POLL) -> list[job_object.HungRank]:
+        """Writes `job/hung/<pod>` for each peer `absent` says has been out of the generations for `timeout`
+        seconds (None or 0: never), at most `limit` of them, and restarts each one's window (`AbsentMembers.
+        reported`): the operator replaces that pod, and its replacement gets a whole hang timeout of its own.
+        Only node rank 0 of the running generation calls it, after a poll of the rendezvous (so a peer that
+        waits to join is never reported). A store error is logged and ends this round: the peers still due are
+        reported at the next poll. Returns what it wrote."""
+        # Both clocks read once, before any write: each window restarts no later than its report can be seen,
+        # and a slow write doesn't put a later `reported_at` beside an older `silent_seconds`.
+        now, wall = time.monotonic(), datetime.datetime.now(datetime.UTC)
+        written: list[job_object.HungRank] = []
+        for absence in absent.due(now, timeout)[:limit]:
+            hung = hung_record(absence, self.agent_id, now, wall)
+            key = job_object.hung_key(absence.agent_id)
+            value = job_object.hung_to_json(hung)
+            try:
+                job_object.parse_hung(value, key)  # what the operator will accept (a pod name, a valid time)
+                put(self.store, key, value)
+            except errors.RecordError as e:
+                log.warning("%s: can't report %s hung: %s", self.agent_id, absence.agent_id, e)
+                if isinstance(e, errors.RecordCorruptError):  # not a pod name: never reportable, don't retry
+                    absent.reported(absence.agent_id, now)
+                    continue
+                break
+            absent.reported(absence.agent_id, now)
+            written.append(hung)
+        return written
+
     def close(self) -> None:
         if self._checkpoints is not None:
             self._checkpoints.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Absence:
+    """A peer that was a member of an earlier generation this agent took part in, and is now neither a member
+    of the current generation nor waiting to join the next one."""
+
+    agent_id: str  # its pod's name
+    rank: int  # its node rank in the last generation it was a member of (that this agent took part in)
+    generation: int  # that generation
+    since: float  # monotonic: when this agent saw the first generation without it form, or last reported it
+
+
+class AbsentMembers:
+    """Who has been out of the generations, and since when, as one agent sees it (operator mode; pure: the
+    agent feeds it what it sees, and the times, so tests need no processes).
+
+    Why: a pod whose agent is wedged (SIGSTOPped, frozen, stuck in uninterruptible sleep, deadlocked short of
+    joining) stays Running and Ready. The others exclude it (heartbeat silence; the next generation forms
+    without it) and train on, and nothing else would ever replace it: the job would run a node short for ever,
+    or stall when minNodes = maxNodes. A pod that really died is seen by the operator from its status, far
+    sooner than any hang timeout; one that is out of the generations that long, and not even waiting to join,
+    is hung, and node rank 0 reports it (`JobLink.report_hung`).
+
+    - `formed(m, now)`: a generation this agent is a member of formed; each member's node rank and the
+      generation are remembered, and every peer remembered from an earlier generation that is not in this
+      one is absent from `now` on (unless it already was: its absence goes on).
+    - `waiting(ids, now)`: a poll of the running generation saw `ids` waiting to join the next one; they are
+      no longer absent (a peer that stops waiting without becoming a member is absent again from `now`).
+    - `due(now, timeout)`: the peers absent for at least `timeout` seconds (None or 0: none), longest first.
+    - `reported(id, now)`: its window starts again at `now`.
+
+    The agent itself is never absent: a worker of its own that hangs, it kills and replaces itself. At most
+    `limit` peers are remembered (a job has at most 1024 nodes); past that, those out the longest are
+    forgotten."""
+
+    def __init__(self, agent_id: str, limit: int = job_object.MAX_MEMBERS):
+        self.agent_id = agent_id
+        self.limit = limit
+        self._last: dict[str, tuple[int, int]] = {}  # agent id -> (node rank, generation): the last one it was in
+        self._members: frozenset[str] = frozenset()
+        self._waiting: frozenset[str] = frozenset()
+        self._since: dict[str, float] = {}  # the absent peers
+
+    def formed(self, membership: rendezvous.Membership, now: float) -> None:
+        self._members, self._waiting = frozenset(membership.agent_ids), frozenset()
+        for rank, member in enumerate(membership.members):
+            self._last[member.agent_id] = (rank, membership.generation)
+        if len(self._last) > self.limit:
+            out = sorted((a for a in self._last if a not in self._members), key=lambda a: (self._last[a][1], a))
+            for agent in out[:len(self._last) - self.limit]:
+                del self._last[agent]
+                self._since.pop(agent, None)
+        self._update(now)
+
+    def waiting(self, agent_ids: Iterable[str], now: float) -> None:
+        self._waiting = frozenset(agent_ids)
+        self._update(now)
+
+    def due(self, now: float, timeout: float | None) -> list[Absence]:
+        if not timeout or timeout <= 0:
+            return []
+        found = sorted((since, agent) for agent, since in self._since.items() if now - since >= timeout)
+        return [Absence(agent, *self._last[agent], since) for since, agent in found]
+
+    def reported(self, agent_id: str, now: float) -> None:
+        if agent_id in self._since:
+            self._since[agent_id] = now
+
+    def absent(self) -> dict[str, float]:
+        """The absent peers and since when (monotonic)."""
+        return dict(self._since)
+
+    def _update(self, now: float) -> None:
+        present = self._members | self._waiting
+        for agent in [a for a in self._since if a in present]:
+            del self._since[agent]
+        for agent in self._last:
+            if agent not in present and agent != self.agent_id:
+                self._since.setdefault(agent, now)
+
+
+def hung_record(absence: Absence, reported_by: str, now: float, wall: datetime.datetime) -> job_object.HungRank:
+    """The `job/hung/<pod>` record about `absence` at monotonic time `now`, wall-clock time `wall`.
+
+    `silent_seconds` is how long the peer has been absent, plus ABSENCE_MARGIN_S, rounded up to the millisecond;
+    `reported_at` is `wall` to the second (rounded down). So `reported_at - silent_seconds` is at least a second
+    before this agent saw the absence begin, never after: the operator, which acts only on a report whose
+    silence began after the pod it names was created (`creationTimestamp`, whole seconds, rounded down), never
+    takes a report for one about a pod that was created after the absence began (its replacement, say) even
+    when the two fall in the same second."""
+    silent = math.ceil((max(0.0, now - absence.since) + ABSENCE_MARGIN_S) * 1000) / 1000
+    return job_object.HungRank(pod=absence.agent_id, rank=absence.rank, generation=absence.generation,
+                               reported_by=reported_by, silent_seconds=silent,
+                               reported_at=job_object.timestamp(wall))
 
 
 def put(store: record.RecordStore, key: str, value: Mapping[str, object]) -> record.Record:

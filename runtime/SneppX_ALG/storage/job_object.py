@@ -23,8 +23,8 @@ reads):
                        generation, `hang_timeout_seconds`
     job/report         rank 0's agent's: the membership generation it trains in, its world size and members (pod
                        names), the last valid checkpoint and the one it resumed from
-    job/hung/<pod>     written by any agent that finds a peer hung: the operator deletes that pod (a restart with
-                       reason Hang) and removes the record
+    job/hung/<pod>     written by node rank 0's agent for a peer absent from the job's generations for the hang
+                       timeout: the operator deletes that pod (a restart with reason Hang) and removes the record
 
 Readers refuse anything else under these keys (`RecordCorruptError`); the operator reports such a record and
 ignores it rather than acting on it.
