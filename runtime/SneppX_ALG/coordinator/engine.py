@@ -18,12 +18,14 @@ order, over the group's collectives (so the group must be one nothing else uses 
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401 - registers its exit hook before ours (see _drain_at_exit)
 import dataclasses
 import logging
 import os
 import queue
 import threading
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -140,8 +142,8 @@ class Job:
 
 
 class Engine:
-    """The worker thread and its queue; kept apart from the coordinator so that an atexit finalizer can
-    finish pending saves without holding the coordinator alive."""
+    """The worker thread and its queue; kept apart from the coordinator so that a finalizer can finish
+    pending saves without holding the coordinator alive (and _drain_at_exit can finish them at exit)."""
 
     def __init__(self, known: steps.Steps, max_to_keep: int | None, keep_every_n_steps: int | None,
                  signing_key: Any, group: group_lib.Group = group_lib.SOLO,
@@ -162,6 +164,7 @@ class Engine:
         self.pool: StagingPool | None = None
         self.thread = threading.Thread(target=self._run, name="sneppx-checkpoint-writer", daemon=True)
         self.thread.start()
+        _running.add(self)
 
     @property
     def shard_name(self) -> str:
@@ -182,6 +185,21 @@ class Engine:
             self.queue.put(("stop",))
             self.thread.join()
 
+    def drain(self) -> None:
+        """At exit: waits for the work submitted so far (not for what other threads submit meanwhile), then
+        logs the error the writer kept, if any, since nothing will raise it now."""
+        if not self.thread.is_alive():
+            return
+        done = threading.Event()
+        self.queue.put(("drained", done))
+        while not done.wait(1.0) and self.thread.is_alive():  # stopped meanwhile (a finalizer): done too
+            pass
+        with self._idle:
+            error = self.error
+        if error is not None:
+            log.error("checkpoint save failed, and the program ended without close() or wait() to raise it: "
+                      "%s: %s", type(error).__name__, error)
+
     def take_error(self) -> BaseException | None:
         with self._idle:
             error, self.error = self.error, None
@@ -192,6 +210,9 @@ class Engine:
             item = self.queue.get()
             if item[0] == "stop":
                 return
+            if item[0] == "drained":
+                item[1].set()
+                continue
             try:
                 self._handle(item)
             except BaseException as e:  # noqa: BLE001 - kept and raised by the next call; the thread goes on
@@ -534,6 +555,26 @@ class Engine:
         if job.pending is not None:
             pending, job.pending = job.pending, None
             (self.store.abort if remove else self.store.leave)(pending)
+
+
+# Saves still pending when the program ends are finished before the interpreter stops the thread pools they
+# need (an S3 multipart upload sends its parts from one): concurrent.futures stops every pool in a threading
+# exit hook, which runs before atexit callbacks (and so before the coordinator's weakref.finalize), and those
+# hooks run last registered first, so ours (registered after concurrent.futures.thread's, imported above) runs
+# before it. Bounded like close(): each step's requests and collectives have their own timeouts (the S3
+# client's, the group's). A save that fails here is logged; the exit status stays the program's.
+_running: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _drain_at_exit() -> None:
+    try:
+        for worker in list(_running):
+            worker.drain()
+    except BaseException as e:  # noqa: BLE001 - a hook that raises skips the hooks after it (the pools' own)
+        log.error("pending checkpoint saves were not finished at exit: %s: %s", type(e).__name__, e)
+
+
+threading._register_atexit(_drain_at_exit)  # noqa: SLF001 - the hook concurrent.futures uses for its pools
 
 
 def _describe(error: BaseException | None) -> str | None:
