@@ -1,12 +1,19 @@
-"""A real Kubernetes API for tests: etcd + kube-apiserver as local processes, the way envtest does it.
+"""A real Kubernetes API for tests: etcd + kube-apiserver as local processes, the way envtest does it, plus
+the garbage collector and namespace controller of a real kube-controller-manager.
 
 Why: schema and CEL validation, the status subresource, RBAC, Pod Security admission and server-side
 apply only behave for real on a real API server, and there is no Docker here for kind. The binaries are
 built from pinned Go modules by tests/tools/build.sh and cached by version; this module makes the
-certificates, starts both processes on free loopback ports, waits for /readyz and writes kubeconfigs.
+certificates, starts etcd and kube-apiserver on free loopback ports, waits for /readyz, writes kubeconfigs
+and installs the CRDs, then starts kube-controller-manager (same Kubernetes version) with only two
+controllers: the garbage collector (an object whose owner is deleted is deleted too, which the operator relies
+on to remove a job's pods, Service, Secret, ...) and the namespace controller (a deleted namespace is emptied
+and goes away, about 5 s after the deletion: the controller waits that long before it starts). Before
+returning it checks the garbage collector works: a probe ConfigMap's dependent is collected.
 
-There is no kube-controller-manager, scheduler or kubelet: no garbage collection of owned objects,
-namespaces stay Terminating after deletion, pods stay Pending unless a test writes their status.
+No other controller runs, and there is no scheduler or kubelet: pods stay Pending unless a test writes their
+status (or tests/k8s/pod_runner.py plays kubelet), Nodes are never tainted or their pods evicted, no
+ServiceAccount or quota status is made for anyone.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import base64
 import dataclasses
 import datetime
 import ipaddress
+import json
 import os
 import pathlib
 import signal
@@ -40,10 +48,25 @@ CRD_DIR = REPO / "crds"
 SERVICE_CLUSTER_IP_RANGE = "127.200.0.0/24"
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 15.0
+TOOLS = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl", "helm")
+
+# The controllers kube-controller-manager runs (1.36 names; `kube-controller-manager --help` lists them all).
+CONTROLLERS = ("garbage-collector-controller", "namespace-controller")
+# The user it authenticates as (a client certificate), and the bootstrap ClusterRoles that user is bound to:
+# its own (informers, events), plus the roles the two controllers have in a real cluster, where each runs as
+# its own ServiceAccount (--use-service-account-credentials). Bound to the one user here instead.
+CONTROLLER_MANAGER_USER = "system:kube-controller-manager"
+CONTROLLER_ROLES = ("system:controller:generic-garbage-collector", "system:controller:namespace-controller")
 
 
 class ClusterStartError(RuntimeError):
     """etcd or kube-apiserver did not come up; the message carries the tail of its log."""
+
+
+class ControllerManagerError(RuntimeError):
+    """kube-controller-manager did not come up or its garbage collector did nothing; the message carries the
+    tail of its log. Not a ClusterStartError, which the fixtures retry (a free port taken in between): it binds
+    no port, so starting again would only fail the same way."""
 
 
 def build_tools() -> pathlib.Path:
@@ -54,7 +77,7 @@ def build_tools() -> pathlib.Path:
             f"tests/tools/build.sh failed ({result.returncode}):\n{result.stderr[-4000:]}"
         )
     bin_dir = pathlib.Path(result.stdout.strip().splitlines()[-1])
-    for tool in ("etcd", "kube-apiserver", "kubectl", "helm"):
+    for tool in TOOLS:
         if not os.access(bin_dir / tool, os.X_OK):
             raise ClusterStartError(f"build.sh finished but {bin_dir / tool} is not executable")
     return bin_dir
@@ -283,13 +306,15 @@ class Cluster:
         return path
 
     def stop(self) -> None:
-        # The apiserver first, so it doesn't spend its shutdown retrying a vanished etcd.
+        # In reverse start order: kube-controller-manager, then the apiserver (so it doesn't spend its
+        # shutdown retrying a vanished etcd), then etcd.
         for proc in reversed(self.processes):
             stop_process(proc)
 
 
 def start_cluster(bin_dir: pathlib.Path, workdir: pathlib.Path) -> Cluster:
-    """Start etcd and kube-apiserver with envtest's flags, wait for /readyz, install the CRDs."""
+    """Start etcd and kube-apiserver with envtest's flags, wait for /readyz, install the CRDs, then start
+    kube-controller-manager and wait until its garbage collector works."""
     workdir.mkdir(parents=True, exist_ok=True)
     certs = workdir / "certs"
     certs.mkdir(exist_ok=True)
@@ -377,12 +402,115 @@ def start_cluster(bin_dir: pathlib.Path, workdir: pathlib.Path) -> Cluster:
         _wait_until(readyz, apiserver, "kube-apiserver", api_log)
         cluster = Cluster(bin_dir, workdir, server, workdir / "kubeconfig", ca, processes)
         cluster.write_kubeconfig(cluster.kubeconfig, "sneppx-test-admin", ("system:masters",))
+        # Before the controller-manager, so the garbage collector's first discovery already sees the CRDs'
+        # resources (it rediscovers only every 30 s).
         install_crds(cluster)
+        start_controller_manager(cluster, tls)
         return cluster
     except BaseException:
         for proc in reversed(processes):
             stop_process(proc)
         raise
+
+
+def start_controller_manager(cluster: Cluster, tls: ssl.SSLContext) -> subprocess.Popen[bytes]:
+    """Start kube-controller-manager with the garbage collector and namespace controller only (appended to
+    cluster.processes, so Cluster.stop() stops it first) and wait until the garbage collector visibly works.
+
+    Flags: only CONTROLLERS (no node lifecycle or taint eviction, so pod_runner's fake Nodes are never tainted
+    and their pods never evicted; nothing that needs a cloud, a kubelet or a signing key); one instance, so no
+    leader election (no Lease to wait for); every controller under the kubeconfig's own identity
+    (CONTROLLER_MANAGER_USER, with CONTROLLER_ROLES bound to it), not per-controller ServiceAccount tokens; no
+    HTTPS serving (--secure-port=0: no port to pick, no self-signed certificate written anywhere; readiness is
+    the probe below). It writes nothing but its log; HOME and the working directory are the workdir anyway."""
+    rbac = [
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": f"sneppx-test:{role.removeprefix('system:controller:')}"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+            "subjects": [
+                {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": CONTROLLER_MANAGER_USER}
+            ],
+        }
+        for role in CONTROLLER_ROLES
+    ]
+    cluster.kubectl("apply", "--server-side", "-f", "-", input_text=yaml.safe_dump_all(rbac))
+    kubeconfig = cluster.write_kubeconfig(
+        cluster.workdir / "kube-controller-manager.kubeconfig", CONTROLLER_MANAGER_USER
+    )
+    log = cluster.workdir / "kube-controller-manager.log"
+    api = _Api(cluster.server, tls)
+    owner, dependent = _garbage_collector_probe(api)
+    proc = subprocess.Popen(
+        [
+            cluster.tool("kube-controller-manager"),
+            f"--kubeconfig={kubeconfig}",
+            f"--controllers={','.join(CONTROLLERS)}",
+            "--leader-elect=false",
+            "--use-service-account-credentials=false",
+            "--secure-port=0",
+            "--v=2",  # the garbage collector's "Deleting item" lines, and what it could not do
+        ],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=cluster.workdir,
+        env=dict(os.environ, HOME=str(cluster.workdir)),
+    )
+    cluster.processes.append(proc)
+    try:
+        _wait_until(
+            lambda: api("GET", owner)[0] == 404 and api("GET", dependent)[0] == 404,
+            proc,
+            "kube-controller-manager's garbage collector (the probe ConfigMap and its dependent deleted)",
+            log,
+        )
+    except ClusterStartError as exc:
+        raise ControllerManagerError(str(exc)) from None
+    return proc
+
+
+class _Api:
+    """Just enough of a JSON client (admin certificate) for the start-up probe; 404 answers, not raises."""
+
+    def __init__(self, server: str, tls: ssl.SSLContext) -> None:
+        self.server, self.tls = server, tls
+
+    def __call__(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        request = urllib.request.Request(
+            self.server + path,
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Accept": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, context=self.tls, timeout=10) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return exc.code, {}
+            raise ClusterStartError(f"{method} {path}: {exc.code} {exc.read()[-2000:]!r}") from exc
+
+
+def _garbage_collector_probe(api: _Api) -> tuple[str, str]:
+    """A ConfigMap owned (controller, blockOwnerDeletion) by a ConfigMap that is deleted in the foreground:
+    only the garbage collector finishes that (it deletes the dependent, then the owner's foregroundDeletion
+    finalizer). Made before the controller-manager starts; returns the two paths that must answer 404."""
+    configmaps = "/api/v1/namespaces/default/configmaps"
+    owner = api("POST", configmaps, {"metadata": {"name": "sneppx-gc-probe-owner"}})[1]["metadata"]
+    reference = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "name": owner["name"],
+        "uid": owner["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    body = {"metadata": {"name": "sneppx-gc-probe-dependent", "ownerReferences": [reference]}}
+    dependent = api("POST", configmaps, body)[1]["metadata"]
+    api("DELETE", f"{configmaps}/{owner['name']}", {"propagationPolicy": "Foreground"})
+    return f"{configmaps}/{owner['name']}", f"{configmaps}/{dependent['name']}"
 
 
 def install_crds(cluster: Cluster) -> None:
@@ -409,7 +537,7 @@ def main() -> None:
     cluster = start_cluster(bin_dir, pathlib.Path(tempfile.mkdtemp(prefix="sneppx-k8s-")))
     print(
         f"export KUBECONFIG={cluster.kubeconfig}\nexport PATH={bin_dir}:$PATH\n"
-        f"# API server {cluster.server}; Ctrl-C stops etcd and kube-apiserver",
+        f"# API server {cluster.server}; Ctrl-C stops the cluster",
         flush=True,
     )
     stop_signals = {signal.SIGINT, signal.SIGTERM}

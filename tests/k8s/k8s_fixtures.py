@@ -57,9 +57,9 @@ def api(cluster: k8s_cluster.Cluster) -> Iterator[kubernetes.client.ApiClient]:
 
 @pytest.fixture
 def namespace(api: kubernetes.client.ApiClient, request: pytest.FixtureRequest) -> str:
-    """A fresh namespace for one test, kept until the cluster goes at the end of the session: without the
-    controller-manager a deleted namespace would only sit in Terminating, refusing the events and status
-    the operator still writes for what is left in it."""
+    """A fresh namespace for one test, kept until the cluster goes at the end of the session: the namespace
+    controller would delete it (5 s later at the earliest), but while Terminating it refuses the events and
+    objects the module's operator may still write for what is left in it."""
     slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
     name = f"t-{slug}-{secrets.token_hex(3)}"
     return k8s_helpers.create_namespace(api, name)

@@ -28,9 +28,13 @@ def _agent_client(
 ) -> kubernetes.client.ApiClient:
     core = kubernetes.client.CoreV1Api(api)
     rbac = kubernetes.client.RbacAuthorizationV1Api(api)
-    core.create_namespaced_service_account(namespace, builders.build_service_account(job, namespace, UID))
-    rbac.create_namespaced_role(namespace, builders.build_role(job, namespace, UID))
-    rbac.create_namespaced_role_binding(namespace, builders.build_role_binding(job, namespace, UID))
+    # No job object here: owner references to it would have the garbage collector remove these at once.
+    for create, build in ((core.create_namespaced_service_account, builders.build_service_account),
+                          (rbac.create_namespaced_role, builders.build_role),
+                          (rbac.create_namespaced_role_binding, builders.build_role_binding)):
+        body = build(job, namespace, UID)
+        body["metadata"].pop("ownerReferences")
+        create(namespace, body)
     token = core.create_namespaced_service_account_token(
         builders.agent_name(job), namespace, {"spec": {"expirationSeconds": 600}}
     ).status.token

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the real test binaries (kube-apiserver, kubectl, etcd, helm, and versitygw,
-# the S3 server) from the pinned Go modules beside this script, once per version,
+# Builds the real test binaries (kube-apiserver, kube-controller-manager, kubectl, etcd, helm,
+# and versitygw, the S3 server) from the pinned Go modules beside this script, once per version,
 # into ~/.cache/sneppx/bin/<tool>-<version>. Prints the bin directory on stdout.
 # Idempotent: a cached binary is never rebuilt.
 # Usage: build.sh [TOOL...]   (no TOOL: all of them; e.g. `build.sh versitygw`)
@@ -9,7 +9,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 cache="${SNEPPX_CACHE:-$HOME/.cache/sneppx}/bin"
 mkdir -p "$cache"
 export GOFLAGS="-mod=mod -buildvcs=false" CGO_ENABLED=0
-wanted=" ${*:-kube-apiserver kubectl etcd helm versitygw} "
+wanted=" ${*:-kube-apiserver kube-controller-manager kubectl etcd helm versitygw} "
 
 version_of() {  # version of a required module in a tools go.mod
   awk -v m="$2" '$1==m || ($1=="require" && $2==m) {print ($1=="require") ? $3 : $2; exit}' "$here/$1/go.mod"
@@ -30,6 +30,7 @@ build() {  # build <tools dir> <package> <binary> <version> [ldflags]
 kube=$(version_of kube k8s.io/kubernetes)
 kv="-X k8s.io/component-base/version.gitVersion=$kube -X k8s.io/component-base/version.gitMajor=$(echo "$kube" | cut -d. -f1 | tr -d v) -X k8s.io/component-base/version.gitMinor=$(echo "$kube" | cut -d. -f2)"
 build kube k8s.io/kubernetes/cmd/kube-apiserver kube-apiserver "$kube" "$kv"
+build kube k8s.io/kubernetes/cmd/kube-controller-manager kube-controller-manager "$kube" "$kv"
 build kube k8s.io/kubernetes/cmd/kubectl kubectl "$kube" "$kv"
 build etcd go.etcd.io/etcd/server/v3 etcd "$(version_of etcd go.etcd.io/etcd/server/v3)"
 helm_v=$(version_of helm helm.sh/helm/v3)

@@ -1,11 +1,12 @@
 //go:build tools
 
 // Package tools pins the Kubernetes binaries the integration tests run
-// (kube-apiserver, kubectl), built from published Go modules because there
+// (kube-apiserver, kube-controller-manager, kubectl), built from published Go modules because there
 // is no Docker engine for kind on the test machines.
 package tools
 
 import (
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kubectl"
 )
