@@ -13,8 +13,9 @@ The environment each rank's containers get (the contract with the in-pod runtime
     SNEPPX_GENERATION                   membership generation; ranks of older generations must stop
     MASTER_ADDR, MASTER_PORT            rank 0's stable DNS name through the headless Service
     SNEPPX_HEARTBEAT_KEY_FILE           the per-job HMAC key for heartbeats (a mounted Secret)
-    SNEPPX_CHECKPOINT_URI               file:///var/lib/sneppx/checkpoints (the PVC's mount) or
-                                        s3://bucket/<prefix>, s3://bucket/<namespace>/<job> without one
+    SNEPPX_CHECKPOINT_URI               file:///var/lib/sneppx/checkpoints/<namespace>/<job> (on the PVC), or
+                                        the mount itself when the job gives a subPath; s3://bucket/<prefix>,
+                                        s3://bucket/<namespace>/<job> without one
     SNEPPX_SAVE_EVERY_N_STEPS, SNEPPX_MAX_TO_KEEP, SNEPPX_CHECKPOINT_VALIDATION, SNEPPX_ROLLBACK_DEPTH
     SNEPPX_RENDEZVOUS_OBJECT            the job's rendezvous ConfigMap (storage/job_object.py); its records
                                         carry what may change under running pods (pause, node bounds)
@@ -24,10 +25,12 @@ The environment each rank's containers get (the contract with the in-pod runtime
     SNEPPX_HANG_TIMEOUT_SECONDS         after this long without a step, agents report a peer hung (0: never)
     AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL   (S3 storage only)
 
-Each job also gets its own ServiceAccount, Role and RoleBinding: the role allows get, watch, update and patch
-on the job's rendezvous ConfigMap (by resourceNames) and nothing else. Rank pods run as that account, and
-only the first container (the agent) gets its token, through a projected volume at the standard path (so
-the Kubernetes client's in-cluster configuration finds it); sidecars and init containers get none.
+Each job also gets its own ServiceAccount, Role and RoleBinding: the role allows get and patch on the job's
+rendezvous ConfigMap (by resourceNames), the two verbs the agents' record store calls, and nothing else. Rank
+pods run as that account, and only the first container (the agent) gets its token, through a projected volume
+at the standard path (so the Kubernetes client's in-cluster configuration finds it); a template that would give
+a token to any other container (by mounting the operator's token volume or projecting a token of its own) is
+refused.
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ VOLUME_CHECKPOINTS = "sneppx-checkpoints"
 VOLUME_TMP = "sneppx-tmp"
 VOLUME_TOKEN = "sneppx-api-token"
 RESERVED_VOLUMES = frozenset({VOLUME_HEARTBEAT, VOLUME_CHECKPOINTS, VOLUME_TMP, VOLUME_TOKEN})
-# The agent's only permissions: its job's rendezvous object, read and compare-and-swap.
-AGENT_VERBS = ("get", "watch", "update", "patch")
+# The agent's only permissions: its job's rendezvous object, read and compare-and-swap (a merge patch carrying
+# the resourceVersion it read: storage/kube.py).
+AGENT_VERBS = ("get", "patch")
 # Env the operator owns; template values for these names are replaced (SNEPPX_* is refused by the CRD).
 OPERATOR_ENV_NAMES = frozenset(
     {
@@ -211,8 +215,8 @@ def build_service_account(job_name: str, namespace: str, job_uid: str) -> dict[s
 
 
 def build_role(job_name: str, namespace: str, job_uid: str) -> dict[str, Any]:
-    """get, watch, update and patch on the job's rendezvous ConfigMap, by name, and nothing else (no list, no
-    create: RBAC can't limit those by name)."""
+    """get and patch on the job's rendezvous ConfigMap, by name, and nothing else (no list, no create: RBAC
+    can't limit those by name)."""
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
@@ -239,14 +243,17 @@ def build_role_binding(job_name: str, namespace: str, job_uid: str) -> dict[str,
 
 
 def checkpoint_uri(job_name: str, namespace: str, spec: Mapping[str, Any]) -> str:
-    """Where the ranks keep checkpoints. Without an S3 prefix each job gets its own, <namespace>/<job>:
-    jobs sharing a bucket must never see (or retire) each other's steps."""
+    """Where the ranks keep checkpoints. Unless the job names its own place (an S3 prefix, a PVC subPath)
+    each job gets its own, <namespace>/<job>, in the bucket or on the claim: jobs sharing a bucket or a claim
+    must never see (or retire) each other's steps."""
     storage = spec["checkpoint"]["storage"]
     if "s3" in storage:
         s3 = storage["s3"]
         prefix = s3.get("prefix") or f"{namespace}/{job_name}"
         return f"s3://{s3['bucket']}/{prefix}"
-    return f"file://{CHECKPOINT_DIR}"
+    if storage["pvc"].get("subPath"):
+        return f"file://{CHECKPOINT_DIR}"
+    return f"file://{CHECKPOINT_DIR}/{namespace}/{job_name}"
 
 
 def _env(name: str, value: object) -> dict[str, Any]:
@@ -332,12 +339,30 @@ def _check_template(pod_spec: Mapping[str, Any]) -> None:
             f"spec.template.spec.serviceAccountName is {account!r}: ranks run as the job's own ServiceAccount, "
             "which may touch only the job's rendezvous object (leave it unset)"
         )
+    if pod_spec.get("shareProcessNamespace"):
+        raise errors.JobSpecError(
+            "spec.template.spec.shareProcessNamespace is true: a sidecar could then read the agent's API token "
+            "through /proc (leave it unset)"
+        )
+    for volume in pod_spec.get("volumes") or []:
+        sources = (volume.get("projected") or {}).get("sources") or []
+        if any("serviceAccountToken" in (source or {}) for source in sources):
+            raise errors.JobSpecError(
+                f"volume {volume.get('name')!r} projects a service account token: only the agent gets one, from "
+                "the operator (sidecars must not act as the job's agent)"
+            )
     reserved_paths = {HEARTBEAT_DIR, CHECKPOINT_DIR, TMP_DIR, TOKEN_DIR}
     for container in [*(pod_spec.get("initContainers") or []), *pod_spec["containers"]]:
-        clash = {m.get("mountPath") for m in container.get("volumeMounts") or []} & reserved_paths
+        mounts = container.get("volumeMounts") or []
+        clash = {m.get("mountPath") for m in mounts} & reserved_paths
         if clash:
             raise errors.JobSpecError(
                 f"container {container.get('name')!r} mounts {sorted(clash)}: the operator mounts its own volumes there"
+            )
+        if any(m.get("name") == VOLUME_TOKEN for m in mounts):
+            raise errors.JobSpecError(
+                f"container {container.get('name')!r} mounts {VOLUME_TOKEN!r}, the agent's API token: only the "
+                "first container gets it, from the operator (sidecars must not act as the job's agent)"
             )
 
 

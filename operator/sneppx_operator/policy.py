@@ -3,6 +3,10 @@
 Why a module of its own: these are the rules a user tunes (exit-code rules, the restart budget, the delay
 between restarts, the quorum and what losing it does), each small and each tested alone; reconcile.plan
 applies them to what it observed.
+
+Quorum is what the agents need to train: elastic.minNodes healthy ranks (and, if set, minHealthyPercent of the
+desired ones). No majority is needed for safety: a membership is decided by compare-and-swap on the job's one
+rendezvous object, so two groups can never both form a generation, whatever the network splits.
 """
 
 from __future__ import annotations
@@ -71,30 +75,56 @@ def max_restarts(spec: Mapping[str, Any]) -> int:
 
 
 def restart_delay_seconds(spec: Mapping[str, Any], restart_number: int) -> float:
-    """The wait before restart n (1-based) brings its replacement up: initialSeconds * multiplier^(n-1),
-    capped at maxSeconds."""
+    """The wait before the replacements of the n-th restart in a row (1-based) come up:
+    initialSeconds * multiplier^(n-1), capped at maxSeconds."""
+    delay = _restart_delay(spec)
+    return min(delay[0] * delay[1] ** min(max(restart_number, 1) - 1, 64), delay[2])
+
+
+def _restart_delay(spec: Mapping[str, Any]) -> tuple[float, float, float]:
     delay = _policy(spec).get("restartDelay") or {}
-    initial = float(delay.get("initialSeconds", 10))
-    multiplier = float(delay.get("multiplier", 2))
-    cap = float(delay.get("maxSeconds", 300))
-    return min(initial * multiplier ** min(max(restart_number, 1) - 1, 64), cap)
+    return (float(delay.get("initialSeconds", 10)), float(delay.get("multiplier", 2)),
+            float(delay.get("maxSeconds", 300)))
+
+
+def backoff_reset_seconds(spec: Mapping[str, Any]) -> float:
+    """How long the job must have run healthy for the next restart to wait only initialSeconds again: twice
+    the cap, as a kubelet forgets a container's CrashLoopBackOff after it ran twice its longest backoff."""
+    return 2 * _restart_delay(spec)[2]
 
 
 def terminating_timeout_seconds(spec: Mapping[str, Any]) -> float:
     return float(_policy(spec).get("terminatingPodTimeoutSeconds", 300))
 
 
-def quorum_settings(spec: Mapping[str, Any]) -> tuple[int, str]:
-    """(minHealthyPercent, actionOnLoss)."""
+@dataclasses.dataclass(frozen=True)
+class QuorumRule:
+    """How many healthy ranks a job needs to go on training: at least elastic.minNodes (what the agents need to
+    form a generation) and, when quorum.minHealthyPercent is set, that share of the desired nodes too."""
+
+    min_nodes: int
+    min_healthy_percent: int  # 0: not set
+    action_on_loss: str
+
+    def needed(self, desired: int) -> int:
+        by_percent = -(-self.min_healthy_percent * desired // 100)  # ceil
+        return max(self.min_nodes, by_percent)
+
+    def judge(self, healthy: int, desired: int) -> tuple[int, bool]:
+        """(healthy percent of desired, met). Nothing is met with nothing desired (a suspended job)."""
+        if desired <= 0:
+            return 0, False
+        return healthy * 100 // desired, healthy >= self.needed(desired)
+
+    def describe(self, healthy: int, desired: int) -> str:
+        percent = self.judge(healthy, desired)[0]
+        return f"{healthy} of {desired} nodes healthy ({percent}%), quorum needs {self.needed(desired)}"
+
+
+def quorum_rule(spec: Mapping[str, Any]) -> QuorumRule:
     quorum = spec.get("quorum") or {}
-    return int(quorum.get("minHealthyPercent", 51)), str(quorum.get("actionOnLoss", "Pause"))
-
-
-def quorum(healthy: int, desired: int, min_healthy_percent: int) -> tuple[int, bool]:
-    """(healthy percent, met). Met means at least min_healthy_percent of desired, which is > half."""
-    if desired <= 0:
-        return 0, False
-    return healthy * 100 // desired, healthy * 100 >= min_healthy_percent * desired
+    return QuorumRule(int(spec["elastic"]["minNodes"]), int(quorum.get("minHealthyPercent") or 0),
+                      str(quorum.get("actionOnLoss", "Pause")))
 
 
 def describe(failure: Failure) -> str:

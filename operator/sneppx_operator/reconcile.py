@@ -49,6 +49,9 @@ REASON_FAILED_DELETE = "FailedDelete"
 SPEC_REJECTED_CODES = frozenset({400, 422})
 MAX_HISTORY = 32  # status.restartHistory keeps the most recent restarts
 MAX_PROBLEMS = 8
+MAX_MESSAGE_CHARS = 4096  # a condition's message (the CRD allows 32768; a person reads far less)
+# Put on jobs by operator versions that deleted a job's objects themselves; taken off by this one.
+LEGACY_FINALIZER = "sneppx.io/finalizer"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +62,11 @@ class Job:
     generation: int
     spec: Mapping[str, Any]
     status: Mapping[str, Any]
+    resource_version: str = ""  # of the body read: every status write is conditional on it
+    finalizers: tuple[str, ...] = ()
 
     @classmethod
-    def from_body(cls, body: Mapping[str, Any], status: Mapping[str, Any] | None = None) -> Job:
-        """`status` replaces the body's when given: the operator's own last write, newer than a watch event
-        that has not arrived yet."""
+    def from_body(cls, body: Mapping[str, Any]) -> Job:
         meta = body["metadata"]
         return cls(
             name=meta["name"],
@@ -71,7 +74,9 @@ class Job:
             uid=meta["uid"],
             generation=int(meta.get("generation", 0)),
             spec=body.get("spec") or {},
-            status=status if status is not None else (body.get("status") or {}),
+            status=body.get("status") or {},
+            resource_version=str(meta.get("resourceVersion") or ""),
+            finalizers=tuple(meta.get("finalizers") or ()),
         )
 
 
@@ -120,11 +125,18 @@ def observe_pod(
         c.get("type") == "Ready" and c.get("status") == "True" for c in (status.get("conditions") or [])
     )
     exit_code, reason = _training_container_end(spec, status)
+    phase = str(status.get("phase") or "Pending")
+    if exit_code is not None:
+        # The rank is its trainer: a classic sidecar that keeps running holds the pod Running (Ready false) after
+        # the trainer ended, and a sidecar that failed makes the pod Failed although the trainer succeeded.
+        phase = "Succeeded" if exit_code == 0 else "Failed"
+    if status.get("reason") == "Evicted":  # the kubelet's word for the pod beats the killed container's
+        reason = "Evicted"
     return ObservedPod(
         name=name,
         rank=rank,
         generation=generation,
-        phase=str(status.get("phase") or "Pending"),
+        phase=phase,
         ready=ready,
         terminating=meta.get("deletionTimestamp") is not None,
         node=spec.get("nodeName"),
@@ -225,7 +237,18 @@ class DeleteJob:
     kind: str = builders.KIND
 
 
-Action = Create | Delete | PutRecords | DeleteJob
+@dataclasses.dataclass(frozen=True)
+class DropFinalizer:
+    """Take a finalizer an earlier operator version put on the job off it (owner references collect the job's
+    objects; a finalizer would only make deleting the job hang while no operator serves its namespace)."""
+
+    name: str
+    uid: str
+    finalizer: str
+    kind: str = builders.KIND
+
+
+Action = Create | Delete | PutRecords | DeleteJob | DropFinalizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,15 +282,16 @@ class Event:
 
 @dataclasses.dataclass(frozen=True)
 class Restart:
-    """A restart the plan decided: the failure, whether it counts, and the delete that carries it out (None
-    when the pod is already gone: it counts at once)."""
+    """A restart the plan decided: the failure and whether it counts. The plan's status already holds it
+    (restartCount, restartHistory, the rank's slot marked Replacing with the uid of the pod it replaces), and
+    that status is written before any action: an operator that dies before the pod's delete goes through finds
+    the decision in the status and finishes it, and never decides (or counts) it again."""
 
     failure: policy.Failure
     generation: int
     counted: bool
     why: str
     pod_uid: str = ""
-    action: Action | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,9 +313,7 @@ class Settled:
     events: list[Event]
     error: str | None = None
     retryable: bool = True
-    restarts: tuple[dict[str, Any], ...] = ()  # the restarts that took effect (restartHistory entries)
     wake_after: float | None = None
-    recovered_after: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,6 +326,25 @@ class Membership:
 
 def timestamp(now: datetime.datetime) -> str:
     return job_object.timestamp(now)
+
+
+def clip(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """Text bounded for a status field (the CRD caps every string; an over-long status is refused whole)."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def describe_ranks(ranks: Iterable[int], limit: int = 16) -> str:
+    """Ranks as a person reads them, bounded whatever their number: "0-3, 7, 9-1023" (at most `limit` runs)."""
+    runs: list[list[int]] = []
+    for rank in sorted(set(ranks)):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    words = [str(a) if a == b else f"{a}-{b}" for a, b in runs[:limit]]
+    if len(runs) > limit:
+        words.append(f"and {sum(b - a + 1 for a, b in runs[limit:])} more")
+    return ", ".join(words)
 
 
 def condition(
@@ -325,15 +366,12 @@ def condition(
         "observedGeneration": generation,
         "lastTransitionTime": changed_at,
         "reason": reason,
-        "message": message,
+        "message": clip(message),
     }
 
 
 def find_condition(status: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
     return next((c for c in status.get("conditions") or [] if c.get("type") == type_), None)
-
-
-quorum = policy.quorum
 
 
 def next_membership(spec: Mapping[str, Any], status: Mapping[str, Any], *, group_restart: bool = False) -> Membership:
@@ -393,14 +431,10 @@ class _Pass:
     replacing: list[int] = dataclasses.field(default_factory=list)
     missing: list[int] = dataclasses.field(default_factory=list)  # slots to create a pod for now
     waiting: list[int] = dataclasses.field(default_factory=list)  # slots whose name an older pod still holds
-    pod_phases: dict[int, str] = dataclasses.field(default_factory=dict)  # of pods this pass restarts
+    live_phases: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # slots this pass restarts
     fail_job: str | None = None  # an exit-code rule said FailJob: the message
     wake: list[float] = dataclasses.field(default_factory=list)
     put: dict[str, Mapping[str, Any] | None] = dataclasses.field(default_factory=dict)
-
-
-def _history_uids(status: Mapping[str, Any]) -> set[str]:
-    return {str(h["podUid"]) for h in status.get("restartHistory") or [] if h.get("podUid")}
 
 
 def _last_restart_at(status: Mapping[str, Any]) -> datetime.datetime | None:
@@ -417,6 +451,26 @@ def _lost_message(pod: ObservedPod | None, node: ObservedNode | None) -> tuple[s
     return policy.POD_DELETED, "was deleted"
 
 
+def _pod_failure(
+    rank: int, pod: ObservedPod, node: ObservedNode | None, hung: job_object.HungRank | None
+) -> policy.Failure | None:
+    """Why this rank's live pod must be replaced, if it must."""
+    if pod.phase == "Failed":
+        evicted = pod.reason == "Evicted"
+        how = "was evicted" if evicted else "failed" + (f" ({pod.reason})" if pod.reason else "")
+        return policy.Failure(rank, pod.name, policy.EVICTED if evicted else policy.POD_FAILED, how, pod.exit_code)
+    if pod.phase == "Succeeded":
+        return None
+    if node is not None and not node.ready:
+        return policy.Failure(rank, pod.name, policy.NODE_NOT_READY, f"is on node {node.name}, which is NotReady")
+    if hung is not None and pod.phase == "Running" and _is_current_report(hung, pod):  # not one still starting
+        return policy.Failure(
+            rank, pod.name, policy.HANG,
+            f"was absent from its job's generations for {hung.silent_seconds:.0f}s (reported by {hung.reported_by})",
+        )
+    return None
+
+
 def _slots(
     job: Job,
     membership: Membership,
@@ -425,13 +479,19 @@ def _slots(
     rendezvous: ObservedObject | None,
     now: datetime.datetime,
 ) -> _Pass:
-    """Walk every rank slot of the current generation: what it holds, what to do about it."""
+    """Walk every rank slot of the current generation: what it holds, what to do about it.
+
+    A slot's entry in status.ranks is its durable record: the uid of the pod in it and its phase, and
+    `Replacing` (with the uid of the pod being replaced) once a restart was decided. So a restart is decided
+    once per pod whatever happens later (the pod still seen by a late watch, the operator restarted between
+    the decision and the delete), independent of how much of restartHistory is kept; and a rank that
+    Succeeded stays done when its pod is deleted afterwards.
+    """
     spec, previous = job.spec, job.status
     work = _Pass()
     mine = [p for p in pods if p.controller_uid == job.uid]
     same_generation = int(previous.get("membershipGeneration") or 0) == membership.generation
     before = {int(r["rank"]): r for r in previous.get("ranks") or []} if same_generation else {}
-    accounted = _history_uids(previous)
     hung = {h.pod: h for h in (rendezvous.view.hung if rendezvous else ())}
     window = policy.terminating_timeout_seconds(spec)
 
@@ -452,87 +512,115 @@ def _slots(
         live = next(
             (p for p in holders if not p.terminating and p.generation == membership.generation), None
         )
-        terminating = next((p for p in holders if p.terminating), None)
         known = before.get(rank) or {}
+        known_uid = str(known.get("uid") or "")
         entry: dict[str, Any] = {"rank": rank, "pod": name}
 
+        if known.get("phase") == "Succeeded" and (live is None or live.uid == known_uid):
+            work.ranks[rank] = dict(known)  # done; its pod may be gone (cleaned up): it is not run again
+            work.succeeded += 1
+            continue
+        restarted = known.get("phase") == "Replacing"
+        if live is not None and restarted and live.uid == known_uid:
+            # Restarted already (by this operator or its predecessor): delete it until the delete is seen.
+            work.actions.append(Delete("Pod", live.name, job.uid, live.uid or None))
+            work.ranks[rank] = dict(known)
+            work.replacing.append(rank)
+            continue
         if live is None:
-            gone_uid = str(known.get("uid") or "")
-            if gone_uid and gone_uid not in accounted:  # it left without the operator deleting it
+            if known_uid and not restarted:  # it left without the operator deleting it
                 node = nodes.get(str(known.get("node") or ""))
-                lost = terminating if terminating is not None and terminating.uid == gone_uid else None
+                lost = next((p for p in holders if p.uid == known_uid), None)
                 reason, message = _lost_message(lost, node)
-                failure = policy.Failure(rank, name, reason, message)
-                verdict = policy.verdict(spec, failure)
-                work.restarts.append(
-                    Restart(failure, membership.generation, verdict.counted, verdict.why, gone_uid)
-                )
-                known = {"phase": "Replacing"}
-            if known.get("phase") == "Succeeded":
-                entry |= {"phase": "Succeeded", "ready": False}
-                work.succeeded += 1
-            elif any(p.name == name for p in mine):  # the old pod still holds the name
-                replacing = known.get("phase") == "Replacing"
-                entry |= {"phase": "Replacing" if replacing else "Pending", "ready": False}
-                (work.replacing if replacing else work.waiting).append(rank)
-            else:
-                replacing = known.get("phase") == "Replacing"
-                entry |= {"phase": "Replacing" if replacing else "Pending", "ready": False}
-                if replacing:
-                    work.replacing.append(rank)
-                work.missing.append(rank)
+                _restart(work, spec, membership, policy.Failure(rank, name, reason, message), known_uid, None)
+                restarted = True
+            entry |= {"phase": "Replacing" if restarted else "Pending", "ready": False}
+            if restarted:
+                entry["uid"] = known_uid
+                work.replacing.append(rank)
+            (work.waiting if holders else work.missing).append(rank)  # an older pod may still hold the name
             work.ranks[rank] = entry
             continue
 
         entry |= _rank_status(live)
-        node = nodes.get(live.node or "")
-        failure: policy.Failure | None = None
-        if live.phase == "Succeeded":
-            work.succeeded += 1
-        elif live.phase == "Failed":
-            how = "was evicted" if live.reason == "Evicted" else "failed"
-            reason = policy.EVICTED if live.reason == "Evicted" else policy.POD_FAILED
-            failure = policy.Failure(rank, name, reason, how + (f" ({live.reason})" if live.reason else ""),
-                                     live.exit_code)
-        elif node is not None and not node.ready:
-            failure = policy.Failure(rank, name, policy.NODE_NOT_READY, f"is on node {node.name}, which is NotReady")
-        elif live.name in hung and _is_current_report(hung[live.name], live):
-            report = hung[live.name]
-            failure = policy.Failure(
-                rank, name, policy.HANG,
-                f"made no progress for {report.silent_seconds:.0f}s (reported by {report.reported_by})",
-            )
-        elif live.phase == "Running" and live.ready:
-            work.healthy += 1
-
-        if failure is not None:
-            verdict = policy.verdict(spec, failure)
-            if verdict.action == policy.FAIL_JOB:
-                work.fail_job = f"{policy.describe(failure)}, and {verdict.why} ends the job"
-            elif live.uid not in accounted:
-                delete = Delete("Pod", live.name, job.uid, live.uid or None)
-                work.actions.append(delete)
-                work.restarts.append(
-                    Restart(failure, membership.generation, verdict.counted, verdict.why, live.uid, delete)
-                )
-                entry["phase"] = "Replacing"
-                work.replacing.append(rank)
-                work.pod_phases[rank] = live.phase
-            else:  # already restarted; the delete may not have reached this index yet
-                work.actions.append(Delete("Pod", live.name, job.uid, live.uid or None))
-                entry["phase"] = "Replacing"
-                work.replacing.append(rank)
-        work.ranks[rank] = entry
+        failure = _pod_failure(rank, live, nodes.get(live.node or ""), hung.get(live.name))
+        if failure is None:
+            if live.phase == "Succeeded":
+                work.succeeded += 1
+            elif live.phase == "Running" and live.ready:
+                work.healthy += 1
+            work.ranks[rank] = entry
+            continue
+        verdict = policy.verdict(spec, failure)
+        if verdict.action == policy.FAIL_JOB:
+            work.fail_job = f"{policy.describe(failure)}, and {verdict.why} ends the job"
+            work.ranks[rank] = entry
+            continue
+        work.live_phases[rank] = entry
+        _restart(work, spec, membership, failure, live.uid, Delete("Pod", live.name, job.uid, live.uid or None))
+        work.ranks[rank] = {**entry, "phase": "Replacing", "ready": False}
+        work.replacing.append(rank)
 
     for record in hung.values():  # every hung report is acted on (above) or stale: it goes either way
         work.put[job_object.hung_key(record.pod)] = None
     return work
 
 
+def _restart(
+    work: _Pass, spec: Mapping[str, Any], membership: Membership, failure: policy.Failure, pod_uid: str,
+    delete: Delete | None,
+) -> None:
+    verdict = policy.verdict(spec, failure)
+    work.restarts.append(Restart(failure, membership.generation, verdict.counted, verdict.why, pod_uid))
+    if delete is not None:
+        work.actions.append(delete)
+
+
 def _is_current_report(report: job_object.HungRank, pod: ObservedPod) -> bool:
-    """A hang report names a pod by name; one made before this pod existed was about its predecessor."""
+    """A hang report names a pod by name; it is about this pod only if the absence it reports began after
+    this pod was created (a report about its predecessor must never replace a pod that is still starting)."""
     reported = parse_time(report.reported_at)
-    return reported is not None and (pod.created_at is None or reported >= pod.created_at)
+    if reported is None:
+        return False
+    began = reported - datetime.timedelta(seconds=report.silent_seconds)
+    return pod.created_at is None or began >= pod.created_at
+
+
+def _quorum_judgement(
+    job: Job, membership: Membership, work: _Pass, rule: policy.QuorumRule
+) -> tuple[int, bool, bool]:
+    """(healthy percent, met, lost). Quorum is lost only once the current pod generation has had it: a
+    new generation (a resize, a group restart, a resume) starts without quorum, and that is no loss."""
+    desired = membership.world_size
+    percent, met = rule.judge(work.healthy + work.succeeded, desired)  # a rank that finished is not lost
+    previous = job.status
+    same_generation = int(previous.get("membershipGeneration") or 0) == membership.generation
+    had = same_generation and (
+        (find_condition(previous, "QuorumMet") or {}).get("status") == "True" or previous.get("phase") == "Paused"
+    )
+    return percent, met, had and not met and desired > 0
+
+
+def _restart_streak(job: Job, now: datetime.datetime) -> int:
+    """Restarts in a row so far: reset once the job has run Ready for policy.backoff_reset_seconds."""
+    previous = job.status
+    ready = find_condition(previous, "Ready") or {}
+    since = parse_time(ready.get("lastTransitionTime"))
+    healthy_for = (now - since).total_seconds() if ready.get("status") == "True" and since else 0.0
+    if healthy_for >= policy.backoff_reset_seconds(job.spec):
+        return 0
+    return int(previous.get("restartStreak") or 0)
+
+
+def _suspended_seconds(job: Job, suspended: bool, now: datetime.datetime) -> int:
+    """Seconds the job has spent suspended since it started: activeDeadlineSeconds counts only running time.
+    Added up when a suspension ends (the Suspended condition says since when)."""
+    total = int(job.status.get("suspendedSeconds") or 0)
+    was = find_condition(job.status, "Suspended") or {}
+    since = parse_time(was.get("lastTransitionTime"))
+    if not suspended and was.get("status") == "True" and since and job.status.get("startTime"):
+        total += max(0, int((now - since).total_seconds()))
+    return total
 
 
 def plan(
@@ -546,84 +634,81 @@ def plan(
 ) -> Plan:
     """Decide what to create, delete or write and what status to report for one job."""
     previous = job.status
+    legacy = [DropFinalizer(job.name, job.uid, f) for f in job.finalizers if f == LEGACY_FINALIZER]
     if _is_terminal(previous):
-        return _plan_finished(job, pods, now)
+        finished = _plan_finished(job, pods, now)
+        return dataclasses.replace(finished, actions=(*legacy, *finished.actions))
     spec = job.spec
     nodes = nodes or {}
     suspended = bool(spec.get("suspend", False))
     membership = next_membership(spec, previous)
-    min_nodes = int(spec["elastic"]["minNodes"])
-    min_healthy, on_loss = policy.quorum_settings(spec)
+    rule = policy.quorum_rule(spec)
     work = _slots(job, membership, pods, nodes, rendezvous, now)
     restart_count = int(previous.get("restartCount") or 0)
-    counted = sum(1 for r in work.restarts if r.counted)
     budget = policy.max_restarts(spec)
     events: list[Event] = []
 
-    desired = membership.world_size
-    # A rank that finished is not a lost one: it counts toward quorum, not toward readyNodes.
-    healthy_percent, quorum_met = quorum(work.healthy + work.succeeded, desired, min_healthy)
-    previous_quorum = find_condition(previous, "QuorumMet") or {}
-    had_quorum = previous_quorum.get("status") == "True" or previous.get("phase") == "Paused"
-    quorum_lost = had_quorum and not quorum_met and desired > 0
+    healthy_percent, quorum_met, quorum_lost = _quorum_judgement(job, membership, work, rule)
     failed_reason: str | None = None
     failed_message = ""
-    if quorum_lost and previous_quorum.get("status") == "True":
-        events.append(Event("Warning", REASON_QUORUM_LOST, _quorum_message(work.healthy, desired, min_healthy)
-                            + f"; actionOnLoss is {on_loss}"))
-    if quorum_lost and on_loss == "RestartGroup" and not suspended and work.fail_job is None:
-        group = policy.Failure(-1, "", policy.QUORUM_LOST, _quorum_message(work.healthy, desired, min_healthy))
+    if quorum_lost and (find_condition(previous, "QuorumMet") or {}).get("status") == "True":
+        events.append(Event("Warning", REASON_QUORUM_LOST, rule.describe(work.healthy, membership.world_size)
+                            + f"; actionOnLoss is {rule.action_on_loss}"))
+    if quorum_lost and rule.action_on_loss == "RestartGroup" and not suspended and work.fail_job is None:
+        group = policy.Failure(-1, "", policy.QUORUM_LOST, rule.describe(work.healthy, membership.world_size))
         if restart_count + 1 > budget:
             failed_reason, failed_message = REASON_BUDGET_EXHAUSTED, _budget_message(budget, [group])
         else:
             membership = next_membership(spec, previous, group_restart=True)
             work = _slots(job, membership, pods, nodes, rendezvous, now)
             work.restarts = [Restart(group, membership.generation - 1, True, "quorum.actionOnLoss RestartGroup")]
-            counted, quorum_lost = 1, False
-            healthy_percent, quorum_met = quorum(0, membership.world_size, min_healthy)
-    elif quorum_lost and on_loss == "Fail" and not suspended:
+            quorum_lost = False
+            healthy_percent, quorum_met = rule.judge(0, membership.world_size)
+    elif quorum_lost and rule.action_on_loss == "Fail" and not suspended:
         failed_reason = REASON_QUORUM_LOST
-        failed_message = _quorum_message(work.healthy, desired, min_healthy) + " and quorum.actionOnLoss is Fail"
+        failed_message = rule.describe(work.healthy, membership.world_size) + " and quorum.actionOnLoss is Fail"
 
+    counted = sum(1 for r in work.restarts if r.counted)
     if work.fail_job is not None:
         failed_reason, failed_message = REASON_EXIT_CODE_RULE, work.fail_job
     elif failed_reason is None and counted and restart_count + counted > budget:
         failed_reason = REASON_BUDGET_EXHAUSTED
         failed_message = _budget_message(budget, [r.failure for r in work.restarts if r.counted])
+    suspended_seconds = _suspended_seconds(job, suspended, now)
     deadline = spec.get("activeDeadlineSeconds")
     started = parse_time(previous.get("startTime"))
     if failed_reason is None and deadline and started is not None and not suspended:
-        due = started + datetime.timedelta(seconds=int(deadline))
+        due = started + datetime.timedelta(seconds=int(deadline) + suspended_seconds)
         if now >= due:
             failed_reason = REASON_DEADLINE
-            failed_message = f"the job ran longer than spec.activeDeadlineSeconds ({deadline}s, since {timestamp(started)})"
+            failed_message = (f"the job ran longer than spec.activeDeadlineSeconds ({deadline}s since "
+                              f"{timestamp(started)}, not counting {suspended_seconds}s suspended)")
         else:
             work.wake.append((due - now).total_seconds())
 
     live = [p for p in pods if not p.terminating and p.controller_uid == job.uid]
     stale = [p for p in sorted(live, key=lambda p: (p.rank, p.name))
              if p.generation != membership.generation or p.rank >= membership.world_size]
-    actions: list[Action] = [Delete("Pod", p.name, job.uid, p.uid or None) for p in stale]
+    actions: list[Action] = [*legacy, *(Delete("Pod", p.name, job.uid, p.uid or None) for p in stale)]
     if failed_reason is not None:  # nothing more starts; the ranks still running stop
         work.restarts, work.missing = [], []
-        for rank, phase_was in work.pod_phases.items():
-            work.ranks[rank]["phase"] = phase_was
-        actions = [Delete("Pod", p.name, job.uid, p.uid or None) for p in live if p.phase in ACTIVE_POD_PHASES]
+        work.ranks.update(work.live_phases)
+        actions += [Delete("Pod", p.name, job.uid, p.uid or None) for p in live if p.phase in ACTIVE_POD_PHASES]
     else:
         actions += work.actions
+    counted = sum(1 for r in work.restarts if r.counted)
 
+    # Every replacement waits, counted or not (a kubelet's CrashLoopBackOff): restartDelay for the n-th
+    # restart in a row, from the last one.
+    streak = _restart_streak(job, now) + (1 if work.restarts else 0)
+    last_restart = now if work.restarts else _last_restart_at(previous)
     invalid = _rejected_spec(job)
     resources: list[Action] = []
     new_pods: list[Action] = []
-    creatable = [r for r in work.missing if failed_reason is None]
-    last_restart = _last_restart_at(previous)
-    if work.restarts:
-        last_restart = now
-    if creatable and last_restart is not None and (restart_count + counted) > 0:
-        ready_at = last_restart + datetime.timedelta(
-            seconds=policy.restart_delay_seconds(spec, restart_count + counted)
-        )
-        if now < ready_at:  # the restart delay: replacements wait
+    creatable = list(work.missing)
+    if creatable and streak and last_restart is not None:
+        ready_at = last_restart + datetime.timedelta(seconds=policy.restart_delay_seconds(spec, streak))
+        if now < ready_at:
             work.wake.append((ready_at - now).total_seconds())
             creatable = []
     if creatable and invalid is None:
@@ -646,8 +731,10 @@ def plan(
                 Create(builders.build_role_binding(job.name, job.namespace, job.uid)),
             ]
 
+    desired = membership.world_size
     finished = desired > 0 and work.succeeded == desired
     recovering = bool(work.replacing) or (previous.get("phase") == "Restarting" and work.healthy < desired)
+    quorum_text = rule.describe(work.healthy, desired)
     if invalid is not None:
         phase, ready_reason, ready_message = "Failed", REASON_INVALID_SPEC, invalid
     elif suspended:
@@ -656,30 +743,27 @@ def plan(
         phase, ready_reason, ready_message = "Failed", failed_reason, failed_message
     elif finished:
         phase, ready_reason, ready_message = "Succeeded", "Succeeded", "every rank exited successfully"
-    elif quorum_lost and on_loss == "Pause":
+    elif quorum_lost and rule.action_on_loss == "Pause":
         phase, ready_reason, ready_message = (
-            "Paused", REASON_QUORUM_LOST,
-            _quorum_message(work.healthy, desired, min_healthy) + ": training is paused until it returns",
+            "Paused", REASON_QUORUM_LOST, quorum_text + ": training is paused until it returns",
         )
     elif recovering:
         phase, ready_reason, ready_message = (
-            "Restarting", "Restarting", f"replacing the pods of ranks {sorted(set(work.replacing))}"
+            "Restarting", "Restarting", f"replacing the pods of ranks {describe_ranks(work.replacing)}"
             if work.replacing else f"{work.healthy} of {desired} nodes ready after a restart",
         )
     elif work.missing or work.waiting:
         phase, ready_reason, ready_message = (
-            "Creating", "CreatingPods", f"creating pods for ranks {sorted(work.missing + work.waiting)}"
+            "Creating", "CreatingPods", f"creating pods for ranks {describe_ranks(work.missing + work.waiting)}"
         )
-    elif work.healthy >= min_nodes and quorum_met:
+    elif quorum_met:
         phase, ready_reason, ready_message = "Running", "Running", f"{work.healthy} of {desired} nodes ready"
     else:
         phase, ready_reason, ready_message = (
-            "Pending",
-            "WaitingForPods",
-            f"{work.healthy} of {desired} nodes ready, need {min_nodes} and quorum",
+            "Pending", "WaitingForPods", f"{work.healthy} of {desired} nodes ready, quorum needs {rule.needed(desired)}",
         )
     if previous.get("phase") == "Paused" and phase == "Running":
-        events.append(Event("Normal", "QuorumRestored", _quorum_message(work.healthy, desired, min_healthy)))
+        events.append(Event("Normal", "QuorumRestored", quorum_text))
     recovered_after = None
     if previous.get("phase") in ("Restarting", "Paused") and phase == "Running" and last_restart is not None:
         recovered_after = max(0.0, (now - last_restart).total_seconds())
@@ -690,14 +774,18 @@ def plan(
         "desiredNodes": desired,
         "readyNodes": work.healthy,
         "readyDesired": f"{work.healthy}/{desired}",
-        "restartCount": restart_count,
+        "restartCount": restart_count + counted,
         "ranks": [work.ranks[r] for r in sorted(work.ranks)],
     }
-    if previous.get("restartHistory"):
-        status["restartHistory"] = list(previous["restartHistory"])
+    history = [*(previous.get("restartHistory") or []), *(restart_entry(r, now) for r in work.restarts)]
+    if history:
+        status["restartHistory"] = history[-MAX_HISTORY:]
+    if streak:
+        status["restartStreak"] = streak
+    if suspended_seconds:
+        status["suspendedSeconds"] = suspended_seconds
     status["quorum"] = {"healthyPercent": healthy_percent, "met": quorum_met}
     status.update(_reported(previous, rendezvous, events))
-    quorum_message = _quorum_message(work.healthy, desired, min_healthy)
     conditions_before = previous.get("conditions") or []
     status["conditions"] = [
         condition(
@@ -705,7 +793,7 @@ def plan(
             "QuorumMet",
             quorum_met,
             "QuorumMet" if quorum_met else "NotEnoughHealthyNodes",
-            quorum_message,
+            quorum_text,
             job.generation,
             now,
         ),
@@ -741,14 +829,26 @@ def plan(
     ttl = _ttl_wake(spec, final, now)
     if ttl is not None:
         work.wake.append(ttl)
+    events += _restart_events(work.restarts, restart_count, budget)
     return Plan(
         (*actions, *resources, *new_pods),
         final,
-        tuple(work.restarts) if failed_reason is None else (),
+        tuple(work.restarts),
         tuple(events),
         min(work.wake) if work.wake else None,
         recovered_after,
     )
+
+
+def _restart_events(restarts: Sequence[Restart], count: int, budget: int) -> list[Event]:
+    events = []
+    for restart in restarts:
+        count += 1 if restart.counted else 0
+        numbered = f"restart {count} of {budget}" if restart.counted else "not counted"
+        what = policy.describe(restart.failure) if restart.failure.rank >= 0 else restart.failure.message
+        replaced = "its pod is replaced" if restart.failure.rank >= 0 else "every rank's pod is replaced"
+        events.append(Event("Warning", restart.failure.reason, f"{numbered}: {what}; {replaced}"))
+    return events
 
 
 def _plan_finished(job: Job, pods: Sequence[ObservedPod], now: datetime.datetime) -> Plan:
@@ -775,16 +875,15 @@ def _ttl_wake(spec: Mapping[str, Any], status: Mapping[str, Any], now: datetime.
     return max(0.0, (finished + datetime.timedelta(seconds=int(ttl)) - now).total_seconds())
 
 
-def _quorum_message(healthy: int, desired: int, min_healthy: int) -> str:
-    percent = quorum(healthy, desired, min_healthy)[0]
-    return f"{healthy} of {desired} nodes healthy ({percent}%), quorum needs {min_healthy}%"
-
-
-def _budget_message(budget: int, failures: Sequence[policy.Failure]) -> str:
-    what = "; ".join(
-        policy.describe(f) if f.rank >= 0 else f"quorum was lost ({f.message})" for f in failures
-    )
-    return f"{what}; the restart budget (failurePolicy.maxRestarts {budget}) is used up, so the job has failed"
+def _budget_message(budget: int, failures: Sequence[policy.Failure], limit: int = 8) -> str:
+    """Why the budget ran out, bounded: the first `limit` failures in words, then how many more (a thousand
+    ranks failing at once must still fit the status)."""
+    words = [policy.describe(f) if f.rank >= 0 else f"quorum was lost ({f.message})" for f in failures[:limit]]
+    if len(failures) > limit:
+        more = [f.rank for f in failures[limit:] if f.rank >= 0]
+        words.append(f"and {len(failures) - limit} more (ranks {describe_ranks(more)})")
+    return clip(f"{'; '.join(words)}; the restart budget (failurePolicy.maxRestarts {budget}) is used up, "
+                "so the job has failed")
 
 
 def _checkpoint_status(ref: job_object.CheckpointRef | None) -> dict[str, Any] | None:
@@ -825,9 +924,13 @@ def _reported(
                     ))
     if view.problems:
         out.setdefault("rendezvous", {})
-        out["rendezvous"] = {**out["rendezvous"], "problems": [p[:256] for p in view.problems[:MAX_PROBLEMS]]}
+        out["rendezvous"] = {**out["rendezvous"], "problems": [clip(p, 256) for p in view.problems[:MAX_PROBLEMS]]}
     elif "rendezvous" in out and "problems" in out["rendezvous"]:
-        out["rendezvous"] = {k: v for k, v in out["rendezvous"].items() if k != "problems"}
+        rest = {k: v for k, v in out["rendezvous"].items() if k != "problems"}
+        if rest:
+            out["rendezvous"] = rest
+        else:  # nothing left: the whole field goes (an empty object would be patched away once more)
+            del out["rendezvous"]
     return out
 
 
@@ -860,19 +963,20 @@ def _rank_status(pod: ObservedPod) -> dict[str, Any]:
     if pod.exit_code is not None:
         entry["exitCode"] = pod.exit_code
     if pod.reason:
-        entry["reason"] = pod.reason[:128]
+        entry["reason"] = clip(pod.reason, 128)
     return entry
 
 
-def _history_entry(restart: Restart, now: datetime.datetime) -> dict[str, Any]:
+def restart_entry(restart: Restart, now: datetime.datetime) -> dict[str, Any]:
     failure = restart.failure
     entry: dict[str, Any] = {
         "time": timestamp(now),
         "reason": failure.reason,
-        "message": (
+        "message": clip(
             (policy.describe(failure) if failure.rank >= 0 else failure.message)
-            + ("" if restart.counted else f"; not counted: {restart.why}")
-        )[:1024],
+            + ("" if restart.counted else f"; not counted: {restart.why}"),
+            1024,
+        ),
         "membershipGeneration": restart.generation,
         "counted": restart.counted,
     }
@@ -888,51 +992,35 @@ def _history_entry(restart: Restart, now: datetime.datetime) -> dict[str, Any]:
 def settle(job: Job, plan: Plan, outcome: Outcome, *, now: datetime.datetime) -> Settled:
     """The status, events and retry decision once the plan's actions were tried (k8s.apply's outcome).
 
-    Restarts count when they took effect: at once for a pod that was already gone, else when the delete of
-    its pod went through (a delete the API server refused is tried again, and counted, on a later pass).
-    A spec the API server rejects (400/422) fails the job with InvalidSpec until the spec is edited; any
-    other refusal (403 quota or RBAC, a name held by someone else, 5xx) is reported in the ResourceFailure
-    condition and retried with backoff. Events go out when something changes, not on every retry.
+    The plan's decisions (restarts and their counts, phases) are already in its status, written before the
+    actions; settle adds only what the API server said. A spec it rejects (400/422) fails the job with
+    InvalidSpec until the spec is edited; any other refusal (403 quota or RBAC, a name held by someone else,
+    5xx) is reported in the ResourceFailure condition and retried with backoff (a refused delete of a restarted
+    pod is sent again on the next pass, never counted again). Events go out when something changes, not on
+    every retry.
     """
     if not plan.status:  # a finished job: only its cleanup (and TTL) was tried
         return Settled({}, [], wake_after=plan.wake_after)
     refused = outcome.refused
     status = dict(plan.status)
-    done = set(map(id, outcome.done))
-    took_effect = [r for r in plan.restarts if r.action is None or id(r.action) in done]
-    restart_events: list[Event] = []
-    if took_effect:
-        count = int(status.get("restartCount") or 0)
-        history = list(status.get("restartHistory") or [])
-        for restart in took_effect:
-            count += 1 if restart.counted else 0
-            history.append(_history_entry(restart, now))
-            budget = f"restart {count} of {policy.max_restarts(job.spec)}" if restart.counted else "not counted"
-            what = policy.describe(restart.failure) if restart.failure.rank >= 0 else restart.failure.message
-            replaced = "its pod is replaced" if restart.failure.rank >= 0 else "every rank's pod is replaced"
-            restart_events.append(Event("Warning", restart.failure.reason, f"{budget}: {what}; {replaced}"))
-        status["restartCount"] = count
-        status["restartHistory"] = history[-MAX_HISTORY:]
-    entries = tuple(_history_entry(r, now) for r in took_effect)
-    events = [*plan.events, *restart_events]
+    events = list(plan.events)
     if refused is None:
         events += events_for(outcome.done, job.status.get("phase"), status, job.status)
-        return Settled(status, events, restarts=entries, wake_after=plan.wake_after,
-                       recovered_after=plan.recovered_after)
+        return Settled(status, events, wake_after=plan.wake_after)
     error = describe_refusal(refused)
     if refused.code in SPEC_REJECTED_CODES and isinstance(refused.action, Create):
         status = _with_phase(job, status, "Failed", REASON_INVALID_SPEC, error, now)
         events += events_for(outcome.done, job.status.get("phase"), status, job.status)
-        return Settled(status, events, error, False, entries)
+        return Settled(status, events, error, False)
     reason = _refusal_reason(refused)
     before = job.status.get("conditions") or []
     failure = condition(before, CONDITION_RESOURCE_FAILURE, True, reason, error, job.generation, now)
     status["conditions"] = [*status["conditions"], failure]
     events += events_for(outcome.done, job.status.get("phase"), status, job.status)
     known = find_condition(job.status, CONDITION_RESOURCE_FAILURE) or {}
-    if (known.get("reason"), known.get("message")) != (reason, error):  # once per new problem, not per retry
+    if (known.get("reason"), known.get("message")) != (reason, failure["message"]):  # once per new problem
         events.append(Event("Warning", reason, error))
-    return Settled(status, events, error, True, entries, plan.wake_after)
+    return Settled(status, events, error, True, plan.wake_after)
 
 
 def describe_refusal(refused: Refusal) -> str:
@@ -943,36 +1031,32 @@ def describe_refusal(refused: Refusal) -> str:
             f"{what} already exists and is not controlled by this job ({holder}); the job won't take it over "
             f"or delete it: rename the job or remove that {refused.action.kind}"
         )
-    verb = {Create: "create", PutRecords: "update"}.get(type(refused.action), "delete")
-    return f"the API server refused to {verb} {what} ({refused.code}): {refused.message}"
+    verb = {Create: "create", PutRecords: "update", DropFinalizer: "update"}.get(type(refused.action), "delete")
+    return clip(f"the API server refused to {verb} {what} ({refused.code}): {refused.message}")
 
 
 def _refusal_reason(refused: Refusal) -> str:
     if refused.name_in_use:
         return REASON_NAME_IN_USE
-    if isinstance(refused.action, PutRecords):
+    if isinstance(refused.action, (PutRecords, DropFinalizer)):
         return "FailedUpdate"
     return REASON_FAILED_CREATE if isinstance(refused.action, Create) else REASON_FAILED_DELETE
 
 
 def status_patch(previous: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
-    """Only the status fields that changed, so a steady job costs no writes."""
-    return {key: value for key, value in desired.items() if previous.get(key) != value}
-
-
-def cleanup_actions(job_name: str, job_uid: str, pods: Iterable[ObservedPod]) -> tuple[Action, ...]:
-    """What deleting a job removes: only what the job controls. The test cluster (and any cluster whose
-    garbage collector lags) would otherwise keep the pods running after their owner is gone."""
-    mine = sorted((p for p in pods if p.controller_uid == job_uid), key=lambda p: p.name)
-    return (
-        *(Delete("Pod", p.name, job_uid, p.uid) for p in mine),
-        Delete("Service", builders.service_name(job_name), job_uid),
-        Delete("Secret", builders.secret_name(job_name, job_uid), job_uid),
-        Delete("RoleBinding", builders.agent_name(job_name), job_uid),
-        Delete("Role", builders.agent_name(job_name), job_uid),
-        Delete("ServiceAccount", builders.agent_name(job_name), job_uid),
-        Delete("ConfigMap", job_object.object_name(job_name), job_uid),
-    )
+    """The JSON merge patch (RFC 7386) that turns `previous` into `desired`: only what changed, so a steady
+    job costs no writes, and null for every key `desired` no longer has (a merge patch never removes a key by
+    leaving it out, at any depth)."""
+    patch: dict[str, Any] = {key: None for key in previous if key not in desired}
+    for key, value in desired.items():
+        old = previous.get(key)
+        if isinstance(value, Mapping) and isinstance(old, Mapping):
+            nested = status_patch(old, value)
+            if nested:
+                patch[key] = nested
+        elif key not in previous or old != value:
+            patch[key] = value
+    return patch
 
 
 def events_for(
@@ -1014,17 +1098,18 @@ def events_for(
             Event(
                 "Normal",
                 "CreatedPods",
-                f"created pods for ranks {created_ranks} (membership generation "
+                f"created pods for ranks {describe_ranks(created_ranks)} (membership generation "
                 f"{status.get('membershipGeneration')}, world size {status.get('worldSize')})",
             )
         )
     if deleted_pods:
         reason = "Suspended" if phase == "Suspended" else "DeletedPods"
-        events.append(Event("Normal", reason, f"deleted pods {deleted_pods}"))
+        events.append(Event("Normal", reason, clip(f"deleted pods {deleted_pods}", 1024)))
     if forced:
         events.append(Event(
             "Warning", "ForceDeletedPods",
-            f"force-deleted pods {forced}: stuck Terminating past failurePolicy.terminatingPodTimeoutSeconds",
+            clip(f"force-deleted pods {forced}: stuck Terminating past failurePolicy.terminatingPodTimeoutSeconds",
+                 1024),
         ))
     if phase and phase != previous_phase:
         ready = find_condition(status, "Ready")

@@ -73,7 +73,8 @@ def main() -> int:
         if rank == 0 and args.report_hung and not hung_sent and time.monotonic() - started >= args.after:
             pod = args.report_hung
             _put(store, job_object.hung_key(pod), job_object.hung_to_json(job_object.HungRank(
-                pod, int(pod.rsplit("-", 1)[1]), 0, os.environ["SNEPPX_POD_NAME"], 31.0, _now())))
+                # An absence that begins as it is reported: later than the peer pod's creation, so about that pod.
+                pod, int(pod.rsplit("-", 1)[1]), 0, os.environ["SNEPPX_POD_NAME"], 0.0, _now())))
             hung_sent = True
             print(f"REPORTED HUNG {pod}", flush=True)
         try:

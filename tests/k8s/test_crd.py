@@ -54,15 +54,36 @@ INVALID = [
     ),
     ("min-nodes-zero", _set("spec.elastic.minNodes", 0), "should be greater than or equal to 1"),
     ("max-nodes-over-limit", _set("spec.elastic.maxNodes", 5000), "should be less than or equal to 1024"),
+    ("quorum-0", _set("spec.quorum", {"minHealthyPercent": 0}), "should be greater than or equal to 1"),
+    ("quorum-101", _set("spec.quorum", {"minHealthyPercent": 101}), "should be less than or equal to 100"),
     (
-        "quorum-50",
-        _set("spec.quorum", {"minHealthyPercent": 50}),
-        "quorum.minHealthyPercent must be between 51 and 100",
+        "sidecar-mounts-the-agents-token",
+        _set("spec.template.spec.containers", [
+            {"name": "trainer", "image": "example.org/t:1"},
+            {"name": "sidecar", "image": "example.org/s:1",
+             "volumeMounts": [{"name": "sneppx-api-token", "mountPath": "/elsewhere"}]},
+        ]),
+        "sneppx-api-token is the agent's API token",
     ),
     (
-        "quorum-101",
-        _set("spec.quorum", {"minHealthyPercent": 101}),
-        "quorum.minHealthyPercent must be between 51 and 100",
+        "init-container-mounts-the-agents-token",
+        _set("spec.template.spec.initContainers", [
+            {"name": "init", "image": "example.org/s:1",
+             "volumeMounts": [{"name": "sneppx-api-token", "mountPath": "/t"}]},
+        ]),
+        "sneppx-api-token is the agent's API token",
+    ),
+    (
+        "template-projects-its-own-token",
+        _set("spec.template.spec.volumes", [
+            {"name": "mine", "projected": {"sources": [{"serviceAccountToken": {"path": "token"}}]}},
+        ]),
+        "a projected serviceAccountToken is not allowed",
+    ),
+    (
+        "shared-process-namespace",
+        _set("spec.template.spec.shareProcessNamespace", True),
+        "shareProcessNamespace: true is not allowed",
     ),
     ("quorum-bad-action", _set("spec.quorum", {"actionOnLoss": "Explode"}), 'Unsupported value: "Explode"'),
     (
@@ -289,7 +310,7 @@ def _rejection(call: Callable[[], object]) -> str:
 def test_valid_job_is_accepted_and_defaulted(api: kubernetes.client.ApiClient, namespace: str) -> None:
     created = _create(api, namespace, k8s_helpers.valid_job())
     spec = created["spec"]
-    assert spec["quorum"] == {"minHealthyPercent": 51, "actionOnLoss": "Pause"}
+    assert spec["quorum"] == {"actionOnLoss": "Pause"}, "minNodes alone decides quorum unless a percent is set"
     assert spec["failurePolicy"]["maxRestarts"] == 3
     assert spec["failurePolicy"]["restartDelay"] == {"initialSeconds": 10, "multiplier": 2, "maxSeconds": 300}
     assert spec["elastic"]["procsPerNode"] == 1 and spec["elastic"]["port"] == 29500

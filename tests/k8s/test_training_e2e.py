@@ -153,9 +153,11 @@ def test_quorum_lost_with_pause_stops_training_until_the_node_returns(
     operator: kopf.testing.KopfRunner, pods: pod_runner.PodRunner, tmp_path: pathlib.Path,
 ) -> None:
     out, steps = output(pods), STEPS
+    # minNodes 1 would let the survivor train on alone: the job asks for every node (minHealthyPercent 100), and
     # quorum.actionOnLoss defaults to Pause; the lost node's pod stays Terminating until the node returns
-    apply(cluster, namespace, training_job("pause", steps=steps, failure_policy={"terminatingPodTimeoutSeconds": 3600}),
-          tmp_path)
+    job = training_job("pause", steps=steps, failure_policy={"terminatingPodTimeoutSeconds": 3600})
+    job["spec"]["quorum"] = {"minHealthyPercent": 100}
+    apply(cluster, namespace, job, tmp_path)
     k8s_helpers.wait_for(lambda: progress(out)["step"] >= 2 * EVERY and progress(out)["world_size"] == 2,
                          "two pods training together", FINISH_TIMEOUT)
     lost = k8s_helpers.running_pods(api, namespace, "pause")[1]

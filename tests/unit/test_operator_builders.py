@@ -417,7 +417,7 @@ def test_the_agents_role_reaches_only_the_jobs_rendezvous_object() -> None:
             "apiGroups": [""],
             "resources": ["configmaps"],
             "resourceNames": ["train-rendezvous"],
-            "verbs": ["get", "watch", "update", "patch"],
+            "verbs": ["get", "patch"],
         }
     ]
     binding = builders.build_role_binding("train", "ns", "uid-1")
@@ -440,3 +440,58 @@ def test_the_rendezvous_object_starts_with_the_operators_control_record() -> Non
     from SneppX_ALG.storage import job_object
 
     assert job_object.read_view(built["data"]).control == control
+
+
+@pytest.mark.parametrize(
+    ("where", "index"), [("containers", 1), ("containers", 0), ("initContainers", 0)],
+    ids=["sidecar", "the-agent-itself", "init-container"],
+)
+def test_no_container_may_mount_the_agents_token_volume_by_name(where: str, index: int) -> None:
+    job = spec()
+    containers = job["template"]["spec"].setdefault(where, [])
+    while len(containers) <= index:
+        containers.append({"name": f"c{len(containers)}", "image": "example.org/s:1"})
+    containers[index]["volumeMounts"] = [{"name": builders.VOLUME_TOKEN, "mountPath": "/elsewhere"}]
+    with pytest.raises(errors.JobSpecError, match="the agent's API token"):
+        pod(job)
+
+
+def test_a_template_volume_projecting_its_own_token_is_refused() -> None:
+    job = spec()
+    job["template"]["spec"]["volumes"] = [
+        {"name": "mine", "projected": {"sources": [{"configMap": {"name": "x"}}, {"serviceAccountToken": {"path": "t"}}]}}
+    ]
+    with pytest.raises(errors.JobSpecError, match="projects a service account token"):
+        pod(job)
+
+
+def test_a_shared_process_namespace_is_refused() -> None:
+    job = spec()
+    job["template"]["spec"]["shareProcessNamespace"] = True
+    with pytest.raises(errors.JobSpecError, match="through /proc"):
+        pod(job)
+
+
+def test_only_the_agent_container_gets_the_token() -> None:
+    job = spec()
+    job["template"]["spec"]["containers"].append({"name": "sidecar", "image": "example.org/s:1"})
+    job["template"]["spec"]["initContainers"] = [{"name": "init", "image": "example.org/s:1"}]
+    built = pod(job)["spec"]
+    def has_token(c: dict[str, Any]) -> bool:
+        return any(m["name"] == builders.VOLUME_TOKEN for m in c.get("volumeMounts") or [])
+    assert [has_token(c) for c in built["containers"]] == [True, False]
+    assert not has_token(built["initContainers"][0])
+    assert not [v for v in built["volumes"] if "serviceAccountToken" in str(v) and v["name"] != builders.VOLUME_TOKEN]
+
+
+def test_jobs_on_one_claim_get_a_directory_each_unless_they_name_one() -> None:
+    shared = spec()
+    del shared["checkpoint"]["storage"]["pvc"]["subPath"]
+    a = builders.build_pod("a", "ns", "uid-a", shared, 0, 1, 1)
+    b = builders.build_pod("b", "ns", "uid-b", shared, 0, 1, 1)
+    other = builders.build_pod("a", "team-2", "uid-c", shared, 0, 1, 1)
+    uris = [env_of(p["spec"]["containers"][0])["SNEPPX_CHECKPOINT_URI"] for p in (a, b, other)]
+    assert uris == ["file:///var/lib/sneppx/checkpoints/ns/a", "file:///var/lib/sneppx/checkpoints/ns/b",
+                    "file:///var/lib/sneppx/checkpoints/team-2/a"]
+    named = env_of(pod()["spec"]["containers"][0])["SNEPPX_CHECKPOINT_URI"]
+    assert named == "file:///var/lib/sneppx/checkpoints", "a subPath is the job's own choice of directory"

@@ -41,7 +41,7 @@ def job(
         spec={
             "template": {"spec": pod_spec},
             "elastic": {"minNodes": min_nodes, "maxNodes": max_nodes},
-            "quorum": {"minHealthyPercent": min_healthy, "actionOnLoss": "Pause"},
+            "quorum": {"actionOnLoss": "Pause", **({"minHealthyPercent": min_healthy} if min_healthy else {})},
             "checkpoint": {"storage": {"pvc": {"claimName": "ckpt"}}},
             "suspend": suspend,
             **({} if max_restarts is None else {"failurePolicy": {"maxRestarts": max_restarts}}),
@@ -96,12 +96,6 @@ def plan_of(
     return reconcile.plan(job, pods, now=now, heartbeat_key=heartbeat_key, nodes=nodes, rendezvous=rendezvous)
 
 
-AGENT_DELETES = (
-    reconcile.Delete("RoleBinding", "train-agent", "uid-1"),
-    reconcile.Delete("Role", "train-agent", "uid-1"),
-    reconcile.Delete("ServiceAccount", "train-agent", "uid-1"),
-    reconcile.Delete("ConfigMap", "train-rendezvous", "uid-1"),
-)
 AGENT_OBJECTS = [
     ("create", "ServiceAccount", "train-agent"),
     ("create", "Role", "train-agent"),
@@ -170,13 +164,17 @@ def test_all_ranks_ready_is_running_with_quorum() -> None:
     ]
 
 
-def test_quorum_is_strictly_more_than_half() -> None:
-    assert reconcile.quorum(1, 2, 51) == (50, False)
-    assert reconcile.quorum(2, 3, 51) == (66, True)
-    assert reconcile.quorum(2, 4, 51) == (50, False)
-    assert reconcile.quorum(3, 4, 75) == (75, True)
-    assert reconcile.quorum(2, 3, 75) == (66, False)
-    assert reconcile.quorum(0, 0, 51) == (0, False)
+def test_quorum_is_min_nodes_and_the_optional_percent_at_every_edge() -> None:
+    alone = policy.QuorumRule(min_nodes=1, min_healthy_percent=0, action_on_loss="Pause")
+    assert alone.judge(1, 2) == (50, True), "minNodes 1: the survivor alone trains on"
+    assert alone.judge(1, 4) == (25, True) and alone.judge(0, 4) == (0, False)
+    exact = policy.QuorumRule(min_nodes=2, min_healthy_percent=0, action_on_loss="Pause")
+    assert exact.judge(2, 2) == (100, True) and exact.judge(1, 2) == (50, False), "minNodes = maxNodes: all"
+    percent = policy.QuorumRule(min_nodes=1, min_healthy_percent=75, action_on_loss="Pause")
+    assert percent.judge(2, 4) == (50, False) and percent.judge(3, 4) == (75, True)
+    assert percent.needed(3) == 3 and percent.needed(4) == 3, "a percent of the desired nodes, rounded up"
+    assert alone.judge(0, 0) == (0, False), "nothing desired (suspended, scaled to 0): nothing met"
+    assert policy.quorum_rule(job(min_nodes=2, min_healthy=0).spec) == policy.QuorumRule(2, 0, "Pause")
 
 
 def test_running_needs_min_nodes_and_quorum() -> None:
@@ -303,25 +301,24 @@ def test_observe_pod_reads_rank_generation_readiness_and_deletion() -> None:
     )
 
 
-def test_cleanup_deletes_pods_service_and_secret() -> None:
-    actions = reconcile.cleanup_actions("train", "uid-1", [observed(1), observed(0)])
-    assert [(a.kind, a.name) for a in actions] == [
-        ("Pod", "train-0"),
-        ("Pod", "train-1"),
-        ("Service", "train"),
-        ("Secret", "train-heartbeat-uid-1"),
-        ("RoleBinding", "train-agent"),
-        ("Role", "train-agent"),
-        ("ServiceAccount", "train-agent"),
-        ("ConfigMap", "train-rendezvous"),
-    ]
+def test_a_finalizer_of_an_older_operator_is_taken_off_and_none_is_added() -> None:
+    legacy = dataclasses.replace(job(), finalizers=("example.org/keep", reconcile.LEGACY_FINALIZER))
+    plan = plan_of(legacy, RUNNING, now=NOW, heartbeat_key=KEY)
+    assert plan.actions[0] == reconcile.DropFinalizer("train", "uid-1", reconcile.LEGACY_FINALIZER)
+    assert not [a for a in plan_of(job(), RUNNING, now=NOW, heartbeat_key=KEY).actions
+                if isinstance(a, reconcile.DropFinalizer)]
+    done = plan_of(job(), [observed(0, phase="Succeeded"), observed(1, phase="Succeeded")], now=NOW, heartbeat_key=KEY)
+    finished = dataclasses.replace(legacy, status=done.status)
+    assert plan_of(finished, [], now=NOW, heartbeat_key=KEY).actions == (
+        reconcile.DropFinalizer("train", "uid-1", reconcile.LEGACY_FINALIZER),
+    ), "a finished job loses it too"
 
 
 def test_events_describe_what_was_done_and_phase_changes() -> None:
     plan = plan_of(job(), [], now=NOW, heartbeat_key=KEY)
     events = reconcile.events_for(plan.actions, None, plan.status)
     assert events[0] == reconcile.Event(
-        "Normal", "CreatedPods", "created pods for ranks [0, 1] (membership generation 1, world size 2)"
+        "Normal", "CreatedPods", "created pods for ranks 0-1 (membership generation 1, world size 2)"
     )
     assert events[1].reason == "PhaseChanged" and events[1].message.startswith("New -> Creating")
     assert reconcile.events_for((), "Creating", plan.status) == [], "nothing done, no change: no events"
@@ -406,16 +403,6 @@ def test_pods_the_job_does_not_control_are_neither_counted_nor_deleted() -> None
 def test_deletes_carry_the_owner_and_the_observed_uid() -> None:
     plan = plan_of(job(max_nodes=1), [observed(0), observed(1)], now=NOW, heartbeat_key=KEY)
     assert plan.actions == (reconcile.Delete("Pod", "train-1", "uid-1", "pod-uid-1"),)
-
-
-def test_cleanup_leaves_pods_of_other_controllers_alone() -> None:
-    actions = reconcile.cleanup_actions("train", "uid-1", [observed(0), observed(1, controller="other")])
-    assert actions == (
-        reconcile.Delete("Pod", "train-0", "uid-1", "pod-uid-0"),
-        reconcile.Delete("Service", "train", "uid-1"),
-        reconcile.Delete("Secret", "train-heartbeat-uid-1", "uid-1"),
-        *AGENT_DELETES,
-    )
 
 
 def test_controller_uid_is_the_controlling_owner_reference() -> None:
@@ -677,12 +664,18 @@ def test_a_failed_rank_is_deleted_counted_once_and_replaced_after_the_restart_de
     assert settle_all(lifecycle_job(settled.status), replaced, later).status["restartCount"] == 1
 
 
-def test_a_restart_whose_delete_was_refused_is_not_counted() -> None:
+def test_a_restart_counts_when_decided_and_a_refused_delete_is_sent_again_never_counted_again() -> None:
     status = running_status()
     failed = [observed(0, ready=True), observed(1, phase="Failed", exit_code=1)]
     plan = plan_of(lifecycle_job(status), failed, now=NOW, heartbeat_key=KEY)
+    assert plan.status["restartCount"] == 1, "the decision is in the status written before the delete is sent"
     refused = reconcile.Outcome((), reconcile.Refusal(plan.actions[0], 403, "forbidden"))
-    assert reconcile.settle(lifecycle_job(status), plan, refused, now=NOW).status["restartCount"] == 0
+    settled = reconcile.settle(lifecycle_job(status), plan, refused, now=NOW)
+    assert settled.status["restartCount"] == 1 and settled.retryable
+    assert conditions(settled.status)["ResourceFailure"]["reason"] == "FailedDelete"
+    again = plan_of(lifecycle_job(settled.status), failed, now=LATER, heartbeat_key=KEY)
+    assert pod_actions(again) == (reconcile.Delete("Pod", "train-1", "uid-1", "pod-uid-1"),)
+    assert again.restarts == () and again.status["restartCount"] == 1
 
 
 def test_a_pod_deleted_by_someone_else_is_a_counted_restart_once() -> None:
@@ -796,7 +789,7 @@ def test_a_hung_rank_reported_by_an_agent_is_deleted_with_reason_hang_and_the_re
     (put,) = plan.actions[1:]
     assert isinstance(put, reconcile.PutRecords) and dict(put.records)["job/hung/train-1"] is None
     assert plan.restarts[0].failure.reason == "Hang"
-    assert "made no progress for 1801s (reported by train-0)" in plan.restarts[0].failure.message
+    assert "absent from its job's generations for 1801s (reported by train-0)" in plan.restarts[0].failure.message
 
 
 def test_a_hang_report_older_than_the_pod_is_removed_without_a_restart() -> None:
@@ -823,7 +816,7 @@ def test_losing_quorum_with_pause_pauses_the_agents_and_resumes_when_it_returns(
     assert conditions(paused.status)["Ready"]["reason"] == "QuorumLost"
     (put,) = [a for a in paused.actions if isinstance(a, reconcile.PutRecords)]
     control = dict(put.records)["job/control"]
-    assert control is not None and control["paused"] is True and "quorum needs 51%" in control["reason"]
+    assert control is not None and control["paused"] is True and "quorum needs 2" in control["reason"]
     assert [e.reason for e in paused.events] == ["QuorumLost"]
     still = plan_of(quorum_job("Pause", paused.status), lost, now=LATER, heartbeat_key=KEY)
     assert still.status["phase"] == "Paused" and still.events == ()
@@ -914,3 +907,232 @@ def test_the_rendezvous_object_is_created_when_missing_and_someone_elses_is_not_
     assert kinds(created) == [("create", "ConfigMap", "train-rendezvous")]
     foreign = reconcile.ObservedObject("cm", "someone-else", job_object.View())
     assert kinds(plan_of(job(), RUNNING, now=NOW, heartbeat_key=KEY, rendezvous=foreign)) == []
+
+
+# ---- jobs failed, paused, re-run or stalled when they should not be ---------------------------------------
+
+
+def _with(j: reconcile.Job, **spec: Any) -> reconcile.Job:
+    merged = dict(j.spec)
+    for key, value in spec.items():
+        merged[key] = {**(merged.get(key) or {}), **value} if isinstance(value, dict) else value
+    return dataclasses.replace(j, spec=merged)
+
+
+def _ready_all(n: int, generation: int = 1) -> list[reconcile.ObservedPod]:
+    return [observed(r, ready=True, generation=generation) for r in range(n)]
+
+
+@pytest.mark.parametrize("action", ["Fail", "RestartGroup", "Pause"])
+def test_a_resize_is_a_new_generation_not_a_quorum_loss(action: str) -> None:
+    base = _with(lifecycle_job(maxRestarts=0), quorum={"actionOnLoss": action})
+    running = plan_of(base, RUNNING, now=NOW, heartbeat_key=KEY).status
+    assert conditions(running)["QuorumMet"]["status"] == "True"
+    grown = _with(dataclasses.replace(base, status=running), elastic={"minNodes": 1, "maxNodes": 3})
+    plan = plan_of(grown, RUNNING, now=LATER, heartbeat_key=KEY)
+    assert plan.status["membershipGeneration"] == 2 and plan.status["phase"] == "Creating"
+    assert plan.restarts == () and plan.status["restartCount"] == 0, "a resize is not a restart"
+    assert "Failed" not in conditions(plan.status)
+    assert not [e for e in plan.events if e.reason == "QuorumLost"]
+    # The new generation's pods come up one by one: still no loss, until it has had quorum once.
+    starting = plan_of(dataclasses.replace(grown, status=plan.status), [observed(0, generation=2)], now=LATER,
+                       heartbeat_key=KEY)
+    assert starting.status["phase"] in ("Creating", "Pending") and starting.restarts == ()
+    up = plan_of(dataclasses.replace(grown, status=starting.status), _ready_all(3, 2), now=LATER, heartbeat_key=KEY)
+    assert up.status["phase"] == "Running"
+    lost = [observed(0, ready=True, generation=2), observed(1, generation=2), observed(2, generation=2)]
+    strict = _with(dataclasses.replace(grown, status=up.status), elastic={"minNodes": 3, "maxNodes": 3})
+    after = plan_of(strict, lost, now=LATER, heartbeat_key=KEY)
+    assert after.status["phase"] != "Running" and (
+        after.status["phase"] == "Paused" or after.status["membershipGeneration"] == 3
+        or after.status["phase"] == "Failed"
+    ), "once the new generation had quorum, losing it is a loss again"
+
+
+def test_min_nodes_one_keeps_the_survivor_training() -> None:
+    alone = job(min_nodes=1, max_nodes=2, min_healthy=0)
+    running = plan_of(alone, RUNNING, now=NOW, heartbeat_key=KEY).status
+    failed = [observed(0, ready=True), observed(1, phase="Failed", exit_code=1)]
+    plan = plan_of(job(min_nodes=1, max_nodes=2, min_healthy=0, status=running), failed, now=NOW, heartbeat_key=KEY)
+    assert plan.status["phase"] == "Restarting" and plan.status["quorum"]["met"] is True
+    assert not [a for a in plan.actions if isinstance(a, reconcile.PutRecords)], "the control record stays unpaused"
+
+
+def test_min_nodes_equal_to_max_nodes_pauses_on_any_loss() -> None:
+    exact = job(min_nodes=2, max_nodes=2, min_healthy=0)
+    running = plan_of(exact, RUNNING, now=NOW, heartbeat_key=KEY).status
+    lost = [observed(0, ready=True), observed(1)]
+    plan = plan_of(job(min_nodes=2, max_nodes=2, min_healthy=0, status=running), lost, now=NOW, heartbeat_key=KEY)
+    assert plan.status["phase"] == "Paused"
+    assert "quorum needs 2" in conditions(plan.status)["Ready"]["message"]
+
+
+def test_suspend_and_resume_are_no_quorum_loss() -> None:
+    failing = _with(job(min_nodes=2, max_nodes=2, min_healthy=0), quorum={"actionOnLoss": "Fail"})
+    running = plan_of(failing, RUNNING, now=NOW, heartbeat_key=KEY).status
+    suspended = plan_of(_with(dataclasses.replace(failing, status=running), suspend=True), RUNNING, now=NOW,
+                        heartbeat_key=KEY)
+    assert suspended.status["phase"] == "Suspended"
+    resumed = plan_of(dataclasses.replace(failing, status=suspended.status), [], now=LATER, heartbeat_key=KEY)
+    assert resumed.status["phase"] == "Creating" and resumed.status["membershipGeneration"] == 3
+
+
+def test_a_finished_rank_whose_pod_is_deleted_is_not_run_again() -> None:
+    j = lifecycle_job()
+    first = plan_of(j, [observed(0, phase="Succeeded", exit_code=0), observed(1, ready=True)], now=NOW,
+                    heartbeat_key=KEY)
+    assert first.status["ranks"][0]["phase"] == "Succeeded"
+    gone = plan_of(lifecycle_job(first.status), [observed(1, ready=True)], now=LATER, heartbeat_key=KEY)
+    assert gone.restarts == () and ("create", "Pod", "train-0") not in kinds(gone)
+    assert gone.status["ranks"][0]["phase"] == "Succeeded" and gone.status["restartCount"] == 0
+    done = plan_of(lifecycle_job(gone.status), [observed(1, phase="Succeeded", exit_code=0)], now=LATER,
+                   heartbeat_key=KEY)
+    assert done.status["phase"] == "Succeeded"
+
+
+def test_suspended_time_does_not_count_against_the_active_deadline() -> None:
+    deadline = _with(lifecycle_job(), activeDeadlineSeconds=1200)
+    running = plan_of(deadline, RUNNING, now=NOW, heartbeat_key=KEY).status
+    ten_minutes = NOW + datetime.timedelta(minutes=10)
+    suspended = plan_of(_with(dataclasses.replace(deadline, status=running), suspend=True), RUNNING,
+                        now=ten_minutes, heartbeat_key=KEY).status
+    three_hours = ten_minutes + datetime.timedelta(hours=3)
+    resumed = plan_of(dataclasses.replace(deadline, status=suspended), [], now=three_hours, heartbeat_key=KEY)
+    assert resumed.status["phase"] != "Failed"
+    assert resumed.status["suspendedSeconds"] == 3 * 3600
+    assert resumed.wake_after == 600.0, "10 of its 20 minutes are left"
+    later = plan_of(dataclasses.replace(deadline, status=resumed.status), RUNNING,
+                    now=three_hours + datetime.timedelta(minutes=10), heartbeat_key=KEY)
+    assert conditions(later.status)["Failed"]["reason"] == "DeadlineExceeded"
+    assert "not counting 10800s suspended" in conditions(later.status)["Failed"]["message"]
+
+
+def test_forty_failures_at_once_count_forty_whatever_the_history_keeps() -> None:
+    size = 40
+    j = _with(lifecycle_job(maxRestarts=45), elastic={"minNodes": 1, "maxNodes": size})
+    running = plan_of(j, _ready_all(size), now=NOW, heartbeat_key=KEY).status
+    failed = [observed(r, phase="Failed", exit_code=1) for r in range(size)]
+    first = plan_of(dataclasses.replace(j, status=running), failed, now=NOW, heartbeat_key=KEY)
+    assert first.status["restartCount"] == size and len(first.status["restartHistory"]) == reconcile.MAX_HISTORY
+    seen_again = plan_of(dataclasses.replace(j, status=first.status), failed, now=NOW, heartbeat_key=KEY)
+    assert seen_again.status["restartCount"] == size and seen_again.restarts == ()
+    gone = plan_of(dataclasses.replace(j, status=seen_again.status), [], now=LATER, heartbeat_key=KEY)
+    assert gone.status["restartCount"] == size and gone.restarts == ()
+    assert len(pod_actions(gone)) == size, "every rank is replaced, once"
+
+
+def test_counting_starts_from_the_status_and_history_carries_across_passes() -> None:
+    history = [{"time": "2026-01-01T00:00:00Z", "reason": "PodFailed", "counted": True, "podUid": f"old-{i}"}
+               for i in range(3)]
+    status = {**running_status(), "restartCount": 5, "restartHistory": history}
+    failed = [observed(0, ready=True), observed(1, phase="Failed", exit_code=9)]
+    plan = plan_of(lifecycle_job(status, maxRestarts=10), failed, now=NOW, heartbeat_key=KEY)
+    assert plan.status["restartCount"] == 6
+    assert [h.get("podUid") for h in plan.status["restartHistory"]] == ["old-0", "old-1", "old-2", "pod-uid-1"]
+    again = plan_of(lifecycle_job(plan.status, maxRestarts=10), failed, now=LATER, heartbeat_key=KEY)
+    assert again.status["restartCount"] == 6 and again.status["restartHistory"] == plan.status["restartHistory"]
+    assert any("restart 6 of 10" in e.message for e in plan.events)
+
+
+def test_a_dead_trainer_beside_a_live_sidecar_is_a_failed_rank() -> None:
+    meta = {"uid": "p1", "labels": {"sneppx.io/rank": "1", "sneppx.io/membership-generation": "1"},
+            "ownerReferences": [{"uid": "uid-1", "controller": True}]}
+    spec = {"containers": [{"name": "trainer"}, {"name": "sidecar"}], "nodeName": "node-1"}
+    status = {
+        "phase": "Running",
+        "conditions": [{"type": "Ready", "status": "False"}],
+        "containerStatuses": [
+            {"name": "trainer", "state": {"terminated": {"exitCode": 1, "reason": "Error"}}},
+            {"name": "sidecar", "state": {"running": {}}},
+        ],
+    }
+    pod = reconcile.observe_pod("train-1", meta, spec, status)
+    assert pod is not None and (pod.phase, pod.exit_code) == ("Failed", 1)
+    plan = plan_of(lifecycle_job(running_status()), [observed(0, ready=True), pod], now=NOW, heartbeat_key=KEY)
+    assert pod_actions(plan) == (reconcile.Delete("Pod", "train-1", "uid-1", "p1"),)
+    assert plan.restarts[0].failure.exit_code == 1
+    done = dict(status, containerStatuses=[
+        {"name": "trainer", "state": {"terminated": {"exitCode": 0}}}, {"name": "sidecar", "state": {"running": {}}}])
+    finished = reconcile.observe_pod("train-1", meta, spec, done)
+    assert finished is not None and finished.phase == "Succeeded", "the rank is its trainer"
+    evicted = reconcile.observe_pod("train-1", meta, spec, {
+        "phase": "Failed", "reason": "Evicted",
+        "containerStatuses": [{"name": "trainer", "state": {"terminated": {"exitCode": 137, "reason": "Error"}}}]})
+    assert evicted is not None and evicted.reason == "Evicted"
+
+
+def test_ignored_exits_are_paced_by_the_restart_delay_too() -> None:
+    rules = [{"action": "Ignore", "onExitCodes": {"operator": "In", "values": [42]}}]
+    status = running_status()
+    now = NOW
+    waits = []
+    for attempt in range(4):  # crash, wait, replaced, crash again...
+        pod = f"pod-{attempt}"
+        up = [observed(0, ready=True), dataclasses.replace(observed(1, ready=True), uid=pod)]
+        status = plan_of(lifecycle_job(status, rules=rules), up, now=now, heartbeat_key=KEY).status
+        crashed = [observed(0, ready=True), dataclasses.replace(observed(1, phase="Failed", exit_code=42), uid=pod)]
+        plan = plan_of(lifecycle_job(status, rules=rules), crashed, now=now, heartbeat_key=KEY)
+        assert plan.status["restartCount"] == 0 and len(plan.restarts) == 1
+        gone = plan_of(lifecycle_job(plan.status, rules=rules), [observed(0, ready=True)], now=now, heartbeat_key=KEY)
+        assert not [a for a in gone.actions if isinstance(a, reconcile.Create) and a.kind == "Pod"]
+        waits.append(gone.wake_after)
+        now = now + datetime.timedelta(seconds=gone.wake_after or 0)
+        replaced = plan_of(lifecycle_job(gone.status, rules=rules), [observed(0, ready=True)], now=now,
+                           heartbeat_key=KEY)
+        assert [a for a in replaced.actions if isinstance(a, reconcile.Create) and a.kind == "Pod"]
+        status = replaced.status
+    assert waits == [10.0, 20.0, 40.0, 80.0], "exponential, like a kubelet's CrashLoopBackOff"
+    assert status["restartStreak"] == 4
+
+
+def test_the_backoff_starts_again_after_the_job_ran_healthy_long_enough() -> None:
+    j = lifecycle_job()  # maxSeconds 300: reset after 600 s Ready
+    status = {**plan_of(j, RUNNING, now=NOW, heartbeat_key=KEY).status, "restartStreak": 5}
+    failed = [observed(0, ready=True), observed(1, phase="Failed", exit_code=1)]
+    soon = plan_of(lifecycle_job(status), failed, now=NOW + datetime.timedelta(seconds=599), heartbeat_key=KEY)
+    assert soon.status["restartStreak"] == 6
+    later = plan_of(lifecycle_job(status), failed, now=NOW + datetime.timedelta(seconds=600), heartbeat_key=KEY)
+    assert later.status["restartStreak"] == 1
+
+
+# ---- status that must fit and must be writable -----------------------------------------------------------
+
+
+def test_a_thousand_ranks_failing_at_once_make_a_bounded_status() -> None:
+    size = 1024
+    j = _with(lifecycle_job(maxRestarts=0), elastic={"minNodes": 1, "maxNodes": size})
+    running = plan_of(j, _ready_all(size), now=NOW, heartbeat_key=KEY).status
+    failed = [observed(r, phase="Failed", exit_code=137, reason="OOMKilled") for r in range(size)]
+    plan = plan_of(dataclasses.replace(j, status=running), failed, now=NOW, heartbeat_key=KEY)
+    message = conditions(plan.status)["Failed"]["message"]
+    assert plan.status["phase"] == "Failed" and len(message) <= reconcile.MAX_MESSAGE_CHARS
+    assert "and 1016 more (ranks 8-1023)" in message
+    for c in plan.status["conditions"]:
+        assert len(c["message"]) <= 32768
+    restarting = plan_of(_with(dataclasses.replace(j, status=running), failurePolicy={"maxRestarts": 5000},
+                               ), [*failed[:400], *_ready_all(size)[400:]], now=NOW, heartbeat_key=KEY)
+    assert conditions(restarting.status)["Ready"]["message"] == "replacing the pods of ranks 0-399"
+
+
+def test_describe_ranks_is_bounded() -> None:
+    assert reconcile.describe_ranks([3, 1, 2, 7, 9, 10]) == "1-3, 7, 9-10"
+    assert reconcile.describe_ranks(range(0, 100, 2), limit=3) == "0, 2, 4, and 47 more"
+
+
+def test_the_status_patch_removes_what_is_gone_with_nulls_at_any_depth() -> None:
+    before = {"rendezvous": {"generation": 3, "problems": ["job/report: bad"]}, "completionTime": "t", "phase": "A"}
+    after = {"rendezvous": {"generation": 3}, "phase": "A"}
+    assert reconcile.status_patch(before, after) == {"rendezvous": {"problems": None}, "completionTime": None}
+    assert reconcile.status_patch(after, after) == {}
+
+
+def test_rendezvous_problems_are_cleared_once_the_record_is_fixed() -> None:
+    control = builders.control_record(job().spec, paused=False, reason="", pod_generation=1)
+    broken = reconcile.ObservedObject("cm", "uid-1", job_object.View(control=control, problems=("job/report: x",)))
+    first = plan_of(job(), RUNNING, now=NOW, heartbeat_key=KEY, rendezvous=broken)
+    assert first.status["rendezvous"]["problems"] == ["job/report: x"]
+    fixed = plan_of(job(status=first.status), RUNNING, now=LATER, heartbeat_key=KEY)
+    assert reconcile.status_patch(first.status, fixed.status) == {"rendezvous": None}, "nothing else was in it"
+    reported = plan_of(job(status=first.status), RUNNING, now=LATER, heartbeat_key=KEY,
+                       rendezvous=report_view(None))
+    assert reconcile.status_patch(first.status, reported.status)["rendezvous"]["problems"] is None
