@@ -1,20 +1,25 @@
 """`python -m sneppx_operator`: run the operator with the project's kopf settings (config.py).
 
-The same handlers run under `kopf run -m sneppx_operator.handlers`; this entry point only picks the
-scope (all namespaces unless --namespace is given), peering (off unless --peering NAME), probes and the
-Prometheus endpoint (--metrics HOST:PORT).
+The same handlers run under `kopf run -m sneppx_operator.handlers` (one replica, no election); this entry
+point picks the scope (all namespaces unless --namespace is given), leader election (--leader-elect: replicas
+elect one leader on a Lease, leader.py), probes and the Prometheus endpoint (--metrics HOST:PORT).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import pathlib
 
 import kopf
 
 from sneppx_operator import (
-    handlers,  # noqa: F401  (importing registers the handlers with kopf)
+    handlers,  # importing registers the handlers with kopf
+    leader,
     metrics,
 )
+
+NAMESPACE_FILE = pathlib.Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,11 +35,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="watch only this namespace (repeatable; globs allowed); default: all namespaces",
     )
     parser.add_argument(
-        "--peering",
-        metavar="NAME",
-        default=None,
-        help="enable kopf peering under this name (off by default: one replica runs)",
+        "--leader-elect",
+        action="store_true",
+        help="elect one acting replica on a coordination.k8s.io Lease (run several replicas with this)",
     )
+    parser.add_argument(
+        "--leader-election-namespace",
+        metavar="NS",
+        default=None,
+        help="the Lease's namespace (default: $POD_NAMESPACE, else the pod's own namespace)",
+    )
+    parser.add_argument(
+        "--leader-election-id", metavar="NAME", default="sneppx-operator", help="the Lease's name"
+    )
+    parser.add_argument("--lease-duration", type=float, default=leader.LEASE_DURATION_S, metavar="S",
+                        help="seconds a Lease nobody renews stays taken (default %(default)s)")
+    parser.add_argument("--renew-deadline", type=float, default=leader.RENEW_DEADLINE_S, metavar="S",
+                        help="seconds the leader may act after its last renewal (default %(default)s)")
+    parser.add_argument("--retry-period", type=float, default=leader.RETRY_PERIOD_S, metavar="S",
+                        help="seconds between tries to take or renew the Lease (default %(default)s)")
     parser.add_argument(
         "--liveness",
         metavar="URL",
@@ -52,16 +71,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def election_namespace(given: str | None) -> str:
+    if given:
+        return given
+    if os.environ.get("POD_NAMESPACE"):
+        return os.environ["POD_NAMESPACE"]
+    try:
+        return NAMESPACE_FILE.read_text().strip()
+    except OSError:
+        raise SystemExit("--leader-elect needs --leader-election-namespace (or POD_NAMESPACE) outside a pod") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     kopf.configure(verbose=args.verbose, quiet=args.quiet)
+    if args.leader_elect:
+        if not args.retry_period < args.renew_deadline < args.lease_duration:
+            raise SystemExit("leader election needs --retry-period < --renew-deadline < --lease-duration")
+        handlers.ELECTION = handlers.Election(
+            election_namespace(args.leader_election_namespace), args.leader_election_id,
+            args.lease_duration, args.renew_deadline, args.retry_period,
+        )
     if args.metrics:
         metrics.serve(args.metrics)
     kopf.run(
         clusterwide=not args.namespace,
         namespaces=args.namespace,
-        standalone=args.peering is None,
-        peering_name=args.peering,
+        standalone=True,
         liveness_endpoint=args.liveness,
     )
 

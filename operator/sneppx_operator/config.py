@@ -2,17 +2,17 @@
 (`python -m sneppx_operator`, `kopf run`, tests' KopfRunner) behaves the same.
 
 Why each setting:
-- finalizer and annotations under `sneppx.io/`: the objects say who touched them, and kopf's progress
-  never goes into `.status` (our status schema is closed and bounded, so kopf's fields would be pruned).
-- peering off unless a peering name is given: the chart runs exactly one replica (Recreate), and peering
-  would need cluster-wide CRDs and RBAC for no benefit.
-- kopf's own log lines become Kubernetes events only at WARNING and above; the operator posts its
-  own events for what it did (reconcile.events_for).
+- annotations under `sneppx.io/`: kopf's progress (it has none to keep: the operator has no kopf handlers that
+  need it) never goes into `.status` (our status schema is closed and bounded, so kopf's fields would be
+  pruned). No finalizer: nothing the operator does needs one (owner references collect a job's objects), and
+  a finalizer would make deleting a job hang while no operator serves its namespace.
+- peering off: replicas elect a leader on a Lease instead (leader.py); kopf's peering freezes rather than elects.
+- kopf posts none of its log lines as Kubernetes events: every write goes through k8s.py, where the leader
+  election fences it (a follower writes nothing); the operator posts its own events (reconcile.events_for).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 
@@ -20,7 +20,6 @@ import kopf
 
 from SneppX_ALG import errors
 
-FINALIZER = "sneppx.io/finalizer"
 ANNOTATION_PREFIX = "sneppx.io"
 RESYNC_ENV = "SNEPPX_RESYNC_SECONDS"
 DEFAULT_RESYNC_SECONDS = 10.0
@@ -49,11 +48,9 @@ def retry_delay(retry: int, environ: Mapping[str, str] = os.environ) -> float:
 
 
 def apply(settings: kopf.OperatorSettings) -> None:
-    settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
-    settings.posting.level = logging.WARNING
-    if not settings.peering.mandatory:
-        settings.peering.standalone = True
+    settings.posting.enabled = False
+    settings.peering.standalone = True

@@ -1,20 +1,29 @@
 """kopf entry points, and nothing else: each handler observes, calls pure code, and hands actions to k8s.py.
 
-Each job is reconciled by one loop, a kopf daemon: its passes never overlap, so a restart is decided and
-counted once. The loop runs the same level-triggered pass (reconcile.plan -> k8s.apply -> reconcile.settle)
-whenever something changes, and at the latest every resync interval, so a lost event or a crash between two
-API calls is repaired on the next pass. "Something changes" is a watch event for the job, one of its pods,
-a node one of its pods runs on, or its rendezvous object: those handlers only poke the job's loop
-(wakeups.py). Pods, nodes and rendezvous objects are observed through kopf indexes (one watch each).
+Each job is reconciled by one loop (wakeups.JobLoops): its passes never overlap, so a restart is decided and
+counted once. The loop runs the same level-triggered pass whenever something changes, and at the latest every
+resync interval, so a lost event or a crash between two API calls is repaired on the next pass. "Something
+changes" is a watch event for the job, one of its pods, a node one of its pods runs on, or its rendezvous
+object: those handlers only poke the job's loop. Pods, nodes and rendezvous objects are observed through kopf
+indexes (one watch each).
 
-The loop writes the job's status itself (k8s.patch_job_status) and is the only writer of it, so it plans
-each pass from the status it last wrote: a watch event that hasn't arrived yet can't make it count a
-restart twice or forget one.
+One pass (`reconcile_job`):
+    read the job (a fresh GET: the newest status, with its resourceVersion)
+    -> reconcile.plan: the actions and the status that records every decision (restarts, counts, phase)
+    -> write that status first, conditional on the resourceVersion read
+    -> k8s.apply the actions -> reconcile.settle what the API server refused into the status -> events
+Writing the decisions before acting on them makes them durable: an operator killed between any two of these
+calls finds them in the status and finishes them, and never decides or counts one twice. The resourceVersion
+precondition means no two writers (a stale leader, a pass racing a spec edit) overwrite each other's status.
+
+With leader election (`--leader-elect`, the chart's default), every replica watches and indexes but only the
+one holding the Lease runs passes; k8s.py refuses any write from a replica that may not act (leader.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 import secrets
@@ -23,20 +32,81 @@ from typing import Any
 
 import kopf
 
-from sneppx_operator import builders, config, k8s, metrics, reconcile, wakeups
+from sneppx_operator import builders, config, k8s, leader, metrics, reconcile, wakeups
 
 RESOURCE = (builders.GROUP, builders.VERSION, builders.PLURAL)
 RENDEZVOUS_LABELS = {builders.LABEL_JOB: kopf.PRESENT, builders.LABEL_COMPONENT: builders.COMPONENT_RENDEZVOUS}
-WAKEUPS = wakeups.Wakeups()
+LOOPS = wakeups.JobLoops()
 MIN_PASS_INTERVAL_S = 0.2
-_written: dict[tuple[str, str, str], dict[str, Any]] = {}  # (namespace, name, uid) -> status last written
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass
+class Election:
+    """Leader election settings (set by `python -m sneppx_operator --leader-elect`); None: act alone."""
+
+    namespace: str
+    name: str
+    lease_duration: float = leader.LEASE_DURATION_S
+    renew_deadline: float = leader.RENEW_DEADLINE_S
+    retry_period: float = leader.RETRY_PERIOD_S
+
+
+ELECTION: Election | None = None
+_elector: leader.Elector | None = None
+
+
+@dataclasses.dataclass
+class _Indexes:
+    pods: kopf.Index
+    nodes: kopf.Index
+    rendezvous: kopf.Index
+
+
+_indexes: _Indexes | None = None
+
+
+def acting() -> bool:
+    """Whether this replica runs passes now: always without an election, else while it holds the Lease."""
+    return _elector is None or _elector.holds()
+
+
 @kopf.on.startup()
-def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    global _elector, _indexes
+    _indexes = None  # this run's indexes come with its first job event (a process may run the operator twice)
     config.apply(settings)
     k8s.connect()
+    if ELECTION is None:
+        k8s.set_fence(None)
+        metrics.leading(True)
+        return
+    loop = asyncio.get_running_loop()
+
+    def changed(leading: bool) -> None:  # from the election's thread
+        metrics.leading(leading)
+        if leading:
+            loop.call_soon_threadsafe(LOOPS.poke_all)
+
+    metrics.leading(False)
+    _elector = leader.Elector(
+        ELECTION.namespace, ELECTION.name, lease_duration=ELECTION.lease_duration,
+        renew_deadline=ELECTION.renew_deadline, retry_period=ELECTION.retry_period, on_change=changed,
+    )
+    k8s.set_fence(_elector.check)
+    _elector.start()
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    """Stop acting first (no pass starts, no write passes the fence), then hand the Lease over."""
+    global _elector, _indexes
+    if _elector is not None:
+        _elector.resign()
+    await LOOPS.stop_all()
+    if _elector is not None:
+        await asyncio.to_thread(_elector.stop)
+    _elector, _indexes = None, None
 
 
 @kopf.index("pods", labels={builders.LABEL_JOB: kopf.PRESENT})
@@ -60,90 +130,92 @@ async def job_rendezvous(
 
 
 @kopf.on.event(*RESOURCE)
-async def job_changed(namespace: str, name: str, **_: Any) -> None:
-    WAKEUPS.poke((namespace, name))
+async def job_changed(
+    event: Mapping[str, Any], namespace: str, name: str, job_pods: kopf.Index, job_nodes: kopf.Index,
+    job_rendezvous: kopf.Index, **_: Any,
+) -> None:
+    global _indexes
+    key = (namespace, name)
+    if event.get("type") == "DELETED":
+        LOOPS.forget(key)
+        metrics.forget(namespace, name)
+        return
+    if _indexes is None:
+        _indexes = _Indexes(job_pods, job_nodes, job_rendezvous)
+    LOOPS.ensure(key, _job_loop)
+    LOOPS.poke(key)
 
 
 @kopf.on.event("pods", labels={builders.LABEL_JOB: kopf.PRESENT})
 async def pod_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
-    WAKEUPS.poke((namespace, labels[builders.LABEL_JOB]))
+    LOOPS.poke((namespace, labels[builders.LABEL_JOB]))
 
 
 @kopf.on.event("configmaps", labels=RENDEZVOUS_LABELS)
 async def rendezvous_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
-    WAKEUPS.poke((namespace, labels[builders.LABEL_JOB]))
+    LOOPS.poke((namespace, labels[builders.LABEL_JOB]))
 
 
 @kopf.on.event("nodes")
 async def node_changed(name: str, job_pods: kopf.Index, **_: Any) -> None:
     for key, pods in list(job_pods.items()):
         if any(pod.node == name for pod in pods):
-            WAKEUPS.poke(key)
+            LOOPS.poke(key)
 
 
-@kopf.daemon(*RESOURCE, cancellation_timeout=30)
-async def run_job(
-    body: kopf.Body,
-    stopped: kopf.DaemonStopped,
-    job_pods: kopf.Index,
-    job_nodes: kopf.Index,
-    job_rendezvous: kopf.Index,
-    **_: Any,
-) -> None:
-    """The job's loop: one pass (in a worker thread: it calls the API), then wait on kopf's event loop for a
+async def _job_loop(key: wakeups.Key) -> None:
+    """The job's loop: one pass (in a worker thread: it calls the API) when this replica acts, then wait for a
     poke, the next time-based decision or the resync, holding no thread while it waits."""
-    key = (body["metadata"]["namespace"], body["metadata"]["name"])
     retry = 0
-    while not stopped:
-        try:
-            # to_thread carries kopf's context (its event poster) into the thread.
-            settled = await asyncio.to_thread(_reconcile, body, job_pods, job_nodes, job_rendezvous)
-        except Exception:  # the API was unreachable or answered in an unexpected way: try again later
-            log.exception("reconciling %s/%s failed; retrying", *key)
-            settled = reconcile.Settled({}, [], error="unexpected failure")
-        retry = retry + 1 if settled.error is not None and settled.retryable else 0
-        delay = config.retry_delay(retry - 1) if retry else config.resync_seconds()
-        if settled.wake_after is not None:
-            delay = min(delay, max(settled.wake_after, MIN_PASS_INTERVAL_S))
+    while True:
+        delay = config.resync_seconds()
+        if acting() and _indexes is not None:
+            try:
+                settled = await asyncio.to_thread(reconcile_job, key, _indexes)
+            except (leader.NotLeaderError, k8s.StatusConflict) as exc:  # nothing of the pass was lost: again
+                log.info("pass of %s/%s stopped: %s", *key, exc)
+                settled = reconcile.Settled({}, [], wake_after=0.0)
+            except Exception:  # the API was unreachable or answered in an unexpected way: try again later
+                log.exception("reconciling %s/%s failed; retrying", *key)
+                settled = reconcile.Settled({}, [], error="unexpected failure")
+            if settled is None:  # the job is gone
+                LOOPS.forget(key)
+                metrics.forget(*key)
+                return
+            retry = retry + 1 if settled.error is not None and settled.retryable else 0
+            delay = config.retry_delay(retry - 1) if retry else delay
+            if settled.wake_after is not None:
+                delay = min(delay, max(settled.wake_after, MIN_PASS_INTERVAL_S))
         # Pokes that come in a burst (a pod's several status changes, the watch events of this pass's own
         # writes) make one pass, not one each.
         await asyncio.sleep(MIN_PASS_INTERVAL_S)
-        await WAKEUPS.wait(key, delay - MIN_PASS_INTERVAL_S, lambda: bool(stopped))
+        await LOOPS.wait(key, delay - MIN_PASS_INTERVAL_S)
 
 
-@kopf.on.delete(*RESOURCE)
-def delete_job(body: kopf.Body, name: str, namespace: str, uid: str, retry: int, **_: Any) -> None:
-    actions = reconcile.cleanup_actions(name, uid, k8s.list_job_pods(namespace, name))
-    refused = k8s.apply(namespace, actions).refused
-    if refused is not None:  # the finalizer stays until the job's objects are gone
-        message = reconcile.describe_refusal(refused)
-        k8s.post_events(body, [reconcile.Event("Warning", "FailedDelete", message)])
-        raise kopf.TemporaryError(message, delay=config.retry_delay(retry))
-    metrics.forget(namespace, name)
-    WAKEUPS.forget((namespace, name))
-    _written.pop((namespace, name, uid), None)
-
-
-def _reconcile(
-    body: kopf.Body, job_pods: kopf.Index, job_nodes: kopf.Index, job_rendezvous: kopf.Index
-) -> reconcile.Settled:
-    meta = body["metadata"]
-    identity = (meta["namespace"], meta["name"], meta["uid"])
-    known = _written.get(identity)
-    job = reconcile.Job.from_body(body, status=known)
-    key = (job.namespace, job.name)
-    nodes: Mapping[str, reconcile.ObservedNode] = {name: next(iter(found)) for name, found in job_nodes.items()}
-    rendezvous = next(iter(job_rendezvous.get(key, [])), None)
+def reconcile_job(key: wakeups.Key, indexes: _Indexes) -> reconcile.Settled | None:
+    """One pass for one job (module docstring); None when the job is gone."""
+    namespace, name = key
+    body = k8s.read_job(namespace, name)
+    if body is None:
+        return None
+    job = reconcile.Job.from_body(body)
+    nodes: Mapping[str, reconcile.ObservedNode] = {n: next(iter(found)) for n, found in indexes.nodes.items()}
+    rendezvous = next(iter(indexes.rendezvous.get(key, [])), None)
     now = datetime.datetime.now(datetime.UTC)
     plan = reconcile.plan(
-        job, list(job_pods.get(key, [])), now=now, heartbeat_key=secrets.token_bytes(32), nodes=nodes,
+        job, list(indexes.pods.get(key, [])), now=now, heartbeat_key=secrets.token_bytes(32), nodes=nodes,
         rendezvous=rendezvous,
     )
-    settled = reconcile.settle(job, plan, k8s.apply(job.namespace, plan.actions), now=now)
-    k8s.post_events(body, settled.events)
+    version = job.resource_version
+    if plan.status:  # the decisions, durable before anything is done about them
+        version = k8s.patch_job_status(namespace, name, job.uid, version, reconcile.status_patch(job.status, plan.status))
+    settled = reconcile.settle(job, plan, k8s.apply(namespace, plan.actions), now=now)
     if settled.status:
-        actual = body.get("status") or {}
-        k8s.patch_job_status(job.namespace, job.name, job.uid, reconcile.status_patch(actual, settled.status))
-        _written[identity] = {**actual, **settled.status}
-    metrics.record_pass(job.namespace, job.name, settled.status, settled.restarts, settled.recovered_after)
+        try:
+            k8s.patch_job_status(namespace, name, job.uid, version, reconcile.status_patch(plan.status, settled.status))
+        except k8s.StatusConflict:  # the job moved on (e.g. a finalizer taken off): the next pass sees it again
+            settled = dataclasses.replace(settled, wake_after=0.0)
+    k8s.post_events(job, settled.events)
+    history = [reconcile.restart_entry(r, now) for r in plan.restarts]
+    metrics.record_pass(namespace, name, settled.status, history, plan.recovered_after)
     return settled

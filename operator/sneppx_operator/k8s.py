@@ -1,20 +1,25 @@
-"""The only module that calls the Kubernetes API (besides kopf's own watching and status patches).
+"""The only module that calls the Kubernetes API (besides kopf's own watches) and the only one that writes.
 
 Why one module: every side effect the operator has on a cluster is here, each call is idempotent
 (creating what the job already has is success, deleting what is gone is success), it never touches an
 object the job doesn't control, and everything above it is pure and testable without a cluster. Calls
-are synchronous: kopf runs sync handlers in a thread pool.
+are synchronous: the job loops run them in worker threads.
+
+Every write first asks the fence (`set_fence`: the leader election's check, leader.py), so a replica that
+is not the leader, or no longer may act as one, sends nothing.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import logging
 import os
+import socket
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import kopf
 import kubernetes
 from kubernetes.client import ApiException
 
@@ -23,6 +28,27 @@ from sneppx_operator import builders, reconcile
 
 _lock = threading.Lock()
 _api: kubernetes.client.ApiClient | None = None
+_fence: Callable[[], None] | None = None
+log = logging.getLogger(__name__)
+REPORTING_INSTANCE = os.environ.get("POD_NAME") or socket.gethostname()
+REQUEST_TIMEOUT_S = 30.0  # no call may hang a job's pass (a partitioned API server)
+
+
+class StatusConflict(Exception):
+    """The job changed since the pass read it (its resourceVersion moved): nothing of the pass was done; plan
+    again from what is there now."""
+
+
+def set_fence(check: Callable[[], None] | None) -> None:
+    """`check` raises (leader.NotLeaderError) when this replica must not write; None: always write (one
+    replica, no election)."""
+    global _fence
+    _fence = check
+
+
+def _guard() -> None:
+    if _fence is not None:
+        _fence()
 
 
 def connect() -> None:
@@ -45,24 +71,38 @@ def connect() -> None:
         previous.close()
 
 
-def _client() -> kubernetes.client.ApiClient:
+def api_client() -> kubernetes.client.ApiClient:
     with _lock:
         api = _api
     if api is None:
         connect()
-        return _client()
+        return api_client()
     return api
+
+
+_client = api_client
 
 
 def _core() -> kubernetes.client.CoreV1Api:
     return kubernetes.client.CoreV1Api(_client())
 
 
+# The kinds each verb is used on, and so the chart's RBAC (charts/.../_helpers.tpl; tests/unit/test_rbac.py
+# holds the two to each other). A name already taken is read to name its holder; Secrets are never read (a
+# Secret's name carries the job's uid instead); only pods are deleted (the garbage collector removes the rest
+# with the job, by their owner references).
+KINDS_BY_VERB = {
+    "create": ("Pod", "Service", "Secret", "ConfigMap", "ServiceAccount", "Role", "RoleBinding"),
+    "read": ("Pod", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding"),
+    "delete": ("Pod",),
+}
+
+
 def _calls(verb: str) -> dict[str, Any]:
     """The namespaced create/read/delete call of each kind the operator manages."""
     core = _core()
     rbac = kubernetes.client.RbacAuthorizationV1Api(_client())
-    kinds = {
+    apis = {
         "Pod": (core, "pod"),
         "Service": (core, "service"),
         "Secret": (core, "secret"),
@@ -71,15 +111,13 @@ def _calls(verb: str) -> dict[str, Any]:
         "Role": (rbac, "role"),
         "RoleBinding": (rbac, "role_binding"),
     }
-    if verb == "read":  # Secrets are not readable (the chart's RBAC): a Secret's name carries the job's uid
-        kinds.pop("Secret")
-    return {kind: getattr(api, f"{verb}_namespaced_{name}") for kind, (api, name) in kinds.items()}
+    return {kind: getattr(apis[kind][0], f"{verb}_namespaced_{apis[kind][1]}") for kind in KINDS_BY_VERB[verb]}
 
 
 def _read_meta(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
     """The object's metadata (camelCase, as in a manifest); None when it is gone."""
     try:
-        found = _calls("read")[kind](name, namespace)
+        found = _calls("read")[kind](name, namespace, _request_timeout=REQUEST_TIMEOUT_S)
     except ApiException as exc:
         if exc.status == 404:
             return None
@@ -103,14 +141,15 @@ def create(body: Mapping[str, Any]) -> bool:
     """Create one of the job's namespaced objects. False when this job's object is already there; raises
     _NameInUse when the name is held by an object the job (the body's controller) doesn't control."""
     kind, namespace, name = str(body["kind"]), body["metadata"]["namespace"], body["metadata"]["name"]
+    _guard()
     try:
-        _calls("create")[kind](namespace, dict(body))
+        _calls("create")[kind](namespace, dict(body), _request_timeout=REQUEST_TIMEOUT_S)
     except ApiException as exc:
         if exc.status != 409:
             raise
     else:
         return True
-    if kind not in _calls("read"):  # a Secret: its name carries the job's uid
+    if kind not in KINDS_BY_VERB["read"]:  # a Secret: its name carries the job's uid
         return False
     existing = _read_meta(kind, namespace, name)
     job_uid = reconcile.controller_uid(body["metadata"])
@@ -125,7 +164,7 @@ def delete(namespace: str, action: reconcile.Delete) -> bool:
     recreated under the same name in between is left alone. A forced delete has no grace period (a pod
     whose kubelet is gone: the API server removes it at once)."""
     uid = action.uid
-    if uid is None and action.kind in _calls("read"):
+    if uid is None and action.kind in KINDS_BY_VERB["read"]:
         existing = _read_meta(action.kind, namespace, action.name)
         if existing is None or reconcile.controller_uid(existing) != action.owner_uid:
             return False
@@ -134,8 +173,9 @@ def delete(namespace: str, action: reconcile.Delete) -> bool:
         preconditions=kubernetes.client.V1Preconditions(uid=uid) if uid else None,
         grace_period_seconds=0 if action.force else None,
     )
+    _guard()
     try:
-        _calls("delete")[action.kind](action.name, namespace, body=options)
+        _calls("delete")[action.kind](action.name, namespace, body=options, _request_timeout=REQUEST_TIMEOUT_S)
     except ApiException as exc:
         if exc.status in (404, 409):  # gone, or (409) a different object now holds the name
             return False
@@ -155,9 +195,11 @@ def put_records(namespace: str, action: reconcile.PutRecords) -> bool:
         for key, value in action.records
     }
     patch = {"metadata": {"uid": existing.get("uid")}, "data": data}
+    _guard()
     try:
         _core().patch_namespaced_config_map(
-            action.name, namespace, patch, _content_type="application/merge-patch+json"
+            action.name, namespace, patch, _content_type="application/merge-patch+json",
+            _request_timeout=REQUEST_TIMEOUT_S,
         )
     except ApiException as exc:
         if exc.status in (404, 409):
@@ -169,9 +211,11 @@ def put_records(namespace: str, action: reconcile.PutRecords) -> bool:
 def delete_job(namespace: str, action: reconcile.DeleteJob) -> bool:
     """Delete the ElasticTrainingJob itself (its TTL ran out), only while it is the object with that uid."""
     options = kubernetes.client.V1DeleteOptions(preconditions=kubernetes.client.V1Preconditions(uid=action.uid))
+    _guard()
     try:
         kubernetes.client.CustomObjectsApi(_client()).delete_namespaced_custom_object(
-            builders.GROUP, builders.VERSION, namespace, builders.PLURAL, action.name, body=options
+            builders.GROUP, builders.VERSION, namespace, builders.PLURAL, action.name, body=options,
+            _request_timeout=REQUEST_TIMEOUT_S,
         )
     except ApiException as exc:
         if exc.status in (404, 409):
@@ -180,16 +224,68 @@ def delete_job(namespace: str, action: reconcile.DeleteJob) -> bool:
     return True
 
 
-def patch_job_status(namespace: str, name: str, uid: str, patch: Mapping[str, Any]) -> None:
-    """Merge the changed status fields into the job's status subresource, only while it is the job with
-    that uid (a job deleted and recreated under the name in between is left alone: 409)."""
+def drop_finalizer(namespace: str, action: reconcile.DropFinalizer) -> bool:
+    """Take one finalizer off the job, only while it is the object with that uid and the finalizer is where it
+    was read (a JSON patch with tests: nothing else on the list is touched)."""
+    job = read_job(namespace, action.name)
+    if job is None or job["metadata"].get("uid") != action.uid:
+        return False
+    finalizers = list(job["metadata"].get("finalizers") or [])
+    if action.finalizer not in finalizers:
+        return False
+    index = finalizers.index(action.finalizer)
+    patch = [
+        {"op": "test", "path": "/metadata/uid", "value": action.uid},
+        {"op": "test", "path": f"/metadata/finalizers/{index}", "value": action.finalizer},
+        {"op": "remove", "path": f"/metadata/finalizers/{index}"},
+    ]
+    _guard()
+    try:
+        kubernetes.client.CustomObjectsApi(_client()).patch_namespaced_custom_object(
+            builders.GROUP, builders.VERSION, namespace, builders.PLURAL, action.name, patch,
+            _content_type="application/json-patch+json", _request_timeout=REQUEST_TIMEOUT_S,
+        )
+    except ApiException as exc:
+        if exc.status in (404, 409, 422):  # gone, or changed since it was read: the next pass looks again
+            return False
+        raise
+    return True
+
+
+def read_job(namespace: str, name: str) -> dict[str, Any] | None:
+    """The job as the API server has it now (a quorum read: the pass plans from the newest status, never from
+    a watch event that lags behind its own last write); None when it is gone."""
+    try:
+        return dict(kubernetes.client.CustomObjectsApi(_client()).get_namespaced_custom_object(
+            builders.GROUP, builders.VERSION, namespace, builders.PLURAL, name, _request_timeout=REQUEST_TIMEOUT_S,
+        ))
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def patch_job_status(
+    namespace: str, name: str, uid: str, resource_version: str, patch: Mapping[str, Any]
+) -> str:
+    """Merge the status patch into the job's status subresource, only while the job is the object with that uid
+    and still at `resource_version` (the version the pass planned from): two writers (a stale leader, a
+    pass racing a spec edit) can never overwrite each other's counts. Returns the new resourceVersion;
+    raises StatusConflict when the job moved on."""
     if not patch:
-        return
-    body = {"metadata": {"uid": uid}, "status": dict(patch)}
-    kubernetes.client.CustomObjectsApi(_client()).patch_namespaced_custom_object_status(
-        builders.GROUP, builders.VERSION, namespace, builders.PLURAL, name, body,
-        _content_type="application/merge-patch+json",
-    )
+        return resource_version
+    body = {"metadata": {"uid": uid, "resourceVersion": resource_version}, "status": dict(patch)}
+    _guard()
+    try:
+        written = kubernetes.client.CustomObjectsApi(_client()).patch_namespaced_custom_object_status(
+            builders.GROUP, builders.VERSION, namespace, builders.PLURAL, name, body,
+            _content_type="application/merge-patch+json", _request_timeout=REQUEST_TIMEOUT_S,
+        )
+    except ApiException as exc:
+        if exc.status in (404, 409):
+            raise StatusConflict(f"{namespace}/{name} changed since it was read ({exc.status})") from None
+        raise
+    return str(written["metadata"]["resourceVersion"])
 
 
 def _carry_out(namespace: str, action: reconcile.Action) -> bool:
@@ -199,6 +295,8 @@ def _carry_out(namespace: str, action: reconcile.Action) -> bool:
         return put_records(namespace, action)
     if isinstance(action, reconcile.DeleteJob):
         return delete_job(namespace, action)
+    if isinstance(action, reconcile.DropFinalizer):
+        return drop_finalizer(namespace, action)
     return delete(namespace, action)
 
 
@@ -229,25 +327,26 @@ def _message(exc: ApiException) -> str:
         return str(exc.reason or exc)
 
 
-def list_job_pods(namespace: str, job_name: str) -> list[reconcile.ObservedPod]:
-    """The pods labelled with the job's name, as the index sees them (their controllers still to check)."""
-    core = _core()
-    pods = core.list_namespaced_pod(namespace, label_selector=f"{builders.LABEL_JOB}={job_name}")
-    observed = []
-    for pod in pods.items:
-        manifest = core.api_client.sanitize_for_serialization(pod)
-        summary = reconcile.observe_pod(
-            manifest["metadata"]["name"],
-            manifest["metadata"],
-            manifest.get("spec") or {},
-            manifest.get("status") or {},
-        )
-        if summary is not None:
-            observed.append(summary)
-    return observed
-
-
-def post_events(body: kopf.Body | Mapping[str, Any], events: Sequence[reconcile.Event]) -> None:
-    """Queue events on the job through kopf's poster (batched, retried, never blocks a handler)."""
+def post_events(job: reconcile.Job, events: Sequence[reconcile.Event]) -> None:
+    """Post the events on the job (core/v1 Events, as `kubectl describe` shows them). Best effort: an event
+    that can't be posted is logged, never retried, never fails the pass."""
+    if not events:
+        return
+    reference = kubernetes.client.V1ObjectReference(
+        api_version=builders.API_VERSION, kind=builders.KIND, name=job.name, namespace=job.namespace, uid=job.uid,
+        resource_version=job.resource_version or None,
+    )
+    now = datetime.datetime.now(datetime.UTC)
     for event in events:
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message[:1024])
+        body = kubernetes.client.CoreV1Event(
+            metadata=kubernetes.client.V1ObjectMeta(generate_name=f"{job.name}.", namespace=job.namespace),
+            involved_object=reference, type=event.type, reason=event.reason, message=event.message[:1024],
+            first_timestamp=now, last_timestamp=now, count=1, source=kubernetes.client.V1EventSource(
+                component=builders.MANAGED_BY),
+            reporting_component=f"{builders.GROUP}/operator", reporting_instance=REPORTING_INSTANCE,
+        )
+        try:
+            _guard()
+            _core().create_namespaced_event(job.namespace, body, _request_timeout=REQUEST_TIMEOUT_S)
+        except ApiException as exc:
+            log.warning("could not post event %s on %s/%s: %s", event.reason, job.namespace, job.name, _message(exc))

@@ -6,7 +6,7 @@ last valid checkpoint is (the work a failure would lose). Each reconcile pass re
 (`record_pass`); per-job gauges are computed when Prometheus scrapes, so a checkpoint's age is current and a
 deleted job's series go with it (`forget`).
 
-    sneppx_job_restarts_total{namespace,job,reason}        counter: restarts that took effect, by reason
+    sneppx_job_restarts_total{namespace,job,reason}        counter: restarts decided, by reason
                                                             (PodFailed, Evicted, PodDeleted, NodeNotReady,
                                                             Hang, QuorumLost), counted or not
     sneppx_job_recovery_seconds                            histogram: last restart -> every rank healthy again
@@ -18,6 +18,9 @@ deleted job's series go with it (`forget`).
     sneppx_job_phase{namespace,job,phase}                  gauge: 1 for the job's phase
     sneppx_job_last_valid_checkpoint_step{namespace,job}   gauge
     sneppx_job_checkpoint_age_seconds{namespace,job}       gauge: now - the last valid checkpoint's time
+    sneppx_operator_leader                                 gauge: 1 while this replica is the leader (only
+                                                            the leader runs passes: read the job gauges where
+                                                            this is 1)
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ PHASES = ("Pending", "Creating", "Running", "Restarting", "Paused", "Suspended",
 RECOVERY_BUCKETS = (0.5, 1, 2, 5, 10, 20, 40, 60, 120, 300, 600, float("inf"))
 
 RESTARTS = prometheus_client.Counter(
-    "sneppx_job_restarts", "Rank restarts that took effect, by reason.", ["namespace", "job", "reason"]
+    "sneppx_job_restarts", "Rank restarts decided, by reason.", ["namespace", "job", "reason"]
+)
+LEADER = prometheus_client.Gauge(
+    "sneppx_operator_leader", "1 while this operator replica holds the leader lease (and acts), else 0."
 )
 RECOVERY = prometheus_client.Histogram(
     "sneppx_job_recovery_seconds",
@@ -128,7 +134,7 @@ def record_pass(
     restarts: Sequence[Mapping[str, Any]],
     recovered_after: float | None,
 ) -> None:
-    """What one reconcile pass of a job did: the restarts that took effect, a recovery, the status written."""
+    """What one reconcile pass of a job did: the restarts it decided, a recovery, the status written."""
     for restart in restarts:
         RESTARTS.labels(namespace, job, str(restart.get("reason"))).inc()
     if recovered_after is not None:
@@ -140,6 +146,11 @@ def record_pass(
 def forget(namespace: str, job: str) -> None:
     """A deleted job's gauges go (its restart counter stays, as counters do)."""
     JOBS.forget(namespace, job)
+
+
+def leading(leader: bool) -> None:
+    """This replica became the leader, or stopped being it (its job gauges stop moving then)."""
+    LEADER.set(1 if leader else 0)
 
 
 def serve(address: str) -> None:

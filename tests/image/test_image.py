@@ -163,7 +163,9 @@ def test_the_operator_from_the_image_runs_a_job_with_the_charts_pod_spec(
     (account / "ca.crt").write_bytes(cluster.ca.cert_pem)
     (account / "namespace").write_text(namespace)
     server = urllib.parse.urlsplit(cluster.server)
-    env = {item["name"]: item["value"] for item in container.get("env", [])}
+    downward = {"metadata.name": f"{name}-0", "metadata.namespace": namespace}  # what the kubelet fills in
+    env = {item["name"]: item["value"] if "value" in item else downward[item["valueFrom"]["fieldRef"]["fieldPath"]]
+           for item in container.get("env", [])}
     env |= {"KUBERNETES_SERVICE_HOST": str(server.hostname), "KUBERNETES_SERVICE_PORT": str(server.port)}
 
     log = tmp_path / "operator.log"
@@ -206,6 +208,8 @@ def test_the_operator_from_the_image_runs_a_job_with_the_charts_pod_spec(
             launcher.wait()
     output = log.read_text()
     assert "Traceback" not in output and "orbidden" not in output, output[-4000:]
+    lease = kubernetes.client.CoordinationV1Api(api).read_namespaced_lease(name, namespace)
+    assert lease.spec.holder_identity == "", "it led through the chart's Lease and handed it over on SIGTERM"
 
 
 def _answers(url: str) -> bool:

@@ -19,7 +19,7 @@ import pytest
 pytestmark = pytest.mark.k8s
 
 
-def test_python_m_sneppx_operator_reconciles_its_namespace_and_stops_on_sigterm(
+def test_python_m_sneppx_operator_reconciles_hands_its_lease_over_on_sigterm_and_leaves_no_finalizer(
     cluster: k8s_cluster.Cluster, api: kubernetes.client.ApiClient, namespace: str
 ) -> None:
     env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig), SNEPPX_RESYNC_SECONDS="1")
@@ -28,7 +28,7 @@ def test_python_m_sneppx_operator_reconciles_its_namespace_and_stops_on_sigterm(
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "sneppx_operator", "--namespace", namespace,
-             "--metrics", f"127.0.0.1:{metrics_port}"],
+             "--metrics", f"127.0.0.1:{metrics_port}", "--leader-elect", "--leader-election-namespace", namespace],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -51,6 +51,8 @@ def test_python_m_sneppx_operator_reconciles_its_namespace_and_stops_on_sigterm(
             lambda: gauge in urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode(),
             "the job's gauges on /metrics",
         )
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        assert "sneppx_operator_leader 1.0" in metrics
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
     finally:
@@ -60,7 +62,18 @@ def test_python_m_sneppx_operator_reconciles_its_namespace_and_stops_on_sigterm(
     job = kubernetes.client.CustomObjectsApi(api).get_namespaced_custom_object(
         k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, "cli"
     )
-    assert job["metadata"]["finalizers"] == ["sneppx.io/finalizer"]
-    assert any(key.startswith("sneppx.io/") for key in job["metadata"].get("annotations", {})), (
-        "kopf's progress and diff-base annotations go under sneppx.io/"
+    assert not job["metadata"].get("finalizers") and not job["metadata"].get("annotations"), (
+        "the operator writes nothing on the job's metadata"
+    )
+    lease = kubernetes.client.CoordinationV1Api(api).read_namespaced_lease("sneppx-operator", namespace)
+    assert lease.spec.holder_identity == "", "a stopping leader hands its Lease over"
+    # No operator runs now: deleting the job must not wait for one, and the garbage collector takes its pods.
+    kubernetes.client.CustomObjectsApi(api).delete_namespaced_custom_object(
+        k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, "cli"
+    )
+    k8s_helpers.wait_for(lambda: not k8s_helpers.exists(
+        kubernetes.client.CustomObjectsApi(api).get_namespaced_custom_object, k8s_helpers.GROUP,
+        k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, "cli"), "the job deleted with no operator running", 10)
+    k8s_helpers.wait_for(
+        lambda: not core.list_namespaced_pod(namespace, label_selector="sneppx.io/job=cli").items, "its pods collected"
     )

@@ -94,7 +94,9 @@ def test_every_value_is_documented_and_typed() -> None:
 @pytest.mark.parametrize(
     ("setting", "expected"),
     [
-        ("replicaCount=2", "additional properties 'replicaCount' not allowed"),
+        ("replicas=2", "additional properties 'replicas' not allowed"),
+        ("replicaCount=0", "/replicaCount"),
+        ("leaderElection.leaseDurationSeconds=1", "/leaderElection/leaseDurationSeconds"),
         ("image.tagg=1", "additional properties 'tagg' not allowed"),
         ("runAsUser=0", "/runAsUser"),
         ("operator.logLevel=loud", "/operator/logLevel"),
@@ -128,6 +130,8 @@ def test_rendered_rbac_is_least_privilege(cluster: k8s_cluster.Cluster, mode: tu
             ("team-a", "RoleBinding"),
             ("team-b", "Role"),
             ("team-b", "RoleBinding"),
+            ("sneppx-system", "Role"),  # the leader election's Lease
+            ("sneppx-system", "RoleBinding"),
         }
         cluster_rules = of_kind(docs, "ClusterRole")[0]["rules"]
         assert all(set(r["verbs"]) <= {"list", "watch"} for r in cluster_rules), "namespaced mode reads only"
@@ -135,14 +139,92 @@ def test_rendered_rbac_is_least_privilege(cluster: k8s_cluster.Cluster, mode: tu
         assert "--namespace=team-a" in args and "--namespace=team-b" in args
 
 
+# ---- RBAC: exactly the calls the code makes -----------------------------------------------------------------
+
+OPERATOR_DIR = k8s_cluster.REPO / "operator" / "sneppx_operator"
+VERBS = {"read": "get", "get": "get", "create": "create", "replace": "update", "patch": "patch", "delete": "delete",
+         "list": "list"}
+RESOURCES = {  # the client's method suffix -> (API group, resource)
+    "lease": ("coordination.k8s.io", "leases"),
+    "event": ("", "events"),
+    "config_map": ("", "configmaps"),
+    "custom_object": ("sneppx.io", "elastictrainingjobs"),
+    "custom_object_status": ("sneppx.io", "elastictrainingjobs/status"),
+}
+KINDS = {"Pod": ("", "pods"), "Service": ("", "services"), "Secret": ("", "secrets"), "ConfigMap": ("", "configmaps"),
+         "ServiceAccount": ("", "serviceaccounts"), "Role": ("rbac.authorization.k8s.io", "roles"),
+         "RoleBinding": ("rbac.authorization.k8s.io", "rolebindings")}
+WATCHED = {"pods": ("", "pods"), "configmaps": ("", "configmaps"), "nodes": ("", "nodes"),
+           "RESOURCE": ("sneppx.io", "elastictrainingjobs")}
+# Granted though no line of ours calls it, each for a reason outside our code:
+NOT_CALLED = {
+    ("sneppx.io", "elastictrainingjobs/finalizers", "update"),  # blockOwnerDeletion on owned objects needs it
+    ("apiextensions.k8s.io", "customresourcedefinitions", "list"),  # kopf's discovery of the resource
+    ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+    ("", "namespaces", "list"),  # kopf, only when watching a list of namespaces (which may be globs)
+    ("", "namespaces", "watch"),
+}
+
+
+def calls_in_code() -> set[tuple[str, str, str]]:
+    """(group, resource, verb) of every Kubernetes API call the operator's code makes: the client methods named
+    in k8s.py and leader.py, k8s.KINDS_BY_VERB (the per-kind create/read/delete table) and the resources
+    handlers.py watches through kopf (list + watch)."""
+    import ast
+
+    from sneppx_operator import k8s
+
+    used: set[tuple[str, str, str]] = set()
+    for name in ("k8s.py", "leader.py"):
+        for node in ast.walk(ast.parse((OPERATOR_DIR / name).read_text())):
+            if isinstance(node, ast.Attribute) and "_namespaced_" in node.attr:
+                verb, _, suffix = node.attr.partition("_namespaced_")
+                group, resource = RESOURCES[suffix]
+                used.add((group, resource, VERBS[verb]))
+    for verb, kinds in k8s.KINDS_BY_VERB.items():
+        used |= {(*KINDS[kind], VERBS[verb]) for kind in kinds}
+    for node in ast.walk(ast.parse((OPERATOR_DIR / "handlers.py").read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") in ("index", "event") and node.args:
+            first = node.args[0]
+            key = first.value if isinstance(first, ast.Constant) else getattr(first.value, "id", "")
+            used |= {(*WATCHED[key], "list"), (*WATCHED[key], "watch")}
+    return used
+
+
+def granted(docs: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    out: set[tuple[str, str, str]] = set()
+    for role in of_kind(docs, "ClusterRole", "Role"):
+        for rule in role["rules"]:
+            out |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    return out
+
+
 @pytest.mark.parametrize("mode", [(), NAMESPACED_MODE], ids=["all-namespaces", "watch-namespaces"])
-def test_rendered_deployment_runs_one_restricted_replica(
+def test_the_charts_rules_are_exactly_the_calls_the_code_makes(cluster: k8s_cluster.Cluster, mode: tuple[str, ...]) -> None:
+    rules, used = granted(render(cluster, *mode)), calls_in_code()
+    assert used - rules == set(), "calls the chart does not allow"
+    unused = rules - used - NOT_CALLED
+    assert unused == set(), "verbs the chart grants that no code calls"
+    assert not (rules & {("", "configmaps", "update"), ("", "configmaps", "delete"), ("", "secrets", "delete")})
+
+
+@pytest.mark.parametrize("mode", [(), NAMESPACED_MODE], ids=["all-namespaces", "watch-namespaces"])
+def test_rendered_deployment_runs_two_restricted_replicas_that_elect_a_leader(
     cluster: k8s_cluster.Cluster, mode: tuple[str, ...]
 ) -> None:
     docs = render(cluster, *mode)
     (deployment,) = of_kind(docs, "Deployment")
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}
+    }
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--leader-elect" in args and "--leader-election-id=rel-sneppx-operator" in args
+    assert {"--lease-duration=15", "--renew-deadline=10", "--retry-period=2"} <= set(args)
+    env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    (lease_role,) = [r for r in of_kind(docs, "Role") if r["metadata"]["name"] == "rel-sneppx-operator-leader-election"]
+    assert lease_role["metadata"]["namespace"] == "sneppx-system"
     workloads = of_kind(docs, "Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob", "Pod")
     for workload in workloads:
         pod_spec = workload["spec"]["template"]["spec"] if workload["kind"] != "Pod" else workload["spec"]
@@ -209,7 +291,7 @@ def test_helm_install_into_the_test_apiserver(cluster: k8s_cluster.Cluster, name
             "get", "deployment", f"{release}-sneppx-operator", "-n", namespace, "-o", "json"
         ).stdout
     )
-    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["replicas"] == 2
     cluster.kubectl("get", "serviceaccount", f"{release}-sneppx-operator", "-n", namespace)
     cluster.kubectl("get", "clusterrole", f"{release}-sneppx-operator")
     cluster.helm("uninstall", release, "--namespace", namespace)
@@ -253,42 +335,57 @@ def test_operator_works_with_exactly_the_charts_rbac(
     )
     custom = kubernetes.client.CustomObjectsApi(api)
     core = kubernetes.client.CoreV1Api(api)
-    with k8s_helpers.using_kubeconfig(kubeconfig):
-        runner = kopf.testing.KopfRunner(
-            ["run", "--standalone", *scope, "-m", "sneppx_operator.handlers"], timeout=60
-        )
-        with runner:
-            custom.create_namespaced_custom_object(
-                k8s_helpers.GROUP,
-                k8s_helpers.VERSION,
-                namespace,
-                k8s_helpers.PLURAL,
-                k8s_helpers.valid_job("rbac", max_nodes=2),
+    from sneppx_operator import handlers
+
+    handlers.ELECTION = handlers.Election(namespace, f"{release}-sneppx-operator", 4, 3, 0.5)  # the chart's Lease
+    try:
+        with k8s_helpers.using_kubeconfig(kubeconfig):
+            runner = kopf.testing.KopfRunner(
+                ["run", "--standalone", *scope, "-m", "sneppx_operator.handlers"], timeout=60
             )
-            k8s_helpers.wait_for(
-                lambda: (
-                    len(core.list_namespaced_pod(namespace, label_selector="sneppx.io/job=rbac").items) == 2
-                ),
-                "pods created under the chart's RBAC",
-            )
-            k8s_helpers.wait_for(
-                lambda: (
-                    (
-                        custom.get_namespaced_custom_object(
-                            k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, "rbac"
-                        ).get("status")
-                        or {}
-                    ).get("phase")
-                    == "Pending"
-                ),
-                "status written under the chart's RBAC",
-            )
-            custom.delete_namespaced_custom_object(
-                k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, "rbac"
-            )
-            k8s_helpers.wait_for(
-                lambda: not core.list_namespaced_pod(namespace, label_selector="sneppx.io/job=rbac").items,
-                "cleanup under the chart's RBAC",
-            )
+            with runner:
+                custom.create_namespaced_custom_object(
+                    k8s_helpers.GROUP,
+                    k8s_helpers.VERSION,
+                    namespace,
+                    k8s_helpers.PLURAL,
+                    k8s_helpers.valid_job("rbac", max_nodes=2),
+                )
+                k8s_helpers.wait_for(
+                    lambda: (
+                        len(core.list_namespaced_pod(namespace, label_selector="sneppx.io/job=rbac").items) == 2
+                    ),
+                    "pods created under the chart's RBAC",
+                )
+                k8s_helpers.wait_for(
+                    lambda: (
+                        (
+                            custom.get_namespaced_custom_object(
+                                k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL, "rbac"
+                            ).get("status")
+                            or {}
+                        ).get("phase")
+                        == "Pending"
+                    ),
+                    "status written under the chart's RBAC",
+                )
+    finally:
+        handlers.ELECTION = None
     assert runner.exception is None and runner.exit_code == 0
     assert "Forbidden" not in runner.output and "forbidden" not in runner.output, runner.output[-4000:]
+    # helm uninstall with a job left: nothing of the release stays, and the job is deleted at once, with no
+    # operator to wait for; the garbage collector takes its pods.
+    cluster.helm("uninstall", release, "--namespace", namespace)
+    left = cluster.kubectl("get", "deployment,serviceaccount,role,rolebinding", "-n", namespace,
+                           "-l", f"app.kubernetes.io/instance={release}", "-o", "name").stdout.strip()
+    assert left == "", left
+    assert cluster.kubectl("get", "clusterrole", account, check=False).returncode != 0
+    custom.delete_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL,
+                                           "rbac")
+    k8s_helpers.wait_for(
+        lambda: not k8s_helpers.exists(custom.get_namespaced_custom_object, k8s_helpers.GROUP, k8s_helpers.VERSION,
+                                       namespace, k8s_helpers.PLURAL, "rbac"), "the job gone without an operator", 10)
+    k8s_helpers.wait_for(
+        lambda: not core.list_namespaced_pod(namespace, label_selector="sneppx.io/job=rbac").items,
+        "its pods collected",
+    )

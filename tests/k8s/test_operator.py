@@ -124,7 +124,7 @@ def test_new_job_gets_service_secret_and_restricted_pods(
         assert env["SNEPPX_GENERATION"] == "1"
         assert env["MASTER_ADDR"] == f"train-0.train.{namespace}.svc"
         assert env["MASTER_PORT"] == "29500"
-        assert env["SNEPPX_CHECKPOINT_URI"] == "file:///var/lib/sneppx/checkpoints"
+        assert env["SNEPPX_CHECKPOINT_URI"] == f"file:///var/lib/sneppx/checkpoints/{namespace}/train"
         assert pod.spec.security_context.run_as_non_root is True
         assert pod.spec.security_context.seccomp_profile.type == "RuntimeDefault"
         security = pod.spec.containers[0].security_context
@@ -136,11 +136,11 @@ def test_new_job_gets_service_secret_and_restricted_pods(
         assert claims == ["ckpt"]
 
     stored = _get_job(api, namespace, "train")
-    assert "sneppx.io/finalizer" in stored["metadata"]["finalizers"]
+    assert not stored["metadata"].get("finalizers"), "the operator puts no finalizer on a job"
     events = k8s_helpers.wait_for(
         lambda: [e for e in _events(api, namespace, "train") if e[1] == "CreatedPods"], "a CreatedPods event"
     )
-    assert "ranks [0, 1]" in events[0][2]
+    assert "ranks 0-1" in events[0][2]
 
 
 def test_status_and_printer_columns_fill_in(
@@ -222,7 +222,7 @@ def test_scale_down_deletes_the_highest_ranks(
     assert names == ["shrink-0", "shrink-1"]
 
 
-def test_delete_removes_pods_service_and_secret(
+def test_a_deleted_jobs_objects_are_garbage_collected(
     api: kubernetes.client.ApiClient, namespace: str, operator: kopf.testing.KopfRunner
 ) -> None:
     job = _create_job(api, namespace, k8s_helpers.valid_job("gone", max_nodes=2))
@@ -232,10 +232,38 @@ def test_delete_removes_pods_service_and_secret(
         lambda: k8s_helpers.exists(core.read_namespaced_secret, _secret_name(job), namespace), "the Secret"
     )
 
+    assert not _get_job(api, namespace, "gone")["metadata"].get("finalizers"), "nothing holds a deletion up"
+
     _delete_job_and_wait(api, namespace, "gone")
-    assert _pods(api, namespace, "gone") == []
-    assert not k8s_helpers.exists(core.read_namespaced_service, "gone", namespace)
-    assert not k8s_helpers.exists(core.read_namespaced_secret, _secret_name(job), namespace)
+    # The garbage collector (kube-controller-manager) removes what the job owned, by its owner references.
+    rbac = kubernetes.client.RbacAuthorizationV1Api(api)
+    for what, read, name in (
+        ("pods", lambda: _pods(api, namespace, "gone"), None),
+        ("Service", core.read_namespaced_service, "gone"),
+        ("Secret", core.read_namespaced_secret, _secret_name(job)),
+        ("rendezvous ConfigMap", core.read_namespaced_config_map, "gone-rendezvous"),
+        ("ServiceAccount", core.read_namespaced_service_account, "gone-agent"),
+        ("Role", rbac.read_namespaced_role, "gone-agent"),
+        ("RoleBinding", rbac.read_namespaced_role_binding, "gone-agent"),
+    ):
+        if name is None:
+            k8s_helpers.wait_for(lambda: read() == [], f"the {what} collected")
+        else:
+            k8s_helpers.wait_for(lambda: not k8s_helpers.exists(read, name, namespace), f"the {what} collected")
+
+
+def test_a_finalizer_an_older_operator_left_is_taken_off_and_no_other(
+    api: kubernetes.client.ApiClient, namespace: str, operator: kopf.testing.KopfRunner
+) -> None:
+    job = k8s_helpers.valid_job("legacy", max_nodes=1)
+    job["metadata"]["finalizers"] = ["example.org/keep", "sneppx.io/finalizer"]
+    _create_job(api, namespace, job)
+    k8s_helpers.wait_for(
+        lambda: _get_job(api, namespace, "legacy")["metadata"].get("finalizers") == ["example.org/keep"],
+        "the legacy finalizer taken off",
+    )
+    _patch_job(api, namespace, "legacy", {"metadata": {"finalizers": None}})
+    _delete_job_and_wait(api, namespace, "legacy")
 
 
 def test_invalid_template_fails_the_job_with_a_warning_and_recovers_when_fixed(

@@ -17,22 +17,19 @@ OPERATOR = REPO / "operator" / "sneppx_operator"
 RUNTIME = REPO / "runtime" / "SneppX_ALG"
 
 
-def test_settings_set_finalizer_annotations_and_standalone() -> None:
+def test_settings_add_no_finalizer_post_no_events_and_run_standalone() -> None:
     settings = kopf.OperatorSettings()
+    default_finalizer = settings.persistence.finalizer
     config.apply(settings)
-    assert settings.persistence.finalizer == "sneppx.io/finalizer"
+    assert settings.persistence.finalizer == default_finalizer != "sneppx.io/finalizer", (
+        "kopf must not recognise (and so write) the finalizer older operators put on jobs: the leader removes it"
+    )
+    assert settings.posting.enabled is False, "kopf's own event posts would bypass the leader's fence"
     assert isinstance(settings.persistence.progress_storage, kopf.AnnotationsProgressStorage)
     assert settings.persistence.progress_storage.prefix == "sneppx.io"
     assert isinstance(settings.persistence.diffbase_storage, kopf.AnnotationsDiffBaseStorage)
     assert settings.persistence.diffbase_storage.prefix == "sneppx.io"
     assert settings.peering.standalone is True
-
-
-def test_explicit_peering_is_left_on() -> None:
-    settings = kopf.OperatorSettings()
-    settings.peering.mandatory = True
-    config.apply(settings)
-    assert settings.peering.standalone is False
 
 
 @pytest.mark.parametrize(("raw", "expected"), [("", 10.0), ("2.5", 2.5), ("0.1", 0.1), ("3600", 3600.0)])
@@ -52,11 +49,19 @@ def test_retry_delay_doubles_from_the_resync_interval_and_is_capped() -> None:
     assert config.retry_delay(10_000, environ) == config.MAX_RETRY_DELAY_SECONDS
 
 
-def test_command_line_defaults_to_all_namespaces_without_peering() -> None:
+def test_command_line_defaults_to_all_namespaces_without_an_election() -> None:
     args = entry.parse_args([])
-    assert args.namespace == [] and args.peering is None and args.liveness is None
-    args = entry.parse_args(["-n", "a", "--namespace", "b", "--peering", "p"])
-    assert args.namespace == ["a", "b"] and args.peering == "p"
+    assert args.namespace == [] and not args.leader_elect and args.liveness is None
+    args = entry.parse_args(["-n", "a", "--namespace", "b", "--leader-elect", "--leader-election-id", "x"])
+    assert args.namespace == ["a", "b"] and args.leader_elect and args.leader_election_id == "x"
+    assert (args.lease_duration, args.renew_deadline, args.retry_period) == (15.0, 10.0, 2.0), (
+        "controller-runtime's timings"
+    )
+
+
+def test_leader_election_timings_must_nest() -> None:
+    with pytest.raises(SystemExit, match="retry-period < --renew-deadline < --lease-duration"):
+        entry.main(["--leader-elect", "--leader-election-namespace", "ns", "--renew-deadline", "20"])
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -79,9 +84,11 @@ def test_runtime_never_imports_the_operator() -> None:
         assert "sneppx_operator" not in _top(_imports(path)), f"{path} imports the operator"
 
 
-def test_only_k8s_module_calls_the_kubernetes_client() -> None:
+def test_only_k8s_and_the_election_call_the_kubernetes_client() -> None:
+    """Every write of a job goes through k8s.py (and its fence); the election's Lease calls are the one thing
+    that must not be fenced by the election itself."""
     users = {p.name for p in OPERATOR.glob("*.py") if "kubernetes" in _top(_imports(p))}
-    assert users == {"k8s.py"}
+    assert users == {"k8s.py", "leader.py"}
 
 
 def test_builders_and_reconcile_are_pure() -> None:

@@ -48,20 +48,23 @@ app.kubernetes.io/part-of: sneppx
 {{- end }}
 
 {{/*
-What the operator does inside a namespace it watches. No wildcards; Secrets are only created and deleted
-(never read); pods, nodes and the jobs' rendezvous ConfigMaps are watched through one label-selected watch
-each. Each job gets a ServiceAccount, Role and RoleBinding whose Role allows get, watch, update and patch on
-that job's rendezvous ConfigMap alone: RBAC lets the operator grant only what it holds itself (no escalate
-or bind verbs here), so it holds those verbs on ConfigMaps.
+What the operator does inside a namespace it watches: exactly the calls it makes (operator/sneppx_operator/k8s.py
+and the watches in handlers.py; tests/unit/test_rbac.py holds the two to each other), no wildcards. Pods, nodes
+and the jobs' rendezvous ConfigMaps are watched through one label-selected watch each; a name already taken is
+read to name its holder; Secrets are only created (a job's Secret is recognised by its name, which carries the
+job's uid); only pods (restarts) and jobs (ttlSecondsAfterFinished) are deleted: the garbage collector removes
+the rest with their job. Each job gets a ServiceAccount, Role and RoleBinding whose Role allows get and patch on
+that job's rendezvous ConfigMap alone: RBAC lets the operator grant only what it holds itself (no escalate or
+bind verbs here), so it holds those verbs on ConfigMaps.
 */}}
 {{- define "sneppx-operator.namespacedRules" -}}
 - apiGroups: ["sneppx.io"]
   resources: ["elastictrainingjobs"]
-  # delete: ttlSecondsAfterFinished
+  # get: each pass reads the job; patch: a finalizer of an older operator taken off; delete: the TTL
   verbs: ["get", "list", "watch", "patch", "delete"]
 - apiGroups: ["sneppx.io"]
   resources: ["elastictrainingjobs/status"]
-  verbs: ["get", "patch"]
+  verbs: ["patch"]
 # Setting blockOwnerDeletion on owned objects needs this where OwnerReferencesPermissionEnforcement is on.
 - apiGroups: ["sneppx.io"]
   resources: ["elastictrainingjobs/finalizers"]
@@ -69,22 +72,35 @@ or bind verbs here), so it holds those verbs on ConfigMaps.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete"]
-# get: an object whose name is taken is checked for its controller before it is adopted or deleted.
 - apiGroups: [""]
   resources: ["services", "serviceaccounts"]
-  verbs: ["get", "create", "delete"]
+  verbs: ["get", "create"]
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "create", "delete"]
-# Never readable: the job's Secret is recognised by its name, which carries the job's uid.
+  verbs: ["get", "create"]
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["create", "delete"]
+  verbs: ["create"]
 - apiGroups: [""]
   resources: ["events"]
+  verbs: ["create"]
+{{- end }}
+
+{{/*
+The leader election's Lease, in the release's namespace: read by every replica, created once, renewed (a
+compare-and-swap update) by the leader.
+*/}}
+{{- define "sneppx-operator.leaseRules" -}}
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  resourceNames: [{{ include "sneppx-operator.fullname" . | quote }}]
+  verbs: ["get", "update"]
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  # create can't be limited by name
   verbs: ["create"]
 {{- end }}
 

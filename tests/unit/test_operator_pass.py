@@ -1,0 +1,251 @@
+"""One whole pass of the operator (handlers.reconcile_job) against a cluster model, killed between every two API
+calls: whatever the crash point, a fresh operator (no memory, as after a restart) ends where an uninterrupted
+one does, with every restart decided once and counted once.
+
+The model stands in for the API server at the boundary of k8s.py (a unit test may fake a boundary); the same
+property is checked against the real API server, with real SIGKILLs, in tests/k8s/test_operator_ha.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from SneppX_ALG.storage import job_object
+from sneppx_operator import handlers, k8s, reconcile
+
+KEY = ("ns", "train")
+
+
+class Crash(BaseException):
+    """The operator process dies here (BaseException: nothing in the pass may catch it)."""
+
+
+def _merge(target: dict[str, Any], patch: Mapping[str, Any]) -> None:
+    """RFC 7386, as the API server applies a merge patch."""
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(target.get(key), dict):
+            _merge(target[key], value)
+        else:
+            target[key] = copy.deepcopy(value)
+
+
+@dataclasses.dataclass
+class Indexes:
+    pods: dict[tuple[str, str], list[reconcile.ObservedPod]]
+    nodes: dict[str, list[reconcile.ObservedNode]]
+    rendezvous: dict[tuple[str, str], list[reconcile.ObservedObject]]
+
+
+class Cluster:
+    """Just enough of a cluster for the pass: the job (with resourceVersion preconditions on its status), its
+    pods (a delete removes a pod at once), its rendezvous object, and a kubelet that starts pods."""
+
+    def __init__(self, spec: Mapping[str, Any]):
+        self.job: dict[str, Any] = {
+            "metadata": {"name": "train", "namespace": "ns", "uid": "uid-1", "generation": 1, "resourceVersion": "1"},
+            "spec": copy.deepcopy(dict(spec)),
+            "status": {},
+        }
+        self.pods: dict[str, reconcile.ObservedPod] = {}
+        self.rendezvous: reconcile.ObservedObject | None = None
+        self.data: dict[str, str] = {}  # the rendezvous ConfigMap's
+        self.uids = itertools.count(1)
+        self.writes = 0
+        self.crash_at: int | None = None
+
+    def _write(self) -> None:
+        self.writes += 1
+        if self.crash_at is not None and self.writes == self.crash_at:
+            raise Crash()
+
+    # -- what k8s.py would do --
+
+    def read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.job)
+
+    def patch_job_status(self, namespace: str, name: str, uid: str, version: str, patch: Mapping[str, Any]) -> str:
+        if not patch:
+            return version
+        self._write()
+        if version != self.job["metadata"]["resourceVersion"]:
+            raise k8s.StatusConflict("moved on")
+        _merge(self.job["status"], patch)
+        self.job["metadata"]["resourceVersion"] = str(int(version) + 1)
+        return self.job["metadata"]["resourceVersion"]
+
+    def apply(self, namespace: str, actions: Sequence[reconcile.Action]) -> reconcile.Outcome:
+        done: list[reconcile.Action] = []
+        for action in actions:
+            self._write()
+            if isinstance(action, reconcile.Create) and action.kind == "Pod":
+                labels = action.body["metadata"]["labels"]
+                if action.name in self.pods:
+                    continue
+                self.pods[action.name] = reconcile.ObservedPod(
+                    action.name, int(labels["sneppx.io/rank"]), int(labels["sneppx.io/membership-generation"]),
+                    "Pending", False, False, "node-0", uid=f"pod-{next(self.uids)}", controller_uid="uid-1",
+                )
+            elif isinstance(action, reconcile.Create) and action.kind == "ConfigMap":
+                self._set_control(action.body["data"])
+            elif isinstance(action, reconcile.Delete) and action.kind == "Pod":
+                pod = self.pods.get(action.name)
+                if pod is None or pod.uid != action.uid:
+                    continue
+                del self.pods[action.name]
+            elif isinstance(action, reconcile.PutRecords):
+                self._set_control({job_object.data_key(k): job_object.encode_value(k, v)
+                                   for k, v in action.records if v is not None})
+            done.append(action)
+        return reconcile.Outcome(tuple(done))
+
+    def _set_control(self, data: Mapping[str, str]) -> None:
+        self.data.update(data)
+        self.rendezvous = reconcile.ObservedObject("cm-uid", "uid-1", job_object.read_view(self.data))
+
+    # -- the world --
+
+    def kubelet(self) -> None:
+        """Pods that were created start and become ready."""
+        for name, pod in self.pods.items():
+            if pod.phase == "Pending":
+                self.pods[name] = dataclasses.replace(pod, phase="Running", ready=True)
+
+    def fail(self, rank: int, exit_code: int) -> None:
+        name = f"train-{rank}"
+        self.pods[name] = dataclasses.replace(self.pods[name], phase="Failed", ready=False, exit_code=exit_code)
+
+    def indexes(self) -> Indexes:
+        return Indexes({KEY: list(self.pods.values())}, {}, {KEY: [self.rendezvous]} if self.rendezvous else {})
+
+    def outcome(self) -> dict[str, Any]:
+        status = self.job["status"]
+        return {
+            "phase": status.get("phase"),
+            "restartCount": status.get("restartCount"),
+            "membershipGeneration": status.get("membershipGeneration"),
+            "history": [(h["reason"], h.get("exitCode"), h["counted"], h.get("rank")) for h in
+                        status.get("restartHistory") or []],
+            "pods": sorted((p.name, p.phase, p.generation) for p in self.pods.values()),
+            "pods_created": next(self.uids) - 1,
+        }
+
+
+@pytest.fixture
+def fake_api(monkeypatch: pytest.MonkeyPatch) -> list[Cluster]:
+    """Routes k8s.py's calls to whichever Cluster the test appends."""
+    clusters: list[Cluster] = []
+    for name in ("read_job", "patch_job_status", "apply"):
+        monkeypatch.setattr(k8s, name, lambda *a, _name=name, **kw: getattr(clusters[-1], _name)(*a, **kw))
+    monkeypatch.setattr(k8s, "post_events", lambda *a, **kw: None)
+    return clusters
+
+
+def _run(cluster: Cluster, passes: int = 12) -> None:
+    """Passes until nothing changes (a fresh 'operator' each time: the pass keeps no memory)."""
+    for _ in range(passes):
+        before = cluster.writes
+        try:
+            handlers.reconcile_job(KEY, cluster.indexes())  # type: ignore[arg-type]
+        except k8s.StatusConflict:
+            pass
+        cluster.kubelet()
+        if cluster.writes == before:
+            return
+    raise AssertionError(f"no steady state after {passes} passes: {cluster.outcome()}")
+
+
+def _spec(max_restarts: int, rules: list[Any] | None = None, min_nodes: int = 1, on_loss: str = "Pause") -> dict[str, Any]:
+    return {
+        "template": {"spec": {"containers": [{"name": "trainer", "image": "example.org/t:1"}]}},
+        "elastic": {"minNodes": min_nodes, "maxNodes": 2},
+        "quorum": {"actionOnLoss": on_loss},
+        "checkpoint": {"storage": {"pvc": {"claimName": "ckpt"}}},
+        "failurePolicy": {"maxRestarts": max_restarts, "rules": rules or [],
+                          "restartDelay": {"initialSeconds": 0, "multiplier": 2, "maxSeconds": 0}},
+    }
+
+
+IGNORE_42 = [{"action": "Ignore", "onExitCodes": {"operator": "In", "values": [42]}}]
+SCENARIOS = {
+    "ignored exit 42 with maxRestarts 0": (_spec(0, IGNORE_42), 42),
+    "a counted restart": (_spec(1), 1),
+    "the budget runs out": (_spec(0), 1),
+    "quorum lost, the group restarts": (_spec(1, min_nodes=2, on_loss="RestartGroup"), 1),
+}
+
+
+def _scenario(clusters: list[Cluster], spec: dict[str, Any], exit_code: int, crash_at: int | None) -> Cluster:
+    cluster = Cluster(spec)
+    clusters.append(cluster)
+    _run(cluster)  # the job runs
+    assert cluster.job["status"]["phase"] == "Running"
+    cluster.fail(1, exit_code)
+    cluster.writes = 0
+    cluster.crash_at = crash_at
+    try:
+        _run(cluster)
+    except Crash:
+        cluster.crash_at = None  # a new operator process
+        _run(cluster)
+    return cluster
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_an_operator_killed_between_any_two_api_calls_ends_where_an_uninterrupted_one_does(
+    fake_api: list[Cluster], name: str
+) -> None:
+    spec, exit_code = SCENARIOS[name]
+    expected = _scenario(fake_api, spec, exit_code, None)
+    calls = expected.writes
+    assert calls >= 2, "the restart takes several API calls"
+    expected_outcome = expected.outcome()
+    if name.startswith("ignored"):
+        assert expected_outcome["restartCount"] == 0 and expected_outcome["phase"] == "Running"
+        assert expected_outcome["history"] == [("PodFailed", 42, False, 1)]
+    for crash_at in range(1, calls + 1):
+        got = _scenario(fake_api, spec, exit_code, crash_at)
+        assert got.outcome() == expected_outcome, f"killed before API call {crash_at} of {calls}"
+
+
+def test_no_write_leaves_a_replica_that_may_not_act(monkeypatch: pytest.MonkeyPatch) -> None:
+    """k8s.py asks the fence (the leader election's check) before every write it sends."""
+    from sneppx_operator import leader
+
+    def refuse() -> None:
+        raise leader.NotLeaderError("not the leader")
+
+    def no_api(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a write reached the API client")
+
+    monkeypatch.setattr(k8s, "_calls", no_api)
+    monkeypatch.setattr(k8s, "_core", no_api)
+    monkeypatch.setattr(k8s, "_read_meta", lambda *a: {"uid": "cm", "ownerReferences": [
+        {"uid": "uid-1", "controller": True}]})
+    monkeypatch.setattr(k8s, "read_job", lambda *a: {"metadata": {"uid": "uid-1", "finalizers": ["f"]}})
+    monkeypatch.setattr(k8s.kubernetes.client, "CustomObjectsApi", no_api)
+    k8s.set_fence(refuse)
+    try:
+        body = {"kind": "Pod", "metadata": {"name": "p", "namespace": "ns"}}
+        writes = [
+            lambda: k8s.create(body),
+            lambda: k8s.delete("ns", reconcile.Delete("Pod", "p", "uid-1", "pod-uid")),
+            lambda: k8s.put_records("ns", reconcile.PutRecords("cm", "uid-1", (("job/control", None),))),
+            lambda: k8s.delete_job("ns", reconcile.DeleteJob("train", "uid-1")),
+            lambda: k8s.drop_finalizer("ns", reconcile.DropFinalizer("train", "uid-1", "f")),
+            lambda: k8s.patch_job_status("ns", "train", "uid-1", "1", {"phase": "Running"}),
+            lambda: k8s.post_events(reconcile.Job("train", "ns", "uid-1", 1, {}, {}),
+                                    [reconcile.Event("Normal", "X", "y")]),
+        ]
+        for write in writes:
+            with pytest.raises(leader.NotLeaderError):
+                write()
+    finally:
+        k8s.set_fence(None)
