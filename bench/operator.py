@@ -25,8 +25,15 @@ the kubelet stand-in of tests/k8s/pod_runner.py running each rank as a local pro
   full size (the replacement pod joined). Two jobs: minNodes 1 (the survivor goes on alone, then grows back at a
   checkpoint boundary) and minNodes 2 (it must wait for the replacement pod).
 
+- takeover: two operator replicas with leader election (the chart's timings: 15 s lease, 10 s renew deadline, 2 s
+  retry). The leader is SIGKILLed together with rank 1's process; the clock stops when the other replica holds
+  the Lease, and when it has replaced rank 1 (the job Running, both ranks ready). Then the leader is stopped with
+  SIGTERM (a rolling update): it hands the Lease over before it exits.
+
 Side by side: the restart figures against Kubernetes' 40 s node-monitor grace period (the time before the
-control plane even notices a lost node) and 340 s (grace plus the default eviction toleration).
+control plane even notices a lost node) and 340 s (grace plus the default eviction toleration); the takeover
+against its bound (lease duration + one retry period, 17 s) and kopf's peering, which freezes a successor for as
+long as a dead replica's record lasts (60 s by default) instead of electing one.
 """
 
 from __future__ import annotations
@@ -149,6 +156,63 @@ def _measure(runner: pod_runner.PodRunner, api: Any, namespace: str, job: str, l
     return took
 
 
+LEASE_S, RETRY_S, KOPF_PEERING_S = 15.0, 2.0, 60.0
+
+
+def _operator(namespace: str, name: str, kubeconfig: pathlib.Path, log: pathlib.Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, KUBECONFIG=str(kubeconfig), POD_NAME=name)
+    env.pop("SNEPPX_RESYNC_SECONDS", None)
+    with log.open("ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "sneppx_operator", "--namespace", namespace, "--quiet",
+                                 "--leader-elect", "--leader-election-namespace", namespace,
+                                 "--leader-election-id", "bench"], env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _holder(api: Any, namespace: str) -> str:
+    lease = k8s_helpers.read_or_none(kubernetes.client.CoordinationV1Api(api).read_namespaced_lease, "bench",
+                                     namespace)
+    return (lease.spec.holder_identity or "").split("_")[0] if lease is not None else ""
+
+
+def _takeovers(runner: pod_runner.PodRunner, api: Any, namespace: str, kubeconfig: pathlib.Path,
+               workdir: pathlib.Path, rounds: int) -> tuple[list[float], list[float], list[float]]:
+    """(SIGKILL -> the other replica holds the Lease, SIGKILL -> rank 1 replaced by it, SIGTERM -> handed over)."""
+    core, custom = kubernetes.client.CoreV1Api(api), kubernetes.client.CustomObjectsApi(api)
+    replicas = {name: _operator(namespace, name, kubeconfig, workdir / f"{name}.log") for name in ("a", "b")}
+    leases, recoveries, handovers = [], [], []
+    try:
+        for _ in range(rounds):
+            for name, proc in replicas.items():  # the one killed last round comes back as a follower
+                if proc.poll() is not None:
+                    replicas[name] = _operator(namespace, name, kubeconfig, workdir / f"{name}.log")
+            leader = k8s_helpers.wait_for(lambda: _holder(api, namespace), "a leader", 120)
+            follower = "b" if leader == "a" else "a"
+            k8s_helpers.wait_for(lambda: _recovered(core, custom, namespace, "ha", ""), "the job Running", 120)
+            old_uid = core.read_namespaced_pod("ha-1", namespace).metadata.uid
+            time.sleep(2 * RETRY_S)  # the follower has seen the Lease renewed since it started
+            started = time.monotonic()
+            replicas[leader].kill()
+            runner.kill("ha-1", signal.SIGKILL)
+            k8s_helpers.wait_for(lambda: _holder(api, namespace) == follower, "the takeover", 120)
+            leases.append(time.monotonic() - started)
+            k8s_helpers.wait_for(lambda: _recovered(core, custom, namespace, "ha", old_uid), "the replacement", 120)
+            recoveries.append(time.monotonic() - started)
+            replicas[leader].wait()
+            replicas[leader] = _operator(namespace, leader, kubeconfig, workdir / f"{leader}.log")
+            time.sleep(2 * RETRY_S)
+            started = time.monotonic()
+            replicas[follower].terminate()  # now the leader: a rolling update stops it
+            k8s_helpers.wait_for(lambda: _holder(api, namespace) == leader, "the handover", 120)
+            handovers.append(time.monotonic() - started)
+            replicas[follower].wait()
+            print(f"  takeover {leases[-1]:.1f} s, rank replaced {recoveries[-1]:.1f} s, handover "
+                  f"{handovers[-1]:.1f} s", flush=True)
+    finally:
+        for proc in replicas.values():
+            k8s_cluster.stop_process(proc)
+    return leases, recoveries, handovers
+
+
 def _summary(label: str, times: list[float]) -> None:
     if not times:
         return
@@ -165,6 +229,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--node-losses", type=int, default=5)
     parser.add_argument("--trainings", type=int, default=5, help="kills of a training job, for each of two jobs")
+    parser.add_argument("--takeovers", type=int, default=5, help="leaders SIGKILLed (two replicas, leader election)")
     args = parser.parse_args(argv)
     print(f"machine: {common.cpu_model()}, {os.cpu_count()} CPUs; test cluster on 127.0.0.1", flush=True)
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="sneppx-bench-operator-"))
@@ -197,6 +262,12 @@ def main(argv: list[str]) -> None:
                     trained[name] = [_measure_training(runner, name) for _ in range(args.trainings)]
                     custom.delete_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace,
                                                            k8s_helpers.PLURAL, name)
+            takeover: tuple[list[float], list[float], list[float]] = ([], [], [])
+            if args.takeovers:
+                k8s_cluster.stop_process(operator)  # two elected replicas from here on
+                custom.create_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace,
+                                                       k8s_helpers.PLURAL, _job("ha", 300))
+                takeover = _takeovers(runner, api, namespace, cluster.kubeconfig, workdir, args.takeovers)
         print("what is timed: the event -> the job Running again with a new pod for the rank, both ranks ready")
         _summary("SIGKILL -> replaced and Running", kills)
         _summary("node NotReady -> replaced, Running", losses)
@@ -208,6 +279,14 @@ def main(argv: list[str]) -> None:
         print(f"Kubernetes alone: a lost node is noticed after {NODE_MONITOR_GRACE_S:.0f} s and its pods evicted "
               f"after {NODE_MONITOR_GRACE_S + DEFAULT_EVICTION_S:.0f} s; one stuck Terminating stays until someone "
               "force-deletes it.", flush=True)
+        for label, times in zip(("leader SIGKILLed -> Lease taken", "leader SIGKILLed -> rank replaced",
+                                 "leader SIGTERMed -> handed over"), takeover):
+            if times:
+                ordered = sorted(times)
+                median = statistics.median(ordered)
+                print(f"{label:<34} n={len(times):<3} median {median:6.2f} s   max {ordered[-1]:6.2f} s   bound "
+                      f"(lease + retry) {LEASE_S + RETRY_S:.0f} s   kopf peering freeze / median "
+                      f"{KOPF_PEERING_S / median:5.1f}x", flush=True)
     finally:
         if operator is not None:
             k8s_cluster.stop_process(operator)
