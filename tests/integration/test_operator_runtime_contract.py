@@ -65,13 +65,28 @@ def test_pvc_job_checkpoints_land_in_the_volume_the_pod_mounts(
     monkeypatch.setattr(builders, "CHECKPOINT_DIR", str(mount))
     spec = job_spec({"pvc": {"claimName": "ckpt"}})
     env = rank_environment("train", "team-a", spec)
-    assert env["SNEPPX_CHECKPOINT_URI"] == f"file://{mount}"
+    assert env["SNEPPX_CHECKPOINT_URI"] == f"file://{mount}/team-a/train"  # the job's own directory on the claim
     pod = builders.build_pod("train", "team-a", "uid-1", spec, 0, 2, 1)
     mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
     assert mounts[builders.VOLUME_CHECKPOINTS] == str(mount)
 
     assert save_one_step(env, monkeypatch, tmp_path) == [1]
-    assert (mount / "step-000000001" / "manifest.json").is_file()
+    assert (mount / "team-a" / "train" / "step-000000001" / "manifest.json").is_file()
+
+
+def test_jobs_sharing_a_claim_never_see_each_others_steps(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    mount = tmp_path / "claim"
+    monkeypatch.setattr(builders, "CHECKPOINT_DIR", str(mount))
+    spec = job_spec({"pvc": {"claimName": "shared"}})
+    first, second = rank_environment("train", "team-a", spec), rank_environment("eval", "team-a", spec)
+    assert save_one_step(first, monkeypatch, tmp_path) == [1]
+    other = storage.open_storage(second["SNEPPX_CHECKPOINT_URI"], staging_dir=str(tmp_path))
+    assert other.committed_steps() == [], "a job on the same claim sees nothing of another's steps"
+    assert save_one_step(second, monkeypatch, tmp_path) == [1]
+    assert sorted(p.relative_to(mount).as_posix() for p in mount.glob("*/*/step-*")) == [
+        "team-a/eval/step-000000001", "team-a/train/step-000000001"]
 
 
 @pytest.mark.parametrize(

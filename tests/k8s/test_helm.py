@@ -223,6 +223,9 @@ def test_rendered_deployment_runs_two_restricted_replicas_that_elect_a_leader(
     assert {"--lease-duration=15", "--renew-deadline=10", "--retry-period=2"} <= set(args)
     env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    spread = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    (term,) = spread["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname", "replicas prefer different nodes"
     (lease_role,) = [r for r in of_kind(docs, "Role") if r["metadata"]["name"] == "rel-sneppx-operator-leader-election"]
     assert lease_role["metadata"]["namespace"] == "sneppx-system"
     workloads = of_kind(docs, "Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob", "Pod")

@@ -102,6 +102,15 @@ def job_writes(request: api_proxy.Request) -> bool:
     return request.is_write and "/leases" not in request.path
 
 
+def quiet(proxy: api_proxy.ApiProxy, seconds: float = 1.5) -> None:
+    """Wait until the operator has sent no job write for `seconds` (the events and status of its last pass are
+    out), so the writes counted from now are those of what the test does next."""
+    def settled() -> bool:
+        writes = proxy.writes(job_writes)
+        return not writes or time.monotonic() - writes[-1].time >= seconds
+    k8s_helpers.wait_for(settled, "the operator quiet")
+
+
 def restarts(api: kubernetes.client.ApiClient, namespace: str, name: str) -> tuple[int, list[tuple[Any, ...]]]:
     s = k8s_helpers.status(api, namespace, name)
     return s.get("restartCount"), [(h["reason"], h.get("rank"), h.get("exitCode"), h.get("counted"), h.get("podUid"))
@@ -146,19 +155,23 @@ def test_the_leader_sigkilled_mid_restart_is_replaced_and_the_restart_counts_onc
     wait_running(setup.api, setup.namespace, "kill")
     old = {p.metadata.name: p.metadata.uid for p in running_pods(setup.api, setup.namespace, "kill")}
     proc, proxy = setup.operators[leader]
-    # The restart's first write is its decision (the status); the leader dies before its second (the delete).
-    rule = proxy.kill_before_write(2, proc, match=job_writes)
+    quiet(proxy)
+    # The leader dies just before it deletes the failed rank's pod: after its decision, before acting on it.
+    rule = proxy.kill_before_write(1, proc, match=lambda r: r.method == "DELETE" and r.path.endswith("/pods/kill-1"))
     setup.pods.kill("kill-1", signal.SIGKILL)  # type: ignore[attr-defined]
-    held = rule.wait(60)
+    rule.wait(60)
     killed_at = time.monotonic()
+    decided = k8s_helpers.status(setup.api, setup.namespace, "kill")
+    assert (decided["restartCount"], decided["ranks"][1]["phase"], decided["ranks"][1]["uid"]) == (
+        1, "Replacing", old["kill-1"]), "the decision is in the status before the pod is deleted"
     k8s_helpers.wait_for(lambda: setup.holder() == follower, "the follower takes the Lease")
     took_over = time.monotonic() - killed_at
     after = wait_status(setup.api, setup.namespace, "kill", "the rank replaced by the new leader",
-                        lambda s: s.get("phase") == "Running" and s.get("readyNodes") == 2)
+                        lambda s: s.get("phase") == "Running" and s.get("readyNodes") == 2
+                        and s["ranks"][1].get("uid") not in (None, old["kill-1"]))
     assert restarts(setup.api, setup.namespace, "kill") == (1, [("PodFailed", 1, 137, True, old["kill-1"])])
     one_pod_per_rank(setup.api, setup.namespace, "kill")
     assert after["ranks"][0]["uid"] == old["kill-0"], "the survivor was not touched"
-    assert held.method == "DELETE" and "/pods/kill-1" in held.path, f"killed before {held}, not mid-restart"
     print(f"takeover after SIGKILL: {took_over:.1f}s (lease 4 s)")
 
 
@@ -217,6 +230,7 @@ def _ignored_restart(setup: Setup, job: str, kill_before: int | None) -> tuple[A
     proc, proxy = setup.start(f"{job}-first", elect=False)
     create(setup.api, setup.namespace, standin_job(job, **IGNORE_137))
     wait_running(setup.api, setup.namespace, job)
+    quiet(proxy)
     start = len(proxy.requests)
     rule = proxy.kill_before_write(kill_before, proc, match=job_writes) if kill_before else None
     setup.pods.kill(f"{job}-1", signal.SIGKILL)  # type: ignore[attr-defined]
