@@ -392,9 +392,13 @@ def test_a_pod_name_someone_else_holds_is_reported_with_its_controller(
     assert f"its controller is ConfigMap someone-else (uid {owner['uid']})" in failure["message"]
 
     _delete_job_and_wait(api, namespace, "db")
+    # the job's own objects go with it (the garbage collector follows their owner references, a moment later) ...
+    k8s_helpers.wait_for(lambda: not k8s_helpers.exists(core.read_namespaced_service, "db", namespace),
+                         "the job's own Service to go")
+    k8s_helpers.wait_for(lambda: not k8s_helpers.exists(core.read_namespaced_secret, _secret_name(job), namespace),
+                         "the job's Secret to go")
+    # ... and the pod someone else controls stays
     assert core.read_namespaced_pod("db-0", namespace).metadata.uid == pod.metadata.uid
-    assert not k8s_helpers.exists(core.read_namespaced_service, "db", namespace), "the job's own Service goes"
-    assert not k8s_helpers.exists(core.read_namespaced_secret, _secret_name(job), namespace), "and its Secret"
 
 
 def test_a_quota_refusal_reaches_status_and_events_and_clears_when_the_quota_allows(
