@@ -229,6 +229,12 @@ typedef struct {
     uint64_t generation;         /* datagrams from older generations are dropped */
     uint8_t key[32];             /* SX_HB_KEY_BYTES */
     uint8_t job_tag[16];         /* BLAKE2s-128 of the job id */
+    uint64_t first_contact_grace_ns; /* a peer never heard from is suspected only timeout + this after the start
+                                    (both modes); 0: direct mode after timeout, gossip mode at its first
+                                    unanswered probe */
+    int sock_fd;                 /* -1: bind bind_addr:bind_port. Else an IPv4 UDP socket the caller already bound
+                                    and keeps: the monitor uses a dup of it (bind_* are taken from it), closed on
+                                    stop; the socket itself stays open and bound */
 } sx_hb_config;
 
 typedef struct {
@@ -268,13 +274,15 @@ typedef struct {
 
 typedef struct sx_hb sx_hb;
 
-/* Binds the socket (SX_ENET if it can't: address in use, not local). The
- * peers are copied; an entry equal to the bound address is SX_EINVAL. */
+/* Binds the socket (SX_ENET if it can't: address in use, not local), or dups
+ * cfg->sock_fd (SX_EINVAL if it is not a bound IPv4 UDP socket). The peers
+ * are copied; an entry equal to the bound address is SX_EINVAL. */
 int sx_hb_create(const sx_hb_config *cfg, const uint32_t *addrs, const uint16_t *ports, size_t npeers,
                  sx_hb **out);
 /* Starts the thread (once; SX_ESTATE after a stop). */
 int sx_hb_start(sx_hb *hb);
-/* Stops and joins the thread, closes the socket and wakes every waiter; idempotent. */
+/* Stops and joins the thread, closes the socket (only the monitor's dup of a
+ * caller's sock_fd) and wakes every waiter; idempotent. */
 int sx_hb_stop(sx_hb *hb);
 /* Stops, closes and frees. */
 void sx_hb_destroy(sx_hb *hb);

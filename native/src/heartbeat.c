@@ -66,6 +66,8 @@ typedef struct {
     struct sockaddr_in sa;
     sx_hb_peer pub;
     uint64_t top_seq, seen; /* replay window: bit i of seen = top_seq - i was accepted */
+    uint64_t window_probe;  /* our seq when the window last started for a new instance of the peer */
+    uint64_t retired;       /* the instance the current one replaced: it never comes back */
     int have_seq;
 } peer;
 
@@ -283,12 +285,18 @@ static void send_ping(sx_hb *hb, uint32_t to, int64_t now) {
 
 /* ---- proof of life and suspicion ------------------------------------------ */
 
+/* When a peer never heard from may be suspected: members learn of a new membership up to a rendezvous poll
+ * apart and start their monitors then, so the first contact gets first_contact_grace on top of the timeout. */
+static int64_t first_contact_deadline(const sx_hb *hb) {
+    return hb->started_at + (int64_t)hb->cfg.timeout_ns + (int64_t)hb->cfg.first_contact_grace_ns;
+}
+
 static void direct_evaluate(sx_hb *hb, uint32_t i, int64_t now) {
     sx_hb_peer *p = &hb->peers[i].pub;
     int alive = p->last_alive_ns >= 0 && now - p->last_alive_ns <= (int64_t)hb->cfg.timeout_ns;
     if (alive)
         set_state(hb, i, SX_HB_HEALTHY, now);
-    else if (p->state == SX_HB_HEALTHY || now - hb->started_at > (int64_t)hb->cfg.timeout_ns)
+    else if (p->state == SX_HB_HEALTHY || (p->state == SX_HB_UNKNOWN && now > first_contact_deadline(hb)))
         set_state(hb, i, SX_HB_SUSPECTED, now);
 }
 
@@ -357,13 +365,30 @@ static void apply_entries(sx_hb *hb, const datagram *d, int64_t now) {
 
 /* ---- receiving ------------------------------------------------------------ */
 
-/* The replay window. An ACK that echoes one of our own probes from this run proves it is fresh, so it may
- * restart the window of a peer whose process (instance) changed and whose counter fell behind. */
+/* The replay window, per peer, of the process (instance) it was last heard from.
+ * - Above the window: news, and the window moves forward. From a new instance, that is the peer's restart
+ *   (sequence numbers start at the wall clock, so a restarted process continues above its predecessor).
+ * - A new instance below the window (its wall clock stepped back) restarts the window only with an ACK that
+ *   echoes a probe we sent after the current window began: that process is alive now. Its predecessor's ACKs,
+ *   captured and replayed, echo older probes (it was gone before the window began), so they can't move the
+ *   window back, nor count as another restart; an ACK of a new instance needs that proof even above the window.
+ * - The instance the current one replaced never comes back: its datagrams are replays, whatever their number. */
 static int check_sequence(sx_hb *hb, peer *p, const datagram *d) {
-    int fresh_proof = d->type == SX_HB_ACK && d->probe_seq >= hb->seq_start && d->probe_seq < hb->seq;
-    if (!p->have_seq || d->seq > p->top_seq || (d->instance != p->pub.instance && fresh_proof)) {
-        uint64_t shift = p->have_seq && d->seq > p->top_seq ? d->seq - p->top_seq : WINDOW_BITS;
+    if (p->have_seq && d->instance != p->pub.instance) {
+        int fresh_proof = d->type == SX_HB_ACK && d->probe_seq >= p->window_probe && d->probe_seq < hb->seq;
+        if (d->instance == p->retired || (d->type == SX_HB_ACK && !fresh_proof) ||
+            (d->seq <= p->top_seq && !fresh_proof))
+            return SX_HB_DROP_REPLAY;
+        p->retired = p->pub.instance;
+        p->seen = 1;
+        p->top_seq = d->seq;
+        p->window_probe = hb->seq;
+        return -1;
+    }
+    if (!p->have_seq || d->seq > p->top_seq) {
+        uint64_t shift = p->have_seq ? d->seq - p->top_seq : WINDOW_BITS;
         p->seen = shift >= WINDOW_BITS ? 1 : p->seen << shift | 1;
+        if (!p->have_seq) p->window_probe = hb->seq;
         p->top_seq = d->seq;
         p->have_seq = 1;
         return -1;
@@ -542,7 +567,7 @@ static void direct_timers(sx_hb *hb, int64_t now) {
         direct_evaluate(hb, i, now);
         const sx_hb_peer *p = &hb->peers[i].pub;
         if (p->state == SX_HB_HEALTHY) wake = min64(wake, p->last_alive_ns + (int64_t)hb->cfg.timeout_ns + 1);
-        if (p->state == SX_HB_UNKNOWN) wake = min64(wake, hb->started_at + (int64_t)hb->cfg.timeout_ns + 1);
+        if (p->state == SX_HB_UNKNOWN) wake = min64(wake, first_contact_deadline(hb) + 1);
     }
     hb->next_wake = wake;
 }
@@ -564,7 +589,11 @@ static void gossip_timers(sx_hb *hb, int64_t now) {
         if (hb->probe.active && !hb->probe.acked) {
             uint32_t t = hb->probe.target;
             const sx_hb_peer *p = &hb->peers[t].pub;
-            if (p->state == SX_HB_UNKNOWN || p->state == SX_HB_HEALTHY) { /* no answer, direct or indirect */
+            /* no answer, direct or indirect; a member never heard from gets the first-contact grace */
+            int judged = p->state == SX_HB_HEALTHY ||
+                         (p->state == SX_HB_UNKNOWN &&
+                          (hb->cfg.first_contact_grace_ns == 0 || now > first_contact_deadline(hb)));
+            if (judged) {
                 set_state(hb, t, SX_HB_SUSPECTED, now);
                 enqueue(hb, t, p->incarnation, SX_HB_SUSPECTED);
             }
@@ -668,13 +697,29 @@ static int net_error(void) {
     return SX_ENET;
 }
 
+/* Dups fd, a bound IPv4 UDP socket, into hb->fd; its address in *sa. */
+static int adopt_socket(sx_hb *hb, int fd, struct sockaddr_in *sa) {
+    int type = 0, domain = 0;
+    socklen_t len = sizeof type;
+    if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0) return net_error();
+    len = sizeof domain;
+    if (getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &len) != 0) return net_error();
+    len = sizeof *sa;
+    if (getsockname(fd, (struct sockaddr *)sa, &len) != 0) return net_error();
+    if (type != SOCK_DGRAM || domain != AF_INET || sa->sin_family != AF_INET || sa->sin_port == 0)
+        return SX_EINVAL; /* not UDP, not IPv4, or not bound */
+    hb->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    return hb->fd < 0 ? net_error() : SX_OK;
+}
+
 int sx_hb_create(const sx_hb_config *cfg, const uint32_t *addrs, const uint16_t *ports, size_t npeers,
                  sx_hb **out) {
     if (!cfg || !out || (npeers && (!addrs || !ports)) || npeers > (1u << 24) || cfg->interval_ns == 0 ||
         cfg->timeout_ns == 0 || cfg->retransmits == 0)
         return SX_EINVAL;
     for (size_t i = 0; i < npeers; i++)
-        if (ports[i] == 0 || (addrs[i] == cfg->bind_addr && ports[i] == cfg->bind_port)) return SX_EINVAL;
+        if (ports[i] == 0 || (cfg->sock_fd < 0 && addrs[i] == cfg->bind_addr && ports[i] == cfg->bind_port))
+            return SX_EINVAL;
     sx_hb *hb = calloc(1, sizeof *hb);
     if (!hb) return SX_ENOMEM;
     hb->cfg = *cfg;
@@ -726,24 +771,38 @@ int sx_hb_create(const sx_hb_config *cfg, const uint32_t *addrs, const uint16_t 
     blake2s_init(&hb->keyed, SX_HB_MAC_BYTES, cfg->key, SX_HB_KEY_BYTES);
     blake2s_absorb_key(&hb->keyed);
 
-    hb->fd = socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     hb->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (hb->fd < 0 || hb->wakefd < 0) {
+    if (hb->wakefd < 0) {
         rc = net_error();
         goto fail;
     }
-    int size = 4 << 20; /* bursts from many peers at once; the kernel caps it at net.core.rmem_max */
-    setsockopt(hb->fd, SOL_SOCKET, SO_RCVBUF, &size, sizeof size);
     struct sockaddr_in bind_sa = {.sin_family = AF_INET, .sin_port = htons(cfg->bind_port),
                                   .sin_addr.s_addr = htonl(cfg->bind_addr)};
     socklen_t sl = sizeof bind_sa;
-    if (bind(hb->fd, (struct sockaddr *)&bind_sa, sizeof bind_sa) != 0 ||
-        getsockname(hb->fd, (struct sockaddr *)&bind_sa, &sl) != 0) {
-        rc = net_error();
-        goto fail;
+    if (cfg->sock_fd >= 0) {
+        /* The caller's socket, held for its whole life: we use a dup (every call passes MSG_DONTWAIT, so its
+         * blocking mode, which the dup shares, is left alone) and close only the dup. */
+        rc = adopt_socket(hb, cfg->sock_fd, &bind_sa);
+        if (rc != SX_OK) goto fail;
+        hb->cfg.bind_addr = ntohl(bind_sa.sin_addr.s_addr);
+        hb->cfg.bind_port = ntohs(bind_sa.sin_port);
+    } else {
+        hb->fd = socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+        if (hb->fd < 0 || bind(hb->fd, (struct sockaddr *)&bind_sa, sizeof bind_sa) != 0 ||
+            getsockname(hb->fd, (struct sockaddr *)&bind_sa, &sl) != 0) {
+            rc = net_error();
+            goto fail;
+        }
     }
+    int size = 4 << 20; /* bursts from many peers at once; the kernel caps it at net.core.rmem_max */
+    setsockopt(hb->fd, SOL_SOCKET, SO_RCVBUF, &size, sizeof size);
     hb->stats.port = ntohs(bind_sa.sin_port);
-    if (cfg->bind_addr) hb->self_id = member_id(cfg->bind_addr, hb->stats.port);
+    for (size_t i = 0; i < npeers; i++)
+        if (addrs[i] == hb->cfg.bind_addr && ports[i] == hb->cfg.bind_port) { /* a held socket's own address */
+            rc = SX_EINVAL;
+            goto fail;
+        }
+    if (hb->cfg.bind_addr) hb->self_id = member_id(hb->cfg.bind_addr, hb->stats.port);
     if (hb->self_id && find_peer(hb, hb->self_id) >= 0) { /* bound to port 0 and given our own port as a peer */
         rc = SX_EINVAL;
         goto fail;
@@ -808,7 +867,7 @@ int sx_hb_stop(sx_hb *hb) {
         pthread_join(hb->thread, NULL);
     }
     pthread_mutex_lock(&hb->lock);
-    if (hb->fd >= 0) close(hb->fd); /* the port is free again as soon as the monitor stops */
+    if (hb->fd >= 0) close(hb->fd); /* the port is free again as soon as the monitor stops (a held one: our dup) */
     hb->fd = -1;
     hb->stopped = 1;
     pthread_cond_broadcast(&hb->cond);

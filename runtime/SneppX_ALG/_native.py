@@ -375,22 +375,30 @@ class Heartbeat:
 
     peers: (IPv4 as int, port) pairs. Times are CLOCK_MONOTONIC nanoseconds. The memory is freed when the
     object is garbage; stop() ends the thread and frees the port at once.
+
+    sock_fd: -1 to bind bind_addr:bind_port, else the descriptor of an IPv4 UDP socket the caller has bound
+    and keeps: the monitor uses a dup of it and closes only that (bind_* are then taken from the socket).
+    first_contact_grace_ns: a peer never heard from is suspected only timeout + this after start().
     """
 
     def __init__(self, *, bind_addr: int, bind_port: int, peers: list[tuple[int, int]], key: bytes, job_tag: bytes,
                  interval_ns: int, timeout_ns: int, probe_timeout_ns: int, suspicion_ns: int, direct_limit: int,
-                 indirect_probes: int, retransmits: int, generation: int):
+                 indirect_probes: int, retransmits: int, generation: int, first_contact_grace_ns: int = 0,
+                 sock_fd: int = -1):
         if len(key) != HB_KEY_BYTES or len(job_tag) != 16:
             raise ValueError(f"the heartbeat key must be {HB_KEY_BYTES} bytes and the job tag 16")
         for name, value in (("interval_ns", interval_ns), ("timeout_ns", timeout_ns), ("retransmits", retransmits)):
             if value <= 0:
                 raise ValueError(f"{name} must be positive, not {value}")
+        if first_contact_grace_ns < 0:
+            raise ValueError(f"first_contact_grace_ns must not be negative, not {first_contact_grace_ns}")
         cfg = ffi.new("sx_hb_config *")
         cfg.bind_addr, cfg.bind_port = bind_addr, bind_port
         cfg.interval_ns, cfg.timeout_ns = interval_ns, timeout_ns
         cfg.probe_timeout_ns, cfg.suspicion_ns = probe_timeout_ns, suspicion_ns
         cfg.direct_limit, cfg.indirect_probes, cfg.retransmits = direct_limit, indirect_probes, retransmits
         cfg.generation = generation
+        cfg.first_contact_grace_ns, cfg.sock_fd = first_contact_grace_ns, sock_fd
         ffi.memmove(cfg.key, key, len(key))
         ffi.memmove(cfg.job_tag, job_tag, 16)
         self.npeers = len(peers)

@@ -112,3 +112,13 @@ def test_generation_only_moves_forward_and_a_stopped_monitor_stays_stopped() -> 
 def test_interval_must_not_exceed_timeout() -> None:
     with pytest.raises(errors.HeartbeatConfigError, match="interval"):
         HeartbeatMonitor(peers=[], key=KEY, bind="127.0.0.1:0", interval=1.0, timeout=0.5)
+
+
+def test_first_contact_grace_defaults_to_zero_and_must_not_be_negative() -> None:
+    with HeartbeatMonitor(peers=[], key=KEY, bind="127.0.0.1:0") as hb:
+        assert hb.first_contact_grace == 0.0
+    with HeartbeatMonitor(peers=[], key=KEY, bind="127.0.0.1:0", first_contact_grace=2.5) as hb:
+        assert hb.first_contact_grace == 2.5
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(errors.HeartbeatConfigError, match="first_contact_grace"):
+            HeartbeatMonitor(peers=[], key=KEY, bind="127.0.0.1:0", first_contact_grace=bad)

@@ -34,6 +34,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Self
@@ -138,6 +139,33 @@ def _is_local(addr: int) -> bool:
             return False
 
 
+def _held_address(sock: socket.socket) -> tuple[int, int]:
+    """(IPv4 as int, port) of a caller's socket given as sock=; HeartbeatConfigError unless it is an open,
+    bound IPv4 UDP socket."""
+    if not isinstance(sock, socket.socket):
+        raise errors.HeartbeatConfigError(f"sock must be a socket.socket, not {type(sock).__name__}")
+    if sock.fileno() < 0:
+        raise errors.HeartbeatConfigError("sock is closed")
+    if sock.family != socket.AF_INET or sock.type != socket.SOCK_DGRAM:
+        raise errors.HeartbeatConfigError(f"sock must be an IPv4 UDP socket, not {sock.family!r}/"
+                                          f"{sock.type!r}")
+    host, port = sock.getsockname()
+    if port == 0:
+        raise errors.HeartbeatConfigError("sock is not bound: bind it (to port 0 for any free port) first")
+    return int(ipaddress.IPv4Address(host)), port
+
+
+# Held sockets (by the kernel's identity of the socket: st_dev, st_ino) -> the monitor using it now. Two
+# monitors reading one socket at once would each take datagrams meant for the other.
+_sockets_in_use: dict[tuple[int, int], weakref.ref[HeartbeatMonitor]] = {}
+_sockets_lock = threading.Lock()
+
+
+def _socket_identity(sock: socket.socket) -> tuple[int, int]:
+    st = os.fstat(sock.fileno())
+    return st.st_dev, st.st_ino
+
+
 @dataclasses.dataclass(frozen=True)
 class PeerStatus:
     """One peer as this monitor sees it. Durations are seconds before the snapshot; None: never."""
@@ -231,10 +259,20 @@ class HeartbeatMonitor:
         `indirect_probes` helpers, suspicions piggybacked `retransmits` times and confirmed after
         `suspicion_timeout`), so its traffic stays constant as the job grows.
     generation: membership generation (default SNEPPX_GENERATION or 0); datagrams of older ones are dropped.
+    first_contact_grace: seconds added to `timeout` for a peer never heard from: it is suspected only once
+        timeout + first_contact_grace have passed since start() (both modes; once heard, `timeout` applies).
+        Members that learn of a new membership up to a rendezvous poll apart pass that poll bound. 0 (the
+        default): direct mode suspects it after `timeout`, gossip mode at its first unanswered probe.
+    sock: an IPv4 UDP socket the caller has bound and keeps for its whole life (e.g. one per agent, for every
+        generation's monitor): the monitor uses a duplicate of its descriptor and closes only that, so the
+        socket stays open and bound after stop() and the next monitor can use it; one monitor at a time
+        (HeartbeatConfigError while another that uses it has not stopped). `bind` must be None or agree with
+        the socket's address (SNEPPX_HEARTBEAT_BIND is not read); `address` is the socket's.
     environ: where the SNEPPX_* variables are read (default os.environ).
 
     start() starts the C thread (FaultToleranceManager.wait_for_quorum() calls it when needed); stop() ends it
-    and frees the port; a monitor is not restarted (make a new one). Use it as a context manager to stop it.
+    and frees the port (not a held `sock`'s); a monitor is not restarted (make a new one). Use it as a context
+    manager to stop it.
     """
 
     def __init__(self, peers: Sequence[str], *, key: bytes | str | None = None, job_id: str | None = None,
@@ -242,6 +280,7 @@ class HeartbeatMonitor:
                  generation: int | None = None, direct_limit: int = DEFAULT_DIRECT_LIMIT,
                  probe_timeout: float | None = None, suspicion_timeout: float | None = None,
                  indirect_probes: int = 3, retransmits: int | None = None,
+                 first_contact_grace: float = 0.0, sock: socket.socket | None = None,
                  environ: Mapping[str, str] | None = None):
         env = os.environ if environ is None else environ
         if isinstance(peers, str):
@@ -249,14 +288,26 @@ class HeartbeatMonitor:
         if not 0 < interval <= timeout:
             raise errors.HeartbeatConfigError(f"need 0 < interval <= timeout, got interval={interval} "
                                               f"timeout={timeout}")
+        if not 0 <= first_contact_grace < math.inf:
+            raise errors.HeartbeatConfigError(f"first_contact_grace must be >= 0 seconds, not "
+                                              f"{first_contact_grace}")
         mac_key = load_key(key, env)
         self.job_id = job_id if job_id is not None else env.get(ENV_JOB) or DEFAULT_JOB
         resolved = [(text, *self._resolve_peer(text)) for text in peers]
-        bind_host, bind_port = split_address(bind if bind is not None else env.get(ENV_BIND, ""))
-        if not bind_host:
-            all_loopback = bool(resolved) and all(addr >> 24 == 127 for _, addr, _ in resolved)
-            bind_host = "127.0.0.1" if all_loopback else "0.0.0.0"
-        bind_addr = resolve(bind_host, bind_port)
+        if sock is not None:
+            bind_addr, bind_port = _held_address(sock)
+            bind_host = str(ipaddress.IPv4Address(bind_addr))
+            if bind is not None:
+                host, port = split_address(bind)
+                if (port and port != bind_port) or (host and resolve(host, port) != bind_addr):
+                    raise errors.HeartbeatConfigError(f"bind={bind!r} disagrees with sock, bound to "
+                                                      f"{bind_host}:{bind_port}")
+        else:
+            bind_host, bind_port = split_address(bind if bind is not None else env.get(ENV_BIND, ""))
+            if not bind_host:
+                all_loopback = bool(resolved) and all(addr >> 24 == 127 for _, addr, _ in resolved)
+                bind_host = "127.0.0.1" if all_loopback else "0.0.0.0"
+            bind_addr = resolve(bind_host, bind_port)
         self._names: list[str] = []
         targets: list[tuple[int, int]] = []
         for text, addr, port in resolved:
@@ -276,12 +327,23 @@ class HeartbeatMonitor:
                 generation = int(env.get(ENV_GENERATION) or 0)
             except ValueError:
                 raise errors.HeartbeatConfigError(f"{ENV_GENERATION}={env[ENV_GENERATION]!r} is not a number") from None
-        self._native = _native.Heartbeat(
-            bind_addr=bind_addr, bind_port=bind_port, peers=targets, key=mac_key, job_tag=job_tag(self.job_id),
-            interval_ns=int(interval * 1e9), timeout_ns=int(timeout * 1e9),
-            probe_timeout_ns=int(self.probe_timeout * 1e9), suspicion_ns=int(self.suspicion_timeout * 1e9),
-            direct_limit=direct_limit, indirect_probes=indirect_probes,
-            retransmits=retransmits if retransmits is not None else 4 * math.ceil(scale), generation=generation)
+        self.first_contact_grace = first_contact_grace
+        self._held: tuple[int, int] | None = None
+        if sock is not None:
+            self._hold(sock)
+        try:
+            self._native = _native.Heartbeat(
+                bind_addr=bind_addr, bind_port=bind_port, peers=targets, key=mac_key,
+                job_tag=job_tag(self.job_id), interval_ns=int(interval * 1e9), timeout_ns=int(timeout * 1e9),
+                probe_timeout_ns=int(self.probe_timeout * 1e9),
+                suspicion_ns=int(self.suspicion_timeout * 1e9), direct_limit=direct_limit,
+                indirect_probes=indirect_probes,
+                retransmits=retransmits if retransmits is not None else 4 * math.ceil(scale),
+                generation=generation, first_contact_grace_ns=int(first_contact_grace * 1e9),
+                sock_fd=sock.fileno() if sock is not None else -1)
+        except BaseException:
+            self._release()
+            raise
         stats = self._native.stats()
         self.address = f"{bind_host}:{stats['port']}"
         self.mode: str = stats["mode"]
@@ -289,6 +351,26 @@ class HeartbeatMonitor:
         self._state = "new"
         self._subscribers: list[Callable[[MembershipEvent], None]] = []
         self._dispatcher: threading.Thread | None = None
+
+    def _hold(self, sock: socket.socket) -> None:
+        identity = _socket_identity(sock)
+        with _sockets_lock:
+            ref = _sockets_in_use.get(identity)
+            other = ref() if ref is not None else None
+            if other is not None and other._state != "stopped":
+                raise errors.HeartbeatConfigError(f"sock is in use by {other!r}: stop it first (one monitor "
+                                                  "at a time per socket)")
+            _sockets_in_use[identity] = weakref.ref(self)
+            self._held = identity
+
+    def _release(self) -> None:
+        if self._held is None:
+            return
+        with _sockets_lock:
+            ref = _sockets_in_use.get(self._held)
+            if ref is not None and ref() in (self, None):
+                del _sockets_in_use[self._held]
+        self._held = None
 
     @staticmethod
     def _resolve_peer(text: str) -> tuple[int, int]:
@@ -325,10 +407,12 @@ class HeartbeatMonitor:
         return self
 
     def stop(self) -> None:
-        """Stops the thread, frees the port and ends every EventStream; idempotent."""
+        """Stops the thread, frees the port (a held `sock` stays open and bound, free for the next monitor)
+        and ends every EventStream; idempotent."""
         with self._lock:
             self._state = "stopped"
             self._native.stop()
+            self._release()
             dispatcher, self._dispatcher = self._dispatcher, None
         if dispatcher is not None and dispatcher is not threading.current_thread():
             dispatcher.join()
