@@ -14,6 +14,7 @@ import threading
 from typing import TYPE_CHECKING
 
 import collective_workers as workers
+import numpy as np
 import pytest
 
 from SneppX_ALG import errors
@@ -149,3 +150,53 @@ def test_a_listener_without_the_key_is_not_trusted(tmp_path: os.PathLike[str]) -
         threading.Thread(target=answer, daemon=True).start()
         with pytest.raises(errors.CommAuthError, match="does not prove"):
             collectives.ProcessGroup(s, 0, 2, 1, key=workers.KEY, timeout=60)
+
+
+def test_an_abort_during_setup_ends_it_and_the_process_forms_the_next_group(tmp_path: os.PathLike[str],
+                                                                           ranks: Ranks) -> None:
+    """Rank 0 of a world of 2 waits for rank 1, which never comes, with a 10-minute deadline: only the abort (set
+    from another thread, as the worker's control thread does when its agent ends the generation) can end the
+    setup within this test's timeout. It raises what an aborted collective raises, its listener is closed, and
+    the same process then forms the next group with a real peer."""
+    aborted = threading.Event()
+    outcome: list[BaseException | None] = []
+
+    def set_up() -> None:
+        try:
+            workers.connect(str(tmp_path), 0, 2, timeout=600, aborted=aborted).close()
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            outcome.append(e)
+
+    setup = threading.Thread(target=set_up, daemon=True)
+    setup.start()
+    address = json.loads(store.DirectoryStore(tmp_path).get(collectives.address_key(1, 0), timeout=120))
+    aborted.set()  # rank 0 is in setup: it published its address and waits for rank 1
+    setup.join(120)
+    assert not setup.is_alive() and len(outcome) == 1, "the abort did not end the setup"
+    error = outcome[0]
+    assert isinstance(error, errors.CollectiveAbortedError), repr(error)
+    assert (error.rank, error.generation) == (0, 1) and "setup of generation 1" in str(error)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((address["host"], address["port"]), timeout=60).close()
+    following = os.path.join(tmp_path, "next")
+    ranks.start(1, workers.allreduce_once, following, 1, 2, ranks.results)
+    with workers.connect(following, 0, 2, timeout=120) as group:
+        data = np.full(8, 1.0)
+        group.allreduce(data)
+    assert data.tolist() == [3.0] * 8
+    assert ranks.get()[:2] == (1, [3.0] * 8)
+
+
+def test_an_abort_ends_an_nccl_rank_waiting_for_rank_0s_id(tmp_path: os.PathLike[str]) -> None:
+    """Rank 1 of an NCCL group waits in the store for rank 0's unique id (which never comes) before NCCL is
+    touched: the abort ends that wait too (no GPU needed to get this far)."""
+    aborted = threading.Event()
+    timer = threading.Timer(0.2, aborted.set)
+    timer.start()
+    try:
+        with pytest.raises(errors.CollectiveAbortedError, match="setup of generation 3"):
+            collectives.ProcessGroup(store.DirectoryStore(tmp_path), 1, 2, 3, backend="nccl", timeout=600,
+                                     aborted=aborted)
+    finally:
+        timer.cancel()

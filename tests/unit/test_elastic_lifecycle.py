@@ -70,6 +70,26 @@ def test_generations_only_move_forward() -> None:
     assert node.generation == 8
 
 
+def test_an_explicit_generation_0_is_generation_0_on_the_first_membership() -> None:
+    """The rendezvous numbers generations from 0: the first membership's own number is recorded as it is, and
+    the next one (1) is newer. After that, 0 is never newer: refused, nothing changed."""
+    node = Lifecycle()
+    node.fire("join")
+    assert node.fire("reconfigured", generation=0) == "running"
+    assert (node.state, node.generation, node.transitions) == ("running", 0, 2)
+    node.fire("peer_failed")
+    with pytest.raises(ValueError, match="generation 0 is not newer than the current 0"):
+        node.fire("reconfigured", generation=0)
+    assert (node.state, node.generation, node.transitions) == ("reconfiguring", 0, 3)
+    assert node.fire("reconfigured", generation=1) == "running" and node.generation == 1
+    with pytest.raises(errors.LifecycleError):  # the state is checked first, as for any generation
+        node.fire("reconfigured", generation=0)
+    fresh = Lifecycle()
+    fresh.fire("join")
+    fresh.fire("reconfigured")  # no generation given: current + 1
+    assert fresh.generation == 1
+
+
 def test_unknown_event_and_misplaced_generation_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown lifecycle event"):
         Lifecycle().fire("explode")
@@ -82,8 +102,9 @@ class LifecycleAgainstModel(RuleBasedStateMachine):
         super().__init__()
         self.node = Lifecycle()
         self.state, self.generation, self.transitions = "init", 0, 0
+        self.formed = False  # a generation was recorded: the next must be newer (before, any one, 0 included)
 
-    @rule(event=st.sampled_from(lifecycle.EVENTS), generation=st.none() | st.integers(1, 50))
+    @rule(event=st.sampled_from(lifecycle.EVENTS), generation=st.none() | st.integers(0, 50))
     def fire(self, event: str, generation: int | None) -> None:
         if event != "reconfigured":
             generation = None
@@ -92,14 +113,14 @@ class LifecycleAgainstModel(RuleBasedStateMachine):
         if expected is None:
             with pytest.raises(errors.LifecycleError):
                 self.node.fire(event, generation)
-        elif event == "reconfigured" and wanted_generation <= self.generation:
+        elif event == "reconfigured" and self.formed and wanted_generation <= self.generation:
             with pytest.raises(ValueError):
                 self.node.fire(event, generation)
         else:
             assert self.node.fire(event, generation) == expected
             self.state, self.transitions = expected, self.transitions + 1
             if event == "reconfigured":
-                self.generation = wanted_generation
+                self.generation, self.formed = wanted_generation, True
 
     @invariant()
     def agrees(self) -> None:

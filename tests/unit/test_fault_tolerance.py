@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from SneppX_ALG import CheckpointCoordinator, FaultToleranceManager, errors, generate_keypair
+from SneppX_ALG.coordinator import SkippedCheckpoint
 from SneppX_ALG.elastic import fault_tolerance
 
 
@@ -146,3 +147,30 @@ def test_delays_at_the_cap_are_still_spread() -> None:
     delays = [fault_tolerance.restart_delay(12, base=1.0, factor=2.0, cap=5.0, jitter=0.2, rng=rng)
               for _ in range(100)]
     assert all(4.0 <= d <= 5.0 for d in delays) and len(set(delays)) > 50
+
+
+def test_backoff_stays_at_the_cap_however_many_failures() -> None:
+    """factor**(attempt-1) passes a float's range at attempt 1,025 with factor 2: the delay is the cap, not an
+    OverflowError out of record_failure."""
+    rng = random.Random(3)
+    for attempt in (1025, 10**6):
+        assert fault_tolerance.restart_delay(attempt, base=1.0, factor=2.0, cap=60.0, jitter=0.0, rng=rng) == 60.0
+        assert fault_tolerance.restart_delay(attempt, base=0.0, factor=2.0, cap=60.0, jitter=0.0, rng=rng) == 0.0
+        assert 54.0 <= fault_tolerance.restart_delay(attempt, base=1.0, factor=2.0, cap=60.0, jitter=0.1,
+                                                     rng=rng) <= 60.0
+    ft = FaultToleranceManager(max_restarts=2000, restart_delay=1.0, max_restart_delay=60.0, jitter=0.0)
+    delays = [ft.record_failure(f"failure {n}") for n in range(1, 1026)]
+    assert delays[:3] == [1.0, 2.0, 4.0] and delays[-1] == 60.0 and ft.restarts == 1025
+
+
+def test_one_rollback_rule_for_the_manager_and_the_workers() -> None:
+    """fault_tolerance.check_rollback is the rule; FaultToleranceManager.resume_point and the ElasticTrainer's
+    TrainContext.restore both call it (tests/unit/test_elastic_trainer_parts.py checks the worker's side)."""
+    bad = [SkippedCheckpoint(3, ("crc",)), SkippedCheckpoint(2, ("crc",))]
+    fault_tolerance.check_rollback([], None, rollback_depth=0)  # nothing committed: a fresh start
+    fault_tolerance.check_rollback(bad, 1, rollback_depth=2)
+    with pytest.raises(errors.RollbackLimitError, match="rollback_depth=1") as caught:
+        fault_tolerance.check_rollback(bad, 1, rollback_depth=1)
+    assert [s.step for s in caught.value.skipped] == [3, 2]
+    with pytest.raises(errors.RollbackLimitError, match="none is valid"):
+        fault_tolerance.check_rollback(bad, None, rollback_depth=2)  # within the depth, but nothing to resume

@@ -13,6 +13,8 @@ Setup of the TCP ring, per rank r of N in generation g:
 3. on each connection, a challenge-response with HMAC-SHA256 over both nonces, both ranks and the generation;
    the key never crosses the wire. A connection that is not the protocol, fails the challenge, or comes from
    another generation or an unexpected rank is closed and counted in `refused`; the group goes on forming.
+Setup is abortable from its first step (`aborted=`): a generation that ends while a rank still waits for a peer
+that will never come must not cost that rank its process (the agent kills a worker that does not stop soon).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import secrets
 import selectors
 import socket
 import struct
+import threading
 import time
 from collections import Counter
 from collections.abc import Generator, Mapping
@@ -38,6 +41,7 @@ from SneppX_ALG.elastic import heartbeat
 from SneppX_ALG.elastic import store as store_lib
 
 DEFAULT_TIMEOUT = 300.0
+_SETUP_POLL = 0.05  # setup's loops wake this often: to look for an address, to retry a connect, to see an abort
 MAX_PENDING_HANDSHAKES = 64  # connections being vetted at once; beyond this the oldest is dropped
 
 PROTOCOL_VERSION = 1
@@ -191,12 +195,20 @@ def _tune(sock: socket.socket) -> socket.socket:
     return sock
 
 
+def _check_setup_aborted(aborted: threading.Event | None, rank: int, generation: int) -> None:
+    if aborted is not None and aborted.is_set():
+        raise errors.CollectiveAbortedError(f"setup of generation {generation}: rank {rank} was aborted",
+                                            rank=rank, generation=generation)
+
+
 def connect_ring(listener: socket.socket, store: store_lib.Store, me: _Identity, deadline: float,
-                 refused: Counter[str]) -> tuple[socket.socket, socket.socket]:
+                 refused: Counter[str], aborted: threading.Event | None = None,
+                 ) -> tuple[socket.socket, socket.socket]:
     """(send socket to rank+1, receive socket from rank-1), both authenticated; see the module docstring.
 
     The listener is served from the start, also while rank+1's address is not yet in the store, so a connection
-    never waits on anything but its own handshake."""
+    never waits on anything but its own handshake. CollectiveAbortedError once `aborted` is set (seen within
+    _SETUP_POLL seconds), the sockets closed."""
     right, left = (me.rank + 1) % me.world_size, (me.rank - 1) % me.world_size
     right_address: tuple[str, int] | None = None
     lookup_at, lookup_every = 0.0, 0.01
@@ -217,6 +229,7 @@ def connect_ring(listener: socket.socket, store: store_lib.Store, me: _Identity,
 
     try:
         while send_sock is None or recv_sock is None:
+            _check_setup_aborted(aborted, me.rank, me.generation)
             now = time.monotonic()
             if now >= deadline:
                 missing = [f"reach rank {right}" + ("" if right_address else " (it never published its address)")
@@ -233,7 +246,7 @@ def connect_ring(listener: socket.socket, store: store_lib.Store, me: _Identity,
                 outgoing.setblocking(False)
                 outgoing.connect_ex(right_address)
                 selector.register(outgoing, selectors.EVENT_WRITE)
-            for selected, _ in selector.select(min(deadline - now, 0.05)):
+            for selected, _ in selector.select(min(deadline - now, _SETUP_POLL)):
                 sock = selected.fileobj
                 assert isinstance(sock, socket.socket)
                 if sock is listener:
@@ -250,7 +263,7 @@ def connect_ring(listener: socket.socket, store: store_lib.Store, me: _Identity,
                     if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):  # nobody listening: try again soon
                         selector.unregister(sock)
                         sock.close()
-                        outgoing, next_attempt = None, time.monotonic() + 0.05
+                        outgoing, next_attempt = None, time.monotonic() + _SETUP_POLL
                         continue
                     selector.modify(sock, selectors.EVENT_READ)
                     client = _Conversation(sock, _client_steps(sock, me, right))
@@ -282,9 +295,9 @@ def connect_ring(listener: socket.socket, store: store_lib.Store, me: _Identity,
                             drop(other, "late")
         return _tune(send_sock), _tune(recv_sock)
     except BaseException:
-        for sock in [*vetting, outgoing, send_sock, recv_sock]:
-            if sock is not None:
-                sock.close()
+        for leftover in [*vetting, outgoing, send_sock, recv_sock]:
+            if leftover is not None:
+                leftover.close()
         raise
     finally:
         selector.close()
@@ -306,11 +319,17 @@ class ProcessGroup:
     backend="tcp" (CPU, any machine; needs the job key when world_size > 1) or "nccl" (GPU `device`; arrays are
     staged through device memory, and objects with __cuda_array_interface__ are used in place). `abort()` may be
     called from any thread.
+
+    aborted: an Event another thread may set while the constructor still connects (there is no group yet to
+    call abort() on): setup then raises CollectiveAbortedError, as a collective that abort() ends does. The
+    tcp backend sees it within _SETUP_POLL seconds at any step of setup; nccl while rank > 0 waits for rank 0's
+    id, not inside NCCL's own initialisation.
     """
 
     def __init__(self, store: store_lib.Store, rank: int, world_size: int, generation: int = 0, *,
                  backend: Backend = "tcp", key: bytes | str | None = None, host: str = "127.0.0.1",
-                 timeout: float = DEFAULT_TIMEOUT, chunk_bytes: int = 1 << 20, device: int = 0):
+                 timeout: float = DEFAULT_TIMEOUT, chunk_bytes: int = 1 << 20, device: int = 0,
+                 aborted: threading.Event | None = None):
         for name, value, low in (("world_size", world_size, 1), ("generation", generation, 0),
                                  ("rank", rank, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -330,13 +349,14 @@ class ProcessGroup:
         self._staging: dict[str, Any] = {}  # nccl: device buffer for host arrays
         self.device = device
         deadline = time.monotonic() + timeout
+        _check_setup_aborted(aborted, rank, generation)
         if backend == "nccl":
-            self._comm: Any = self._connect_nccl(store, device, deadline)
+            self._comm: Any = self._connect_nccl(store, device, deadline, aborted)
         else:
-            self._comm = self._connect_tcp(store, key, host, chunk_bytes & ~7, deadline)
+            self._comm = self._connect_tcp(store, key, host, chunk_bytes & ~7, deadline, aborted)
 
     def _connect_tcp(self, store: store_lib.Store, key: bytes | str | None, host: str, chunk_bytes: int,
-                     deadline: float) -> _native.Comm:
+                     deadline: float, aborted: threading.Event | None) -> _native.Comm:
         if self.world_size == 1:  # no peers: nothing to connect or authenticate
             return _native.Comm(0, 1, self.generation, chunk_bytes=chunk_bytes)
         # The job's one key, as the heartbeat reads it: key=, else $SNEPPX_HEARTBEAT_KEY_FILE, else the hex variable.
@@ -346,21 +366,33 @@ class ProcessGroup:
             listener.listen(MAX_PENDING_HANDSHAKES)
             bound_host, port = listener.getsockname()[:2]
             store.set(address_key(self.generation, self.rank), json.dumps({"host": bound_host, "port": port}).encode())
-            send_sock, recv_sock = connect_ring(listener, store, me, deadline, self.refused)
+            send_sock, recv_sock = connect_ring(listener, store, me, deadline, self.refused, aborted)
         return _native.Comm(self.rank, self.world_size, self.generation, send_sock.detach(), recv_sock.detach(),
                             chunk_bytes)
 
-    def _connect_nccl(self, store: store_lib.Store, device: int, deadline: float) -> _native.NcclComm:
+    def _connect_nccl(self, store: store_lib.Store, device: int, deadline: float,
+                      aborted: threading.Event | None) -> _native.NcclComm:
         if self.rank == 0:
             unique_id = _native.nccl_unique_id()
             store.set(nccl_id_key(self.generation), unique_id)
         else:
-            try:
-                unique_id = store.get(nccl_id_key(self.generation), max(deadline - time.monotonic(), 0))
-            except errors.StoreTimeoutError as e:
-                raise errors.CollectiveTimeoutError(
-                    f"setup of generation {self.generation}: rank 0 never published the NCCL id ({e})",
-                    rank=self.rank, generation=self.generation, peer=0) from None
+            interval = 0.01
+            while True:  # polled here with backoff, not in store.get: an abort must wake the wait
+                _check_setup_aborted(aborted, self.rank, self.generation)
+                try:
+                    unique_id = store.get(nccl_id_key(self.generation), 0)
+                    break
+                except errors.StoreTimeoutError:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise errors.CollectiveTimeoutError(
+                            f"setup of generation {self.generation}: rank 0 never published the NCCL id",
+                            rank=self.rank, generation=self.generation, peer=0) from None
+                if aborted is not None:
+                    aborted.wait(min(interval, left))
+                else:
+                    time.sleep(min(interval, left))
+                interval = min(interval * 2, 0.25)
         return _native.NcclComm(unique_id, self.rank, self.world_size, self.generation, device=device,
                                 timeout=max(deadline - time.monotonic(), 1e-3))
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import math
 import os
 import random
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from SneppX_ALG import coordinator, errors
@@ -41,8 +43,28 @@ def restart_delay(attempt: int, *, base: float, factor: float, cap: float, jitte
     """Seconds to wait before restart number `attempt` (1, 2, ...): base * factor**(attempt-1), capped, then
     shortened by a random fraction up to `jitter`, so that nodes that failed together don't come back together
     (spread downwards, so even delays at the cap stay spread and never exceed it)."""
-    delay = min(cap, base * factor ** (attempt - 1))
+    try:
+        grown = base * factor ** (attempt - 1)
+    except OverflowError:  # factor**n past a float's range (n > 1023 with factor 2): far past any cap
+        grown = math.inf if base > 0 else 0.0
+    delay = min(cap, grown)
     return delay * (1 - rng.uniform(0, jitter))
+
+
+def check_rollback(skipped: Sequence[coordinator.SkippedCheckpoint], resumed_step: int | None, *,
+                   rollback_depth: int) -> None:
+    """The rollback rule, one place for FaultToleranceManager.resume_point and the ElasticTrainer's workers
+    (`TrainContext.restore`): `skipped` are the newer committed steps that did not validate, `resumed_step`
+    the step found instead (None: none). RollbackLimitError when more than `rollback_depth` were skipped, or
+    when steps were committed and none validates: resuming from far back, or from scratch, is a decision for a
+    person. Nothing committed at all (no step, none skipped) is a fresh start, and passes."""
+    if len(skipped) <= rollback_depth and (resumed_step is not None or not skipped):
+        return
+    found = "none is valid" if resumed_step is None else f"the newest valid one is step {resumed_step}"
+    raise errors.RollbackLimitError(
+        f"{len(skipped)} newer committed checkpoints are invalid (steps "
+        f"{', '.join(str(s.step) for s in skipped)}) and {found}; rollback_depth={rollback_depth}",
+        skipped=list(skipped))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,12 +222,7 @@ class FaultToleranceManager:
         skipped = tuple(coord.skipped[already:])
         for bad in skipped:
             log.warning("rollback: step %d is not valid: %s", bad.step, "; ".join(bad.problems[:3]))
-        if len(skipped) > self.rollback_depth or (info is None and skipped):
-            found = "none is valid" if info is None else f"the newest valid one is step {info.step}"
-            raise errors.RollbackLimitError(
-                f"{len(skipped)} newer committed checkpoints are invalid (steps "
-                f"{', '.join(str(s.step) for s in skipped)}) and {found}; rollback_depth={self.rollback_depth}",
-                skipped=list(skipped))
+        check_rollback(skipped, None if info is None else info.step, rollback_depth=self.rollback_depth)
         if info is None:
             log.info("no committed checkpoint: starting from scratch")
             return None

@@ -29,6 +29,7 @@ class Lifecycle:
     def __init__(self) -> None:
         self._machine = _native.lifecycle_new()
         self._lock = threading.Lock()
+        self._formed = False  # a `reconfigured` was applied: a generation is recorded
 
     @property
     def state(self) -> str:
@@ -36,7 +37,7 @@ class Lifecycle:
 
     @property
     def generation(self) -> int:
-        """The membership generation: 0 until the first `reconfigured`."""
+        """The membership generation: 0 until the first `reconfigured` (which may record 0 as well: see fire)."""
         return int(self._machine.generation)
 
     @property
@@ -53,12 +54,25 @@ class Lifecycle:
         return [event for event in EVENTS if next_state(state, event) is not None]
 
     def fire(self, event: str, generation: int | None = None) -> str:
-        """Applies event and returns the new state. generation: for `reconfigured`, the generation the new
-        membership has (default: current + 1; it must be newer). LifecycleError if the state forbids it."""
+        """Applies event and returns the new state. LifecycleError if the state forbids it (checked first).
+
+        generation: for `reconfigured`, the generation the new membership has, as the rendezvous numbers them
+        (they start at 0), or None for current + 1. It must be newer than the one recorded, except on the first
+        `reconfigured`, which takes any generation, 0 included: 0 then means generation 0, as it says. After
+        that, 0 (like any generation not newer) is refused with ValueError, and nothing changes."""
         if generation is not None and event != "reconfigured":
             raise ValueError(f"only 'reconfigured' takes a generation, not {event!r}")
         with self._lock:
+            explicit_zero = event == "reconfigured" and generation == 0
+            if explicit_zero and self._formed and next_state(self.state, event) is not None:
+                raise ValueError(f"generation 0 is not newer than the current {self.generation}")
+            # elastic.c reads 0 as "current + 1"; an explicit 0 on the first `reconfigured` (the machine still at
+            # its initial 0, so C records 1) is set back to the 0 it asked for
             _native.lifecycle_fire(self._machine, event, generation or 0)
+            if event == "reconfigured":
+                if explicit_zero:
+                    self._machine.generation = 0
+                self._formed = True
             return self.state
 
     def __repr__(self) -> str:

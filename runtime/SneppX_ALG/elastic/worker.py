@@ -27,7 +27,7 @@ import numpy as np
 
 from SneppX_ALG import coordinator as coordinator_lib
 from SneppX_ALG import errors, storage
-from SneppX_ALG.elastic import collectives, control, pod, rendezvous
+from SneppX_ALG.elastic import collectives, control, fault_tolerance, pod, rendezvous
 from SneppX_ALG.elastic import store as store_lib
 
 log = logging.getLogger(__name__)
@@ -123,16 +123,15 @@ class TrainContext:
     def restore(self, obj: Any) -> coordinator_lib.CheckpointInfo | None:
         """Loads the newest checkpoint that validates into `obj` (a dict of arrays, or an object with
         `load_sharded_state_dict`), resharded for this world size, rolling back past invalid steps: at most
-        `rollback_depth` of them (RollbackLimitError past that: a decision for a person). None: no checkpoint
-        yet, start from scratch. Every rank calls it."""
+        `rollback_depth` of them. RollbackLimitError past that, or when steps were committed and none validates
+        (fault_tolerance.check_rollback, the FaultToleranceManager's rule): a decision for a person, so the run
+        ends (the worker reports `fatal`). None: nothing was ever committed, start from scratch. Every rank
+        calls it."""
         before = len(self.coordinator.skipped)
         info = self.coordinator.restore(obj)
         skipped = list(self.coordinator.skipped[before:])
-        if len(skipped) > self._settings.rollback_depth:
-            raise errors.RollbackLimitError(
-                f"{len(skipped)} newer committed checkpoints are invalid (steps "
-                f"{', '.join(str(s.step) for s in skipped)}); rollback_depth={self._settings.rollback_depth}",
-                skipped=skipped)
+        fault_tolerance.check_rollback(skipped, None if info is None else info.step,
+                                       rollback_depth=self._settings.rollback_depth)
         self.restored, self.rolled_back = info, skipped
         self._worker.report("restored", generation=self.generation, rank=self.rank,
                             step=None if info is None else info.step,
@@ -143,16 +142,35 @@ class TrainContext:
         """Saves checkpoint `step` (every rank, same step; it commits in the background) and reports progress.
         If agents wait to join, every rank learns it here at the same step (one small allreduce): the step is
         committed, then `save` raises MembershipChangingError, which the ElasticTrainer catches to form the
-        bigger generation. Don't catch it in train_fn."""
+        bigger generation. Don't catch it in train_fn.
+
+        A step that is committed already (an earlier generation committed it after this one restored: the
+        fence's window, docs/ELASTIC.md "Safety"; or train_fn saves the step it restored) counts as saved: the
+        CheckpointExistsError, here or from a later call that learns it, is not train_fn's failure."""
         pending = np.array([1 if self._worker.join_pending.is_set() else 0], dtype=np.int64)
         self.group.allreduce(pending, op="max")
-        self.coordinator.save(obj, step, training_state=training_state)
+        self._submit(obj, step, training_state)
         self._worker.report("saved", generation=self.generation, rank=self.rank, step=int(step))
         if pending[0]:
-            self.coordinator.wait()
+            call_counting_committed_as_saved(self.coordinator.wait)
             raise errors.MembershipChangingError(
                 f"generation {self.generation} ends at step {step}: agents are waiting to join", step=step)
         self._worker.wait_while_paused(self.rank, self.generation)
+
+    def _submit(self, obj: Any, step: int, training_state: Any) -> None:
+        """coordinator.save, where a step committed already counts as saved. An async save's outcome comes with
+        the next call: an earlier step's CheckpointExistsError, raised before `step` began, is followed by
+        saving `step` itself. Every rank decides alike (the group learns one outcome, and calls in one order)."""
+        for attempt in range(2):
+            try:
+                self.coordinator.save(obj, step, training_state=training_state)
+                return
+            except errors.SneppXError as e:
+                if not is_committed_already(e):
+                    raise
+                log.info("generation %d: a step was committed already, counted as saved: %s", self.generation, e)
+                if attempt or self.coordinator.last_saved_step == step:
+                    return  # the outcome of `step` itself
 
     def report(self, step: int, **metrics: float) -> None:
         """Tells the agent that `step` finished (a worker that reports no step for the trainer's step_timeout
@@ -253,7 +271,7 @@ class Worker:
                 groups.append(collectives.ProcessGroup(
                     store_lib.RecordKeyStore(records, prefix), a.rank, a.membership.world_size, a.generation,
                     backend=s.backend if name == "train" else "tcp", host=host, timeout=s.collective_timeout,
-                    device=a.local_rank))
+                    device=a.local_rank, aborted=self.aborted))  # an abort ends its setup too
                 with self._groups_lock:
                     self._groups = list(groups)
                     if self.aborted.is_set():
@@ -263,7 +281,7 @@ class Worker:
                 s.checkpoint_dir, max_to_keep=s.max_to_keep, async_save=s.async_save, device="cpu",
                 group=groups[1], commit_fence=lambda: fence_view.check_fence(a.membership))
             self.train_fn(TrainContext(a, s, groups[0], coordinator, self))
-            coordinator.close()  # the last save commits (or fails) on every rank
+            call_counting_committed_as_saved(coordinator.close)  # the last save commits (or fails) on every rank
             coordinator = None
             groups[0].barrier()  # every rank is done: no agent leaves while a peer still needs it
             self.report("done", generation=a.generation)
@@ -289,6 +307,26 @@ class Worker:
                     coordinator.close()
                 except errors.SneppXError as e:
                     log.info("generation %d: its unfinished save ends with the generation: %s", a.generation, e)
+
+
+def is_committed_already(error: BaseException) -> bool:
+    """True for a save that failed only because its step is committed already: CheckpointExistsError where the
+    commit found it (rank 0, or a group of one), or the ShardedCheckpointError every other rank gets for it
+    (rank 0's failure alone, described as that error: engine.py's reports carry errors as text)."""
+    if isinstance(error, errors.CheckpointExistsError):
+        return True
+    return (isinstance(error, errors.ShardedCheckpointError) and list(error.failures) == [0]
+            and str(error.failures[0]).startswith(f"{errors.CheckpointExistsError.__name__}:"))
+
+
+def call_counting_committed_as_saved(call: Callable[[], None]) -> None:
+    """coordinator.wait or close: an async save's outcome, where a step committed already counts as saved."""
+    try:
+        call()
+    except errors.SneppXError as e:
+        if not is_committed_already(e):
+            raise
+        log.info("a step was committed already, counted as saved: %s", e)
 
 
 def set_torchrun_environment(a: Assignment, s: WorkerSettings) -> None:

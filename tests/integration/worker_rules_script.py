@@ -1,0 +1,103 @@
+"""A small training script for the worker's rules under a real ElasticTrainer (python worker_rules_script.py OUT
+CKPT): the restart count a worker sees, the rollback rule of its restore, and a step committed already. Each step
+allreduces ones and adds their mean, so after N steps the state is exactly N, whatever the world size.
+
+Knobs (environment, W_*): NODES, GPUS, STEPS, EVERY (checkpoint interval), MAX_RESTARTS, MODE:
+  plain      train from the newest checkpoint to STEPS;
+  raise_once the last rank raises at the start of the first generation that has seen no failure (ctx.restarts 0);
+  resave     right after its restore, save the restored step again (a step an earlier generation committed).
+Rank 0 appends what each generation saw to OUT/seen.jsonl (generation, ctx.restarts, TORCHELASTIC_RESTART_COUNT)
+and writes OUT/final.json at the end; the launcher writes OUT/result.json (generations, failures, events; or the
+error, its type and message).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import elastic_script  # noqa: E402  (the same drivers: waiting, killing, reading the log)
+
+SIZE = 2048  # float32: the data of a step's shard starts past its first 4 KiB (where a test flips a byte)
+
+
+def knob(name: str, default: str) -> str:
+    return os.environ.get(f"W_{name}", default)
+
+
+def train_loop(ctx: Any) -> None:
+    out = Path(knob("OUT", "."))
+    steps, every, mode = int(knob("STEPS", "6")), int(knob("EVERY", "3")), knob("MODE", "plain")
+    if ctx.rank == 0:
+        with open(out / "seen.jsonl", "a") as f:
+            f.write(json.dumps({"generation": ctx.generation, "restarts": ctx.restarts,
+                                "env": os.environ.get("TORCHELASTIC_RESTART_COUNT")}) + "\n")
+    if mode == "raise_once" and ctx.restarts == 0 and ctx.rank == ctx.world_size - 1:
+        raise RuntimeError(f"planted failure, generation {ctx.generation}")
+    state = {"w": np.zeros(SIZE, dtype=np.float32)}
+    info = ctx.restore(state)
+    step = 0 if info is None else info.step
+    if mode == "resave" and info is not None:
+        ctx.save(state, step)
+    while step < steps:
+        contribution = np.ones(SIZE, dtype=np.float32)
+        ctx.group.allreduce(contribution)
+        state["w"] += contribution / ctx.world_size
+        step += 1
+        ctx.report(step)
+        if step % every == 0:
+            ctx.save(state, step)
+    if ctx.rank == 0:
+        elastic_script.write_json(out / "final.json", {"step": step, "w": float(state["w"][0]),
+                                                       "restored": None if info is None else info.step})
+
+
+def main() -> None:
+    from SneppX_ALG import ElasticTrainer, errors
+
+    out, checkpoint_dir = Path(sys.argv[1]), sys.argv[2]
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["W_OUT"] = str(out)
+    trainer = ElasticTrainer(
+        train_fn=train_loop, checkpoint_dir=checkpoint_dir, max_restarts=int(knob("MAX_RESTARTS", "2")),
+        restart_delay=0.1, join_timeout=120, last_call=3, node_restart_delay=0.2, events_dir=str(out / "events"))
+    try:
+        result = trainer.run(num_nodes=int(knob("NODES", "1")), num_gpus=int(knob("GPUS", "1")))
+    except (errors.RestartBudgetExhaustedError, errors.ElasticRunError) as e:
+        elastic_script.write_json(out / "result.json", {"error": type(e).__name__, "message": str(e)})
+        sys.exit(1)
+    elastic_script.write_json(out / "result.json", {"generations": result.generations, "failures": result.failures,
+                                                    "events": result.events})
+
+
+class Run(elastic_script.Run):
+    """One run of this script as a child process (elastic_script.Run's drivers)."""
+
+    def __init__(self, out: Path, checkpoint_dir: str, **knobs: Any):
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+        self.run_id = f"test-{secrets.token_hex(6)}"
+        env = {**os.environ, **{f"W_{k.upper()}": str(v) for k, v in knobs.items()}, "SNEPPX_RUN_ID": self.run_id}
+        self.log = open(out / "log.txt", "wb")
+        self.proc = subprocess.Popen([sys.executable, __file__, str(out), checkpoint_dir], env=env,
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def seen(self) -> list[dict[str, Any]]:
+        lines = (self.out / "seen.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def final(self) -> dict[str, Any]:
+        return json.loads((self.out / "final.json").read_text())
+
+
+if __name__ == "__main__":
+    main()
