@@ -205,6 +205,27 @@ class Scenarios:
         result = finish({"c": late}, tmp_path)["c"]
         assert [(m["generation"], m["members"]) for m in result["memberships"]] == [(1, ["c"])]
 
+    def test_a_late_joiner_killed_while_it_waits_is_neither_admitted_nor_sealed_in(self, root, store,
+                                                                                  tmp_path) -> None:
+        # a trains alone (this test polls for it: its lease is renewed); c waits at generation 1, renewing its
+        # join, and is SIGKILLed. Its join record stays, but stops changing: a stops counting it as waiting,
+        # and when a re-forms, c is left out instead of being sealed in dead.
+        a = make_agent(store, "dead", "a", min_nodes=1, max_nodes=3, last_call=0.1, lease_timeout=3.0)
+        generation0 = a.join()
+
+        def poll_until(condition: Callable[[rendezvous.NextGeneration], bool], what: str) -> None:
+            wait_for(lambda: condition(a.poll(generation0)), what)
+
+        late = start_agent(root, "dead", "c", tmp_path, "--min", "1", "--max", "3", "--last-call", "0.2",
+                           "--lease-timeout", "3")
+        poll_until(lambda nxt: nxt.waiting == frozenset("c") and nxt.admits, "c waits at generation 1")
+        late.send_signal(signal.SIGKILL)
+        late.wait()
+        poll_until(lambda nxt: not nxt.waiting and not nxt.superseded, "a no longer counts the dead c")
+        assert store.keys("rdzv/dead/g000000001/join/") == ["rdzv/dead/g000000001/join/c"]  # it stays
+        current = a.join(previous=generation0)
+        assert (current.generation, current.agent_ids) == (1, ("a",))
+
     # ---- sizes and times: min, max, last call, join timeout (agents on threads) --------------------------
 
     def test_min_nodes_seal_after_last_call_without_waiting_for_max(self, store) -> None:

@@ -148,6 +148,9 @@ def valid_membership() -> dict[str, Any]:
 def test_records_round_trip() -> None:
     join = rendezvous.parse_join(valid_join(), key="k", run_id="run", generation=2, agent_id="a")
     assert join == rendezvous.Join(member("a"), frozenset({"b"}))
+    renewed = rendezvous.join_to_json("run", 2, join, renewals=7)  # a late joiner's proof of life
+    assert renewed != valid_join()
+    assert rendezvous.parse_join(renewed, key="k", run_id="run", generation=2, agent_id="a") == join
     parsed = rendezvous.parse_membership(valid_membership(), key="k", run_id="run", generation=2)
     assert parsed == membership("a", "b", generation=2)
 
@@ -157,6 +160,8 @@ def test_records_round_trip() -> None:
     lambda v: v | {"generation": 3}, lambda v: v | {"generation": True}, lambda v: v | {"extra": 1},
     lambda v: {k: x for k, x in v.items() if k != "suspects"}, lambda v: v | {"suspects": "b"},
     lambda v: v | {"suspects": ["../b"]}, lambda v: v | {"suspects": ["b"] * 1025},
+    lambda v: {k: x for k, x in v.items() if k != "renewals"}, lambda v: v | {"renewals": -1},
+    lambda v: v | {"renewals": True}, lambda v: v | {"renewals": 1.5},
     lambda v: v | {"member": v["member"] | {"agent_id": "b"}},
     lambda v: v | {"member": v["member"] | {"agent_id": "../a"}},
     lambda v: v | {"member": v["member"] | {"incarnation": "xyz"}},

@@ -18,9 +18,15 @@ Records of generation g of run R (keys of a `storage.record.RecordStore`):
    it (same agent id and incarnation), that is its generation. If g is sealed without it, or g's
    membership is not a valid record (the generation is then void, for every agent alike), it moves on to
    g+1: a late joiner waits for the next generation.
-2. It creates its join record at g and waits, polling with backoff (up to `poll_cap`).
+2. It creates its join record at g and waits, polling with backoff (up to `poll_cap`). Every
+   `lease_timeout / 4` it reads the floor (stalled while g was removed: it moves on to the floor's
+   generation) and the lease of g-1; a late joiner (not a member of g-1) also renews its join record then,
+   since a join proves liveness only while its owner renews it.
 3. The natural sealer is the agent with the lowest id among the joins: it renews the generation's
-   `sealer` record, lists and reads the joins at every poll, and seals as soon as `should_seal` says so.
+   `sealer` record, lists the joins at every poll, reads each join record once and the chosen ones again
+   right before it seals (a node killed and restarted meanwhile has replaced its join with its new
+   incarnation), leaves out a late joiner whose join has not changed for `lease_timeout` (it died
+   waiting), and seals as soon as `should_seal` says so.
    Every other agent only watches the `sealer` record; when it has stood still for k * `seal_grace`
    seconds (or k times three of the sealer's own poll periods, which it writes there, if longer: a slow
    store is not a dead sealer), the agent with the k-th lowest id takes over (the k before it died), so
@@ -33,17 +39,30 @@ Records of generation g of run R (keys of a `storage.record.RecordStore`):
 The seal decision (`should_seal`, pure; `choose_members` picks who). Generation g+1 seals only once
 generation g is over: a member of g (by agent id) has joined g+1, or g is void, or node 0 of g has not
 renewed g's `alive` record for `lease_timeout` seconds of the observer's own clock (no clocks are compared
-between machines). Until then agents that were not in g wait at g+1: the members of g see them with `poll`
-and join them at a checkpoint boundary. Then it seals when `max_nodes` agents joined; or at once when every member of g that no joiner
-suspects to be gone has joined (and at least `min_nodes` did): survivors of a failure re-form without
-waiting; or when at least `min_nodes` joined and `last_call` seconds passed since the observer first saw
-that many. `join_timeout` bounds the wait (`RendezvousTimeoutError`).
+between machines; silence is timed only between the observer's successful reads, so its own store outage
+expires nothing). Until then agents that were not in g wait at g+1: the members of g see them with `poll`
+(`waiting`: those whose join changed within `lease_timeout`; `admits`: and g has fewer than `max_nodes`)
+and join them at a checkpoint boundary. Then it seals when `max_nodes` agents joined; or at once when every
+member of g that no joiner suspects to be gone has joined (and at least `min_nodes` did): survivors of a
+failure re-form without waiting; or when at least `min_nodes` joined and `last_call` seconds passed since
+the observer first saw that many with g over (not since a late joiner began waiting: members arriving a
+moment apart at a boundary all get in). `join_timeout` bounds forming (`RendezvousTimeoutError`); while g
+demonstrably runs (its lease seen changing) the deadline stays `join_timeout` ahead: a late joiner waits as
+long as the run goes on, until the run is marked finished (`RendezvousClosedError`).
 
 Old generations go: the agent that sealed generation g raises the run's floor to g-1 and then deletes the records
 of every generation below it (`sweep`, from `poll`), so a run keeps about two generations' records however long
 it runs (in operator mode they share one ConfigMap of 1 MiB). Everything that could still look at a removed
 generation reads the floor first (joins, a sealer right before it seals, every `check_fence`, `poll` every
-`lease_timeout / 4`).
+`lease_timeout / 4`, a waiting agent every `lease_timeout / 4`).
+
+A new launch of a finished run is a new run: the launcher calls `reopen_run` once, which removes the records
+of a run marked finished (the `finished` record last) and returns the old verdict.
+
+Requests beyond the join itself: every waiting agent reads the floor and g-1's lease every `lease_timeout / 4`
+(and g-1's membership once, unless `join` was given it); a late joiner writes its join every `lease_timeout / 4`;
+the sealer reads each late joiner's join every `lease_timeout / 4`; `poll` reads each late joiner's join
+every `lease_timeout / 4` (few: late joiners are the agents outside the running generation).
 
 docs/ELASTIC.md ("Rendezvous") has the safety argument (one membership per generation; no single point of
 failure; why a partitioned minority can't commit a checkpoint, with `check_fence`) and the request counts.
@@ -160,8 +179,16 @@ class NextGeneration:
     generation: int
     sealed: bool  # its membership exists: the running generation is over
     closing: frozenset[str]  # members of the running generation that joined it: the running one is over
-    waiting: frozenset[str]  # agents not in the running generation that joined it: late joiners
+    waiting: frozenset[str]  # agents not in the running generation that joined it: late joiners (from `poll`:
+    #                          only those that renewed their join within lease_timeout, i.e. alive)
     collected: bool = False  # the running generation's records were removed: newer generations have run
+    has_room: bool = True  # the running generation has fewer than max_nodes members
+
+    @property
+    def admits(self) -> bool:
+        """Late joiners wait and the running generation is below `max_nodes`: re-form at the next checkpoint
+        boundary to take them in. (A spare beyond max_nodes is never admitted: members come first.)"""
+        return bool(self.waiting) and self.has_room
 
     @property
     def superseded(self) -> bool:
@@ -259,9 +286,11 @@ def member_to_json(member: Member) -> dict[str, Any]:
             "heartbeat": member.heartbeat, "workers": member.workers, "joined_at": member.joined_at}
 
 
-def join_to_json(run_id: str, generation: int, join: Join) -> dict[str, Any]:
+def join_to_json(run_id: str, generation: int, join: Join, renewals: int = 0) -> dict[str, Any]:
+    """`renewals` changes whenever a waiting late joiner renews its join: the record changing is its proof
+    of life."""
     return {"version": RECORD_VERSION, "kind": "join", "run_id": run_id, "generation": generation,
-            "member": member_to_json(join.member), "suspects": sorted(join.suspects)}
+            "member": member_to_json(join.member), "suspects": sorted(join.suspects), "renewals": renewals}
 
 
 def membership_to_json(membership: Membership) -> dict[str, Any]:
@@ -272,7 +301,7 @@ def membership_to_json(membership: Membership) -> dict[str, Any]:
 
 def parse_join(value: Any, *, key: str, run_id: str, generation: int, agent_id: str) -> Join:
     """A join record read from `key`, checked field by field; `InvalidRendezvousRecordError` otherwise."""
-    _header(value, key, "join", {"member", "suspects"}, run_id, generation)
+    _header(value, key, "join", {"member", "suspects", "renewals"}, run_id, generation)
     member = _member(value["member"], key)
     if member.agent_id != agent_id:
         raise errors.InvalidRendezvousRecordError(f"joins as {member.agent_id!r} under the key of {agent_id!r}",
@@ -282,6 +311,9 @@ def parse_join(value: Any, *, key: str, run_id: str, generation: int, agent_id: 
             or not all(isinstance(s, str) and record.is_segment(s) for s in suspects)):
         raise errors.InvalidRendezvousRecordError(f"suspects is not a list of at most {MAX_NODES} agent ids",
                                                   key=key)
+    renewals = value["renewals"]
+    if not isinstance(renewals, int) or isinstance(renewals, bool) or renewals < 0:
+        raise errors.InvalidRendezvousRecordError("renewals is not an integer >= 0", key=key)
     return Join(member, frozenset(suspects))
 
 
@@ -365,7 +397,8 @@ def should_seal(joined: Collection[str], suspected: Collection[str], previous: M
 
     `joined` are the agent ids of the valid join records; `suspected` the union of their suspects;
     `previous` is the sealed generation before (None if there is none or it is void); `min_reached_for` is
-    how long the observer has seen at least `min_nodes` joins (None if it has not)."""
+    how long the observer has seen at least `min_nodes` joins with the generation before over (None if it
+    has not): last call starts when the generation before ends, not when a late joiner started waiting."""
     joined = set(joined)
     if not joined or not previous_over:
         return False
@@ -385,13 +418,22 @@ VOID = "void"  # a generation whose membership record is not valid: every agent 
 
 @dataclass
 class _Watch:
-    """A record another agent renews, as this agent sees it: its version and since when (this agent's
-    clock) it has not changed. An absent or invalid record counts as one unchanging version."""
+    """A record another agent renews, as this agent sees it: its version, and for how long (this agent's
+    clock) it has been seen not to change. An absent or invalid record counts as one unchanging version.
+    Silence accumulates only between two successful reads: time this agent could not read the store (an
+    outage of its own) is no evidence that the writer stopped."""
 
+    observed: bool = False  # read at least once
     version: str | None = None
-    since: float | None = None
+    read_at: float | None = None  # the last successful read; None: never read, or blind since
+    silent_for: float = 0.0
+    changed: bool = False  # this agent has seen the record change: its writer was alive meanwhile
     sealed: bool = False  # a `sealer` record that says the membership is written ...
     period: float = 0.0  # ... and how long its writer's polls take
+
+    def blind(self) -> None:
+        """A read failed: the silence resumes from the next successful read, without the gap."""
+        self.read_at = None
 
 
 @dataclass
@@ -415,13 +457,27 @@ class _Observation:
     lease: _Watch = field(default_factory=_Watch)  # the generation before's `alive` record
     sealer: _Watch = field(default_factory=_Watch)  # this generation's `sealer` record
     beat: _Beat | None = None  # ours, while this agent is a sealer
-    min_seen_at: float | None = None
+    join: _Beat | None = None  # our join record, renewed while we wait as a late joiner ...
+    join_value: dict[str, Any] = field(default_factory=dict)  # ... with this value
+    looked_at: float | None = None  # the last look at the floor and the generation before (see `_look`)
+    min_seen_at: float | None = None  # since when min_nodes joined with the generation before over
     natural: bool | None = None  # this agent seals: it has the lowest id, or it took over ...
     took_over: bool = False  # ... from a silent sealer
     place: int | None = None  # this agent's place among the joins, while the sealer is silent
     stepped_at: float | None = None  # while sealing: when the previous poll began
     finished_checked_at: float = 0.0
     joined: tuple[str, ...] = ()
+
+    def blind(self) -> None:
+        for watch in (self.lease, self.sealer):
+            watch.blind()
+
+
+@dataclass
+class _Deadline:
+    """When `join()` gives up; pushed back while the generation before demonstrably runs (see `_wait`)."""
+
+    at: float
 
 
 class Rendezvous:
@@ -436,7 +492,7 @@ class Rendezvous:
             nxt = rdzv.poll(membership)            # about once a second: one listing (+ the lease, node 0)
             if nxt.superseded or a peer failed:    # stop the workers' collectives first, then
                 membership = rdzv.join(previous=membership, suspects=failed_agent_ids)
-            elif nxt.waiting and a checkpoint just committed:   # scale up at a checkpoint boundary
+            elif nxt.admits and a checkpoint just committed:    # scale up at a checkpoint boundary
                 membership = rdzv.join(previous=membership)
             ...
             rdzv.check_fence(membership)           # right before a checkpoint's commit point
@@ -472,6 +528,7 @@ class Rendezvous:
         self._lease: _Beat | None = None
         self._sweep_below: int | None = None  # records of generations below this are to be removed (we sealed)
         self._floor_checked_at: float | None = None
+        self._join_watches: dict[str, _Watch] = {}  # the join records of late joiners, by key (`poll`, a sealer)
 
     # -- joining ------------------------------------------------------------------------------------------
 
@@ -481,9 +538,10 @@ class Rendezvous:
         Without `previous` (a first start, a restart) the agent joins where the run is; with it (its
         generation is over: a peer failed, the next generation was opened, or it scales up at a checkpoint
         boundary) it joins the generation after. `suspects` are agent ids it believes gone; the sealer then
-        does not wait for them. Raises `RendezvousTimeoutError` after `join_timeout`, and
-        `RendezvousClosedError` if the run was marked finished."""
-        deadline = self._clock() + self.config.join_timeout
+        does not wait for them. Raises `RendezvousTimeoutError` when no generation including it formed within
+        `join_timeout` (time during which the generation before demonstrably ran does not count: a late
+        joiner waits as long as it trains), and `RendezvousClosedError` if the run was marked finished."""
+        deadline = _Deadline(self._clock() + self.config.join_timeout)
         gone = frozenset(suspects) - {self.agent_id}
         self._retrying(self._raise_if_finished, deadline)
         if previous is not None:
@@ -493,21 +551,28 @@ class Rendezvous:
         while True:
             if generation > MAX_GENERATION:
                 raise errors.RendezvousError(f"run {self.run_id} has used up its {MAX_GENERATION} generations")
-            outcome = self._join_generation(generation, gone, deadline)
+            outcome = self._join_generation(generation, gone, deadline, previous)
             if isinstance(outcome, Membership):
                 return outcome
             generation = outcome
 
-    def _join_generation(self, generation: int, suspects: frozenset[str], deadline: float) -> Membership | int:
+    def _join_generation(self, generation: int, suspects: frozenset[str], deadline: _Deadline,
+                         previous: Membership | None) -> Membership | int:
         """The sealed membership this agent is in, or the next generation to try."""
-        floor = self._retrying(self.floor, deadline)
+        floor: int = self._retrying(self.floor, deadline)
         if generation < floor:
             return floor  # its records were removed: it ended long ago
         sealed = self._retrying(lambda: self._membership(generation), deadline)
         if sealed is not None:
             return self._outcome(generation, sealed)
-        self._retrying(lambda: self._write_join(generation, suspects), deadline)
-        return self._wait(generation, deadline)
+        written: record.Record = self._retrying(lambda: self._write_join(generation, suspects), deadline)
+        now = self._clock()
+        seen = _Observation(finished_checked_at=now,  # join() just checked
+                            join=_Beat(written.key, written, now + self.config.lease_timeout / 4),
+                            join_value=written.value)
+        if previous is not None and previous.generation == generation - 1:
+            seen.previous, seen.previous_read = previous, True  # no need to read what the caller holds
+        return self._wait(generation, deadline, seen)
 
     def _outcome(self, generation: int, sealed: Membership | str) -> Membership | int:
         if isinstance(sealed, Membership) and sealed.includes(self.agent_id, self.incarnation):
@@ -518,17 +583,16 @@ class Rendezvous:
                  "void" if sealed == VOID else "sealed without this agent", generation + 1)
         return generation + 1
 
-    def _write_join(self, generation: int, suspects: frozenset[str]) -> None:
+    def _write_join(self, generation: int, suspects: frozenset[str]) -> record.Record:
         """Creates this agent's join record; replaces one a previous incarnation of it left (that agent died:
-        agent ids are unique among live agents) or garbage under its key."""
+        agent ids are unique among live agents) or garbage under its key. Returns the record as stored."""
         key = join_key(self.run_id, generation, self.agent_id)
         member = Member(self.agent_id, self.incarnation, self.host, self.heartbeat, self.workers,
                         self._wall_clock())
         value = join_to_json(self.run_id, generation, Join(member, suspects))
         for _ in range(8):
             try:
-                self.store.create(key, value)
-                return
+                return self.store.create(key, value)
             except errors.RecordExistsError:
                 pass
             try:
@@ -542,25 +606,29 @@ class Rendezvous:
                 self.store.delete(key)
                 continue
             if parsed.member.incarnation == self.incarnation:
-                return  # our own create, retried after its reply was lost
+                return existing  # our own create, retried after its reply was lost
             try:
-                self.store.swap(key, value, existing.version)
-                return
+                return self.store.swap(key, value, existing.version)
             except errors.RecordConflictError:
                 continue
         raise errors.RendezvousError(f"{key} kept changing while {self.agent_id} wrote its join record")
 
-    def _wait(self, generation: int, deadline: float) -> Membership | int:
+    def _wait(self, generation: int, deadline: _Deadline, seen: _Observation) -> Membership | int:
         """Waits for `generation` to seal, sealing it when this agent should.
 
         The sealer (the lowest id among the joins, as it last saw them) renews the generation's `sealer`
         record every `seal_grace / 3` seconds, polls at least every `seal_grace / 4`, reads the membership
-        and lists the joins at every poll, reads each join record once, and seals; its last renewal says
-        `sealed`. The others read only the `sealer` record at each poll (one small read), and the membership
-        once it says `sealed`. When it has stood still for k * `seal_grace` (k: their place among the
-        joins, from one listing), the agent with the k-th lowest id takes over. N waiting agents never each
-        list or read N records."""
-        seen = _Observation(finished_checked_at=self._clock())  # join() just checked
+        and lists the joins at every poll, reads each join record once, and once more right before it seals
+        (a restarted agent may have replaced its join with its new incarnation since), and seals; its last
+        renewal says `sealed`. The others read only the `sealer` record at each poll (one small read), and
+        the membership once it says `sealed`. When it has stood still for k * `seal_grace` (k: their place
+        among the joins, from one listing), the agent with the k-th lowest id takes over. N waiting agents
+        never each list or read N records. Every `lease_timeout / 4` each also looks at the floor and the
+        generation before (`_look`), and the sealer at the join records of the late joiners.
+
+        While the generation before demonstrably runs (this agent saw its lease change, within
+        `lease_timeout`), the deadline stays `join_timeout` ahead: it bounds forming, not a late joiner's
+        wait for a checkpoint boundary."""
         interval = self.config.poll_interval
         while True:
             try:
@@ -569,13 +637,22 @@ class Rendezvous:
                     return outcome
             except errors.RecordUnavailableError as e:
                 log.warning("%s: the store is unavailable (retrying until join_timeout): %s", self.agent_id, e)
+                seen.blind()
+                for watch in self._join_watches.values():
+                    watch.blind()
             now = self._clock()
-            if now >= deadline:
+            lease = seen.lease
+            if (seen.previous is not None and lease.changed and lease.read_at is not None
+                    and lease.silent_for < self.config.lease_timeout):  # the generation before runs
+                deadline.at = max(deadline.at, now + self.config.join_timeout)
+            if now >= deadline.at:
                 return self._give_up(generation, seen)
             pause = interval * self._random.uniform(0.8, 1.2)
             if seen.natural:
                 pause = min(pause, self.config.seal_grace / 4)  # a sealer renews its record on time
-            self._sleep(min(pause, max(0.0, deadline - now)))
+            if self._is_late(seen):
+                pause = min(pause, self.config.lease_timeout / 4)  # it renews its join on time
+            self._sleep(min(pause, max(0.0, deadline.at - now)))
             interval = min(interval * 1.5, self.config.poll_cap)
 
     def _step(self, generation: int, seen: _Observation, now: float) -> Membership | int | None:
@@ -586,6 +663,11 @@ class Rendezvous:
         if now - seen.finished_checked_at >= self.config.lease_timeout:
             self._raise_if_finished()
             seen.finished_checked_at = now
+        looking = seen.looked_at is None or now - seen.looked_at >= self.config.lease_timeout / 4
+        if looking:
+            floor = self._look(generation, seen, now)
+            if floor is not None:
+                return floor
         if not seen.natural:
             still = self._unchanged_for(sealer_key(self.run_id, generation), seen.sealer, now)
             if seen.sealer.sealed:
@@ -616,7 +698,7 @@ class Rendezvous:
             seen.beat = _Beat(sealer_key(self.run_id, generation))
         period = 0.0 if seen.stepped_at is None else round(now - seen.stepped_at, 3)
         seen.stepped_at = now
-        self._renew(seen.beat, {"kind": "sealer", "generation": generation, "sealed": False, "period": period},
+        self._renew(seen.beat, self._stamp("sealer", generation, sealed=False, period=period),
                     self.config.seal_grace / 3, now)
         keys = self.store.keys(prefix)
         if keys and keys[0] != prefix + self.agent_id and not seen.took_over:
@@ -624,40 +706,101 @@ class Rendezvous:
             return None
         joins = self._read_joins(generation, keys, seen)
         previous = self._previous(generation, seen)
+        if previous is not None:  # a late joiner that stopped renewing its join is gone: it is not sealed in
+            late = [j.member.agent_id for j in joins
+                    if j.member.agent_id not in previous.agent_ids and j.member.agent_id != self.agent_id]
+            gone = self._gone_late_joiners(generation, late, now, look=looking)
+            joins = [j for j in joins if j.member.agent_id not in gone]
         suspected: set[str] = set().union(*(j.suspects for j in joins))
         if not self._ready(generation, [j.member.agent_id for j in joins], suspected, previous, seen, now):
             return None
+        members = choose_members(joins, previous, self.config.max_nodes)
+        if not self._joins_unchanged(generation, members, seen):
+            return None  # e.g. a member restarted and replaced its join: decide again with what is there now
         floor = self.floor()
         if generation < floor:  # a sealer that stalled while newer generations ran and removed this one
             return floor
-        outcome = self._seal(generation, choose_members(joins, previous, self.config.max_nodes))
+        outcome = self._seal(generation, members)
         if outcome is not None:  # tell the waiting agents to read the membership
             seen.beat.due = 0.0
-            self._renew(seen.beat, {"kind": "sealer", "generation": generation, "sealed": True, "period": period},
+            self._renew(seen.beat, self._stamp("sealer", generation, sealed=True, period=period),
                         self.config.seal_grace / 3, now)
         return outcome
 
-    def _read_joins(self, generation: int, keys: list[str], seen: _Observation) -> list[Join]:
-        """The valid join records among the listed keys, sorted by agent id; each key is read once."""
+    def _look(self, generation: int, seen: _Observation, now: float) -> int | None:
+        """What every waiting agent checks every `lease_timeout / 4`: the floor (an agent that stalled while
+        its generation was removed moves on to the floor's, instead of waiting in a generation no one will
+        seal: the generation to try is returned), the lease of the generation before (is it running: see
+        `_wait`), and, as a late joiner, it renews its own join record (members take a join that stopped
+        changing for a dead agent's)."""
+        floor = self.floor()
+        if generation < floor:
+            return floor
+        previous = self._previous(generation, seen)
+        if previous is not None:
+            self._unchanged_for(lease_key(self.run_id, generation - 1), seen.lease, now)
+        if seen.join is not None and self._is_late(seen):
+            self._renew(seen.join, seen.join_value, self.config.lease_timeout / 4, now)
+        seen.looked_at = now  # (not before: a look the store interrupted is done again at the next poll)
+        return None
+
+    def _is_late(self, seen: _Observation) -> bool:
+        """This agent waits behind a sealed generation it is not a member of (by id): a late joiner."""
+        return seen.previous is not None and self.agent_id not in seen.previous.agent_ids
+
+    def _gone_late_joiners(self, generation: int, agent_ids: Iterable[str], now: float, *, look: bool) -> set[str]:
+        """Of the late joiners `agent_ids` waiting at `generation`, those whose join record has not changed for
+        `lease_timeout` (this agent's clock; time it could not read the store does not count): they stopped
+        renewing it, so they are gone. Reads the record of each one seen for the first time, and of every one
+        when `look` (every `lease_timeout / 4`): there are few late joiners."""
+        watches: dict[str, _Watch] = {}
+        for agent_id in agent_ids:
+            key = join_key(self.run_id, generation, agent_id)
+            watch = self._join_watches.get(key)
+            if watch is None or look:
+                watch = watch or _Watch()
+                self._unchanged_for(key, watch, now)
+            watches[key] = watch
+        self._join_watches = watches  # the others stopped waiting
+        prefix = join_prefix(self.run_id, generation)
+        return {key[len(prefix):] for key, watch in watches.items() if watch.silent_for >= self.config.lease_timeout}
+
+    def _fetch_joins(self, generation: int, keys: Collection[str], seen: _Observation) -> None:
+        """Reads the join records under `keys` into `seen.joins`: one request each, in parallel (on S3 a few
+        hundred in a row would take seconds)."""
         prefix = join_prefix(self.run_id, generation)
 
         def read(key: str) -> None:
             try:
                 stored = self.store.read(key)
-                if stored is not None:  # else withdrawn since the listing
+                if stored is None:  # withdrawn since the listing
+                    seen.joins.pop(key, None)
+                else:
                     seen.joins[key] = parse_join(stored.value, key=key, run_id=self.run_id,
                                                  generation=generation, agent_id=key[len(prefix):])
             except (errors.RecordCorruptError, errors.InvalidRendezvousRecordError) as e:
                 log.warning("%s: ignoring an invalid join record: %s", self.agent_id, e)
                 seen.joins[key] = None
 
-        new = [key for key in keys if key not in seen.joins]
-        if new:  # one request each, in parallel: on S3 a few hundred in a row would take seconds
-            with concurrent.futures.ThreadPoolExecutor(min(READ_THREADS, len(new))) as pool:
-                list(pool.map(read, new))
+        if keys:
+            with concurrent.futures.ThreadPoolExecutor(min(READ_THREADS, len(keys))) as pool:
+                list(pool.map(read, keys))
+
+    def _read_joins(self, generation: int, keys: list[str], seen: _Observation) -> list[Join]:
+        """The valid join records among the listed keys, sorted by agent id; each key is read once."""
+        self._fetch_joins(generation, [key for key in keys if key not in seen.joins], seen)
         joins = [join for key in keys if (join := seen.joins.get(key)) is not None]
         seen.joined = tuple(j.member.agent_id for j in joins)
         return joins
+
+    def _joins_unchanged(self, generation: int, members: Sequence[Member], seen: _Observation) -> bool:
+        """Reads the chosen members' join records again right before the seal: True if each still holds what
+        was read before (the same process; renewals aside). A killed and restarted agent replaces its join with
+        its new incarnation, and the membership must name the process that is there, not the dead one."""
+        keys = [join_key(self.run_id, generation, m.agent_id) for m in members]
+        before = [seen.joins.get(key) for key in keys]
+        self._fetch_joins(generation, keys, seen)
+        return [seen.joins.get(key) for key in keys] == before
 
     def _previous(self, generation: int, seen: _Observation) -> Membership | None:
         """The sealed generation before (read once; None if there is none, or it is void)."""
@@ -674,7 +817,9 @@ class Rendezvous:
         if not over and previous is not None:
             over = self._unchanged_for(lease_key(self.run_id, generation - 1), seen.lease,
                                        now) >= self.config.lease_timeout
-        if len(joined) >= self.config.min_nodes:
+        # last call runs from when the generation before is over: a late joiner that waited through a whole
+        # generation must not seal with the first of its members to arrive and leave the others out
+        if over and len(joined) >= self.config.min_nodes:
             seen.min_seen_at = seen.min_seen_at if seen.min_seen_at is not None else now
         else:
             seen.min_seen_at = None
@@ -683,7 +828,8 @@ class Rendezvous:
                            min_reached_for=None if seen.min_seen_at is None else now - seen.min_seen_at)
 
     def _unchanged_for(self, key: str, watch: _Watch, now: float) -> float:
-        """How long (this agent's clock) the record under `key` has not changed; reads it once."""
+        """For how long (this agent's clock, only between successful reads) the record under `key` has been
+        seen not to change; reads it once."""
         try:
             stored = self.store.read(key)
             version = None if stored is None else stored.version
@@ -693,9 +839,14 @@ class Rendezvous:
         watch.sealed = value.get("sealed") is True
         period: Any = value.get("period")
         watch.period = float(period) if record.is_finite_number(period) and 0 <= period <= MAX_PERIOD else 0.0
-        if watch.since is None or watch.version != version:
-            watch.version, watch.since = version, now
-        return now - watch.since
+        if not watch.observed:
+            watch.observed, watch.version = True, version
+        elif version != watch.version:
+            watch.changed, watch.version, watch.silent_for = True, version, 0.0
+        elif watch.read_at is not None:
+            watch.silent_for += now - watch.read_at
+        watch.read_at = now
+        return watch.silent_for
 
     def _seal(self, generation: int, members: tuple[Member, ...]) -> Membership | int | None:
         membership = Membership(self.run_id, generation, members, self.agent_id)
@@ -727,7 +878,8 @@ class Rendezvous:
         except errors.RecordError as e:
             log.warning("%s: could not withdraw its join record: %s", self.agent_id, e)
         waiting_for = ""
-        if seen.previous is not None and not previous_is_over(seen.joined, seen.previous, lease_expired=False):
+        lease_expired = seen.lease.silent_for >= self.config.lease_timeout
+        if seen.previous is not None and not previous_is_over(seen.joined, seen.previous, lease_expired=lease_expired):
             waiting_for = (f"; generation {generation - 1} ({', '.join(seen.previous.agent_ids)}) is still running "
                            "and none of its members joined")
         raise errors.RendezvousTimeoutError(
@@ -743,7 +895,9 @@ class Rendezvous:
         also renews its `alive` record here when due (every `lease_timeout / 4`), which keeps late joiners
         waiting for a checkpoint boundary instead of forming a generation of their own. Every
         `lease_timeout / 4` it also reads the run's floor (a generation whose records were removed is over,
-        whatever the listing says), and the agent that sealed `membership` removes the records of the
+        whatever the listing says) and the join record of each late joiner (one seen for the first time at
+        once): `waiting` counts only those whose record changed within `lease_timeout` (a waiting late joiner
+        renews it; a dead one's stands still). The agent that sealed `membership` removes the records of the
         generations before the previous one here (`sweep`)."""
         now = self._clock()
         if membership.members[0].agent_id == self.agent_id and membership.includes(self.agent_id,
@@ -751,14 +905,21 @@ class Rendezvous:
             key = lease_key(self.run_id, membership.generation)
             if self._lease is None or self._lease.key != key:
                 self._lease = _Beat(key)
-            self._renew(self._lease, {"kind": "alive", "generation": membership.generation},
-                        self.config.lease_timeout / 4, now)
+            self._renew(self._lease, self._stamp("alive", membership.generation), self.config.lease_timeout / 4,
+                        now)
         if self._sweep_below is not None:
             self.sweep()
         check_floor = self._floor_checked_at is None or now - self._floor_checked_at >= self.config.lease_timeout / 4
         if check_floor:
             self._floor_checked_at = now
-        return self._next(membership, check_floor=check_floor)
+        try:
+            nxt = self._next(membership, check_floor=check_floor)
+            gone = self._gone_late_joiners(nxt.generation, nxt.waiting, now, look=check_floor)
+        except errors.RecordUnavailableError:
+            for watch in self._join_watches.values():
+                watch.blind()
+            raise
+        return replace(nxt, waiting=nxt.waiting - gone)
 
     def check_fence(self, membership: Membership) -> None:
         """Raises `StaleGenerationError` if a newer generation than `membership` exists (sealed, or joined
@@ -780,19 +941,25 @@ class Rendezvous:
         joined = {k[len(prefix) + len("join/"):] for k in keys if k.startswith(prefix + "join/")}
         members = set(membership.agent_ids)
         nxt = NextGeneration(generation, membership_key(self.run_id, generation) in keys,
-                             frozenset(joined & members), frozenset(joined - members))
+                             frozenset(joined & members), frozenset(joined - members),
+                             has_room=len(members) < self.config.max_nodes)
         if check_floor and not nxt.superseded and self.floor() > membership.generation:
             return replace(nxt, collected=True)
         return nxt
 
-    def _renew(self, beat: _Beat, fields: dict[str, Any], period: float, now: float) -> None:
-        """Rewrites a record this agent renews (compare-and-swap on what it wrote last), if it is due. Only
-        that it changes matters to the agents watching it; a failed renewal is tried again next time."""
+    def _stamp(self, kind: str, generation: int, **fields: Any) -> dict[str, Any]:
+        """The value of a record only this agent renews (a lease, a sealer's record), less `renewals`."""
+        return {"version": RECORD_VERSION, "kind": kind, "run_id": self.run_id, "generation": generation,
+                "agent_id": self.agent_id, "incarnation": self.incarnation, **fields}
+
+    def _renew(self, beat: _Beat, value: dict[str, Any], period: float, now: float) -> None:
+        """Rewrites a record this agent renews (compare-and-swap on what it wrote last) with `value` and a
+        new count of `renewals`, if it is due. Only that it changes matters to the agents watching it; a
+        failed renewal is tried again next time."""
         if beat.written is not None and now < beat.due:
             return
         beat.count += 1
-        value = {"version": RECORD_VERSION, "run_id": self.run_id, "agent_id": self.agent_id,
-                 "incarnation": self.incarnation, "renewals": beat.count, **fields}
+        value = {**value, "renewals": beat.count}
         try:
             if beat.written is None:
                 try:
@@ -939,7 +1106,7 @@ class Rendezvous:
             log.warning("%s: generation %d is void: %s", self.agent_id, generation, e)
             return VOID
 
-    def _retrying(self, action: Callable[[], Any], deadline: float) -> Any:
+    def _retrying(self, action: Callable[[], Any], deadline: _Deadline) -> Any:
         """Runs a store action, retrying `RecordUnavailableError` with backoff until the deadline."""
         interval = self.config.poll_interval
         while True:
@@ -947,10 +1114,43 @@ class Rendezvous:
                 return action()
             except errors.RecordUnavailableError as e:
                 now = self._clock()
-                if now >= deadline:
+                if now >= deadline.at:
                     raise errors.RendezvousTimeoutError(
                         f"{self.agent_id}: the store stayed unavailable until join_timeout: {e}",
                         generation=self._newest_seen, min_nodes=self.config.min_nodes) from e
                 log.warning("%s: the store is unavailable (retrying): %s", self.agent_id, e)
-                self._sleep(min(interval, deadline - now))
+                self._sleep(min(interval, deadline.at - now))
                 interval = min(interval * 2, self.config.poll_cap)
+
+
+# ---- a new launch of a finished run --------------------------------------------------------------------
+
+
+def reopen_run(store: record.RecordStore, run_id: str) -> str | None:
+    """Makes a finished run new: a launch under the run id of a run marked finished trains again (from its
+    newest checkpoint) instead of stopping every agent with the old verdict. If `rdzv/<run_id>/finished`
+    exists, removes every record of the run and returns the old verdict (its reason, for a log line);
+    otherwise changes nothing and returns None. The launcher calls it once, before any agent of the launch
+    joins.
+
+    Why this order is safe: the records are listed before `finished` is read, so the list holds records of
+    the finished run only (agents of a new launch write theirs once `finished` is gone); `finished` is removed
+    last, so an agent of the old run still on its way out keeps finding the run finished, not generations
+    vanishing under it; and the floor goes just before it, so the generations below it never reappear as
+    "not sealed yet" while it stands. Interrupted, it is done again by the next launch (`finished` stays)."""
+    if not isinstance(run_id, str) or not record.is_segment(run_id):
+        raise ValueError(f"run_id {run_id!r} is not an id: [A-Za-z0-9][A-Za-z0-9._-]*, at most 253 chars")
+    keys = store.keys(f"rdzv/{run_id}/")
+    try:
+        finished = store.read(finished_key(run_id))
+    except errors.RecordCorruptError as e:  # not a verdict: `Rendezvous.join` ignores it too
+        log.warning("run %s: ignoring an invalid finished record: %s", run_id, e)
+        return None
+    if finished is None:
+        return None
+    last = (floor_key(run_id), finished_key(run_id))
+    for key in [k for k in keys if k not in last] + list(last):
+        store.delete(key)
+    log.info("run %s was finished (%r): its rendezvous records were removed for a new launch", run_id,
+             finished.value.get("reason"))
+    return str(finished.value.get("reason", ""))
