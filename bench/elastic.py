@@ -3,6 +3,7 @@
     python -m bench elastic                  # 5 failures of each kind, about a minute
     python -m bench elastic -- --quick       # 2 of each
     python -m bench elastic -- --kills 10 --small
+    python -m bench elastic -- --formations 20 --before /tmp/before   # false suspicions while generations form
 
 The run is `make demo`'s scene 2 (`python -m SneppX_ALG.demo --phase elastic`): 2 node agents x 2 workers on
 127.0.0.1, the recipe-1 reference Transformer trained data-parallel with sharded AdamW state, a checkpoint every
@@ -35,6 +36,7 @@ import argparse
 import functools
 import json
 import os
+import pathlib
 import random
 import shutil
 import signal
@@ -48,6 +50,7 @@ from typing import Any
 from bench.common import cpu_model
 from SneppX_ALG import demo
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 TORCHRUN_NODE_DROP_S = 15.0  # keep_alive_interval 5 s x keep_alive_max_attempt 3
 KINDS = {  # what is done to the run, and how the tables name it
     "worker": "SIGKILL of a worker",
@@ -191,6 +194,44 @@ def row(name: str, recoveries: list[demo.Recovery], floor: float) -> str:
             f"{statistics.median(lost):.0f} / {max(lost)} |")
 
 
+def measure_formations(runs: int, before: str | None, seed: int) -> None:
+    """False suspicions per 100 generations formed by 8 launchers started up to 10 s apart, one node each (as on
+    8 machines; tests/integration/formation.py), nothing killed: every suspicion is false. Alternating this
+    code and `before` run by run, so both meet the same machine load."""
+    sys.path.insert(0, str(REPO / "tests" / "integration"))
+    import formation
+
+    versions = {"this commit": None} | ({f"before ({before})": before} if before else {})
+    tallies = {name: {"runs": 0, "generations": 0, "suspicions": 0, "failures": 0, "shrank": 0, "incomplete": 0}
+               for name in versions}
+    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; {runs} runs of 8 launchers x 1 node x 1 worker, "
+          "started up to 10 s apart, on 127.0.0.1\n", flush=True)
+    for i in range(runs):
+        for name, checkout in versions.items():
+            env = dict(os.environ)
+            if checkout is not None:
+                env["PYTHONPATH"] = os.path.join(checkout, "runtime")
+            with tempfile.TemporaryDirectory(prefix="sneppx-bench-formation-") as workdir:
+                f = formation.run_formation(pathlib.Path(workdir), agents=8, spread=10.0, seed=seed * 1000 + i,
+                                            env=env)
+            t = tallies[name]
+            t["runs"] += 1
+            t["generations"] += len(f.generations)
+            t["suspicions"] += len(f.suspicions)
+            t["failures"] += len(f.failures)
+            t["shrank"] += len(f.shrank)
+            t["incomplete"] += int(f.final_world != 8 or any(f.codes.values()))
+            print(f"{name}, run {i + 1}: {len(f.generations)} generations, {len(f.suspicions)} false suspicions, "
+                  f"{len(f.shrank)} generations that left a member out", flush=True)
+    print("\n| code | runs | generations formed | false suspicions | per 100 generations | failures counted | "
+          "generations that left a live member out | runs not ending with all 8 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, t in tallies.items():
+        rate = 100 * t["suspicions"] / max(1, t["generations"])
+        print(f"| {name} | {t['runs']} | {t['generations']} | {t['suspicions']} | {rate:.1f} | {t['failures']} | "
+              f"{t['shrank']} | {t['incomplete']} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench elastic", description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=5, help="failures of each kind (default 5)")
@@ -198,9 +239,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--small", action="store_true", help="the demo's tiny model instead of recipe-1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--floor", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--formations", type=int, default=0,
+                        help="only measure generation forming: this many runs of 8 staggered launchers")
+    parser.add_argument("--before", help="with --formations: also a checkout of an older commit (its runtime/, "
+                                         "native module built in place), measured in the same run")
     args = parser.parse_args(argv)
     if args.floor:
         floor_process(args.floor[0], json.loads(args.floor[1]))
+        return
+    if args.formations:
+        measure_formations(args.formations, args.before, args.seed)
         return
     kills = 2 if args.quick else args.kills
     rng = random.Random(args.seed)

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 EXIT_FAILED = 3  # the run failed for good (budget, rollback limit, join timeout): the result file says why
 EXIT_NODE_FAILED = 1  # operator mode: this agent gave up (budget, join timeout); its pod fails and is replaced
 TICK = 0.02  # how often the agent looks at its workers when nothing arrives
+FIRST_CONTACT_POLLS = 1.5  # a waiting agent's longest poll period is 1.2 poll_cap (jitter); and a margin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +165,10 @@ class NodeAgent:
         self.paused = False
         self.step_timeout = settings.step_timeout  # operator mode: the control record's, from the next generation
         self.resumed_from: int | None = None  # the step this generation restored (rank 0's report)
-        self.heartbeat_address = f"{settings.host}:{free_udp_port(settings.host)}"
+        # bound once, held for the agent's life: a port released between generations could be taken meanwhile
+        self.heartbeat_socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.heartbeat_socket.bind((settings.host, 0))
+        self.heartbeat_address = f"{settings.host}:{self.heartbeat_socket.getsockname()[1]}"
         self.rdzv = rendezvous.Rendezvous(self.records, settings.run_id, agent_id=settings.agent_id,
                                           host=settings.host, heartbeat=self.heartbeat_address,
                                           workers=settings.workers, config=settings.rendezvous)
@@ -195,7 +199,9 @@ class NodeAgent:
                     self.rdzv.finish(reason)
                     return code
                 if outcome.kind == "failure":
-                    time.sleep(self.ft.record_failure(outcome.reason))
+                    delay = self.ft.record_failure(outcome.reason)
+                    self._event("backoff", generation=membership.generation, restarts=self.ft.restarts, delay=delay)
+                    time.sleep(delay)
                 membership = self._join(membership, outcome.suspects)
         except errors.RestartBudgetExhaustedError as e:
             reason = f"failed: {e}"
@@ -218,6 +224,9 @@ class NodeAgent:
             for w in self.workers:  # now: what they hold in memory is in the checkpoints or lost anyway
                 w.kill()
             return code
+        except Exception as e:  # a bug of ours: say what it was wherever the result is read
+            reason = f"failed: the node agent crashed: {type(e).__name__}: {e}"
+            raise
         finally:
             if self.link is not None:
                 self.link.close()
@@ -231,6 +240,7 @@ class NodeAgent:
                     except subprocess.TimeoutExpired:
                         pass
                 w.kill()
+            self.heartbeat_socket.close()
             self._event("exit", code=code, reason=reason)
             if self.s.result_path:
                 write_json(self.s.result_path, {"code": code, "reason": reason, "history": self.ft.status()["failures"]})
@@ -311,8 +321,11 @@ class NodeAgent:
         others = {mm.heartbeat: mm.agent_id for mm in m.members if mm.agent_id != self.s.agent_id}
         hb = None
         if others:
-            hb = heartbeat.HeartbeatMonitor(list(others), bind=self.heartbeat_address, job_id=self.s.run_id,
+            # the members learn of the seal up to one rendezvous poll (jittered) apart, and a peer starts beating
+            # only then: one not heard from yet is judged from when it could have started
+            hb = heartbeat.HeartbeatMonitor(list(others), sock=self.heartbeat_socket, job_id=self.s.run_id,
                                             interval=self.s.heartbeat_interval, timeout=self.s.heartbeat_timeout,
+                                            first_contact_grace=FIRST_CONTACT_POLLS * self.rdzv.config.poll_cap,
                                             generation=m.generation).start()
         try:
             outcome = self._watch(m, hb, others)
@@ -375,7 +388,7 @@ class NodeAgent:
                     return self._failure(nxt.why())
                 if self.absent is not None and not nxt.superseded:
                     self._report_absent(m, nxt, now)
-                if nxt.waiting and not join_pending:
+                if nxt.admits and not join_pending:  # a spare beyond max_nodes is never a boundary
                     join_pending = True
                     self._event("join_pending", generation=m.generation, waiting=sorted(nxt.waiting))
                     for w in self.workers:
@@ -471,25 +484,28 @@ class NodeAgent:
     def _settle(self, m: rendezvous.Membership, hb: heartbeat.HeartbeatMonitor | None, others: Mapping[str, str],
                 suspects: frozenset[str]) -> frozenset[str]:
         """Before joining the next generation: wait until each other member is known to be alive (heard on the
-        heartbeat well after the failure: a dead node sends nothing then) or to have joined it, or has fallen
-        silent (at most two heartbeat timeouts), so the join names every node that is gone and the sealer
-        need not wait for them. Live peers settle in about two heartbeat intervals."""
+        heartbeat well after the failure: a dead node sends nothing then) or to have joined it, or has stayed
+        silent, so the join names every node that is gone and the sealer need not wait for them (settle_verdict
+        has the rule). Live peers settle in about two heartbeat intervals. A one-node generation has no one to
+        wait for."""
+        if hb is None:
+            return frozenset()
         started = time.monotonic()
-        deadline = started + 2 * self.s.heartbeat_timeout
-        gone = set(suspects)
-        while hb is not None:
-            gone |= {others[p] for p in hb.suspected_peers() if p in others}
-            since = time.monotonic() - started - 2 * self.s.heartbeat_interval
+        while True:
+            suspected = set(suspects) | {others[p] for p in hb.suspected_peers() if p in others}
+            elapsed = time.monotonic() - started
+            since = elapsed - 2 * self.s.heartbeat_interval
             alive = {others[p] for p, view in hb.status().items()
                      if p in others and view.last_alive is not None and view.last_alive < since}
             try:
                 moved = set(self.rdzv.poll(m).closing)
             except errors.RecordUnavailableError:
                 moved = set()
-            if set(others.values()) <= gone | alive | moved or time.monotonic() >= deadline:
-                break
+            settled, gone = settle_verdict(set(others.values()), suspected, alive, moved, elapsed,
+                                           self.s.heartbeat_timeout)
+            if settled:
+                return gone
             time.sleep(TICK)
-        return frozenset(gone - alive)
 
     def _abort_workers(self, m: rendezvous.Membership) -> None:
         """Ends the generation's collectives on every worker; one that doesn't come back idle within
@@ -530,10 +546,19 @@ class NodeAgent:
             f.write(line + "\n")
 
 
-def free_udp_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+def settle_verdict(others: set[str], suspected: set[str], alive: set[str], moved: set[str], elapsed: float,
+                   timeout: float) -> tuple[bool, frozenset[str]]:
+    """Whether the settle wait is over, and who is gone: (settled, gone).
+
+    A peer is settled once it is alive (heard after the failure), or has joined the next generation. One that is
+    suspected is named gone only after it had a heartbeat timeout to answer: a peer suspected a moment before the
+    failure (a short stall, a lost burst of datagrams) is often alive, and naming it gone would leave a live node
+    out of the next generation. After two timeouts every peer not heard from is gone."""
+    pending = others - alive - moved
+    gone = frozenset(pending & suspected) if elapsed >= timeout else frozenset()
+    if not pending or elapsed >= 2 * timeout:
+        return True, frozenset(pending)
+    return pending <= gone, gone
 
 
 def write_json(path: str, value: Any) -> None:

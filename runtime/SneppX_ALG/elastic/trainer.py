@@ -25,6 +25,7 @@ pod's environment (pod.py), wins over run()'s arguments and the constructor's: s
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import logging
@@ -35,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -52,6 +54,8 @@ ENV_AGENT_ID = "SNEPPX_AGENT_ID"
 ENV_HOST = "SNEPPX_HOST"
 ENV_EVENTS = "SNEPPX_EVENTS_FILE"
 ENV_RESULT = "SNEPPX_RESULT_FILE"
+ENV_LAUNCHER_PID = "SNEPPX_LAUNCHER_PID"  # an agent stops when this process (its launcher) is gone
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 ELASTIC_DIR = "_elastic"  # under checkpoint_dir: the run's records (rendezvous, process-group addresses)
 
 
@@ -152,6 +156,7 @@ class ElasticTrainer:
         if role == "worker":
             self._exit(worker.main(self.train_fn, self._worker_settings(os.environ[ENV_RUN_ID], in_pod)))
         if role == "agent":
+            die_with_launcher(os.environ.get(ENV_LAUNCHER_PID))
             self._exit(agent.NodeAgent(self._agent_settings(num_nodes, num_gpus)).run())
         if role is not None:
             raise errors.ElasticLaunchError(f"{ENV_ROLE}={role!r} is not a role (agent or worker)")
@@ -212,13 +217,16 @@ class ElasticTrainer:
     def _launch(self, num_nodes: int, num_gpus: int, local_nodes: int) -> RunResult:
         command = script_command()
         run_id = self.run_id or os.environ.get(ENV_RUN_ID) or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-        env = {**os.environ, ENV_ROLE: "agent", ENV_RUN_ID: run_id}
+        env = {**os.environ, ENV_ROLE: "agent", ENV_RUN_ID: run_id, ENV_LAUNCHER_PID: str(os.getpid())}
         if not (env.get(ENV_KEY_FILE) or env.get(ENV_KEY)):
             if local_nodes != num_nodes:
                 raise errors.ElasticLaunchError(
                     f"nodes on several machines share the job key: set {ENV_KEY_FILE} (or {ENV_KEY}) on each")
             env[ENV_KEY] = secrets.token_hex(32)  # the job's key: heartbeats and collectives are authenticated
         records = storage.open_record_store(self.elastic_root)  # a bad checkpoint_dir fails here, not in every agent
+        verdict = rendezvous.reopen_run(records, run_id)  # a new launch of a finished run is a new run
+        if verdict is not None:
+            log.info("run %s had finished (%s): starting it again from its newest checkpoint", run_id, verdict)
         with tempfile.TemporaryDirectory(prefix="sneppx-run-") as scratch:
             if self.events_dir is not None:
                 os.makedirs(self.events_dir, exist_ok=True)
@@ -227,6 +235,9 @@ class ElasticTrainer:
             restarts = 0
             for node in nodes:
                 node.start(command, env)
+            terminated = signal.getsignal(signal.SIGTERM)
+            if threading.current_thread() is threading.main_thread():  # `kill <launcher>` stops the nodes first
+                signal.signal(signal.SIGTERM, _raise_terminated)
             try:
                 while True:
                     for node in nodes:
@@ -252,11 +263,20 @@ class ElasticTrainer:
                     if all(node.finished for node in nodes):
                         break
                     time.sleep(0.05)
+            except _Terminated:
+                for node in nodes:
+                    node.stop()
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)  # and ends as SIGTERM would have, once its nodes are gone
             finally:
                 for node in nodes:
                     node.stop()
+                if threading.current_thread() is threading.main_thread():
+                    signal.signal(signal.SIGTERM, terminated)
             events = sorted((e for node in nodes for e in node.events()), key=lambda e: e["t"])
             results = [r for node in nodes if (r := node.result()) is not None]
+        if rendezvous_verdict(records, run_id) == "completed":
+            return RunResult(run_id, events)  # training completed: a node that gave up on the way changes nothing
         failed = [r for r in results if r["code"] != 0]
         if failed or not results:
             reason = failed[0]["reason"] if failed else "no node agent finished"
@@ -327,10 +347,39 @@ def elastic_root(checkpoint_dir: str) -> str:
 
 def run_over(records: storage.RecordStore, run_id: str) -> bool:
     """Whether an agent marked the run finished (completed or failed)."""
+    return rendezvous_verdict(records, run_id) is not None
+
+
+def rendezvous_verdict(records: storage.RecordStore, run_id: str) -> str | None:
+    """The reason an agent gave when it marked the run finished ("completed", "failed: ..."); None: not finished
+    (or the store can't say now)."""
     try:
-        return records.read(rendezvous.finished_key(run_id)) is not None
+        finished = records.read(rendezvous.finished_key(run_id))
     except errors.RecordError:
-        return False
+        return None
+    return None if finished is None else str(finished.value.get("reason", ""))
+
+
+class _Terminated(Exception):
+    """SIGTERM to the launcher."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: it is on its way out
+    raise _Terminated()
+
+
+def die_with_launcher(launcher_pid: str | None) -> None:
+    """An agent stops when its launcher dies, however it died (SIGKILL, the OOM killer): the kernel sends it
+    SIGKILL (PR_SET_PDEATHSIG), and its workers end with it (their control channel closes). Without this a
+    relaunch would train beside the orphans in the same checkpoint directory."""
+    if launcher_pid is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if str(os.getppid()) != launcher_pid:  # it died before the prctl: the kernel won't tell us any more
+        os._exit(128 + signal.SIGKILL)
 
 
 def script_command() -> list[str]:

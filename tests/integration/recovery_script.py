@@ -1,0 +1,112 @@
+"""A small training script for the ElasticTrainer's recovery tests (python recovery_script.py OUT CKPT): each
+step allreduces a vector over the world and adds its mean, so after N steps the state is exactly N everywhere,
+whatever the world size, the failures and the restores. Cheap enough to run a job of 4 nodes on 2 cores.
+
+Knobs (environment, R_*): NODES, GPUS, LOCAL_NODES, STEPS, UNTIL_WORLD (train past STEPS until the world is
+this big), EVERY (checkpoint interval), SLEEP (per step), MAX_RESTARTS,
+RESTART_DELAY, NODE_RESTART_DELAY, JOIN_TIMEOUT, HANG_TIMEOUT, RAISE ("" | "once": the last rank raises at step 3 of the first generation |
+"always": it raises at every start). Rank 0 writes OUT/progress.json after each step and OUT/final.json at the
+end (the restart count the worker saw); the launcher writes OUT/result.json (generations, failures, events; or
+the error, its type and the history).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import elastic_script  # noqa: E402  (the same drivers: process lookup, waiting, killing)
+
+
+def knob(name: str, default: str) -> str:
+    return os.environ.get(f"R_{name}", default)
+
+
+def train_loop(ctx: Any) -> None:
+    out = Path(knob("OUT", "."))
+    steps, every, pause = int(knob("STEPS", "12")), int(knob("EVERY", "3")), float(knob("SLEEP", "0.05"))
+    state = {"w": np.zeros(4)}
+    info = ctx.restore(state)
+    step = 0 if info is None else info.step
+    fail = knob("RAISE", "")
+    until_world = int(knob("UNTIL_WORLD", "0"))  # train on (past STEPS) until the world has this many ranks
+    while step < steps or ctx.world_size < until_world:
+        if ctx.rank == ctx.world_size - 1 and step == 3 and (fail == "always" or (fail == "once" and ctx.restarts == 0)):
+            raise RuntimeError(f"planted failure at step {step}, generation {ctx.generation}")
+        contribution = np.ones(4)
+        ctx.group.allreduce(contribution)
+        state["w"] += contribution / ctx.world_size
+        step += 1
+        ctx.report(step)
+        if ctx.rank == 0:
+            elastic_script.write_json(out / "progress.json", {"step": step, "generation": ctx.generation,
+                                                              "world_size": ctx.world_size, "pid": os.getpid()})
+        if step % every == 0:
+            ctx.save(state, step)
+        time.sleep(pause)
+    if ctx.rank == 0:
+        elastic_script.write_json(out / "final.json", {"world_size": ctx.world_size,
+            "step": step, "w": state["w"].tolist(), "generation": ctx.generation, "restarts": ctx.restarts,
+            "restart_count_env": os.environ.get("TORCHELASTIC_RESTART_COUNT")})
+
+
+def main() -> None:
+    from SneppX_ALG import ElasticTrainer, errors
+
+    out, checkpoint_dir = Path(sys.argv[1]), sys.argv[2]
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["R_OUT"] = str(out)
+    trainer = ElasticTrainer(
+        train_fn=train_loop, checkpoint_dir=checkpoint_dir, max_restarts=int(knob("MAX_RESTARTS", "3")),
+        restart_delay=float(knob("RESTART_DELAY", "0.1")), join_timeout=float(knob("JOIN_TIMEOUT", "120")),
+        last_call=3, hang_timeout=float(knob("HANG_TIMEOUT", "1.0")),
+        node_restart_delay=float(knob("NODE_RESTART_DELAY", "0.2")), events_dir=str(out / "events"))
+    try:
+        local_nodes = int(knob("LOCAL_NODES", "0")) or None  # 1: this launcher is one node of a bigger job
+        result = trainer.run(num_nodes=int(knob("NODES", "1")), num_gpus=int(knob("GPUS", "1")),
+                             local_nodes=local_nodes)
+    except (errors.RestartBudgetExhaustedError, errors.ElasticRunError) as e:
+        history = [h if isinstance(h, dict) else {"reason": getattr(h, "reason", str(h))} for h in e.history]
+        elastic_script.write_json(out / "result.json", {"error": type(e).__name__, "message": str(e),
+                                                        "history": history})
+        sys.exit(1)
+    elastic_script.write_json(out / "result.json", {"generations": result.generations, "failures": result.failures,
+                                                    "events": result.events})
+
+
+class Run(elastic_script.Run):
+    """One run of this script as a child process (elastic_script.Run's drivers)."""
+
+    def __init__(self, out: Path, checkpoint_dir: str, run_id: str | None = None, **knobs: Any):
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+        self.run_id = run_id or f"test-{secrets.token_hex(6)}"
+        env = {**os.environ, **{f"R_{k.upper()}": str(v) for k, v in knobs.items()}, "SNEPPX_RUN_ID": self.run_id}
+        self.log = open(out / "log.txt", "wb")
+        self.proc = subprocess.Popen([sys.executable, __file__, str(out), checkpoint_dir], env=env,
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def events(self, agent_id: str) -> list[dict[str, Any]]:
+        """The agent's events so far (every incarnation of it)."""
+        try:
+            lines = (self.out / "events" / f"{agent_id}.events.jsonl").read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def final(self) -> dict[str, Any]:
+        return json.loads((self.out / "final.json").read_text())
+
+
+if __name__ == "__main__":
+    main()
