@@ -1,10 +1,13 @@
-"""The settle rule (agent.settle_verdict): who a node agent names as gone when it joins the next generation after
-a failure. Naming a live peer gone leaves it out of the next generation; not naming a dead one makes the sealer
-wait for it (last_call)."""
+"""The agent's rules for a generation's end. The settle rule (agent.settle_verdict): who a node agent names as gone
+when it joins the next generation after a failure. Naming a live peer gone leaves it out of the next generation; not naming a dead one makes the sealer
+wait for it (last_call). And `at_boundary`: other members leaving for a scale-up is not a failure."""
 
 from __future__ import annotations
 
-from SneppX_ALG.elastic.agent import settle_verdict
+from dataclasses import replace
+
+from SneppX_ALG.elastic.agent import at_boundary, settle_verdict
+from SneppX_ALG.elastic.rendezvous import NextGeneration
 
 TIMEOUT = 0.8
 PEERS = {"node-1", "node-2", "node-3"}
@@ -37,3 +40,12 @@ def test_a_peer_that_joined_the_next_generation_is_not_gone_even_if_suspected() 
 def test_an_unsuspected_peer_not_heard_yet_is_waited_for_and_gone_after_two_timeouts() -> None:
     assert verdict(set(), {"node-2", "node-3"}, set(), TIMEOUT) == (False, frozenset())
     assert verdict(set(), {"node-2", "node-3"}, set(), 2 * TIMEOUT) == (True, frozenset({"node-1"}))
+
+
+def test_members_that_left_for_a_boundary_before_this_agent_saw_anyone_wait_are_not_a_failure() -> None:
+    waiting = NextGeneration(4, sealed=False, closing=frozenset({"node-1"}), waiting=frozenset({"node-9"}))
+    assert at_boundary(waiting)
+    assert not at_boundary(replace(waiting, waiting=frozenset()))  # nobody to admit: they left for a failure
+    assert not at_boundary(replace(waiting, has_room=False))  # a spare beyond max_nodes is no boundary
+    assert not at_boundary(replace(waiting, sealed=True))  # sealed without this agent: over for it
+    assert not at_boundary(replace(waiting, collected=True))

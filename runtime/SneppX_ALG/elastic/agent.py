@@ -384,7 +384,7 @@ class NodeAgent:
                 except errors.RecordUnavailableError as e:
                     log.warning("%s: can't poll the rendezvous: %s", self.s.agent_id, e)
                     continue
-                if nxt.superseded and not join_pending:
+                if nxt.superseded and not join_pending and not at_boundary(nxt):
                     return self._failure(nxt.why())
                 if self.absent is not None and not nxt.superseded:
                     self._report_absent(m, nxt, now)
@@ -544,6 +544,14 @@ class NodeAgent:
             return
         with open(self.s.events_path, "a") as f:
             f.write(line + "\n")
+
+
+def at_boundary(nxt: rendezvous.NextGeneration) -> bool:
+    """Other members joined the next generation while agents wait that it can admit: they stopped at a checkpoint
+    boundary for them, which this agent's workers reached too (every rank learns of it in the same `ctx.save`),
+    before this agent's own poll saw anyone wait. A boundary, not a failure: if it was a failure after all, the
+    workers' collectives tell (the others' abort closes their connections)."""
+    return bool(nxt.closing) and not nxt.sealed and not nxt.collected and nxt.admits
 
 
 def settle_verdict(others: set[str], suspected: set[str], alive: set[str], moved: set[str], elapsed: float,
