@@ -8,6 +8,7 @@ last one holds them all. Used by tests/integration/test_elastic_formation.py (on
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -33,7 +34,7 @@ class Formation:
     def shrank(self) -> list[int]:
         """Generations that left out a member of the generation before."""
         order = sorted(self.generations)
-        return [g for before, g in zip(order, order[1:], strict=False)
+        return [g for before, g in itertools.pairwise(order)
                 if not set(self.generations[before]) <= set(self.generations[g])]
 
 

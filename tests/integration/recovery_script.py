@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import elastic_script  # noqa: E402  (the same drivers: process lookup, waiting, killing)
+import elastic_script
 
 
 def knob(name: str, default: str) -> str:

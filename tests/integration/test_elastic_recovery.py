@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from recovery_script import Run
 from elastic_script import process_state
+from recovery_script import Run
 
 STEPS = 12
 JITTER = 0.1  # FaultToleranceManager's default: a delay is shortened by up to this fraction
