@@ -62,7 +62,7 @@ def write_json(path: Path, value: Any) -> None:
 
 
 def main() -> None:
-    from SneppX_ALG import ElasticTrainer, errors
+    from SneppX_ALG import ElasticTrainer
 
     out, checkpoint_dir = Path(sys.argv[1]), sys.argv[2]
     out.mkdir(parents=True, exist_ok=True)
@@ -71,8 +71,16 @@ def main() -> None:
         train_fn=train_loop, checkpoint_dir=checkpoint_dir, max_restarts=int(knob("MAX_RESTARTS", "5")),
         restart_delay=float(knob("RESTART_DELAY", "0.2")), join_timeout=120,
         node_restart_delay=float(knob("NODE_RESTART_DELAY", "0.2")), last_call=5)
+    report_run(out, lambda: trainer.run(num_nodes=int(knob("NODES", "2")), num_gpus=int(knob("GPUS", "2"))))
+
+
+def report_run(out: Path, run: Any) -> None:
+    """Calls `run()` (an ElasticTrainer's run) and writes what came of it to OUT/result.json: the generations,
+    failures and events, or the error, its type and the history (exit status 1)."""
+    from SneppX_ALG import errors
+
     try:
-        result = trainer.run(num_nodes=int(knob("NODES", "2")), num_gpus=int(knob("GPUS", "2")))
+        result = run()
     except (errors.RestartBudgetExhaustedError, errors.ElasticRunError) as e:
         history = [h if isinstance(h, dict) else {"reason": getattr(h, "reason", str(h))} for h in e.history]
         write_json(out / "result.json", {"error": type(e).__name__, "message": str(e), "history": history})
@@ -85,16 +93,23 @@ def main() -> None:
 
 
 class Run:
-    """One run of this script as a child process."""
+    """One run of this script as a child process (a subclass names another script and its knobs' prefix)."""
 
-    def __init__(self, out: Path, checkpoint_dir: str, **knobs: Any):
+    SCRIPT = __file__
+    KNOB_PREFIX = "E_"
+
+    def __init__(self, out: Path, checkpoint_dir: str, run_id: str | None = None, **knobs: Any):
         self.out = out
         out.mkdir(parents=True, exist_ok=True)
-        self.run_id = f"test-{secrets.token_hex(6)}"  # the launcher's run id: how its processes are found
-        env = {**os.environ, **{f"E_{k.upper()}": str(v) for k, v in knobs.items()}, "SNEPPX_RUN_ID": self.run_id}
+        self.run_id = run_id or f"test-{secrets.token_hex(6)}"  # the launcher's run id: how its processes are found
+        env = {**os.environ, **{f"{self.KNOB_PREFIX}{k.upper()}": str(v) for k, v in knobs.items()},
+               "SNEPPX_RUN_ID": self.run_id}
         self.log = open(out / "log.txt", "wb")
-        self.proc = subprocess.Popen([sys.executable, __file__, str(out), checkpoint_dir], env=env,
+        self.proc = subprocess.Popen([sys.executable, self.SCRIPT, str(out), checkpoint_dir], env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def final(self) -> dict[str, Any]:
+        return json.loads((self.out / "final.json").read_text())
 
     def progress(self) -> dict[str, Any]:
         try:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,7 +59,7 @@ def train_loop(ctx: Any) -> None:
 
 
 def main() -> None:
-    from SneppX_ALG import ElasticTrainer, errors
+    from SneppX_ALG import ElasticTrainer
 
     out, checkpoint_dir = Path(sys.argv[1]), sys.argv[2]
     out.mkdir(parents=True, exist_ok=True)
@@ -71,30 +69,16 @@ def main() -> None:
         restart_delay=float(knob("RESTART_DELAY", "0.1")), join_timeout=float(knob("JOIN_TIMEOUT", "120")),
         last_call=3, hang_timeout=float(knob("HANG_TIMEOUT", "1.0")),
         node_restart_delay=float(knob("NODE_RESTART_DELAY", "0.2")), events_dir=str(out / "events"))
-    try:
-        local_nodes = int(knob("LOCAL_NODES", "0")) or None  # 1: this launcher is one node of a bigger job
-        result = trainer.run(num_nodes=int(knob("NODES", "1")), num_gpus=int(knob("GPUS", "1")),
-                             local_nodes=local_nodes)
-    except (errors.RestartBudgetExhaustedError, errors.ElasticRunError) as e:
-        history = [h if isinstance(h, dict) else {"reason": getattr(h, "reason", str(h))} for h in e.history]
-        elastic_script.write_json(out / "result.json", {"error": type(e).__name__, "message": str(e),
-                                                        "history": history})
-        sys.exit(1)
-    elastic_script.write_json(out / "result.json", {"generations": result.generations, "failures": result.failures,
-                                                    "events": result.events})
+    local_nodes = int(knob("LOCAL_NODES", "0")) or None  # 1: this launcher is one node of a bigger job
+    elastic_script.report_run(out, lambda: trainer.run(num_nodes=int(knob("NODES", "1")),
+                                                        num_gpus=int(knob("GPUS", "1")), local_nodes=local_nodes))
 
 
 class Run(elastic_script.Run):
     """One run of this script as a child process (elastic_script.Run's drivers)."""
 
-    def __init__(self, out: Path, checkpoint_dir: str, run_id: str | None = None, **knobs: Any):
-        self.out = out
-        out.mkdir(parents=True, exist_ok=True)
-        self.run_id = run_id or f"test-{secrets.token_hex(6)}"
-        env = {**os.environ, **{f"R_{k.upper()}": str(v) for k, v in knobs.items()}, "SNEPPX_RUN_ID": self.run_id}
-        self.log = open(out / "log.txt", "wb")
-        self.proc = subprocess.Popen([sys.executable, __file__, str(out), checkpoint_dir], env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+    SCRIPT = __file__
+    KNOB_PREFIX = "R_"
 
     def events(self, agent_id: str) -> list[dict[str, Any]]:
         """The agent's events so far (every incarnation of it)."""
@@ -103,9 +87,6 @@ class Run(elastic_script.Run):
         except FileNotFoundError:
             return []
         return [json.loads(line) for line in lines if line.strip()]
-
-    def final(self) -> dict[str, Any]:
-        return json.loads((self.out / "final.json").read_text())
 
 
 if __name__ == "__main__":

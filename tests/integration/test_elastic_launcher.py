@@ -14,18 +14,13 @@ from recovery_script import Run
 
 
 @pytest.fixture
-def runs() -> Any:
-    started: list[Run] = []
-
+def runs(launched: list[Run]) -> Any:
     def start(out: Path, checkpoint_dir: Path, **knobs: Any) -> Run:
         run = Run(out, str(checkpoint_dir), **knobs)
-        started.append(run)
+        launched.append(run)
         return run
 
-    yield start
-    for run in started:
-        if run.proc.poll() is None or run.processes():
-            run.kill()
+    return start
 
 
 def wait_until_gone(run: Run, timeout: float = 30) -> list[Any]:

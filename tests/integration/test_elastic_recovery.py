@@ -23,18 +23,13 @@ SIZES = [1, 2, 4]
 
 
 @pytest.fixture
-def runs() -> Any:
-    started: list[Run] = []
-
+def runs(launched: list[Run]) -> Any:
     def start(out: Path, **knobs: Any) -> Run:
         run = Run(out, str(out.parent / "ckpts"), **{"steps": STEPS, **knobs})
-        started.append(run)
+        launched.append(run)
         return run
 
-    yield start
-    for run in started:
-        if run.proc.poll() is None or run.processes():
-            run.kill()
+    return start
 
 
 def assert_trained_to_the_end(run: Run) -> dict[str, Any]:

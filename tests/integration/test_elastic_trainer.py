@@ -22,18 +22,13 @@ EVERY = 3
 
 
 @pytest.fixture
-def runs() -> Any:
-    started: list[Run] = []
-
+def runs(launched: list[Run]) -> Any:
     def start(out: Path, checkpoint_dir: str, **knobs: Any) -> Run:
         run = Run(out, checkpoint_dir, **{"every": EVERY, **knobs})
-        started.append(run)
+        launched.append(run)
         return run
 
-    yield start
-    for run in started:
-        if run.proc.poll() is None or run.processes():
-            run.kill()
+    return start
 
 
 def kinds(result: dict[str, Any], kind: str) -> list[dict[str, Any]]:

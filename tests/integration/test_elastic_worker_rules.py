@@ -19,18 +19,13 @@ pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture
-def runs() -> Any:
-    started: list[Run] = []
-
+def runs(launched: list[Run]) -> Any:
     def start(out: Path, checkpoint_dir: Path, **knobs: Any) -> Run:
         run = Run(out, str(checkpoint_dir), **knobs)
-        started.append(run)
+        launched.append(run)
         return run
 
-    yield start
-    for run in started:
-        if run.proc.poll() is None or run.processes():
-            run.kill()
+    return start
 
 
 def corrupt_every_step(checkpoint_dir: Path) -> list[int]:

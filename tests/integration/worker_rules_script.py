@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import elastic_script  # noqa: E402  (the same drivers: waiting, killing, reading the log)
+import elastic_script
 
 SIZE = 2048  # float32: the data of a step's shard starts past its first 4 KiB (where a test flips a byte)
 
@@ -62,7 +60,7 @@ def train_loop(ctx: Any) -> None:
 
 
 def main() -> None:
-    from SneppX_ALG import ElasticTrainer, errors
+    from SneppX_ALG import ElasticTrainer
 
     out, checkpoint_dir = Path(sys.argv[1]), sys.argv[2]
     out.mkdir(parents=True, exist_ok=True)
@@ -70,33 +68,19 @@ def main() -> None:
     trainer = ElasticTrainer(
         train_fn=train_loop, checkpoint_dir=checkpoint_dir, max_restarts=int(knob("MAX_RESTARTS", "2")),
         restart_delay=0.1, join_timeout=120, last_call=3, node_restart_delay=0.2, events_dir=str(out / "events"))
-    try:
-        result = trainer.run(num_nodes=int(knob("NODES", "1")), num_gpus=int(knob("GPUS", "1")))
-    except (errors.RestartBudgetExhaustedError, errors.ElasticRunError) as e:
-        elastic_script.write_json(out / "result.json", {"error": type(e).__name__, "message": str(e)})
-        sys.exit(1)
-    elastic_script.write_json(out / "result.json", {"generations": result.generations, "failures": result.failures,
-                                                    "events": result.events})
+    elastic_script.report_run(out, lambda: trainer.run(num_nodes=int(knob("NODES", "1")),
+                                                        num_gpus=int(knob("GPUS", "1"))))
 
 
 class Run(elastic_script.Run):
     """One run of this script as a child process (elastic_script.Run's drivers)."""
 
-    def __init__(self, out: Path, checkpoint_dir: str, **knobs: Any):
-        self.out = out
-        out.mkdir(parents=True, exist_ok=True)
-        self.run_id = f"test-{secrets.token_hex(6)}"
-        env = {**os.environ, **{f"W_{k.upper()}": str(v) for k, v in knobs.items()}, "SNEPPX_RUN_ID": self.run_id}
-        self.log = open(out / "log.txt", "wb")
-        self.proc = subprocess.Popen([sys.executable, __file__, str(out), checkpoint_dir], env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+    SCRIPT = __file__
+    KNOB_PREFIX = "W_"
 
     def seen(self) -> list[dict[str, Any]]:
         lines = (self.out / "seen.jsonl").read_text().splitlines()
         return [json.loads(line) for line in lines if line.strip()]
-
-    def final(self) -> dict[str, Any]:
-        return json.loads((self.out / "final.json").read_text())
 
 
 if __name__ == "__main__":

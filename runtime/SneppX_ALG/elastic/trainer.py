@@ -235,9 +235,10 @@ class ElasticTrainer:
             restarts = 0
             for node in nodes:
                 node.start(command, env)
-            terminated = signal.getsignal(signal.SIGTERM)
+            previous_handler = signal.getsignal(signal.SIGTERM)
             if threading.current_thread() is threading.main_thread():  # `kill <launcher>` stops the nodes first
                 signal.signal(signal.SIGTERM, _raise_terminated)
+            terminated = False
             try:
                 while True:
                     for node in nodes:
@@ -264,15 +265,14 @@ class ElasticTrainer:
                         break
                     time.sleep(0.05)
             except _Terminated:
-                for node in nodes:
-                    node.stop()
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGTERM)  # and ends as SIGTERM would have, once its nodes are gone
+                terminated = True
             finally:
                 for node in nodes:
                     node.stop()
                 if threading.current_thread() is threading.main_thread():
-                    signal.signal(signal.SIGTERM, terminated)
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL if terminated else previous_handler)
+            if terminated:
+                os.kill(os.getpid(), signal.SIGTERM)  # it ends as SIGTERM would have, once its nodes are gone
             events = sorted((e for node in nodes for e in node.events()), key=lambda e: e["t"])
             results = [r for node in nodes if (r := node.result()) is not None]
         if rendezvous_verdict(records, run_id) == "completed":
