@@ -350,6 +350,9 @@ class NodeAgent:
                 w.send("pause")
         control_due = 0.0
         while True:
+            # who had exited before this read: a worker's last words (its error) are in its channel before it
+            # exits, so they are read first and name the failure, not the exit they caused
+            exited = [w for w in self.workers if not w.alive]
             outcome = self._read_workers(m, assign)
             if outcome is not None:
                 return outcome
@@ -357,7 +360,7 @@ class NodeAgent:
             if self.link is not None:
                 control_due = self._follow_operator(m, now, control_due)
             for w in self.workers:
-                if not w.alive:
+                if w in exited:
                     return self._failure(f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} "
                                          f"{w.how_it_ended()}")
                 silent = now - w.last_beat
@@ -385,7 +388,8 @@ class NodeAgent:
                     log.warning("%s: can't poll the rendezvous: %s", self.s.agent_id, e)
                     continue
                 if nxt.superseded and not join_pending and not at_boundary(nxt):
-                    return self._failure(nxt.why())
+                    # a worker's own report, if it came meanwhile, says more than the others' reaction to it
+                    return self._read_workers(m, assign) or self._failure(nxt.why())
                 if self.absent is not None and not nxt.superseded:
                     self._report_absent(m, nxt, now)
                 if nxt.admits and not join_pending:  # a spare beyond max_nodes is never a boundary
