@@ -61,6 +61,7 @@ MANAGED_BY = "sneppx-operator"
 HEARTBEAT_KEY = "heartbeat-key"
 HEARTBEAT_DIR = "/var/run/sneppx/heartbeat"
 CHECKPOINT_DIR = "/var/lib/sneppx/checkpoints"
+KEY_GROUP = 65532  # the pods' fsGroup unless the template sets one (the image's group): may read the heartbeat key
 TMP_DIR = "/tmp"
 TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"  # where in-cluster clients look for it
 TOKEN_EXPIRATION_SECONDS = 3600  # the kubelet renews a projected token at 80% of its life
@@ -435,6 +436,11 @@ def build_pod(
         ]
     pod_spec["volumes"] = [*volumes, _token_volume(), *(pod_spec.get("volumes") or [])]
     pod_spec["securityContext"] = restricted.with_pod_defaults(pod_spec.get("securityContext"))
+    # The heartbeat key is mode 0440, owned by root: the kubelet gives it the pod's fsGroup, which every container
+    # process holds as a supplementary group, so a non-root agent can read it (and no one else on the node).
+    # OnRootMismatch: a checkpoint volume already owned so is not walked again at every pod start.
+    pod_spec["securityContext"].setdefault("fsGroup", KEY_GROUP)
+    pod_spec["securityContext"].setdefault("fsGroupChangePolicy", "OnRootMismatch")
     pod_spec["hostname"] = pod_name(job_name, rank)
     pod_spec["subdomain"] = service_name(job_name)
     pod_spec["restartPolicy"] = "Never"

@@ -87,7 +87,8 @@ def test_restricted_defaults_fill_what_the_template_leaves_unset() -> None:
     job = spec()
     job["template"]["spec"]["initContainers"] = [{"name": "init", "image": "x"}]
     built = pod(job)["spec"]
-    assert built["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert built["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"},
+                                        "fsGroup": builders.KEY_GROUP, "fsGroupChangePolicy": "OnRootMismatch"}
     for container in [*built["containers"], *built["initContainers"]]:
         assert container["securityContext"] == {
             "allowPrivilegeEscalation": False,
@@ -495,3 +496,14 @@ def test_jobs_on_one_claim_get_a_directory_each_unless_they_name_one() -> None:
                     "file:///var/lib/sneppx/checkpoints/team-2/a"]
     named = env_of(pod()["spec"]["containers"][0])["SNEPPX_CHECKPOINT_URI"]
     assert named == "file:///var/lib/sneppx/checkpoints", "a subPath is the job's own choice of directory"
+
+
+def test_the_heartbeat_key_is_readable_by_a_non_root_agent_through_the_pods_fs_group() -> None:
+    """The key's volume is mode 0440 and root-owned: without an fsGroup a non-root agent can't read it (a real
+    kubelet refused it; the stand-in kubelet did not). A template's own fsGroup is kept."""
+    built = pod(spec())["spec"]
+    key = next(v for v in built["volumes"] if v["name"] == builders.VOLUME_HEARTBEAT)
+    assert key["secret"]["defaultMode"] == 0o440 and built["securityContext"]["fsGroup"] == builders.KEY_GROUP
+    job = spec()
+    job["template"]["spec"]["securityContext"] = {"fsGroup": 1000}
+    assert pod(job)["spec"]["securityContext"]["fsGroup"] == 1000
