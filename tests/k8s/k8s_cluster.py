@@ -59,6 +59,26 @@ CONTROLLER_MANAGER_USER = "system:kube-controller-manager"
 CONTROLLER_ROLES = ("system:controller:generic-garbage-collector", "system:controller:namespace-controller")
 
 
+@dataclasses.dataclass(frozen=True)
+class ControlPlane:
+    """How start_cluster runs the control plane. The default serves the API on loopback to tests alone: no
+    node, pods never run (or run under pod_runner). `for_nodes` makes it a cluster a real kubelet joins
+    (tests/node): the API on the node's address (pods reach it through the `kubernetes` Service), Node
+    authorization and NodeRestriction for the kubelet, ServiceAccount admission (pods get API tokens), and
+    kube-controller-manager's default controllers (Deployments, node lifecycle, evictions, service accounts),
+    each under its own ServiceAccount as in a real cluster."""
+
+    address: str = "127.0.0.1"
+    service_range: str = SERVICE_CLUSTER_IP_RANGE
+    for_nodes: bool = False
+    node_monitor_grace: str = "40s"  # for_nodes: a node silent this long is NotReady (Kubernetes' default)
+
+    @property
+    def service_ip(self) -> str:
+        """The `kubernetes` Service's ClusterIP: the range's first address."""
+        return str(next(ipaddress.ip_network(self.service_range).hosts()))
+
+
 class ClusterStartError(RuntimeError):
     """etcd or kube-apiserver did not come up; the message carries the tail of its log."""
 
@@ -144,7 +164,13 @@ class CertificateAuthority:
         self.cert_pem = self._cert.public_bytes(serialization.Encoding.PEM)
 
     def issue(
-        self, common_name: str, *, organizations: tuple[str, ...] = (), server: bool = False
+        self,
+        common_name: str,
+        *,
+        organizations: tuple[str, ...] = (),
+        server: bool = False,
+        addresses: tuple[str, ...] = ("127.0.0.1",),
+        names: tuple[str, ...] = ("localhost",),
     ) -> KeyPair:
         key = ec.generate_private_key(ec.SECP256R1())
         attributes = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, org) for org in organizations]
@@ -165,7 +191,8 @@ class CertificateAuthority:
         if server:
             builder = builder.add_extension(
                 x509.SubjectAlternativeName(
-                    [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+                    [x509.IPAddress(ipaddress.ip_address(address)) for address in addresses]
+                    + [x509.DNSName(name) for name in names]
                 ),
                 critical=False,
             )
@@ -312,15 +339,21 @@ class Cluster:
             stop_process(proc)
 
 
-def start_cluster(bin_dir: pathlib.Path, workdir: pathlib.Path) -> Cluster:
+def start_cluster(
+    bin_dir: pathlib.Path, workdir: pathlib.Path, plane: ControlPlane = ControlPlane()
+) -> Cluster:
     """Start etcd and kube-apiserver with envtest's flags, wait for /readyz, install the CRDs, then start
     kube-controller-manager and wait until its garbage collector works."""
     workdir.mkdir(parents=True, exist_ok=True)
     certs = workdir / "certs"
     certs.mkdir(exist_ok=True)
     ca = CertificateAuthority()
-    serving = ca.issue("kube-apiserver", server=True)
+    service_names = ("kubernetes", "kubernetes.default", "kubernetes.default.svc",
+                     "kubernetes.default.svc.cluster.local")
+    serving = ca.issue("kube-apiserver", server=True, addresses=tuple(dict.fromkeys(
+        ("127.0.0.1", plane.address, plane.service_ip))), names=("localhost", *service_names))
     admin = ca.issue("sneppx-test-admin", organizations=("system:masters",))
+    kubelet_client = ca.issue("kube-apiserver-kubelet-client", organizations=("system:masters",))
     sa = service_account_keys()
     files = {
         "ca.crt": ca.cert_pem,
@@ -328,6 +361,8 @@ def start_cluster(bin_dir: pathlib.Path, workdir: pathlib.Path) -> Cluster:
         "apiserver.key": serving.key_pem,
         "admin.crt": admin.cert_pem,
         "admin.key": admin.key_pem,
+        "kubelet-client.crt": kubelet_client.cert_pem,
+        "kubelet-client.key": kubelet_client.key_pem,
         "sa.pub": sa.cert_pem,
         "sa.key": sa.key_pem,
     }
@@ -365,23 +400,32 @@ def start_cluster(bin_dir: pathlib.Path, workdir: pathlib.Path) -> Cluster:
             etcd_log,
         )
 
-        server = f"https://127.0.0.1:{api_port}"
+        server = f"https://{plane.address}:{api_port}"
         api_log = workdir / "kube-apiserver.log"
+        if plane.for_nodes:
+            access = [
+                "--authorization-mode=Node,RBAC",
+                "--enable-admission-plugins=NodeRestriction",
+                f"--kubelet-client-certificate={certs / 'kubelet-client.crt'}",
+                f"--kubelet-client-key={certs / 'kubelet-client.key'}",
+                "--kubelet-preferred-address-types=InternalIP",  # never a DNS lookup of the node's name
+            ]
+        else:
+            access = ["--authorization-mode=RBAC", "--disable-admission-plugins=ServiceAccount"]
         apiserver = subprocess.Popen(
             [
                 str(bin_dir / "kube-apiserver"),
                 f"--etcd-servers={etcd_url}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                f"--bind-address={plane.address}",
+                f"--advertise-address={plane.address}",
                 f"--secure-port={api_port}",
                 f"--cert-dir={certs}",
                 f"--tls-cert-file={certs / 'apiserver.crt'}",
                 f"--tls-private-key-file={certs / 'apiserver.key'}",
                 f"--client-ca-file={certs / 'ca.crt'}",
-                "--authorization-mode=RBAC",
                 "--allow-privileged=true",
-                f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
-                "--disable-admission-plugins=ServiceAccount",
+                f"--service-cluster-ip-range={plane.service_range}",
+                *access,
                 f"--service-account-issuer={server}/",
                 f"--service-account-key-file={certs / 'sa.pub'}",
                 f"--service-account-signing-key-file={certs / 'sa.key'}",
@@ -405,7 +449,7 @@ def start_cluster(bin_dir: pathlib.Path, workdir: pathlib.Path) -> Cluster:
         # Before the controller-manager, so the garbage collector's first discovery already sees the CRDs'
         # resources (it rediscovers only every 30 s).
         install_crds(cluster)
-        start_controller_manager(cluster, tls)
+        start_controller_manager(cluster, tls, plane)
         return cluster
     except BaseException:
         for proc in reversed(processes):
@@ -413,7 +457,9 @@ def start_cluster(bin_dir: pathlib.Path, workdir: pathlib.Path) -> Cluster:
         raise
 
 
-def start_controller_manager(cluster: Cluster, tls: ssl.SSLContext) -> subprocess.Popen[bytes]:
+def start_controller_manager(
+    cluster: Cluster, tls: ssl.SSLContext, plane: ControlPlane = ControlPlane()
+) -> subprocess.Popen[bytes]:
     """Start kube-controller-manager with the garbage collector and namespace controller only (appended to
     cluster.processes, so Cluster.stop() stops it first) and wait until the garbage collector visibly works.
 
@@ -422,7 +468,9 @@ def start_controller_manager(cluster: Cluster, tls: ssl.SSLContext) -> subproces
     leader election (no Lease to wait for); every controller under the kubeconfig's own identity
     (CONTROLLER_MANAGER_USER, with CONTROLLER_ROLES bound to it), not per-controller ServiceAccount tokens; no
     HTTPS serving (--secure-port=0: no port to pick, no self-signed certificate written anywhere; readiness is
-    the probe below). It writes nothing but its log; HOME and the working directory are the workdir anyway."""
+    the probe below). It writes nothing but its log; HOME and the working directory are the workdir anyway.
+
+    With `plane.for_nodes`: the default controllers, each under its own ServiceAccount, as in a real cluster."""
     rbac = [
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -446,9 +494,18 @@ def start_controller_manager(cluster: Cluster, tls: ssl.SSLContext) -> subproces
         [
             cluster.tool("kube-controller-manager"),
             f"--kubeconfig={kubeconfig}",
-            f"--controllers={','.join(CONTROLLERS)}",
+            *(
+                [
+                    "--controllers=*",
+                    "--use-service-account-credentials=true",
+                    f"--service-account-private-key-file={cluster.workdir / 'certs' / 'sa.key'}",
+                    f"--root-ca-file={cluster.workdir / 'certs' / 'ca.crt'}",
+                    f"--node-monitor-grace-period={plane.node_monitor_grace}",
+                ]
+                if plane.for_nodes
+                else [f"--controllers={','.join(CONTROLLERS)}", "--use-service-account-credentials=false"]
+            ),
             "--leader-elect=false",
-            "--use-service-account-credentials=false",
             "--secure-port=0",
             "--v=2",  # the garbage collector's "Deleting item" lines, and what it could not do
         ],

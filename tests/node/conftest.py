@@ -1,0 +1,101 @@
+"""The real-node tier's fixtures: one real single-node cluster for the session (real_node.py) with the project's
+image imported into its containerd, the operator installed on it by its Helm chart, and a fresh namespace per
+test with the restricted Pod Security profile enforced."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import secrets
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent / "k8s"), str(HERE.parent / "image")]
+
+import container_image  # noqa: E402
+import k8s_cluster  # noqa: E402
+import k8s_helpers  # noqa: E402
+import kubernetes  # noqa: E402
+import real_node  # noqa: E402
+from image_fixtures import TAG, image  # noqa: E402, F401  (pytest finds fixtures by name)
+
+REPO = HERE.parents[1]
+CHART = REPO / "charts" / "sneppx-operator"
+INSTALL_TIMEOUT = "180s"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if pathlib.Path(str(item.fspath)).is_relative_to(HERE):
+            item.add_marker(pytest.mark.node)
+
+
+@pytest.fixture(scope="session")
+def node(image: container_image.Image, tmp_path_factory: pytest.TempPathFactory) -> Iterator[real_node.Node]:
+    """The real node, with the project's image in its containerd (pods run it with imagePullPolicy: Never)."""
+    reason = real_node.check_can_run()
+    if reason is not None:
+        pytest.skip(reason)
+    workdir = tmp_path_factory.mktemp("node")
+    with real_node.running_node(k8s_cluster.build_tools(), workdir) as running:
+        archive = workdir / "sneppx-image.tar"
+        image.buildah("push", "--quiet", TAG, f"docker-archive:{archive}:{TAG}", timeout=600)
+        running.import_image(archive)
+        archive.unlink()
+        yield running
+
+
+@pytest.fixture(scope="session")
+def api(node: real_node.Node) -> Iterator[kubernetes.client.ApiClient]:
+    client = kubernetes.config.new_client_from_config(config_file=str(node.cluster.kubeconfig))
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def operator(node: real_node.Node) -> Iterator[str]:
+    """`helm install` of the chart with the built image: the operator runs as pods of its Deployment, under
+    its ServiceAccount and the chart's RBAC. Yields the release name; `helm uninstall` at the end must leave
+    nothing of it behind."""
+    repository, _, tag = TAG.rpartition(":")
+    node.cluster.helm(
+        "install", real_node.RELEASE, str(CHART), "--namespace", real_node.OPERATOR_NAMESPACE, "--create-namespace",
+        "--set", f"image.repository={repository}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
+        "--set", "operator.resyncSeconds=2", "--set", "operator.logLevel=debug",
+        "--wait", "--timeout", INSTALL_TIMEOUT, timeout=240,
+    )
+    yield real_node.RELEASE
+    node.cluster.helm("uninstall", real_node.RELEASE, "--namespace", real_node.OPERATOR_NAMESPACE, "--wait", "--timeout", "120s",
+                      timeout=180)
+
+
+@pytest.fixture
+def namespace(api: kubernetes.client.ApiClient, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace enforcing the restricted profile; its jobs are deleted after the test."""
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = k8s_helpers.create_namespace(api, f"n-{slug}-{secrets.token_hex(3)}")
+    yield name
+    k8s_helpers.delete_jobs(api, name)
+
+
+def kubectl_json(node: real_node.Node, *args: str) -> dict:
+    return json.loads(node.cluster.kubectl(*args, "-o", "json").stdout)
+
+
+def wait_for(what: str, check, timeout: float = 300.0, period: float = 1.0):
+    """Poll `check` until it returns something true; that is the result. A failure bound, not a timing."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f}s")
+        time.sleep(period)
