@@ -4,12 +4,10 @@ test with the restricted Pod Security profile enforced."""
 
 from __future__ import annotations
 
-import json
 import pathlib
 import re
 import secrets
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -17,12 +15,12 @@ import pytest
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "k8s"), str(HERE.parent / "image")]
 
-import container_image  # noqa: E402
-import k8s_cluster  # noqa: E402
-import k8s_helpers  # noqa: E402
-import kubernetes  # noqa: E402
-import real_node  # noqa: E402
-from image_fixtures import TAG, image  # noqa: E402, F401  (pytest finds fixtures by name)
+import container_image
+import k8s_cluster
+import k8s_helpers
+import kubernetes
+import real_node
+from image_fixtures import TAG, image  # noqa: F401  (pytest finds fixtures by name)
 
 REPO = HERE.parents[1]
 CHART = REPO / "charts" / "sneppx-operator"
@@ -36,7 +34,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def node(image: container_image.Image, tmp_path_factory: pytest.TempPathFactory) -> Iterator[real_node.Node]:
+def node(image: container_image.Image, tmp_path_factory: pytest.TempPathFactory) -> Iterator[real_node.Node]:  # noqa: F811
     """The real node, with the project's image in its containerd (pods run it with imagePullPolicy: Never)."""
     reason = real_node.check_can_run()
     if reason is not None:
@@ -72,8 +70,9 @@ def operator(node: real_node.Node) -> Iterator[str]:
         "--wait", "--timeout", INSTALL_TIMEOUT, timeout=240,
     )
     yield real_node.RELEASE
-    node.cluster.helm("uninstall", real_node.RELEASE, "--namespace", real_node.OPERATOR_NAMESPACE, "--wait", "--timeout", "120s",
-                      timeout=180)
+    # test_helm_uninstall_leaves_nothing_of_the_release_behind uninstalls it already when it runs
+    node.cluster.helm("uninstall", real_node.RELEASE, "--namespace", real_node.OPERATOR_NAMESPACE, "--wait",
+                      "--timeout", "120s", "--ignore-not-found", timeout=180)
 
 
 @pytest.fixture
@@ -83,19 +82,3 @@ def namespace(api: kubernetes.client.ApiClient, request: pytest.FixtureRequest) 
     name = k8s_helpers.create_namespace(api, f"n-{slug}-{secrets.token_hex(3)}")
     yield name
     k8s_helpers.delete_jobs(api, name)
-
-
-def kubectl_json(node: real_node.Node, *args: str) -> dict:
-    return json.loads(node.cluster.kubectl(*args, "-o", "json").stdout)
-
-
-def wait_for(what: str, check, timeout: float = 300.0, period: float = 1.0):
-    """Poll `check` until it returns something true; that is the result. A failure bound, not a timing."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f}s")
-        time.sleep(period)

@@ -29,9 +29,8 @@ import textwrap
 import time
 from collections.abc import Iterator
 
-import yaml
-
 import k8s_cluster
+import yaml
 
 NODE_NAME = "sneppx-node"
 OPERATOR_NAMESPACE, RELEASE = "sneppx-system", "sneppx"  # where the tier installs the chart
