@@ -56,9 +56,15 @@ def test_sigstop_of_a_rank_times_out_the_others(tmp_path: os.PathLike[str], rank
     """A stopped rank keeps its connections open: only the deadline (3 s here) can end the others' wait. The
     first to time out shuts its connections, so a rank may learn it as PeerLostError instead."""
     world, victim = 3, 1
+    # The victim reports on a queue of its own: a queue's writers share a lock, which its feeder thread may still
+    # hold for a moment after the parent read its "ready". Stopped then, it would block every other report
+    # (seen once in CI: no report for 300 s, no rank exited).
+    victims_queue = multiprocessing.get_context("spawn").Queue()
     for rank in range(world):
-        ranks.start(rank, workers.allreduce_forever, str(tmp_path), rank, world, 3.0, ranks.results)
-    assert sorted(ranks.get() for _ in range(world)) == [("ready", r) for r in range(world)]
+        results = victims_queue if rank == victim else ranks.results
+        ranks.start(rank, workers.allreduce_forever, str(tmp_path), rank, world, 3.0, results)
+    assert sorted(ranks.get() for _ in range(world - 1)) == [("ready", r) for r in range(world) if r != victim]
+    assert victims_queue.get(timeout=300) == ("ready", victim)
     os.kill(ranks.processes[victim].pid, signal.SIGSTOP)
     try:
         reports = [ranks.get() for _ in range(world - 1)]
