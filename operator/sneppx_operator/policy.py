@@ -25,6 +25,13 @@ QUORUM_LOST = "QuorumLost"  # quorum.actionOnLoss RestartGroup: every rank repla
 
 FAIL_JOB, RESTART, IGNORE = "FailJob", "Restart", "Ignore"
 
+# The DisruptionTarget reasons of a pod the cluster took away for its own ends: a drain or any other use of the
+# Eviction API, a preemption, a NoExecute taint, the collection of a pod whose node is gone. The job did nothing
+# wrong, so such a restart is not counted against maxRestarts (a node upgrade must not fail a long job). The
+# kubelet's own evictions (TerminationByKubelet: node pressure, often the job's own memory) still count.
+CLUSTER_DISRUPTIONS = frozenset({"EvictionByEvictionAPI", "PreemptionByScheduler", "DeletionByTaintManager",
+                                 "DeletionByPodGC"})
+
 
 @dataclasses.dataclass(frozen=True)
 class Failure:
@@ -35,6 +42,7 @@ class Failure:
     reason: str
     message: str
     exit_code: int | None = None
+    disruption: str | None = None  # the pod's DisruptionTarget reason, when the cluster set one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +64,10 @@ def _policy(spec: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def verdict(spec: Mapping[str, Any], failure: Failure) -> Verdict:
     """The first failurePolicy.rules entry that matches the exit code decides; without an exit code (evicted,
-    deleted, node lost, hung) or without a match, the rank restarts and the restart counts."""
+    deleted, node lost, hung) or without a match, the rank restarts and the restart counts, unless the cluster
+    itself took the pod away (CLUSTER_DISRUPTIONS)."""
+    if failure.disruption in CLUSTER_DISRUPTIONS:
+        return Verdict(IGNORE, f"the cluster took the pod away ({failure.disruption}), not the job")
     if failure.exit_code is not None:
         for index, rule in enumerate(_policy(spec).get("rules") or []):
             on = rule["onExitCodes"]

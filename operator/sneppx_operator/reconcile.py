@@ -104,6 +104,7 @@ class ObservedPod:
     reason: str | None = None  # why it ended (OOMKilled, Error, Evicted), when the kubelet says
     deleted_at: datetime.datetime | None = None  # deletionTimestamp: when its grace period ends
     created_at: datetime.datetime | None = None
+    disruption: str | None = None  # why the cluster is taking it away (its DisruptionTarget condition's reason)
 
 
 def controller_uid(meta: Mapping[str, Any]) -> str | None:
@@ -130,7 +131,9 @@ def observe_pod(
         # The rank is its trainer: a classic sidecar that keeps running holds the pod Running (Ready false) after
         # the trainer ended, and a sidecar that failed makes the pod Failed although the trainer succeeded.
         phase = "Succeeded" if exit_code == 0 else "Failed"
-    if status.get("reason") == "Evicted":  # the kubelet's word for the pod beats the killed container's
+    disruption = next((c.get("reason") for c in status.get("conditions") or []
+                       if c.get("type") == "DisruptionTarget" and c.get("status") == "True"), None)
+    if status.get("reason") == "Evicted" or disruption is not None:  # beats the killed container's word
         reason = "Evicted"
     return ObservedPod(
         name=name,
@@ -146,6 +149,7 @@ def observe_pod(
         reason=reason or status.get("reason"),
         deleted_at=parse_time(meta.get("deletionTimestamp")),
         created_at=parse_time(meta.get("creationTimestamp")),
+        disruption=str(disruption) if disruption is not None else None,
     )
 
 
@@ -442,13 +446,17 @@ def _last_restart_at(status: Mapping[str, Any]) -> datetime.datetime | None:
     return parse_time(history[-1].get("time")) if history else None
 
 
-def _lost_message(pod: ObservedPod | None, node: ObservedNode | None) -> tuple[str, str]:
-    """(restart reason, what happened) for a pod that left without the operator deleting it."""
-    if node is not None and not node.ready:
-        return policy.NODE_NOT_READY, f"was on node {node.name}, which is NotReady"
+def _lost_failure(rank: int, name: str, pod: ObservedPod | None, node: ObservedNode | None) -> policy.Failure:
+    """Why a rank's pod left without the operator deleting it (`pod`: its last sight of it, if any)."""
     if pod is not None and pod.reason == "Evicted":
-        return policy.EVICTED, "was evicted"
-    return policy.POD_DELETED, "was deleted"
+        return policy.Failure(rank, name, policy.EVICTED, _evicted(pod), disruption=pod.disruption)
+    if node is not None and not node.ready:
+        return policy.Failure(rank, name, policy.NODE_NOT_READY, f"was on node {node.name}, which is NotReady")
+    return policy.Failure(rank, name, policy.POD_DELETED, "was deleted")
+
+
+def _evicted(pod: ObservedPod) -> str:
+    return "was evicted" + (f" ({pod.disruption})" if pod.disruption else "")
 
 
 def _pod_failure(
@@ -456,9 +464,10 @@ def _pod_failure(
 ) -> policy.Failure | None:
     """Why this rank's live pod must be replaced, if it must."""
     if pod.phase == "Failed":
-        evicted = pod.reason == "Evicted"
-        how = "was evicted" if evicted else "failed" + (f" ({pod.reason})" if pod.reason else "")
-        return policy.Failure(rank, pod.name, policy.EVICTED if evicted else policy.POD_FAILED, how, pod.exit_code)
+        if pod.reason == "Evicted":
+            return policy.Failure(rank, pod.name, policy.EVICTED, _evicted(pod), pod.exit_code, pod.disruption)
+        how = "failed" + (f" ({pod.reason})" if pod.reason else "")
+        return policy.Failure(rank, pod.name, policy.POD_FAILED, how, pod.exit_code)
     if pod.phase == "Succeeded":
         return None
     if node is not None and not node.ready:
@@ -531,8 +540,7 @@ def _slots(
             if known_uid and not restarted:  # it left without the operator deleting it
                 node = nodes.get(str(known.get("node") or ""))
                 lost = next((p for p in holders if p.uid == known_uid), None)
-                reason, message = _lost_message(lost, node)
-                _restart(work, spec, membership, policy.Failure(rank, name, reason, message), known_uid, None)
+                _restart(work, spec, membership, _lost_failure(rank, name, lost, node), known_uid, None)
                 restarted = True
             entry |= {"phase": "Replacing" if restarted else "Pending", "ready": False}
             if restarted:

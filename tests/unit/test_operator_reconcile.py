@@ -687,6 +687,46 @@ def test_a_pod_deleted_by_someone_else_is_a_counted_restart_once() -> None:
     assert again.restarts == () and ("create", "Pod", "train-1") in kinds(again)
 
 
+def _disrupted(rank: int, cause: str, **status: Any) -> reconcile.ObservedPod | None:
+    """A pod as the API server shows it once the cluster took it away: a DisruptionTarget condition."""
+    meta = {"name": f"train-{rank}", "uid": f"pod-uid-{rank}",
+            "labels": {builders.LABEL_RANK: str(rank), builders.LABEL_GENERATION: "1"},
+            "ownerReferences": [{"controller": True, "uid": "uid-1"}]}
+    if not status:  # the Eviction API: the condition, then the delete
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    conditions = [{"type": "DisruptionTarget", "status": "True", "reason": cause}]
+    return reconcile.observe_pod(meta["name"], meta, {"nodeName": "node-1", "containers": [{"name": "t"}]},
+                                 {"phase": "Running", "conditions": conditions, **status})
+
+
+def test_a_drained_pod_restarts_uncounted_and_the_history_says_it_was_evicted() -> None:
+    """`kubectl drain` evicts through the Eviction API: the pod gets DisruptionTarget (EvictionByEvictionAPI),
+    then a deletionTimestamp. A node's maintenance is no failure of the job: recorded, not counted."""
+    status = running_status()
+    evicted = _disrupted(1, "EvictionByEvictionAPI")
+    assert evicted is not None and evicted.terminating and evicted.disruption == "EvictionByEvictionAPI"
+    plan = plan_of(lifecycle_job(status), [observed(0, ready=True), evicted], now=NOW, heartbeat_key=KEY)
+    settled = settle_all(lifecycle_job(status), plan)
+    [entry] = settled.status["restartHistory"]
+    assert (entry["reason"], entry["counted"], entry["podUid"]) == ("Evicted", False, "pod-uid-1")
+    assert "EvictionByEvictionAPI" in entry["message"] and "not counted" in entry["message"]
+    assert settled.status["restartCount"] == 0
+    # still acted on once, with the pod gone as with it terminating
+    gone = plan_of(lifecycle_job(settled.status), [observed(0, ready=True)], now=LATER, heartbeat_key=KEY)
+    assert gone.restarts == () and ("create", "Pod", "train-1") in kinds(gone)
+
+
+def test_a_kubelet_eviction_for_node_pressure_counts() -> None:
+    """The kubelet evicts for memory or disk pressure, often the job's own doing: that restart counts."""
+    status = running_status()
+    evicted = _disrupted(1, "TerminationByKubelet", phase="Failed", reason="Evicted")
+    assert evicted is not None and (evicted.phase, evicted.reason) == ("Failed", "Evicted")
+    plan = plan_of(lifecycle_job(status), [observed(0, ready=True), evicted], now=NOW, heartbeat_key=KEY)
+    [entry] = settle_all(lifecycle_job(status), plan).status["restartHistory"]
+    assert (entry["reason"], entry["counted"]) == ("Evicted", True)
+    assert plan.status["restartCount"] == 1
+
+
 def test_the_restart_delay_grows_by_the_multiplier_up_to_the_cap() -> None:
     spec = lifecycle_job().spec
     assert [policy.restart_delay_seconds(spec, n) for n in (1, 2, 3, 5, 9)] == [10, 20, 40, 160, 300]
