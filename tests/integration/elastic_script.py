@@ -35,6 +35,7 @@ def train_loop(ctx: Any) -> None:
 
     out = Path(knob("OUT", "."))
     steps, every, pause = int(knob("STEPS", "30")), int(knob("EVERY", "3")), float(knob("SLEEP", "0.05"))
+    oom_at = int(knob("OOM_AT_STEP", "0"))  # rank 1 then takes memory until the OOM killer ends it, once a run
     model = Transformer(**MODEL)
     trainer = DataParallelTrainer(model, SyntheticLanguage(**DATA), ctx.group, batch_size=BATCH)
     ctx.restore(trainer)
@@ -46,6 +47,8 @@ def train_loop(ctx: Any) -> None:
                                                "world_size": ctx.world_size, "pid": os.getpid()})
         if trainer.step % every == 0:
             ctx.save(trainer, trainer.step)
+        if trainer.step == oom_at and ctx.rank == 1:
+            exhaust_memory(out / "oom-once")
         time.sleep(pause)
     if ctx.rank == 0:
         np.savez(out / "params.npz", **model.params)
@@ -53,6 +56,16 @@ def train_loop(ctx: Any) -> None:
                                         "world_size": ctx.world_size,
                                         "env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                                            "MASTER_ADDR", "MASTER_PORT")}})
+
+
+def exhaust_memory(marker: Path) -> None:
+    """Once per run (the marker is on the shared volume): take memory, touched, until the OOM killer ends us."""
+    if marker.exists():
+        return
+    marker.write_text(str(os.getpid()))
+    hoard = []
+    while True:
+        hoard.append(np.ones(16 << 20, dtype=np.uint8))
 
 
 def write_json(path: Path, value: Any) -> None:

@@ -8,7 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from SneppX_ALG.elastic.agent import AgentSettings, NodeAgent, WorkerProcess
+import pytest
+
+from SneppX_ALG.elastic import pod
+from SneppX_ALG.elastic.agent import AgentSettings, NodeAgent, OutOfMemory, WorkerProcess
 from SneppX_ALG.elastic.rendezvous import RendezvousConfig
 
 # waits for the agent's word, then says its last words and exits, as a worker does when train_fn raises
@@ -21,11 +24,14 @@ os._exit(1)
 """
 
 
+def settings(root: Path, operator_mode: bool = False) -> AgentSettings:
+    return AgentSettings(run_id="watch", agent_id="node-0", host="127.0.0.1", workers=1, elastic_root=str(root),
+                         worker_command=[], worker_env={}, operator_mode=operator_mode,
+                         rendezvous=RendezvousConfig(last_call=0.0, poll_max=0.05), poll_period=60.0)
+
+
 def test_a_worker_that_reports_its_error_and_exits_between_two_looks_fails_with_its_error(tmp_path: Path) -> None:
-    settings = AgentSettings(run_id="watch", agent_id="node-0", host="127.0.0.1", workers=1,
-                             elastic_root=str(tmp_path), worker_command=[], worker_env={},
-                             rendezvous=RendezvousConfig(last_call=0.0, poll_max=0.05), poll_period=60.0)
-    agent = NodeAgent(settings)
+    agent = NodeAgent(settings(tmp_path))
     try:
         membership = agent.rdzv.join()
         worker = WorkerProcess(0)
@@ -48,3 +54,41 @@ def test_a_worker_that_reports_its_error_and_exits_between_two_looks_fails_with_
         for w in getattr(agent, "workers", []):
             w.kill()
         agent.heartbeat_socket.close()
+
+
+@pytest.mark.parametrize(("oom_kills", "expect_oom"), [((0, 1), True), ((0, 0), False), ((None, None), False)])
+def test_a_worker_the_oom_killer_took_ends_the_pod_137_and_any_other_sigkill_is_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, oom_kills: tuple[int | None, int | None], expect_oom: bool,
+) -> None:
+    """A pod's agent whose worker dies of SIGKILL while the container's OOM count rose ends the pod (137,
+    OutOfMemory); a SIGKILL from anyone else, or no counter to read, is an ordinary failure retried in the pod.
+    The counter is the kernel's (pod.oom_kills, read in tests/node for real): faked here."""
+    counts = iter(oom_kills)
+    monkeypatch.setattr(pod, "oom_kills", lambda: next(counts))
+    monkeypatch.delenv("SNEPPX_RENDEZVOUS_OBJECT", raising=False)  # the records stay in a directory
+    agent = NodeAgent(settings(tmp_path, operator_mode=True))
+    try:
+        membership = agent.rdzv.join()
+        worker = WorkerProcess(0)
+        worker.spawn([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], {})
+        worker.state = "running"
+        agent.workers = [worker]
+        if expect_oom:
+            with pytest.raises(OutOfMemory, match="killed by SIGKILL: the kernel's OOM killer"):
+                agent._watch(membership, None, {})
+        else:
+            outcome = agent._watch(membership, None, {})
+            assert outcome.kind == "failure" and outcome.reason.endswith("was killed by SIGKILL"), outcome
+    finally:
+        for w in agent.workers:
+            w.kill()
+        agent.heartbeat_socket.close()
+
+
+def test_the_oom_counter_is_read_from_cgroup_v2_or_v1(tmp_path: Path) -> None:
+    v2, v1 = tmp_path / "memory.events", tmp_path / "memory.oom_control"
+    v2.write_text("low 0\nhigh 0\nmax 3\noom 2\noom_kill 2\noom_group_kill 0\n")
+    v1.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 5\n")
+    assert pod.oom_kills([str(v2), str(v1)]) == 2
+    assert pod.oom_kills([str(tmp_path / "absent"), str(v1)]) == 5
+    assert pod.oom_kills([str(tmp_path / "absent")]) is None

@@ -7,6 +7,7 @@ node through membership generations.
         a failure                   -> abort the workers' collectives, count the failure (max_restarts), back off
                                        (restart_delay), join the next generation with who is left
         an error no retry can fix   -> mark the run failed, exit EXIT_FAILED
+        a worker OOM-killed (pod)   -> exit 137 without marking the run: the pod fails, OOMKilled (OutOfMemory)
 
 What counts as a failure, and how fast it is seen:
 - a worker of this node exits or is killed: its end of the control channel closes (at once);
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 
 EXIT_FAILED = 3  # the run failed for good (budget, rollback limit, join timeout): the result file says why
 EXIT_NODE_FAILED = 1  # operator mode: this agent gave up (budget, join timeout); its pod fails and is replaced
+EXIT_OOM_KILLED = 128 + signal.SIGKILL  # operator mode: a worker was OOM-killed; the container ends as on cgroup v2
 TICK = 0.02  # how often the agent looks at its workers when nothing arrives
 FIRST_CONTACT_POLLS = 1.5  # a waiting agent's longest poll period is 1.2 poll_cap (jitter); and a margin
 
@@ -149,6 +151,13 @@ class Terminated(Exception):
     """SIGTERM in operator mode: the pod is being deleted (a resize, the job's end, a node drained)."""
 
 
+class OutOfMemory(Exception):
+    """Operator mode: the kernel's OOM killer killed a worker (the container's memory limit). On cgroup v2 the
+    kubelet has the whole container killed then (memory.oom.group); on v1 only the worker dies. Either way the
+    pod ends with 137 and the runtime's reason OOMKilled, so `kubectl get pods`, restartHistory and
+    failurePolicy's exit-code rules see the same thing, and a limit too small is not retried inside the pod."""
+
+
 def _terminate(signum: int, frame: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the agent is on its way out
     raise Terminated()
@@ -176,6 +185,7 @@ class NodeAgent:
                                         max_restart_delay=max(60.0, settings.restart_delay))
         self.workers = [WorkerProcess(i) for i in range(settings.workers)]
         self.generation: int | None = None
+        self.oom_kills = pod.oom_kills() if settings.operator_mode else None  # the container's count at start
 
     # -- the agent's life --
 
@@ -222,6 +232,11 @@ class NodeAgent:
         except Terminated:
             code, reason = 128 + signal.SIGTERM, "terminated (SIGTERM): the pod is being deleted"
             for w in self.workers:  # now: what they hold in memory is in the checkpoints or lost anyway
+                w.kill()
+            return code
+        except OutOfMemory as e:
+            code, reason = EXIT_OOM_KILLED, f"failed: {e}"
+            for w in self.workers:
                 w.kill()
             return code
         except Exception as e:  # a bug of ours: say what it was wherever the result is read
@@ -412,8 +427,10 @@ class NodeAgent:
                         w.proc.wait(1.0)  # its exit code or signal, for the reason
                     except subprocess.TimeoutExpired:
                         w.proc.kill()
-                first = first or Outcome("failure", f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} "
-                                                    f"{w.how_it_ended()}")
+                ended = f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} {w.how_it_ended()}"
+                if self._oom_killed(w):
+                    raise OutOfMemory(f"{ended}: the kernel's OOM killer (the container's memory limit)")
+                first = first or Outcome("failure", ended)
                 continue
             for message in messages:  # all of them: a worker's `failed` and `idle` may come in one read
                 outcome = self._on_message(w, message, m, assign)
@@ -428,6 +445,14 @@ class NodeAgent:
             self._event("boundary", generation=m.generation)
             return Outcome("boundary")
         return None
+
+    def _oom_killed(self, w: WorkerProcess) -> bool:
+        """Was this SIGKILLed worker the OOM killer's? Its container's OOM count rose since the agent started
+        (the agent's own SIGKILLs, of hung workers, leave the count as it was)."""
+        if self.oom_kills is None or w.proc is None or w.proc.returncode != -signal.SIGKILL:
+            return False
+        now = pod.oom_kills()
+        return now is not None and now > self.oom_kills
 
     def _on_message(self, w: WorkerProcess, message: dict[str, Any], m: rendezvous.Membership,
                     assign: dict[str, Any]) -> Outcome | None:

@@ -102,6 +102,26 @@ def rendezvous_store(elastic_root: str, environ: Mapping[str, str] = os.environ)
     return storage.open_record_store(elastic_root)
 
 
+# The container's memory cgroup as a container sees it: cgroup v2's memory.events, then v1's memory.oom_control.
+OOM_COUNTERS = ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control")
+
+
+def oom_kills(paths: Iterable[str] = OOM_COUNTERS) -> int | None:
+    """How many processes the kernel's OOM killer has killed in this container's memory cgroup (the `oom_kill`
+    line, kernel 4.13+), or None where no counter can be read (not in a container, an older kernel)."""
+    for path in paths:
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+    return None
+
+
 def now_rfc3339() -> str:
     return job_object.timestamp(datetime.datetime.now(datetime.UTC))
 
