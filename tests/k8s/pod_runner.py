@@ -6,14 +6,17 @@ pods really run and really die. The runner does for one namespace what a schedul
 
 * binds each pending pod to a Ready fake Node (the Binding subresource, as the scheduler does);
 * runs the pod's first container's command (`python` is this interpreter) as a local process, with the pod's
-  environment (the downward API's pod IP is 127.0.0.1) and its volumes mapped to local directories: a persistentVolumeClaim to one shared directory
-  (the "PVC"), a Secret to its files, an emptyDir to a directory of its own, and the projected API token to a
+  environment (the downward API's pod IP is 127.0.0.1) and its volumes mapped to local directories: a
+  persistentVolumeClaim to one shared directory (the "PVC"), a Secret or ConfigMap to its files, an emptyDir to a
+  directory of its own, and the projected API token to a
   kubeconfig with a token requested for the pod's ServiceAccount (TokenRequest, bound to the pod), so the
   process talks to the API server as that account, under its RBAC; environment values under a mount path are
   rewritten to the local directory;
 * reports Running and Ready, then the exit code (Succeeded/Failed) in pod status, as the kubelet does;
-* on a pod's deletion, sends SIGTERM, then SIGKILL after its grace period, and removes the pod (the final
-  delete a kubelet makes);
+* on a pod's deletion, sends SIGTERM to the container's first process (as a runtime signals PID 1 only), then
+  SIGKILL to all of it after its grace period, and removes the pod (the final delete a kubelet makes);
+* keeps its Nodes' heartbeat fresh (a cluster with a node controller would otherwise mark them NotReady), and
+  taints them NoSchedule so that a real scheduler beside it never places other pods there (it binds directly);
 * `set_node_ready(name, False)` marks a Node NotReady and stops acting for it: its processes are killed (the
   machine is gone) and its pods' deletions are never finished, so they stay Terminating until force-deleted.
 
@@ -23,6 +26,7 @@ Loopback only: the processes reach the API server on 127.0.0.1 and nothing else.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -39,6 +43,8 @@ import yaml
 
 TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
 POLL_S = 0.1
+HEARTBEAT_S = 5.0  # a node controller's grace is 20 s or more
+TAINT = {"key": "sneppx.io/pod-runner", "effect": "NoSchedule"}
 
 
 def _now() -> str:
@@ -86,7 +92,8 @@ class PodRunner:
     def __enter__(self) -> Self:
         for name in self.nodes:
             try:
-                self.core.create_node({"metadata": {"name": name, "labels": {"sneppx.io/test-node": "true"}}})
+                self.core.create_node({"metadata": {"name": name, "labels": {"sneppx.io/test-node": "true"}},
+                                       "spec": {"taints": [TAINT]}})
             except kubernetes.client.ApiException as exc:
                 if exc.status != 409:
                     raise
@@ -150,12 +157,22 @@ class PodRunner:
         self.core.patch_node_status(name, {"status": {"conditions": [condition]}})
 
     def _loop(self) -> None:
+        beat = time.monotonic()
         while not self._stop.is_set():
             try:
                 self._once()
+                if time.monotonic() - beat >= HEARTBEAT_S:
+                    beat = time.monotonic()
+                    for name in self.nodes:
+                        if name not in self.not_ready:
+                            self._heartbeat(name)
             except Exception as exc:  # noqa: BLE001  (keep playing kubelet; the fixture fails on errors)
                 self.errors.append(repr(exc))
             self._stop.wait(POLL_S)
+
+    def _heartbeat(self, name: str) -> None:
+        self.core.patch_node_status(name, {"status": {"conditions": [
+            {"type": "Ready", "status": "True", "reason": "KubeletReady", "lastHeartbeatTime": _now()}]}})
 
     def _once(self) -> None:
         pods = {p.metadata.name: p for p in self.core.list_namespaced_pod(self.namespace).items}
@@ -247,6 +264,10 @@ class PodRunner:
                 secret = self.core.read_namespaced_secret(volume.secret.secret_name, self.namespace)
                 for key, value in (secret.data or {}).items():
                     (local / key).write_bytes(base64.b64decode(value))
+            if volume.config_map is not None:
+                config_map = self.core.read_namespaced_config_map(volume.config_map.name, self.namespace)
+                for key, text in (config_map.data or {}).items():
+                    (local / key).write_text(text)
             if volume.projected is not None and mount.mount_path == TOKEN_PATH:
                 self._token_files(pod, local)
             mounts[mount.mount_path] = str(local)
@@ -294,7 +315,8 @@ class PodRunner:
             grace = 30 if grace is None else grace
             if running.stop_sent_at is None:
                 running.stop_sent_at = time.monotonic()
-                _signal(running.proc, signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(running.proc.pid, signal.SIGTERM)  # PID 1 only; SIGKILL ends the whole container
             if time.monotonic() - running.stop_sent_at < grace:
                 return
             _kill(running.proc)
