@@ -19,6 +19,7 @@ import container_image
 import k8s_cluster
 import k8s_helpers
 import kubernetes
+import node_jobs
 import real_node
 from image_fixtures import TAG, image  # noqa: F401  (pytest finds fixtures by name)
 
@@ -62,13 +63,7 @@ def operator(node: real_node.Node) -> Iterator[str]:
     """`helm install` of the chart with the built image: the operator runs as pods of its Deployment, under
     its ServiceAccount and the chart's RBAC. Yields the release name; `helm uninstall` at the end must leave
     nothing of it behind."""
-    repository, _, tag = TAG.rpartition(":")
-    node.cluster.helm(
-        "install", real_node.RELEASE, str(CHART), "--namespace", real_node.OPERATOR_NAMESPACE, "--create-namespace",
-        "--set", f"image.repository={repository}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
-        "--set", "operator.resyncSeconds=2", "--set", "operator.logLevel=debug",
-        "--wait", "--timeout", INSTALL_TIMEOUT, timeout=240,
-    )
+    node_jobs.install_operator(node, TAG, "--set", "operator.resyncSeconds=2", "--set", "operator.logLevel=debug")
     yield real_node.RELEASE
     # test_helm_uninstall_leaves_nothing_of_the_release_behind uninstalls it already when it runs
     node.cluster.helm("uninstall", real_node.RELEASE, "--namespace", real_node.OPERATOR_NAMESPACE, "--wait",

@@ -7,98 +7,36 @@ job's status telling what happened. No timing is asserted; timeouts are failure 
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import pathlib
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
 import k8s_helpers
 import kubernetes
+import node_jobs
+import pod_runner
+import pytest
 import real_node
-import yaml
+import urllib3
 from image_fixtures import TAG
 from k8s_helpers import wait_for, wait_status
+from node_jobs import EVERY, STEPS, apply, checkpoint_volume, container_pid, logs, progress
 
 from sneppx_operator import builders
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "integration"))
 from elastic_script import assert_params_match
 
-SCRIPT = pathlib.Path(__file__).parents[1] / "integration" / "elastic_script.py"
-SCRIPT_DIR = "/opt/sneppx-test"  # the script, from a ConfigMap: the image holds the library, not the tests
-EVERY = 3
-STEPS = 60
 FINISH_TIMEOUT = 600.0
 
 
-# ---- a job on the node ---------------------------------------------------------------------------------------
-
-
-def checkpoint_volume(node: real_node.Node, api: kubernetes.client.ApiClient, namespace: str) -> pathlib.Path:
-    """A PersistentVolume on a directory of the node (hostPath), bound to the PVC "ckpt" in `namespace`: the
-    pods mount the claim (the restricted profile allows that, not hostPath itself). Returns the directory."""
-    directory = node.workdir / "volumes" / namespace
-    directory.mkdir(parents=True)
-    directory.chmod(0o777)  # the pods run as a non-root user; hostPath has no fsGroup
-    core = kubernetes.client.CoreV1Api(api)
-    core.create_persistent_volume({
-        "metadata": {"name": f"{namespace}-ckpt"},
-        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
-                 "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(directory), "type": "Directory"},
-                 "claimRef": {"namespace": namespace, "name": "ckpt"}},
-    })
-    core.create_namespaced_persistent_volume_claim(namespace, {
-        "metadata": {"name": "ckpt"},
-        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": f"{namespace}-ckpt",
-                 "resources": {"requests": {"storage": "1Gi"}}},
-    })
-    wait_for(lambda: core.read_namespaced_persistent_volume_claim("ckpt", namespace).status.phase == "Bound",
-             "the PVC bound to its volume", 120)
-    core.create_namespaced_config_map(namespace, {"metadata": {"name": "train-script"},
-                                                  "data": {SCRIPT.name: SCRIPT.read_text()}})
-    return directory
-
-
-def training_job(name: str, *, steps: int = STEPS, max_nodes: int = 2, min_nodes: int = 1,
-                 failure_policy: dict[str, Any] | None = None, **knobs: Any) -> dict[str, Any]:
-    job = k8s_helpers.valid_job(name, max_nodes=max_nodes, min_nodes=min_nodes)
-    spec = job["spec"]
-    pod_spec = spec["template"]["spec"]
-    container = pod_spec["containers"][0]
-    container.update(image=TAG, imagePullPolicy="Never",
-                     command=["python", f"{SCRIPT_DIR}/{SCRIPT.name}", f"{builders.CHECKPOINT_DIR}/out",
-                              builders.CHECKPOINT_DIR],
-                     volumeMounts=[{"name": "script", "mountPath": SCRIPT_DIR, "readOnly": True}])
-    settings = {"steps": steps, "every": EVERY, "sleep": 0.1, "restart_delay": 0.2, **knobs}
-    container["env"] = [{"name": f"E_{k.upper()}", "value": str(v)} for k, v in settings.items()]
-    pod_spec["volumes"] = [{"name": "script", "configMap": {"name": "train-script"}}]
-    pod_spec["terminationGracePeriodSeconds"] = 5
-    spec["failurePolicy"] = {"restartDelay": {"initialSeconds": 0, "multiplier": 2, "maxSeconds": 1},
-                             **(failure_policy or {})}
-    spec["checkpoint"]["maxToKeep"] = 3
-    return job
-
-
-def apply(node: real_node.Node, namespace: str, job: dict[str, Any], tmp: pathlib.Path) -> None:
-    manifest = tmp / f"{job['metadata']['name']}.yaml"
-    manifest.write_text(yaml.safe_dump(job))
-    node.cluster.kubectl("apply", "-n", namespace, "-f", str(manifest))
-
-
-def progress(out: pathlib.Path) -> dict[str, Any]:
-    try:
-        return json.loads((out / "progress.json").read_text())  # type: ignore[no-any-return]
-    except (FileNotFoundError, ValueError):
-        return {"step": 0, "generation": -1, "world_size": 0}
-
-
-def logs(node: real_node.Node, namespace: str, pod: str, previous: bool = False) -> str:
-    """The pod's log through the API server and the kubelet, as `kubectl logs` shows it."""
-    result = node.cluster.kubectl("logs", "-n", namespace, pod, *(["--previous"] if previous else []), check=False)
-    return result.stdout if result.returncode == 0 else f"(no log: {result.stderr.strip()})"
+def training_job(name: str, **settings: Any) -> dict[str, Any]:
+    return node_jobs.training_job(name, TAG, **settings)
 
 
 def wait_finished(api: kubernetes.client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
@@ -106,15 +44,47 @@ def wait_finished(api: kubernetes.client.ApiClient, namespace: str, name: str) -
                        lambda s: s.get("phase") in ("Succeeded", "Failed"), FINISH_TIMEOUT)
 
 
-def container_pid(node: real_node.Node, api: kubernetes.client.ApiClient, namespace: str, pod: str) -> int:
-    """The host PID of the pod's first container's process (what the kubelet started), from containerd."""
-    status = kubernetes.client.CoreV1Api(api).read_namespaced_pod(pod, namespace).status
-    container_id = status.container_statuses[0].container_id.removeprefix("containerd://")
-    for line in node.ctr("tasks", "list").splitlines()[1:]:
-        task, pid, *_ = line.split()
-        if task == container_id:
-            return int(pid)
-    raise AssertionError(f"no containerd task for {pod}'s container {container_id}")
+def job_pods(api: kubernetes.client.ApiClient, namespace: str, job: str = "train") -> dict[str, str]:
+    """{pod name: uid} of the job's pods now."""
+    pods = kubernetes.client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=f"{builders.LABEL_JOB}={job}")
+    return {p.metadata.name: p.metadata.uid for p in pods.items}
+
+
+class PodWatch:
+    """Every version of the namespace's pods the API server sends on a watch: a pod's last status (its
+    container's exit code) comes and goes between two polls when the pod is deleted."""
+
+    def __init__(self, node: real_node.Node, namespace: str):
+        self._client = kubernetes.config.new_client_from_config(config_file=str(node.cluster.kubeconfig))
+        self._watch = kubernetes.watch.Watch()
+        self.seen: list[Any] = []
+        self._thread = threading.Thread(target=self._run, args=(namespace,), daemon=True)
+        self._thread.start()
+
+    def _run(self, namespace: str) -> None:
+        core = kubernetes.client.CoreV1Api(self._client)
+        stream = self._watch.stream(core.list_namespaced_pod, namespace, timeout_seconds=int(FINISH_TIMEOUT))
+        with contextlib.suppress(urllib3.exceptions.ProtocolError):  # stop() closed the connection under it
+            for event in stream:
+                self.seen.append(event["object"])
+
+    def ends(self, uid: str) -> set[tuple[int, str]]:
+        """(exit code, reason) of the pod's first container once terminated, as the kubelet reported it."""
+        found = set()
+        for pod in self.seen:
+            for container in (pod.status.container_statuses or [])[:1] if pod.metadata.uid == uid else []:
+                if container.state.terminated is not None:
+                    found.add((container.state.terminated.exit_code, container.state.terminated.reason))
+        return found
+
+    def stop(self) -> None:
+        self._watch.stop()
+        self._thread.join(10)
+        self._client.close()
+
+
+def history(status: dict[str, Any]) -> list[tuple[str, int, bool]]:
+    return sorted((h["reason"], h.get("rank", -1), h["counted"]) for h in status.get("restartHistory") or [])
 
 
 def two_ranks_training(out: pathlib.Path) -> None:
@@ -185,18 +155,200 @@ def test_a_sigkilled_container_fails_its_pod_and_the_operator_replaces_it(
 def test_a_deleted_pod_is_replaced_and_training_resumes(
     node: real_node.Node, api: kubernetes.client.ApiClient, operator: str, namespace: str, tmp_path: pathlib.Path,
 ) -> None:
-    """`kubectl delete pod`: the kubelet stops the container (SIGTERM, which the launcher passes to its agent),
-    and the operator, which did not delete it, replaces the pod and counts a PodDeleted restart."""
+    """`kubectl delete pod`: the kubelet stops the container with SIGTERM to its PID 1, the agent, which stops its
+    worker and exits 143; the operator, which did not delete the pod, replaces it and counts a PodDeleted restart."""
     out = checkpoint_volume(node, api, namespace) / "out"
-    apply(node, namespace, training_job("train"), tmp_path)
-    two_ranks_training(out)
-    node.cluster.kubectl("delete", "pod", "train-1", "-n", namespace, "--wait=false")
-
-    done = wait_finished(api, namespace, "train")
+    watch = PodWatch(node, namespace)
+    try:
+        apply(node, namespace, training_job("train"), tmp_path)
+        two_ranks_training(out)
+        victim = job_pods(api, namespace)["train-1"]
+        node.cluster.kubectl("delete", "pod", "train-1", "-n", namespace, "--wait=false")
+        done = wait_finished(api, namespace, "train")
+    finally:
+        watch.stop()
     assert done["phase"] == "Succeeded", (done, logs(node, namespace, "train-0")[-4000:])
+    assert {code for code, _ in watch.ends(victim)} == {143}, watch.ends(victim)
     assert [(h["reason"], h["rank"]) for h in done["restartHistory"]] == [("PodDeleted", 1)], done["restartHistory"]
     assert done["restartCount"] == 1
     assert_params_match(out, STEPS)
+
+
+def test_a_drain_evicts_the_ranks_without_spending_the_budget_and_training_resumes_after_uncordon(
+    node: real_node.Node, api: kubernetes.client.ApiClient, operator: str, namespace: str, tmp_path: pathlib.Path,
+) -> None:
+    """`kubectl drain` cordons the node and evicts through the Eviction API; the API server marks each pod
+    DisruptionTarget (EvictionByEvictionAPI). The operator records the evictions, uncounted (maxRestarts 1 here:
+    two counted would fail the job), and its replacements wait unschedulable on the cordoned node until
+    `kubectl uncordon`. The drain takes only this job's pods: on a one-node cluster the operator has nowhere
+    else to go."""
+    out = checkpoint_volume(node, api, namespace) / "out"
+    apply(node, namespace, training_job("train", failure_policy={"maxRestarts": 1}), tmp_path)
+    two_ranks_training(out)
+    drained = job_pods(api, namespace)
+    core = kubernetes.client.CoreV1Api(api)
+
+    def unschedulable_replacements() -> bool:
+        pods = core.list_namespaced_pod(namespace, label_selector=f"{builders.LABEL_JOB}=train").items
+        fresh = [p for p in pods if p.metadata.uid not in drained.values()]
+        return len(fresh) == 2 and all(any(c.type == "PodScheduled" and c.reason == "Unschedulable"
+                                           for c in p.status.conditions or []) for p in fresh)
+
+    try:
+        node.cluster.kubectl("drain", real_node.NODE_NAME, "--pod-selector", f"{builders.LABEL_JOB}=train",
+                             "--delete-emptydir-data", "--timeout=180s", timeout=240)
+        wait_for(unschedulable_replacements, "both replacements Pending, unschedulable on the cordoned node", 180)
+        evicted = k8s_helpers.status(api, namespace, "train")
+        assert history(evicted) == [("Evicted", 0, False), ("Evicted", 1, False)], evicted.get("restartHistory")
+    finally:
+        node.cluster.kubectl("uncordon", real_node.NODE_NAME)
+
+    done = wait_finished(api, namespace, "train")
+    assert done["phase"] == "Succeeded", (done, logs(node, namespace, "train-0")[-4000:])
+    assert history(done) == [("Evicted", 0, False), ("Evicted", 1, False)], done["restartHistory"]
+    assert all("EvictionByEvictionAPI" in h["message"] for h in done["restartHistory"]), done["restartHistory"]
+    assert done["restartCount"] == 0
+    assert_params_match(out, STEPS)
+
+
+def test_a_container_that_ignores_sigterm_is_killed_after_its_grace_period_and_replaced(
+    node: real_node.Node, api: kubernetes.client.ApiClient, operator: str, namespace: str, tmp_path: pathlib.Path,
+) -> None:
+    """The trainer's container runs under a shell, its PID 1, that ignores SIGTERM (the trap says so; PID 1 of a
+    namespace gets no signal it has no handler for anyway), so the trainer never sees it. A deleted pod then lives
+    out terminationGracePeriodSeconds and the kubelet SIGKILLs it: exit 137, where a container that heeds
+    SIGTERM ends 143 (test_a_deleted_pod_is_replaced_and_training_resumes). The replacement waits for the
+    name; training resumes."""
+    job = training_job("train")
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    # not `exec`, and a command after the trainer's: the shell stays PID 1 (dash runs a last command in place)
+    container["command"] = ["sh", "-c", "trap '' TERM; " + " ".join(container["command"]) + "; exit $?"]
+    out = checkpoint_volume(node, api, namespace) / "out"
+    watch = PodWatch(node, namespace)
+    try:
+        apply(node, namespace, job, tmp_path)
+        two_ranks_training(out)
+        victim = job_pods(api, namespace)["train-1"]
+        node.cluster.kubectl("delete", "pod", "train-1", "-n", namespace, "--wait=false")
+        done = wait_finished(api, namespace, "train")
+    finally:
+        watch.stop()
+    assert done["phase"] == "Succeeded", (done, logs(node, namespace, "train-0")[-4000:])
+    assert {code for code, _ in watch.ends(victim)} == {137}, watch.ends(victim)
+    assert history(done) == [("PodDeleted", 1, True)], done["restartHistory"]
+    assert_params_match(out, STEPS)
+
+
+def test_an_oom_killed_worker_fails_its_pod_137_oomkilled_and_training_resumes(
+    node: real_node.Node, api: kubernetes.client.ApiClient, operator: str, namespace: str, tmp_path: pathlib.Path,
+) -> None:
+    """Rank 1 takes memory past its container's limit once; the kernel's OOM killer ends that worker. The agent
+    ends the pod 137 (as cgroup v2's group kill would; this machine is cgroup v1, where only the worker dies),
+    containerd reports OOMKilled, and the operator records both and replaces the pod."""
+    job = training_job("train", oom_at_step=STEPS // 2 + 1)  # well after both ranks train together
+    job["spec"]["template"]["spec"]["containers"][0]["resources"] = {
+        "requests": {"memory": "768Mi"}, "limits": {"memory": "768Mi"}}
+    out = checkpoint_volume(node, api, namespace) / "out"
+    apply(node, namespace, job, tmp_path)
+
+    done = wait_finished(api, namespace, "train")
+    assert done["phase"] == "Succeeded", (done, logs(node, namespace, "train-0")[-4000:])
+    assert (out / "oom-once").exists(), "the planted allocation never ran"
+    restarts = done.get("restartHistory") or []
+    assert len(restarts) == 1, done  # none: the worker was restarted inside the pod, and nothing said OOMKilled
+    entry = restarts[0]
+    assert (entry["reason"], entry["exitCode"], entry["counted"]) == ("PodFailed", 137, True), entry
+    assert "OOMKilled" in entry["message"], entry
+    assert_params_match(out, STEPS)
+
+
+def test_a_silent_kubelet_makes_the_node_not_ready_and_its_stuck_pods_are_force_deleted(
+    node: real_node.Node, api: kubernetes.client.ApiClient, operator: str, namespace: str, tmp_path: pathlib.Path,
+) -> None:
+    """The kubelet stopped (its containers go on running): past the node-monitor grace (20 s here) the node
+    controller marks the node NotReady (Unknown); the operator restarts both ranks (NodeNotReady) and deletes
+    their pods, which stay Terminating with no kubelet to end them, until failurePolicy.terminatingPodTimeoutSeconds
+    and a force-delete. The kubelet back, it kills the orphaned containers, the replacements run, training
+    resumes."""
+    steps = 200  # the old containers run on without their kubelet: they must not finish meanwhile
+    out = checkpoint_volume(node, api, namespace) / "out"
+    apply(node, namespace, training_job("train", steps=steps, sleep=0.2,
+                                        failure_policy={"terminatingPodTimeoutSeconds": 5}), tmp_path)
+    two_ranks_training(out)
+    silenced = job_pods(api, namespace)
+    core = kubernetes.client.CoreV1Api(api)
+
+    def not_ready() -> bool:
+        conditions = core.read_node(real_node.NODE_NAME).status.conditions or []
+        return any(c.type == "Ready" and c.status != "True" for c in conditions)
+
+    node.stop_kubelet()
+    try:
+        wait_for(not_ready, "the node NotReady", 120)
+        wait_for(lambda: not set(job_pods(api, namespace).values()) & set(silenced.values()),
+                 "the silenced node's pods force-deleted", 180)
+    finally:
+        node.start_kubelet()
+
+    done = wait_finished(api, namespace, "train")
+    assert done["phase"] == "Succeeded", (done, logs(node, namespace, "train-0")[-4000:])
+    assert history(done) == [("NodeNotReady", 0, True), ("NodeNotReady", 1, True)], done["restartHistory"]
+    described = node.cluster.kubectl("describe", "etj", "train", "-n", namespace).stdout
+    assert "force-deleted" in described, described[-3000:]
+    assert_params_match(out, steps)
+
+
+def comparable(status: dict[str, Any]) -> dict[str, Any]:
+    """What a person reads of a finished job: phase, the restarts (why, which rank, exit code, counted), the
+    last valid step and each rank's end."""
+    return {"phase": status["phase"], "restartCount": status["restartCount"],
+            "restartHistory": [(h["reason"], h.get("rank"), h.get("exitCode"), h["counted"])
+                               for h in status.get("restartHistory") or []],
+            "lastValidStep": (status.get("lastValidCheckpoint") or {}).get("step"),
+            "ranks": sorted((r["rank"], r.get("phase")) for r in status.get("ranks") or [])}
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "kubectl delete pod"])
+def test_the_stand_in_kubelet_and_the_real_one_agree_on_a_fault(
+    node: real_node.Node, api: kubernetes.client.ApiClient, operator: str, namespace: str, tmp_path: pathlib.Path,
+    fault: str,
+) -> None:
+    """tests/k8s's fast tests run pods under pod_runner, a kubelet stand-in. The same job and the same fault under
+    the real kubelet and under the stand-in (its Nodes in this same cluster, its pods kept from the real
+    scheduler by a schedulerName of their own) must end in the same status: where they differ, one is wrong."""
+    seen: dict[str, dict[str, Any]] = {}
+    stand_in_namespace = k8s_helpers.create_namespace(api, f"{namespace[:50]}-si")
+    stand_in_nodes = (f"{stand_in_namespace[-6:]}-a", f"{stand_in_namespace[-6:]}-b")
+    runner = pod_runner.PodRunner(api, node.cluster.server, node.cluster.ca.cert_pem, stand_in_namespace,
+                                  tmp_path / "stand-in", stand_in_nodes)
+    try:
+        with runner:
+            for kubelet, ns in (("real", namespace), ("stand-in", stand_in_namespace)):
+                host_dir = checkpoint_volume(node, api, ns)
+                out = (host_dir if kubelet == "real" else runner.checkpoints) / "out"
+                job = training_job("train")
+                if kubelet == "stand-in":
+                    job["spec"]["template"]["spec"]["schedulerName"] = "sneppx-pod-runner"
+                apply(node, ns, job, tmp_path)
+                two_ranks_training(out)
+                if fault == "SIGKILL" and kubelet == "real":  # PID 1: the kernel ends the rest of its namespace
+                    os.kill(container_pid(node, api, ns, "train-1"), signal.SIGKILL)
+                elif fault == "SIGKILL":
+                    runner.kill("train-1")  # its process group
+                else:
+                    node.cluster.kubectl("delete", "pod", "train-1", "-n", ns, "--wait=false")
+                done = wait_finished(api, ns, "train")
+                assert done["phase"] == "Succeeded", (kubelet, done)
+                assert_params_match(out, STEPS)
+                seen[kubelet] = comparable(done)
+            k8s_helpers.delete_jobs(api, stand_in_namespace)  # while the stand-in still ends its pods
+    finally:
+        core = kubernetes.client.CoreV1Api(api)
+        for name in stand_in_nodes:
+            k8s_helpers.read_or_none(core.delete_node, name)
+        core.delete_namespace(stand_in_namespace)
+        assert not runner.errors, runner.errors
+    assert seen["real"] == seen["stand-in"], seen
 
 
 def test_helm_uninstall_leaves_nothing_of_the_release_behind(
