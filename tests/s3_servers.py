@@ -67,11 +67,12 @@ def versitygw_binary() -> str:
     return binary
 
 
-def start(kind: str, workdir: pathlib.Path, port: int | None = None, timeout: float = 60) -> S3Server:
-    """Starts a server of `kind` on 127.0.0.1 (its data, if any, and its log under `workdir`) and waits until
-    it answers."""
+def start(kind: str, workdir: pathlib.Path, port: int | None = None, timeout: float = 60,
+          host: str = "127.0.0.1") -> S3Server:
+    """Starts a server of `kind` on `host` (127.0.0.1, or an address of a network this machine's tests made,
+    such as tests/node's pod bridge; its data, if any, and its log under `workdir`) and waits until it answers."""
     port = port or free_port()
-    address = f"127.0.0.1:{port}"
+    address = f"{host}:{port}"
     if kind == "moto":
         command = [sys.executable, str(SERIALIZED_MOTO), "--port", str(port)]
         ready_path = "/moto-api/"

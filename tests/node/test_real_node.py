@@ -27,9 +27,11 @@ from image_fixtures import TAG
 from k8s_helpers import wait_for, wait_status
 from node_jobs import EVERY, STEPS, apply, checkpoint_volume, container_pid, logs, progress
 
+from SneppX_ALG import storage
 from sneppx_operator import builders
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "integration"))
+sys.path[:0] = [str(pathlib.Path(__file__).parents[1] / "integration"), str(pathlib.Path(__file__).parents[1])]
+import s3_servers
 from elastic_script import assert_params_match
 
 FINISH_TIMEOUT = 600.0
@@ -172,6 +174,39 @@ def test_a_deleted_pod_is_replaced_and_training_resumes(
     assert [(h["reason"], h["rank"]) for h in done["restartHistory"]] == [("PodDeleted", 1)], done["restartHistory"]
     assert done["restartCount"] == 1
     assert_params_match(out, STEPS)
+
+
+def test_a_job_checkpointing_to_s3_resumes_from_the_bucket_after_a_sigkilled_container(
+    node: real_node.Node, api: kubernetes.client.ApiClient, operator: str, namespace: str, tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Checkpoints in an S3 bucket (the Versity S3 Gateway, a real S3 server, listening on the pod bridge's
+    address so the pods reach it and nothing else does), credentials from a Secret: a container SIGKILLed, the
+    replacement resumes from the last step committed in the bucket."""
+    for key, value in s3_servers.ENV.items():  # the test's own client: the pods get theirs from the Secret
+        monkeypatch.setenv(key, value)
+    server = s3_servers.start("versitygw", tmp_path / "s3", host=real_node.NODE_IP)
+    try:
+        server.client().create_bucket(Bucket="ckpt")
+        kubernetes.client.CoreV1Api(api).create_namespaced_secret(namespace, {
+            "metadata": {"name": "s3-credentials"},
+            "stringData": {k: s3_servers.ENV[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}})
+        out = checkpoint_volume(node, api, namespace) / "out"
+        s3 = {"bucket": "ckpt", "prefix": "train", "endpoint": server.endpoint,
+              "region": s3_servers.ENV["AWS_DEFAULT_REGION"], "credentialsSecretRef": {"name": "s3-credentials"}}
+        apply(node, namespace, training_job("train", s3=s3), tmp_path)
+        two_ranks_training(out)
+        os.kill(container_pid(node, api, namespace, "train-1"), signal.SIGKILL)
+        done = wait_finished(api, namespace, "train")
+        assert done["phase"] == "Succeeded", (done, logs(node, namespace, "train-0")[-4000:])
+        assert [(h["reason"], h["rank"], h["exitCode"]) for h in done["restartHistory"]] == [("PodFailed", 1, 137)]
+        assert done["lastValidCheckpoint"]["step"] == STEPS
+        keys = [o["Key"] for o in server.client().list_objects_v2(Bucket="ckpt", Prefix="train/")["Contents"]]
+        assert any(key.startswith(f"train/{storage.step_name(STEPS)}/") for key in keys), keys  # in the bucket
+        assert not [p for p in out.parent.iterdir() if p.name != "out"], list(out.parent.iterdir())
+        assert_params_match(out, STEPS)
+    finally:
+        s3_servers.stop(server)
 
 
 def test_a_drain_evicts_the_ranks_without_spending_the_budget_and_training_resumes_after_uncordon(
@@ -358,7 +393,7 @@ def test_helm_uninstall_leaves_nothing_of_the_release_behind(
     node.cluster.helm("uninstall", operator, "--namespace", real_node.OPERATOR_NAMESPACE, "--wait",
                       "--timeout", "120s", timeout=180)
     selector = f"app.kubernetes.io/instance={operator}"
-    kinds = "deployments,replicasets,services,serviceaccounts,roles,rolebindings,configmaps"  # pods: below
+    kinds = "deployments,replicasets,services,serviceaccounts,roles,rolebindings,configmaps,leases"  # pods: below
     left = node.cluster.kubectl("get", kinds, "-n", real_node.OPERATOR_NAMESPACE, "-l", selector, "-o", "name").stdout
     assert not left.strip(), left
     cluster_wide = node.cluster.kubectl("get", "clusterroles,clusterrolebindings", "-l", selector, "-o", "name").stdout
