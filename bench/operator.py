@@ -1,7 +1,7 @@
 """Operator recovery: from a rank's process killed (or its node lost) to the job's pods replaced and Running, and
 to the job training again.
 
-    python -m bench operator                     # 10 + 5 + 2 x 5 kills, about 4 minutes
+    python -m bench operator                     # 10 + 5 + 2 x 5 kills, 5 takeovers, 5 on a real node
     python -m bench operator -- --kills 20 --node-losses 0 --trainings 10
 
 On the test cluster of tests/k8s (a real kube-apiserver and etcd on 127.0.0.1) with the operator as a real
@@ -25,6 +25,11 @@ the kubelet stand-in of tests/k8s/pod_runner.py running each rank as a local pro
   full size (the replacement pod joined). Two jobs: minNodes 1 (the survivor goes on alone, then grows back at a
   checkpoint boundary) and minNodes 2 (it must wait for the replacement pod).
 
+- real node: the minNodes 1 training kills again on a real node (tests/node/real_node.py: kubelet, kube-proxy,
+  kube-scheduler, containerd and runc, a CNI bridge), the operator installed by its Helm chart and the pods
+  running the project's image; rank 1's container is SIGKILLed and the kubelet, not the stand-in, reports it.
+  Needs root and the node's binaries (tests/tools/build.sh); it says why when it can't run.
+
 - takeover: two operator replicas with leader election (the chart's timings: 15 s lease, 10 s renew deadline, 2 s
   retry). The leader is SIGKILLed together with rank 1's process; the clock stops when the other replica holds
   the Lease, and when it has replaced rank 1 (the job Running, both ranks ready). Then the leader is stopped with
@@ -47,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -94,17 +100,17 @@ def _training_job(name: str, min_nodes: int) -> dict[str, Any]:
     return job
 
 
-def _training_state(runner: pod_runner.PodRunner, job: str) -> tuple[dict[int, int], list[dict[str, Any]]]:
+def _training_state(log: str) -> tuple[dict[int, int], list[dict[str, Any]]]:
     """Rank 0's agent's view: world size by membership generation, and its steps (the pod log's events)."""
-    events = k8s_helpers.agent_events(runner.log_of(f"{job}-0"))
+    events = k8s_helpers.agent_events(log)
     sizes = {e["generation"]: e["world_size"] for e in events if e["kind"] == "generation"}
     return sizes, [e for e in events if e["kind"] == "step"]
 
 
-def _measure_training(runner: pod_runner.PodRunner, job: str) -> tuple[float, float]:
+def _measure_training(rank0_log: Callable[[], str], kill_rank1: Callable[[], None], job: str) -> tuple[float, float]:
     """(killed -> training again, killed -> training again at full size), in seconds."""
     def steady() -> tuple[int] | None:  # (the generation,) once 2 pods trained 10 steps in it (2 checkpoints)
-        sizes, steps = _training_state(runner, job)
+        sizes, steps = _training_state(rank0_log())
         if not steps or sizes.get(steps[-1]["generation"]) != 2:
             return None
         newest = steps[-1]["generation"]
@@ -112,10 +118,10 @@ def _measure_training(runner: pod_runner.PodRunner, job: str) -> tuple[float, fl
 
     (generation,) = k8s_helpers.wait_for(steady, "two pods training", 300)
     killed_at = time.time()
-    runner.kill(f"{job}-1", signal.SIGKILL)
+    kill_rank1()
 
     def first_step(full: bool) -> float | None:
-        sizes, steps = _training_state(runner, job)
+        sizes, steps = _training_state(rank0_log())
         return next((s["t"] for s in steps if s["generation"] > generation and s["t"] > killed_at
                      and (not full or sizes.get(s["generation"]) == 2)), None)
 
@@ -123,6 +129,47 @@ def _measure_training(runner: pod_runner.PodRunner, job: str) -> tuple[float, fl
     full = k8s_helpers.wait_for(lambda: first_step(True), "training again at full size", 300)
     print(f"  {job}: killed -> training {again - killed_at:.2f} s, at full size {full - killed_at:.2f} s", flush=True)
     return again - killed_at, full - killed_at
+
+
+def _real_node_trainings(count: int, workdir: pathlib.Path) -> list[tuple[float, float]]:
+    """The minNodes 1 kills again on a real node (tests/node/real_node.py: kubelet, containerd, runc, a CNI
+    bridge), the operator installed by its chart and the pods running the project's image: rank 1's container
+    is SIGKILLed (its PID 1; the kernel ends the rest of it), the kubelet reports the pod Failed, the operator
+    replaces it. Needs root and the node's binaries (tests/tools/build.sh); says why when it can't run."""
+    sys.path[:0] = [str(REPO / "tests" / "node"), str(REPO / "tests" / "image")]
+    import container_image
+    import node_jobs
+    import real_node
+
+    why = real_node.check_can_run()
+    if why is not None:
+        print(f"real node: not run ({why})", flush=True)
+        return []
+    tag = "localhost/sneppx:bench"
+    (workdir / "buildah").mkdir()
+    try:
+        with (container_image.built_image(workdir / "buildah", tag) as image,
+              real_node.running_node(k8s_cluster.build_tools(), workdir / "node") as node):
+            archive = workdir / "image.tar"
+            image.buildah("push", "--quiet", tag, f"docker-archive:{archive}:{tag}", timeout=600)
+            node.import_image(archive)
+            node_jobs.install_operator(node, tag)
+            api = kubernetes.config.new_client_from_config(config_file=str(node.cluster.kubeconfig))
+            namespace = k8s_helpers.create_namespace(api, "bench-real-node")
+            node_jobs.checkpoint_volume(node, api, namespace)
+            job = node_jobs.training_job(
+                "elastic", tag, steps=10**7, every=5, sleep=0.05, restart_delay=0, max_restarts=1000,
+                failure_policy={"maxRestarts": 1000, "restartDelay": {"initialSeconds": 0, "multiplier": 1,
+                                                                        "maxSeconds": 0}})
+            node_jobs.apply(node, namespace, job, workdir)
+            print("real node: the image built and imported, the chart installed, the job applied", flush=True)
+            return [_measure_training(
+                lambda: node_jobs.logs(node, namespace, "elastic-0"),
+                lambda: os.kill(node_jobs.container_pid(node, api, namespace, "elastic-1"), signal.SIGKILL),
+                "real node") for _ in range(count)]
+    except container_image.Unavailable as reason:
+        print(f"real node: not run ({reason})", flush=True)
+        return []
 
 
 def _status(custom: kubernetes.client.CustomObjectsApi, namespace: str, name: str) -> dict[str, Any]:
@@ -230,6 +277,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--node-losses", type=int, default=5)
     parser.add_argument("--trainings", type=int, default=5, help="kills of a training job, for each of two jobs")
     parser.add_argument("--takeovers", type=int, default=5, help="leaders SIGKILLed (two replicas, leader election)")
+    parser.add_argument("--real-node-trainings", type=int, default=5,
+                        help="kills of a training job on a real node (kubelet, containerd; needs root)")
     args = parser.parse_args(argv)
     print(f"machine: {common.cpu_model()}, {os.cpu_count()} CPUs; test cluster on 127.0.0.1", flush=True)
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="sneppx-bench-operator-"))
@@ -259,7 +308,9 @@ def main(argv: list[str]) -> None:
                 if args.trainings:
                     custom.create_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace,
                                                            k8s_helpers.PLURAL, _training_job(name, min_nodes))
-                    trained[name] = [_measure_training(runner, name) for _ in range(args.trainings)]
+                    trained[name] = [_measure_training(lambda n=name: runner.log_of(f"{n}-0"),
+                                                       lambda n=name: runner.kill(f"{n}-1", signal.SIGKILL), name)
+                                     for _ in range(args.trainings)]
                     custom.delete_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace,
                                                            k8s_helpers.PLURAL, name)
             takeover: tuple[list[float], list[float], list[float]] = ([], [], [])
@@ -291,6 +342,12 @@ def main(argv: list[str]) -> None:
         if operator is not None:
             k8s_cluster.stop_process(operator)
         cluster.stop()
+    if args.real_node_trainings:  # after the test cluster: the real node listens elsewhere, but shares the CPUs
+        real = _real_node_trainings(args.real_node_trainings, workdir)
+        print("what is timed: SIGKILL of rank 1's container on a real node -> rank 0's first step in a later "
+              "generation", flush=True)
+        _summary("real kubelet: killed -> training", [a for a, _ in real])
+        _summary("real kubelet: killed -> full size", [f for _, f in real])
 
 
 if __name__ == "__main__":
