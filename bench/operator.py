@@ -161,7 +161,7 @@ def _real_node_trainings(count: int, workdir: pathlib.Path) -> list[tuple[float,
                 "elastic", tag, steps=10**7, every=5, sleep=0.05, restart_delay=0, max_restarts=1000,
                 failure_policy={"maxRestarts": 1000, "restartDelay": {"initialSeconds": 0, "multiplier": 1,
                                                                         "maxSeconds": 0}})
-            node_jobs.apply(node, namespace, job, workdir)
+            k8s_helpers.kubectl_apply(node.cluster, namespace, job, workdir)
             print("real node: the image built and imported, the chart installed, the job applied", flush=True)
             return [_measure_training(
                 lambda: node_jobs.logs(node, namespace, "elastic-0"),

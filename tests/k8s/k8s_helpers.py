@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import kubernetes
 import kubernetes.config.kube_config
+import yaml
 
 GROUP, VERSION, PLURAL = "sneppx.io", "v1alpha1", "elastictrainingjobs"
 TIMEOUT = 90.0  # how long a job test waits for a state (a failure bound only: loaded 2-core machines)
@@ -49,6 +50,30 @@ def valid_job(name: str = "job", max_nodes: int = 2, min_nodes: int = 1) -> dict
             "checkpoint": {"storage": {"pvc": {"claimName": "ckpt"}}},
         },
     }
+
+
+def script_job(name: str, command: list[str], *, steps: int, every: int, max_nodes: int = 2, min_nodes: int = 1,
+               failure_policy: dict[str, Any] | None = None, **knobs: Any) -> dict[str, Any]:
+    """A job whose pods run tests/integration/elastic_script.py by `command`, its E_* knobs in the environment
+    (steps, checkpoint interval, the rest as given), a 5 s grace period, fast restarts and 3 steps kept."""
+    job = valid_job(name, max_nodes=max_nodes, min_nodes=min_nodes)
+    spec = job["spec"]
+    container = spec["template"]["spec"]["containers"][0]
+    container["command"] = command
+    settings = {"steps": steps, "every": every, "sleep": 0.1, "restart_delay": 0.2, **knobs}
+    container["env"] = [{"name": f"E_{k.upper()}", "value": str(v)} for k, v in settings.items()]
+    spec["template"]["spec"]["terminationGracePeriodSeconds"] = 5
+    spec["failurePolicy"] = {"restartDelay": {"initialSeconds": 0, "multiplier": 2, "maxSeconds": 1},
+                             **(failure_policy or {})}
+    spec["checkpoint"]["maxToKeep"] = 3
+    return job
+
+
+def kubectl_apply(cluster: Any, namespace: str, job: dict[str, Any], tmp: pathlib.Path) -> None:
+    """`kubectl apply -f` of the job's manifest, as a user would (`cluster`: a k8s_cluster.Cluster)."""
+    manifest = tmp / f"{job['metadata']['name']}.yaml"
+    manifest.write_text(yaml.safe_dump(job))
+    cluster.kubectl("apply", "-n", namespace, "-f", str(manifest))
 
 
 def wait_for(probe: Callable[[], T], what: str, timeout: float = 60.0) -> T:

@@ -8,10 +8,9 @@ pods really run and really die. The runner does for one namespace what a schedul
 * runs the pod's first container's command (`python` is this interpreter) as a local process, with the pod's
   environment (the downward API's pod IP is 127.0.0.1) and its volumes mapped to local directories: a
   persistentVolumeClaim to one shared directory (the "PVC"), a Secret or ConfigMap to its files, an emptyDir to a
-  directory of its own, and the projected API token to a
-  kubeconfig with a token requested for the pod's ServiceAccount (TokenRequest, bound to the pod), so the
-  process talks to the API server as that account, under its RBAC; environment values under a mount path are
-  rewritten to the local directory;
+  directory of its own, and the projected API token to a kubeconfig with a token requested for the pod's
+  ServiceAccount (TokenRequest, bound to the pod), so the process talks to the API server as that account, under
+  its RBAC; environment values under a mount path are rewritten to the local directory;
 * reports Running and Ready, then the exit code (Succeeded/Failed) in pod status, as the kubelet does;
 * on a pod's deletion, sends SIGTERM to the container's first process (as a runtime signals PID 1 only), then
   SIGKILL to all of it after its grace period, and removes the pod (the final delete a kubelet makes);

@@ -24,7 +24,6 @@ import kopf.testing
 import kubernetes
 import pod_runner
 import pytest
-import yaml
 from k8s_helpers import wait_status
 
 from SneppX_ALG.storage import job_object
@@ -41,28 +40,11 @@ STEPS = 90  # enough that the job is still training when each test's failure or 
 FINISH_TIMEOUT = 300.0  # a failure bound only: four processes train on a loaded 2-core machine
 
 
-def training_job(name: str, *, steps: int, max_nodes: int = 2, min_nodes: int = 1,
-                 failure_policy: dict[str, Any] | None = None, **knobs: Any) -> dict[str, Any]:
+def training_job(name: str, *, steps: int, **settings: Any) -> dict[str, Any]:
     """A job whose pods run elastic_script.py: rank 0 writes its progress and final parameters to `out/` on the
     job's volume (`output(pods)` here)."""
-    job = k8s_helpers.valid_job(name, max_nodes=max_nodes, min_nodes=min_nodes)
-    spec = job["spec"]
-    container = spec["template"]["spec"]["containers"][0]
-    container["command"] = ["python", SCRIPT, f"{builders.CHECKPOINT_DIR}/out", builders.CHECKPOINT_DIR]
-    settings = {"steps": steps, "every": EVERY, "sleep": 0.1, "restart_delay": 0.2, **knobs}
-    container["env"] = [{"name": f"E_{k.upper()}", "value": str(v)} for k, v in settings.items()]
-    spec["template"]["spec"]["terminationGracePeriodSeconds"] = 5
-    spec["failurePolicy"] = {"restartDelay": {"initialSeconds": 0, "multiplier": 2, "maxSeconds": 1},
-                             **(failure_policy or {})}
-    spec["checkpoint"]["maxToKeep"] = 3
-    return job
-
-
-def apply(cluster: k8s_cluster.Cluster, namespace: str, job: dict[str, Any], tmp: pathlib.Path) -> None:
-    """`kubectl apply`, as a user would."""
-    manifest = tmp / f"{job['metadata']['name']}.yaml"
-    manifest.write_text(yaml.safe_dump(job))
-    cluster.kubectl("apply", "-n", namespace, "-f", str(manifest))
+    command = ["python", SCRIPT, f"{builders.CHECKPOINT_DIR}/out", builders.CHECKPOINT_DIR]
+    return k8s_helpers.script_job(name, command, steps=steps, every=EVERY, **settings)
 
 
 def output(pods: pod_runner.PodRunner) -> pathlib.Path:
@@ -92,7 +74,7 @@ def test_a_sigkilled_rank_is_replaced_and_training_resumes_from_the_last_valid_c
     operator: kopf.testing.KopfRunner, pods: pod_runner.PodRunner, tmp_path: pathlib.Path, min_nodes: int,
 ) -> None:
     out, steps = output(pods), STEPS
-    apply(cluster, namespace, training_job("train", steps=steps, min_nodes=min_nodes), tmp_path)
+    k8s_helpers.kubectl_apply(cluster, namespace, training_job("train", steps=steps, min_nodes=min_nodes), tmp_path)
     k8s_helpers.wait_for(lambda: progress(out)["step"] >= 3 * EVERY and progress(out)["world_size"] == 2,
                          "two pods training together past a few checkpoints", FINISH_TIMEOUT)
     pods.kill("train-1", signal.SIGKILL)  # the agent and its worker: the whole rank
@@ -131,7 +113,7 @@ def test_max_nodes_raised_at_run_time_grows_the_world_at_the_next_generation(
     operator: kopf.testing.KopfRunner, pods: pod_runner.PodRunner, tmp_path: pathlib.Path,
 ) -> None:
     out, steps = output(pods), STEPS
-    apply(cluster, namespace, training_job("grow", steps=steps, max_nodes=2), tmp_path)
+    k8s_helpers.kubectl_apply(cluster, namespace, training_job("grow", steps=steps, max_nodes=2), tmp_path)
     k8s_helpers.wait_for(lambda: progress(out)["step"] >= 2 * EVERY and progress(out)["world_size"] == 2,
                          "two pods training together", FINISH_TIMEOUT)
     cluster.kubectl("patch", "etj", "grow", "-n", namespace, "--type=merge", "-p",
@@ -157,7 +139,7 @@ def test_quorum_lost_with_pause_stops_training_until_the_node_returns(
     # quorum.actionOnLoss defaults to Pause; the lost node's pod stays Terminating until the node returns
     job = training_job("pause", steps=steps, failure_policy={"terminatingPodTimeoutSeconds": 3600})
     job["spec"]["quorum"] = {"minHealthyPercent": 100}
-    apply(cluster, namespace, job, tmp_path)
+    k8s_helpers.kubectl_apply(cluster, namespace, job, tmp_path)
     k8s_helpers.wait_for(lambda: progress(out)["step"] >= 2 * EVERY and progress(out)["world_size"] == 2,
                          "two pods training together", FINISH_TIMEOUT)
     lost = k8s_helpers.running_pods(api, namespace, "pause")[1]
@@ -210,7 +192,7 @@ def test_a_rank_whose_agent_is_wedged_is_reported_hung_by_the_other_agent_and_re
     out, steps, hang = output(pods), 120, 10
     job = training_job("hung", steps=steps, sleep=0.3, failure_policy={"hangTimeoutSeconds": hang})
     job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 1  # a stopped agent never ends at SIGTERM
-    apply(cluster, namespace, job, tmp_path)
+    k8s_helpers.kubectl_apply(cluster, namespace, job, tmp_path)
     k8s_helpers.wait_for(lambda: progress(out)["step"] >= 3 * EVERY and progress(out)["world_size"] == 2,
                          "two pods training together past a few checkpoints", FINISH_TIMEOUT)
     stopped = pods.pid("hung-1")

@@ -23,10 +23,6 @@ import node_jobs
 import real_node
 from image_fixtures import TAG, image  # noqa: F401  (pytest finds fixtures by name)
 
-REPO = HERE.parents[1]
-CHART = REPO / "charts" / "sneppx-operator"
-INSTALL_TIMEOUT = "180s"
-
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:

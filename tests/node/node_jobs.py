@@ -11,12 +11,12 @@ from typing import Any
 import k8s_helpers
 import kubernetes
 import real_node
-import yaml
 from k8s_helpers import wait_for
 
 from sneppx_operator import builders
 
 SCRIPT = pathlib.Path(__file__).parents[1] / "integration" / "elastic_script.py"
+CHART = pathlib.Path(__file__).parents[2] / "charts" / "sneppx-operator"
 SCRIPT_DIR = "/opt/sneppx-test"  # the script, from a ConfigMap: the image holds the library, not the tests
 OUT_DIR = "/opt/sneppx-out"  # the script's outputs (progress, parameters) when checkpoints go to S3: the PVC
 EVERY = 3
@@ -49,38 +49,23 @@ def checkpoint_volume(node: real_node.Node, api: kubernetes.client.ApiClient, na
     return directory
 
 
-def training_job(name: str, image: str, *, steps: int = STEPS, max_nodes: int = 2, min_nodes: int = 1,
-                 failure_policy: dict[str, Any] | None = None, s3: dict[str, Any] | None = None,
-                 **knobs: Any) -> dict[str, Any]:
-    """A job of `image` training the script for `steps`; knobs are the script's E_* settings. Checkpoints go to
+def training_job(name: str, image: str, *, steps: int = STEPS, s3: dict[str, Any] | None = None,
+                 **settings: Any) -> dict[str, Any]:
+    """A job of `image` training the script for `steps` (settings: k8s_helpers.script_job's). Checkpoints go to
     the PVC "ckpt", or to `s3` (spec.checkpoint.storage.s3), the script's outputs still to the PVC's "out"."""
-    job = k8s_helpers.valid_job(name, max_nodes=max_nodes, min_nodes=min_nodes)
-    spec = job["spec"]
-    pod_spec = spec["template"]["spec"]
-    container = pod_spec["containers"][0]
     out = f"{builders.CHECKPOINT_DIR}/out" if s3 is None else f"{OUT_DIR}/out"
+    command = ["python", f"{SCRIPT_DIR}/{SCRIPT.name}", out, builders.CHECKPOINT_DIR]
+    job = k8s_helpers.script_job(name, command, steps=steps, every=EVERY, **settings)
+    pod_spec = job["spec"]["template"]["spec"]
+    container = pod_spec["containers"][0]
     container.update(image=image, imagePullPolicy="Never",
-                     command=["python", f"{SCRIPT_DIR}/{SCRIPT.name}", out, builders.CHECKPOINT_DIR],
                      volumeMounts=[{"name": "script", "mountPath": SCRIPT_DIR, "readOnly": True}])
-    settings = {"steps": steps, "every": EVERY, "sleep": 0.1, "restart_delay": 0.2, **knobs}
-    container["env"] = [{"name": f"E_{k.upper()}", "value": str(v)} for k, v in settings.items()]
     pod_spec["volumes"] = [{"name": "script", "configMap": {"name": "train-script"}}]
     if s3 is not None:  # the job's checkpoints in the bucket; the claim only for what the test reads back
-        spec["checkpoint"]["storage"] = {"s3": s3}
+        job["spec"]["checkpoint"]["storage"] = {"s3": s3}
         pod_spec["volumes"].append({"name": "out", "persistentVolumeClaim": {"claimName": "ckpt"}})
         container["volumeMounts"].append({"name": "out", "mountPath": OUT_DIR})
-    pod_spec["terminationGracePeriodSeconds"] = 5
-    spec["failurePolicy"] = {"restartDelay": {"initialSeconds": 0, "multiplier": 2, "maxSeconds": 1},
-                             **(failure_policy or {})}
-    spec["checkpoint"]["maxToKeep"] = 3
     return job
-
-
-def apply(node: real_node.Node, namespace: str, job: dict[str, Any], tmp: pathlib.Path) -> None:
-    """`kubectl apply -f` of the job's manifest."""
-    manifest = tmp / f"{job['metadata']['name']}.yaml"
-    manifest.write_text(yaml.safe_dump(job))
-    node.cluster.kubectl("apply", "-n", namespace, "-f", str(manifest))
 
 
 def progress(out: pathlib.Path) -> dict[str, Any]:
@@ -115,6 +100,3 @@ def install_operator(node: real_node.Node, image: str, *extra: str) -> None:
         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
         *extra, "--wait", "--timeout", "180s", timeout=240,
     )
-
-
-CHART = pathlib.Path(__file__).parents[2] / "charts" / "sneppx-operator"

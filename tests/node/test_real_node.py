@@ -25,7 +25,7 @@ import real_node
 import urllib3
 from image_fixtures import TAG
 from k8s_helpers import wait_for, wait_status
-from node_jobs import EVERY, STEPS, apply, checkpoint_volume, container_pid, logs, progress
+from node_jobs import EVERY, STEPS, checkpoint_volume, container_pid, logs, progress
 
 from SneppX_ALG import storage
 from sneppx_operator import builders
@@ -85,6 +85,23 @@ class PodWatch:
         self._client.close()
 
 
+def delete_rank_1_while_training(
+    node: real_node.Node, api: kubernetes.client.ApiClient, namespace: str, job: dict[str, Any], out: pathlib.Path,
+    tmp_path: pathlib.Path,
+) -> tuple[dict[str, Any], set[tuple[int, str]]]:
+    """Apply the job, `kubectl delete pod` rank 1 once both ranks train, wait for the job to end. Returns its
+    status and how the deleted pod's container ended (exit code, reason), as a watch saw it."""
+    watch = PodWatch(node, namespace)
+    try:
+        k8s_helpers.kubectl_apply(node.cluster, namespace, job, tmp_path)
+        two_ranks_training(out)
+        victim = job_pods(api, namespace)["train-1"]
+        node.cluster.kubectl("delete", "pod", "train-1", "-n", namespace, "--wait=false")
+        return wait_finished(api, namespace, "train"), watch.ends(victim)
+    finally:
+        watch.stop()
+
+
 def history(status: dict[str, Any]) -> list[tuple[str, int, bool]]:
     return sorted((h["reason"], h.get("rank", -1), h["counted"]) for h in status.get("restartHistory") or [])
 
@@ -123,7 +140,7 @@ def test_a_sigkilled_container_fails_its_pod_and_the_operator_replaces_it(
     kubelet does not restart the container: the pod fails with the container's exit code, and the operator
     replaces it; training resumes from the last valid checkpoint and ends at the uninterrupted run's parameters."""
     out = checkpoint_volume(node, api, namespace) / "out"
-    apply(node, namespace, training_job("train"), tmp_path)
+    k8s_helpers.kubectl_apply(node.cluster, namespace, training_job("train"), tmp_path)
     two_ranks_training(out)
     victim = kubernetes.client.CoreV1Api(api).read_namespaced_pod("train-1", namespace)
     before, killed_at = progress(out)["step"], time.time()
@@ -160,17 +177,9 @@ def test_a_deleted_pod_is_replaced_and_training_resumes(
     """`kubectl delete pod`: the kubelet stops the container with SIGTERM to its PID 1, the agent, which stops its
     worker and exits 143; the operator, which did not delete the pod, replaces it and counts a PodDeleted restart."""
     out = checkpoint_volume(node, api, namespace) / "out"
-    watch = PodWatch(node, namespace)
-    try:
-        apply(node, namespace, training_job("train"), tmp_path)
-        two_ranks_training(out)
-        victim = job_pods(api, namespace)["train-1"]
-        node.cluster.kubectl("delete", "pod", "train-1", "-n", namespace, "--wait=false")
-        done = wait_finished(api, namespace, "train")
-    finally:
-        watch.stop()
+    done, ends = delete_rank_1_while_training(node, api, namespace, training_job("train"), out, tmp_path)
     assert done["phase"] == "Succeeded", (done, logs(node, namespace, "train-0")[-4000:])
-    assert {code for code, _ in watch.ends(victim)} == {143}, watch.ends(victim)
+    assert {code for code, _ in ends} == {143}, ends
     assert [(h["reason"], h["rank"]) for h in done["restartHistory"]] == [("PodDeleted", 1)], done["restartHistory"]
     assert done["restartCount"] == 1
     assert_params_match(out, STEPS)
@@ -194,7 +203,7 @@ def test_a_job_checkpointing_to_s3_resumes_from_the_bucket_after_a_sigkilled_con
         out = checkpoint_volume(node, api, namespace) / "out"
         s3 = {"bucket": "ckpt", "prefix": "train", "endpoint": server.endpoint,
               "region": s3_servers.ENV["AWS_DEFAULT_REGION"], "credentialsSecretRef": {"name": "s3-credentials"}}
-        apply(node, namespace, training_job("train", s3=s3), tmp_path)
+        k8s_helpers.kubectl_apply(node.cluster, namespace, training_job("train", s3=s3), tmp_path)
         two_ranks_training(out)
         os.kill(container_pid(node, api, namespace, "train-1"), signal.SIGKILL)
         done = wait_finished(api, namespace, "train")
@@ -218,7 +227,8 @@ def test_a_drain_evicts_the_ranks_without_spending_the_budget_and_training_resum
     `kubectl uncordon`. The drain takes only this job's pods: on a one-node cluster the operator has nowhere
     else to go."""
     out = checkpoint_volume(node, api, namespace) / "out"
-    apply(node, namespace, training_job("train", failure_policy={"maxRestarts": 1}), tmp_path)
+    job = training_job("train", failure_policy={"maxRestarts": 1})
+    k8s_helpers.kubectl_apply(node.cluster, namespace, job, tmp_path)
     two_ranks_training(out)
     drained = job_pods(api, namespace)
     core = kubernetes.client.CoreV1Api(api)
@@ -259,17 +269,9 @@ def test_a_container_that_ignores_sigterm_is_killed_after_its_grace_period_and_r
     # not `exec`, and a command after the trainer's: the shell stays PID 1 (dash runs a last command in place)
     container["command"] = ["sh", "-c", "trap '' TERM; " + " ".join(container["command"]) + "; exit $?"]
     out = checkpoint_volume(node, api, namespace) / "out"
-    watch = PodWatch(node, namespace)
-    try:
-        apply(node, namespace, job, tmp_path)
-        two_ranks_training(out)
-        victim = job_pods(api, namespace)["train-1"]
-        node.cluster.kubectl("delete", "pod", "train-1", "-n", namespace, "--wait=false")
-        done = wait_finished(api, namespace, "train")
-    finally:
-        watch.stop()
+    done, ends = delete_rank_1_while_training(node, api, namespace, job, out, tmp_path)
     assert done["phase"] == "Succeeded", (done, logs(node, namespace, "train-0")[-4000:])
-    assert {code for code, _ in watch.ends(victim)} == {137}, watch.ends(victim)
+    assert {code for code, _ in ends} == {137}, ends
     assert history(done) == [("PodDeleted", 1, True)], done["restartHistory"]
     assert_params_match(out, STEPS)
 
@@ -284,7 +286,7 @@ def test_an_oom_killed_worker_fails_its_pod_137_oomkilled_and_training_resumes(
     job["spec"]["template"]["spec"]["containers"][0]["resources"] = {
         "requests": {"memory": "768Mi"}, "limits": {"memory": "768Mi"}}
     out = checkpoint_volume(node, api, namespace) / "out"
-    apply(node, namespace, job, tmp_path)
+    k8s_helpers.kubectl_apply(node.cluster, namespace, job, tmp_path)
 
     done = wait_finished(api, namespace, "train")
     assert done["phase"] == "Succeeded", (done, logs(node, namespace, "train-0")[-4000:])
@@ -307,8 +309,8 @@ def test_a_silent_kubelet_makes_the_node_not_ready_and_its_stuck_pods_are_force_
     resumes."""
     steps = 200  # the old containers run on without their kubelet: they must not finish meanwhile
     out = checkpoint_volume(node, api, namespace) / "out"
-    apply(node, namespace, training_job("train", steps=steps, sleep=0.2,
-                                        failure_policy={"terminatingPodTimeoutSeconds": 5}), tmp_path)
+    job = training_job("train", steps=steps, sleep=0.2, failure_policy={"terminatingPodTimeoutSeconds": 5})
+    k8s_helpers.kubectl_apply(node.cluster, namespace, job, tmp_path)
     two_ranks_training(out)
     silenced = job_pods(api, namespace)
     core = kubernetes.client.CoreV1Api(api)
@@ -364,7 +366,7 @@ def test_the_stand_in_kubelet_and_the_real_one_agree_on_a_fault(
                 job = training_job("train")
                 if kubelet == "stand-in":
                     job["spec"]["template"]["spec"]["schedulerName"] = "sneppx-pod-runner"
-                apply(node, ns, job, tmp_path)
+                k8s_helpers.kubectl_apply(node.cluster, ns, job, tmp_path)
                 two_ranks_training(out)
                 if fault == "SIGKILL" and kubelet == "real":  # PID 1: the kernel ends the rest of its namespace
                     os.kill(container_pid(node, api, ns, "train-1"), signal.SIGKILL)
