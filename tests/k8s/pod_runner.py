@@ -136,7 +136,7 @@ class PodRunner:
                 for running in self.running.values():
                     if running.node == name:
                         _kill(running.proc)
-        self._write_node_ready(name, ready)
+            self._write_node_ready(name, ready)  # under the lock: a heartbeat can't write Ready after it
 
     def log_of(self, pod: str) -> str:
         path = self.workdir / "logs" / f"{pod}.log"
@@ -162,16 +162,19 @@ class PodRunner:
                 self._once()
                 if time.monotonic() - beat >= HEARTBEAT_S:
                     beat = time.monotonic()
-                    for name in self.nodes:
-                        if name not in self.not_ready:
-                            self._heartbeat(name)
+                    self._heartbeat()
             except Exception as exc:  # noqa: BLE001  (keep playing kubelet; the fixture fails on errors)
                 self.errors.append(repr(exc))
             self._stop.wait(POLL_S)
 
-    def _heartbeat(self, name: str) -> None:
-        self.core.patch_node_status(name, {"status": {"conditions": [
-            {"type": "Ready", "status": "True", "reason": "KubeletReady", "lastHeartbeatTime": _now()}]}})
+    def _heartbeat(self) -> None:
+        """Ready again for each Ready node, under the lock: set_node_ready(False) between the check and the
+        write would otherwise be undone by it."""
+        with self._lock:
+            for name in self.nodes:
+                if name not in self.not_ready:
+                    self.core.patch_node_status(name, {"status": {"conditions": [
+                        {"type": "Ready", "status": "True", "reason": "KubeletReady", "lastHeartbeatTime": _now()}]}})
 
     def _once(self) -> None:
         pods = {p.metadata.name: p for p in self.core.list_namespaced_pod(self.namespace).items}
