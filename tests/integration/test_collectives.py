@@ -39,9 +39,14 @@ def test_sigkill_of_a_rank_mid_allreduce_fails_every_other_rank_with_peer_lost(t
     """The deadline is 5 minutes: PeerLostError (not a timeout) shows each survivor heard of the death itself,
     through the ring's shut connections, long before it."""
     world, victim = 4, 2
+    # The victim reports on a queue of its own, as in the SIGSTOP test below: killed while its feeder thread held
+    # the shared queue's lock, it would block every other report (seen once in CI: none for 300 s, {2: -9}).
+    victims_queue = multiprocessing.get_context("spawn").Queue()
     for rank in range(world):
-        ranks.start(rank, workers.allreduce_forever, str(tmp_path), rank, world, 300.0, ranks.results)
-    assert sorted(ranks.get() for _ in range(world)) == [("ready", r) for r in range(world)]
+        results = victims_queue if rank == victim else ranks.results
+        ranks.start(rank, workers.allreduce_forever, str(tmp_path), rank, world, 300.0, results)
+    assert sorted(ranks.get() for _ in range(world - 1)) == [("ready", r) for r in range(world) if r != victim]
+    assert victims_queue.get(timeout=300) == ("ready", victim)
     os.kill(ranks.processes[victim].pid, signal.SIGKILL)
     reports = sorted(ranks.get() for _ in range(world - 1))
     assert [r[:3] for r in reports] == [("failed", r, "PeerLostError") for r in range(world) if r != victim]
@@ -57,8 +62,7 @@ def test_sigstop_of_a_rank_times_out_the_others(tmp_path: os.PathLike[str], rank
     first to time out shuts its connections, so a rank may learn it as PeerLostError instead."""
     world, victim = 3, 1
     # The victim reports on a queue of its own: a queue's writers share a lock, which its feeder thread may still
-    # hold for a moment after the parent read its "ready". Stopped then, it would block every other report
-    # (seen once in CI: no report for 300 s, no rank exited).
+    # hold for a moment after the parent read its "ready". Stopped then, it would block every other report.
     victims_queue = multiprocessing.get_context("spawn").Queue()
     for rank in range(world):
         results = victims_queue if rank == victim else ranks.results
