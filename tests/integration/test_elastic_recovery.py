@@ -84,8 +84,14 @@ def test_a_spent_budget_raises_restart_budget_exhausted_with_the_history(tmp_pat
     result = run.finish()
     assert result.get("error") == "RestartBudgetExhaustedError", result
     assert "restart budget exhausted" in result["message"]
-    planted = [h for h in result["history"] if "planted failure" in h["reason"]]
-    assert len(planted) >= 2, result["history"]  # max_restarts survived, and the one that ended the run
+    # max_restarts failures survived (a delay before the restart), then the planted one ended the run (no delay).
+    # Other agents end on their own view of it (a lost peer), and the survived one need not be planted: on a loaded
+    # 2-core CI box a node once fell silent on the heartbeat first
+    history = result["history"]
+    survived = [h for h in history if h["delay"] is not None]
+    ended = [h for h in history if h["delay"] is None]
+    assert survived and ended, history
+    assert any("planted failure" in h["reason"] for h in ended), history
 
 
 def test_a_frozen_node_is_left_behind_and_the_survivors_keep_their_processes(tmp_path: Path, runs: Any) -> None:
