@@ -380,6 +380,10 @@ int sx_comm_reduce_scatter(sx_comm *c, void *buf, size_t count, int dtype, int o
 int sx_comm_allgather(sx_comm *c, void *buf, size_t count, int dtype, double timeout_s);
 /* nbytes from root's buf into everyone's, along the ring. */
 int sx_comm_broadcast(sx_comm *c, void *buf, size_t nbytes, int root, double timeout_s);
+/* send_len bytes of send_buf to rank + 1 while recv_len bytes from rank - 1
+ * land in recv_buf (recv_len must be what that rank sends). */
+int sx_comm_shift(sx_comm *c, const void *send_buf, size_t send_len, void *recv_buf, size_t recv_len,
+                  double timeout_s);
 /* Returns when every rank has entered it. */
 int sx_comm_barrier(sx_comm *c, double timeout_s);
 /* The shard of count elements that rank owns among world ranks: [*start, *stop),

@@ -39,7 +39,7 @@
 #define MAX_CHUNK ((size_t)1 << 30) /* the header's length field is 32 bits */
 #define MAX_WORLD 65536
 
-enum { OP_ALLREDUCE = 1, OP_REDUCE_SCATTER = 2, OP_ALLGATHER = 3, OP_BROADCAST = 4, OP_BARRIER = 5 };
+enum { OP_ALLREDUCE = 1, OP_REDUCE_SCATTER = 2, OP_ALLGATHER = 3, OP_BROADCAST = 4, OP_BARRIER = 5, OP_SHIFT = 6 };
 
 struct sx_comm {
     int rank, world;
@@ -500,6 +500,20 @@ int sx_comm_broadcast(sx_comm *c, void *buf, size_t nbytes, int root, double tim
     if (position < c->world - 1) { s->send = buf; s->send_len = nbytes; }
     if (position > 0) { s->recv = buf; s->recv_len = nbytes; }
     return run_plan(c, OP_BROADCAST, seq, 1, NULL, 1, deadline);
+}
+
+/* One step of the ring in both directions at once: send_len bytes to the right-hand neighbour while the
+ * left-hand one's recv_len bytes land (peer-memory snapshots: each rank's copy goes to the next node). */
+int sx_comm_shift(sx_comm *c, const void *send_buf, size_t send_len, void *recv_buf, size_t recv_len,
+                  double timeout_s) {
+    if (!c || (send_len && !send_buf) || (recv_len && !recv_buf)) return SX_EINVAL;
+    double deadline;
+    uint64_t seq;
+    int rc = start(c, timeout_s, &deadline, &seq);
+    if (rc != SX_OK || c->world == 1) return rc;
+    c->steps[0] = (struct step){.send = (char *)send_buf, .send_len = send_len, .recv = recv_buf,
+                                .recv_len = recv_len, .send_after = -1};
+    return run_plan(c, OP_SHIFT, seq, 1, NULL, 1, deadline);
 }
 
 /* An allreduce of one word: no rank can finish before every rank has sent its part. */

@@ -621,6 +621,10 @@ class Comm(_Communicator):
         buf = as_buffer(data)
         self._call("broadcast", lib.sx_comm_broadcast, buf, len(buf), root, timeout)
 
+    def shift(self, send: Any, recv: Any, timeout: float) -> None:
+        send_buf, recv_buf = as_buffer(send), as_buffer(recv)
+        self._call("shift", lib.sx_comm_shift, send_buf, len(send_buf), recv_buf, len(recv_buf), timeout)
+
     def barrier(self, timeout: float) -> None:
         self._call("barrier", lib.sx_comm_barrier, timeout)
 

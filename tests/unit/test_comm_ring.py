@@ -268,3 +268,20 @@ def test_arguments_are_checked_before_c() -> None:
     comm.close()
     with pytest.raises(errors.CollectiveAbortedError, match="closed"):
         comm.barrier(1)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_shift_sends_to_the_right_and_receives_from_the_left_whatever_each_sends(world: int) -> None:
+    comms = make_ring(world, chunk_bytes=64)  # several frames a message
+    sizes = [0 if r == 1 else 100 * r + 7 for r in range(world)]  # uneven, one rank sends nothing
+    sent = [np.full(sizes[r], r + 1, np.uint8) for r in range(world)]
+    got = [np.zeros(sizes[(r - 1) % world], np.uint8) for r in range(world)]
+
+    def body(rank: int, comm: _native.Comm) -> None:
+        comm.shift(sent[rank], got[rank], 60)
+        comm.barrier(60)  # the ring stays in step after it
+
+    assert run_ranks(comms, body) == [None] * world
+    for rank in range(world):
+        left = (rank - 1) % world
+        assert np.array_equal(got[rank], np.full(sizes[left], left + 1, np.uint8))

@@ -443,6 +443,15 @@ class ProcessGroup:
         self._comm.broadcast(_host(array), root, self._t(timeout))
         return array
 
+    def shift(self, send: np.ndarray, recv: np.ndarray, timeout: float | None = None) -> np.ndarray:
+        """Sends `send`'s bytes to rank + 1 while rank - 1's land in `recv` (sized for what that rank sends),
+        around the ring; returns `recv`. TCP groups only: peer-memory snapshots (elastic/snapshot.py) run on a
+        host group of their own."""
+        if self.backend != "tcp":
+            raise ValueError("shift runs on a tcp group")
+        self._comm.shift(_host(send), _host(recv), self._t(timeout))
+        return recv
+
     def barrier(self, timeout: float | None = None) -> None:
         """Returns when every rank has entered the barrier."""
         if self.backend == "nccl":
