@@ -491,3 +491,29 @@ class MembershipChangingError(SneppXError):
     def __init__(self, message: str, *, step: int):
         super().__init__(message)
         self.step = step
+
+
+# --- peer-memory snapshots: the state of recent steps in host memory, a copy on the next node -----------------
+
+
+class SnapshotError(SneppXError):
+    """A peer-memory snapshot could not be taken (elastic/snapshot.py)."""
+
+
+class SnapshotMemoryError(SnapshotError, MemoryError):
+    """Snapshots would need more host memory than `snapshot_memory_limit` allows: `.needed` and `.limit` in
+    bytes. Raised by the first `ctx.snapshot()`, before anything is allocated, never mid-run."""
+
+    def __init__(self, message: str, *, needed: int, limit: int):
+        super().__init__(message)
+        self.needed, self.limit = needed, limit
+
+
+class ReplicaDivergenceError(SnapshotError):
+    """Data-parallel ranks that must hold identical replicated tensors do not (a bad core or memory bit):
+    `.ranks` are the ones that differ from the majority, `.step` the step. Nothing of that step is kept; the
+    generation ends and the job rolls back to the newest snapshot on which they agreed."""
+
+    def __init__(self, message: str, *, step: int, ranks: list[int]):
+        super().__init__(message)
+        self.step, self.ranks = step, list(ranks)

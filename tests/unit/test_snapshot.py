@@ -1,0 +1,220 @@
+"""Peer-memory snapshots (elastic/snapshot.py): what a snapshot holds and checks, which one a recovery picks,
+the resharding copy, and a Keeper per rank over real process groups (TCP on 127.0.0.1, one thread per rank)."""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from SneppX_ALG import errors, storage
+from SneppX_ALG.coordinator import Shard
+from SneppX_ALG.elastic import collectives, snapshot
+from SneppX_ALG.elastic import store as store_lib
+
+M = 10  # elements of the sharded vector "m"
+
+
+def shard_of(rank: int, world: int, fill: float = 0.0) -> Shard:
+    start, stop = M * rank // world, M * (rank + 1) // world
+    return Shard(np.arange(start, stop, dtype=np.float64) + fill, (M,), (start,))
+
+
+def state(rank: int, world: int, step: int) -> dict[str, Any]:
+    return {"w": np.full(3, float(step)), "m": shard_of(rank, world, fill=1000.0 * step), "epoch": step // 4}
+
+
+def taken(rank: int, world: int, step: int, generation: int = 0) -> snapshot.Snapshot:
+    shot = snapshot.capture(state(rank, world, step), step, instance="i", generation=generation, rank=rank,
+                            world=world, into=lambda n: np.empty(n, np.uint8))
+    snapshot.seal(shot)
+    return shot
+
+
+def test_a_sealed_snapshot_checks_out_and_a_flipped_byte_is_named() -> None:
+    shot = taken(1, 2, 5)
+    assert shot.problems() == []
+    shot.payload[3] ^= 0x10
+    problems = shot.problems()
+    assert len(problems) == 1 and "rank 1's snapshot of step 5" in problems[0] and "CRC32C" in problems[0]
+
+
+def test_only_the_shards_travel_except_from_rank_0() -> None:
+    one, zero = taken(1, 2, 5), taken(0, 2, 5)
+    assert [t["path"] for t in one.unique().meta["tensors"]] == [["m"]]
+    assert len(one.unique().payload) < len(one.payload) and one.unique().problems() == []
+    assert zero.unique() is zero  # rank 0 also carries the replicated arrays and plain values
+
+
+def entry(source: int, step: int, world: int = 2, generation: int = 0) -> dict[str, Any]:
+    return {"instance": "i", "generation": generation, "step": step, "world": world, "source": source,
+            "meta": 1, "payload": 1}
+
+
+def test_choose_takes_the_newest_step_every_old_rank_survives_in() -> None:
+    # step 6 lost rank 1's part; step 5 is whole: rank 0 holds its own, rank 1 (a new rank) holds rank 1's copy
+    lists = [[entry(0, 6), entry(0, 5)], [entry(1, 5)]]
+    assert snapshot.choose(lists, durable_step=None) == (("i", 0, 5), [0, 1])
+    assert snapshot.choose(lists, durable_step=5) == (("i", 0, 5), [0, 1])  # as new: memory is faster
+    assert "newer than any snapshot" in snapshot.choose(lists, durable_step=6)
+    lost = snapshot.choose([[entry(0, 6)], []], durable_step=None)
+    assert "lost the part of rank(s) 1" in lost
+    assert "no snapshot survives" in snapshot.choose([[], []], durable_step=3)
+
+
+def test_the_lowest_rank_holding_a_part_sends_it() -> None:
+    lists = [[entry(1, 4)], [entry(0, 4), entry(1, 4)]]
+    assert snapshot.choose(lists, None) == (("i", 0, 4), [1, 0])
+
+
+@pytest.mark.parametrize("new_world", [1, 3, 4])
+def test_apply_reshards_the_old_ranks_parts_into_the_new_ones(new_world: int) -> None:
+    parts = [taken(r, 2, 7) for r in range(2)]
+    parts = [parts[0], parts[1].unique()]
+    for rank in range(new_world):
+        target = {"w": np.zeros(3), "m": shard_of(rank, new_world), "epoch": 0}
+        snapshot.apply(target, parts)
+        assert np.array_equal(target["w"], np.full(3, 7.0)) and target["epoch"] == 1
+        want = shard_of(rank, new_world, fill=7000.0).data
+        assert np.array_equal(target["m"].data, want)
+
+
+def test_apply_fills_a_target_without_shards_whole() -> None:
+    parts = [taken(0, 2, 3), taken(1, 2, 3).unique()]
+    target: dict[str, Any] = {"w": np.zeros(3), "m": np.zeros(M), "epoch": 0}
+    snapshot.apply(target, parts)
+    assert np.array_equal(target["m"], np.arange(M) + 3000.0) and target["epoch"] == 0
+
+
+def test_apply_refuses_a_target_the_snapshot_does_not_cover() -> None:
+    parts = [taken(0, 2, 3)]  # rank 1's part missing
+    with pytest.raises(errors.ShardingMismatchError, match="covers 5 of the 10"):
+        snapshot.apply({"w": np.zeros(3), "m": Shard(np.zeros(M), (M,), (0,)), "epoch": 0}, parts)
+
+
+def test_divergent_names_the_ranks_off_the_majority() -> None:
+    assert snapshot.divergent(np.array([7, 7, 9, 7])) == [2]
+    assert snapshot.divergent(np.array([7, 9])) == [1]  # a tie: rank 0's is taken as right
+    assert snapshot.divergent(np.array([5, 5])) == []
+
+
+# ---- Keepers over real process groups -------------------------------------------------------------------------
+
+
+def groups(world: int, generation: int, root: str) -> list[collectives.ProcessGroup]:
+    records = storage.open_record_store(root)
+    made: list[Any] = [None] * world
+
+    def connect(rank: int) -> None:
+        made[rank] = collectives.ProcessGroup(store_lib.RecordKeyStore(records, f"g{generation}"), rank, world,
+                                              generation, key=b"k" * 32, timeout=30)
+
+    on_threads(world, connect)
+    return made
+
+
+def on_threads(world: int, fn: Callable[[int], Any]) -> list[Any]:
+    results: list[Any] = [None] * world
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except Exception as e:  # noqa: BLE001 - handed back to the test to assert on
+            results[rank] = e
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def test_keepers_replicate_to_the_next_rank_free_old_steps_and_recover_after_a_rank_is_lost() -> None:
+    root = tempfile.mkdtemp()
+    old = groups(3, 0, root)
+    keepers = [snapshot.Keeper() for _ in range(3)]
+
+    def train(rank: int) -> None:
+        for step in (1, 2, 3):
+            keepers[rank].take(state(rank, 3, step), step, old[rank], instance="i", generation=0, hops=1)
+        keepers[rank].wait()
+
+    assert on_threads(3, train) == [None] * 3
+    for rank, keeper in enumerate(keepers):
+        assert [s.meta["step"] for s in keeper.own] == [3]  # steps 1 and 2 freed once 3 was complete
+        assert [(s.source, s.meta["step"]) for s in keeper.held] == [((rank - 1) % 3, 3)]
+        assert keeper.complete == ("i", 0, 3)
+    for g in old:
+        g.close()
+    # rank 2 is gone; ranks 0 and 1 form a world of 2: rank 2's part is the copy rank 0 holds
+    new = groups(2, 1, root)
+    targets = [{"w": np.zeros(3), "m": shard_of(r, 2), "epoch": 0} for r in range(2)]
+    got = on_threads(2, lambda r: keepers[r].recover(targets[r], new[r], durable_step=2))
+    assert [g.step for g in got] == [3, 3], got
+    for rank in range(2):
+        assert np.array_equal(targets[rank]["m"].data, shard_of(rank, 2, fill=3000.0).data)
+        assert np.array_equal(targets[rank]["w"], np.full(3, 3.0))
+    for g in new:
+        g.close()
+
+
+def test_a_copy_that_fails_its_crcs_is_dropped_reported_and_not_used() -> None:
+    root = tempfile.mkdtemp()
+    old = groups(2, 0, root)
+    reports: list[tuple[str, dict[str, Any]]] = []
+    keepers = [snapshot.Keeper(report=lambda kind, **f: reports.append((kind, f))) for _ in range(2)]
+    assert on_threads(2, lambda r: (keepers[r].take(state(r, 2, 4), 4, old[r], instance="i", generation=0,
+                                                     hops=1), keepers[r].wait())) == [(None, None)] * 2
+    for g in old:
+        g.close()
+    keepers[0].held[0].payload[1] ^= 0x01  # rank 1's part, as rank 0 holds it
+    alone = groups(1, 1, root)[0]  # rank 1 is gone
+    got = keepers[0].recover({"w": np.zeros(3), "m": shard_of(0, 1), "epoch": 0}, alone, durable_step=None)
+    assert got.step is None and "lost the part of rank(s) 1" in got.why
+    assert reports and reports[0][0] == "snapshot_corrupt" and reports[0][1]["source"] == 1
+    alone.close()
+
+
+def test_replicated_arrays_that_differ_fail_the_snapshot_naming_the_rank() -> None:
+    root = tempfile.mkdtemp()
+    old = groups(3, 0, root)
+    keepers = [snapshot.Keeper() for _ in range(3)]
+
+    def train(rank: int) -> None:
+        keepers[rank].take(state(rank, 3, 1), 1, old[rank], instance="i", generation=0, hops=1)
+        keepers[rank].wait()
+        drifted = state(rank, 3, 2)
+        if rank == 2:
+            drifted["w"][1] += 1e-12
+        keepers[rank].take(drifted, 2, old[rank], instance="i", generation=0, hops=1)
+        keepers[rank].wait()
+
+    results = on_threads(3, train)
+    assert all(isinstance(r, errors.ReplicaDivergenceError) and r.ranks == [2] and r.step == 2 for r in results)
+    assert [[s.meta["step"] for s in k.own] for k in keepers] == [[1]] * 3  # step 2 kept nowhere
+    for g in old:
+        g.close()
+
+
+def test_more_than_the_memory_limit_is_refused_before_anything_is_sent() -> None:
+    group = groups(1, 0, tempfile.mkdtemp())[0]
+    keeper = snapshot.Keeper(memory_limit=100)
+    with pytest.raises(errors.SnapshotMemoryError, match="snapshot_memory_limit") as refused:
+        keeper.take(state(0, 1, 1), 1, group, instance="i", generation=0, hops=1)
+    assert refused.value.limit == 100 and refused.value.needed > 100
+    assert keeper.own == [] and keeper.sent_bytes == 0
+    group.close()
+
+
+def test_a_0_d_array_keeps_its_shape() -> None:
+    shot = snapshot.capture({"step": np.array(7, np.int64)}, 1, instance="i", generation=0, rank=0, world=1,
+                            into=lambda n: np.empty(n, np.uint8))
+    snapshot.seal(shot)
+    target = {"step": np.array(0, np.int64)}
+    snapshot.apply(target, [shot])
+    assert target["step"].shape == () and int(target["step"]) == 7
