@@ -67,7 +67,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     scene2 = parser.add_argument_group("scene 2 (elastic training)")
     scene2.add_argument("--elastic-steps", type=int, default=200, help="total training steps")
     scene2.add_argument("--elastic-every", type=int, default=10, help="checkpoint every K steps")
-    scene2.add_argument("--kill-at", type=int, default=40, help="node-1 is killed after this step")
+    scene2.add_argument("--kill-at", type=int, default=45, help="node-1 is killed after this step")
+    scene2.add_argument("--snapshot-every", type=int, default=1,
+                        help="peer-memory snapshot every N steps (0: none; recovery then redoes the steps since "
+                             "the last checkpoint)")
     scene2.add_argument("--node-restart-delay", type=float, default=3.0,
                         help="seconds before the killed node comes back (the shrunken world runs meanwhile)")
     scene2.add_argument("--min-step-time", type=float, default=0.05,
@@ -162,6 +165,7 @@ def child_command(args: argparse.Namespace, phase: str) -> list[str]:
             "--elastic-steps", str(args.elastic_steps), "--elastic-every", str(args.elastic_every),
             "--kill-at", str(args.kill_at), "--node-restart-delay", repr(args.node_restart_delay),
             "--min-step-time", repr(args.min_step_time), "--max-restarts", str(args.max_restarts),
+            "--snapshot-every", str(args.snapshot_every),
             "--batch-size", str(args.batch_size), "--lr", repr(args.lr), *(["--small"] if args.small else [])]
 
 
@@ -293,7 +297,8 @@ def run_elastic_phase(args: argparse.Namespace) -> int:
     trainer = elastic_trainer.ElasticTrainer(
         functools.partial(elastic_train_loop, args), checkpoint_dir, max_restarts=args.max_restarts,
         restart_delay=0.0,  # re-form at once: the demo shows the mechanism's own times, not a backoff
-        join_timeout=120, node_restart_delay=args.node_restart_delay, events_dir=events_dir)
+        join_timeout=120, node_restart_delay=args.node_restart_delay, events_dir=events_dir,
+        snapshot_every=args.snapshot_every)
     try:
         trainer.run(num_nodes=NODES, num_gpus=WORKERS_PER_NODE)
     except errors.SneppXError as e:
@@ -338,6 +343,8 @@ class Recovery:
     world_size: int  # of that generation
     lost_steps: int
     reason: str  # what the first agent to notice saw
+    source: str = "storage"  # where the next generation restored from: "memory" (peer-memory snapshots) or storage
+    why: str = ""  # why storage, when snapshots were on
 
 
 def recovery_after(events: Sequence[dict[str, Any]], killed_at: float) -> Recovery | None:
@@ -360,7 +367,8 @@ def recovery_after(events: Sequence[dict[str, Any]], killed_at: float) -> Recove
     last_step = max((e["step"] for e in before if e["kind"] == "step"), default=0)
     return Recovery(detected=failure["t"] - killed_at, sealed=sealed["t"] - killed_at,
                     resumed=resumed["t"] - killed_at, world_size=sealed["world_size"],
-                    lost_steps=last_step - (restored["step"] or 0), reason=failure["reason"])
+                    lost_steps=last_step - (restored["step"] or 0), reason=failure["reason"],
+                    source=restored.get("source", "storage"), why=restored.get("why", ""))
 
 
 def run_processes(run_id: str) -> list[tuple[int, str, str, str]]:
@@ -439,7 +447,10 @@ class RunDisplay:
                      f"(every {self.every} steps)")
         elif kind == "restored" and first_time and generation > 0:
             rolled = f", rolled back past {[r['step'] for r in e['rolled_back']]}" if e["rolled_back"] else ""
-            self.say(f"generation {generation} restored step {e['step']}, resharded for world size {world}{rolled}")
+            where = ("from peer memory" if e.get("source") == "memory"
+                     else f"from storage{f' ({why})' if (why := e.get('why')) else ''}")
+            self.say(f"generation {generation} restored step {e['step']} {where}, resharded for world size "
+                     f"{world}{rolled}")
         elif kind == "step":
             if first_time and generation > 0:
                 self.say(f"[bold green]training again[/] at world size {world}{self._since_kill(e)}")
@@ -458,7 +469,9 @@ def elastic_scene(args: argparse.Namespace, console: Any) -> bool:
     console.rule("SneppX demo, scene 2: elastic training loses a node, shrinks, and grows back")
     console.print(f"plan: ElasticTrainer, {NODES} nodes x {WORKERS_PER_NODE} workers (processes on this machine), "
                   f"data-parallel with sharded optimizer state, {args.elastic_steps} steps, a checkpoint every "
-                  f"{args.elastic_every}; {KILLED_NODE} (its agent and its workers) is SIGKILLed after step "
+                  f"{args.elastic_every}"
+                  + (f", a peer-memory snapshot every {args.snapshot_every}" if args.snapshot_every else "") +
+                  f"; {KILLED_NODE} (its agent and its workers) is SIGKILLed after step "
                   f"{args.kill_at} and comes back {args.node_restart_delay:g} s later\n")
     run_id = f"demo-{secrets.token_hex(4)}"
     log_path = os.path.join(args.output, "elastic-run.log")
@@ -509,12 +522,17 @@ def print_elastic_story(args: argparse.Namespace, display: RunDisplay, events: l
     figures.add_row("failure detected", f"{recovery.detected:.2f} s", "under 1 s")
     figures.add_row(f"generation at world size {recovery.world_size} sealed", f"{recovery.sealed:.2f} s", "")
     figures.add_row("training again (its first step)", f"{recovery.resumed:.2f} s", "under 5 s")
-    figures.add_row("steps redone (since the last checkpoint)", str(recovery.lost_steps),
-                    f"at most {2 * args.elastic_every}")
+    if recovery.source == "memory":
+        figures.add_row("steps redone", f"{recovery.lost_steps} (restored from peer memory)", "0 (at most 1)")
+    else:
+        figures.add_row("steps redone (since the last checkpoint)", f"{recovery.lost_steps} (restored from storage)",
+                        f"at most {2 * args.elastic_every}")
     if regrown is not None:
         figures.add_row(f"back at world size {full} (after a {args.node_restart_delay:g} s restart delay)",
                         f"{regrown['t'] - killed_at:.2f} s", "")
     console.print(figures)
+    console.print(f"{recovery.lost_steps} steps redone (restored from "
+                  + ("peer memory)" if recovery.source == "memory" else f"storage: {recovery.why or 'snapshots off'})"))
     console.print(f"world sizes, generation by generation: {' -> '.join(map(str, sizes))}")
     if (returncode == 0 and regrown is not None and sizes[:1] == [full]
             and recovery.world_size == full - WORKERS_PER_NODE and sizes[-1] == full):

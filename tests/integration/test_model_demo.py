@@ -95,7 +95,11 @@ def test_demo_elastic_scene_loses_a_node_goes_on_at_world_size_2_and_grows_back_
     assert any("node-1" in e["reason"] or "peer lost" in e["reason"] for e in events if e["kind"] == "failure")
     restored = [e for e in events if e["kind"] == "restored"]
     assert [e["generation"] for e in restored] == [0, 1, 2] and restored[0]["step"] is None
-    assert all(e["step"] and e["step"] % 6 == 0 for e in restored[1:]), restored  # resumed from checkpoints
+    assert [e["source"] for e in restored] == ["storage", "memory", "memory"], restored  # peer-memory snapshots
+    before_kill = max(e["step"] for e in events if e["kind"] == "step" and e["generation"] == 0)
+    assert before_kill - restored[1]["step"] <= 2, restored  # not the 6 a checkpoint interval may cost
+    assert restored[2]["step"] % 6 == 0, restored  # node-1 joined at a checkpoint boundary
+    assert re.search(r"[01] steps redone \(restored from peer memory\)", text), text
     assert max(e["step"] for e in events if e["kind"] == "step") == 300
     # Every committed checkpoint validates, checked here independently of the demo's table; the last is step 300.
     checkpoints = coordinator.CheckpointCoordinator(str(out / "elastic-ckpts"))

@@ -476,11 +476,15 @@ class NodeAgent:
         elif kind == "restored":
             if message.get("rank") == 0:
                 self._event("restored", generation=m.generation, step=message.get("step"),
+                            source=message.get("source", "storage"), why=message.get("why", ""),
                             rolled_back=message.get("rolled_back", []))
                 step = message.get("step")
                 self.resumed_from = step if isinstance(step, int) and not isinstance(step, bool) else None
                 if self.link is not None and m.node_rank(self.s.agent_id) == 0:
                     self.link.report(m, self.resumed_from, force=True)
+        elif kind == "snapshot_corrupt":  # a copy that failed its CRCs: dropped, another copy or storage used
+            self._event("snapshot_corrupt", generation=m.generation, rank=w.rank, step=message.get("step"),
+                        source=message.get("source"), problems=message.get("problems", []))
         elif kind in ("done", "boundary"):
             w.state = kind
         elif kind == "failed":

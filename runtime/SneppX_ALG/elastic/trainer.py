@@ -107,6 +107,12 @@ class ElasticTrainer:
     events_dir: where each agent appends its events as JSON lines (`<agent id>.events.jsonl`: generations,
         failures, restores, rank 0's steps), to watch a run live; default a temporary directory. Either way
         run() returns them in RunResult.events.
+    snapshot_every: keep the state in host memory every this many steps, with `snapshot_replicas` copies on
+        other nodes, and restore from there first after a failure: a failure then redoes the steps since the
+        last snapshot, not since the last checkpoint (0, the default: off; a snapshot costs host memory, see
+        docs/ELASTIC.md "Peer-memory snapshots"). ctx.report(step) takes them of the state given to
+        ctx.restore(). snapshot_memory_limit: the bytes they may use per rank (default a quarter of the host's
+        memory); more needed ends the run at the first snapshot with SnapshotMemoryError.
     """
 
     def __init__(self, train_fn: Callable[[worker.TrainContext], Any], checkpoint_dir: str,
@@ -115,7 +121,8 @@ class ElasticTrainer:
                  step_timeout: float | None = None, heartbeat_timeout: float = 0.8, backend: Backend = "tcp",
                  collective_timeout: float = 300.0, max_to_keep: int | None = 5, rollback_depth: int = 2,
                  run_id: str | None = None, restart_nodes: bool = True, node_restart_delay: float | None = None,
-                 events_dir: str | None = None):
+                 events_dir: str | None = None, snapshot_every: int = 0, snapshot_replicas: int = 1,
+                 snapshot_memory_limit: int | None = None):
         if not callable(train_fn):
             raise TypeError("train_fn must be a function taking the training context")
         if max_restarts < 0 or restart_delay < 0 or join_timeout <= 0 or min_nodes < 1:
@@ -131,6 +138,11 @@ class ElasticTrainer:
         self.restart_nodes = restart_nodes
         self.node_restart_delay = restart_delay if node_restart_delay is None else node_restart_delay
         self.events_dir = events_dir
+        if snapshot_every < 0 or snapshot_replicas < 1 or (snapshot_memory_limit is not None
+                                                             and snapshot_memory_limit <= 0):
+            raise ValueError("need snapshot_every >= 0, snapshot_replicas >= 1 and snapshot_memory_limit > 0")
+        self.snapshot = {"snapshot_every": snapshot_every, "snapshot_replicas": snapshot_replicas,
+                         "snapshot_memory_limit": snapshot_memory_limit}
 
     @property
     def elastic_root(self) -> str:
@@ -178,11 +190,12 @@ class ElasticTrainer:
             return worker.WorkerSettings(
                 checkpoint_dir=in_pod.checkpoint_uri, elastic_root=elastic_root(in_pod.checkpoint_uri),
                 run_id=run_id, backend=self.backend, collective_timeout=self.collective_timeout,
-                max_to_keep=in_pod.max_to_keep, rollback_depth=in_pod.rollback_depth, max_restarts=self.max_restarts)
+                max_to_keep=in_pod.max_to_keep, rollback_depth=in_pod.rollback_depth, max_restarts=self.max_restarts,
+                **self.snapshot)
         return worker.WorkerSettings(
             checkpoint_dir=self.checkpoint_dir, elastic_root=self.elastic_root, run_id=run_id, backend=self.backend,
             collective_timeout=self.collective_timeout, max_to_keep=self.max_to_keep,
-            rollback_depth=self.rollback_depth, max_restarts=self.max_restarts)
+            rollback_depth=self.rollback_depth, max_restarts=self.max_restarts, **self.snapshot)
 
     def _pod_agent_settings(self, p: pod.PodEnvironment) -> agent.AgentSettings:
         """This pod's node agent: the run is the job, the agent the pod; its workers run this script again."""

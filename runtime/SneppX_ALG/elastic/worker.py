@@ -27,7 +27,7 @@ import numpy as np
 
 from SneppX_ALG import coordinator as coordinator_lib
 from SneppX_ALG import errors, storage
-from SneppX_ALG.elastic import collectives, control, fault_tolerance, pod, rendezvous
+from SneppX_ALG.elastic import collectives, control, fault_tolerance, pod, rendezvous, snapshot
 from SneppX_ALG.elastic import store as store_lib
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,9 @@ class WorkerSettings:
     async_save: bool = True
     rollback_depth: int = 2
     max_restarts: int = 3
+    snapshot_every: int = 0  # steps between peer-memory snapshots (0: none)
+    snapshot_replicas: int = 1
+    snapshot_memory_limit: int | None = None  # bytes (None: a quarter of the host's memory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,13 +94,15 @@ class TrainContext:
     rank, world_size, local_rank, local_world_size, node_rank, num_nodes, generation, restarts
     group: the generation's ProcessGroup for training collectives (allreduce, reduce_scatter, ...)
     coordinator: a CheckpointCoordinator on `checkpoint_dir` saving one shard per rank (its own process group)
-    restored: the CheckpointInfo of the last `restore()` (step, training_state), or None
+    restored: the CheckpointInfo of the last `restore()` (step, training_state; location "memory" when it came
+        from peer-memory snapshots), or None
     rolled_back: the newer committed steps that restore() skipped because they did not validate
     device: "cpu", or "cuda:<local_rank>" with backend="nccl"
     """
 
     def __init__(self, assignment: Assignment, settings: WorkerSettings, group: collectives.ProcessGroup,
-                 coordinator: coordinator_lib.CheckpointCoordinator, worker: Worker):
+                 coordinator: coordinator_lib.CheckpointCoordinator, worker: Worker,
+                 snapshot_group: collectives.ProcessGroup | None = None):
         self.rank = assignment.rank
         self.world_size = assignment.membership.world_size
         self.local_rank = assignment.local_rank
@@ -113,6 +118,10 @@ class TrainContext:
         self.rolled_back: list[coordinator_lib.SkippedCheckpoint] = []
         self._settings = settings
         self._worker = worker
+        self._assignment = assignment
+        self._snapshot_group = snapshot_group
+        self._live_state: Any = None  # what restore() filled: report(step) snapshots it when snapshot_every is set
+        self._snapshot_step: int | None = None
 
     @property
     def membership_changing(self) -> bool:
@@ -126,7 +135,23 @@ class TrainContext:
         `rollback_depth` of them. RollbackLimitError past that, or when steps were committed and none validates
         (fault_tolerance.check_rollback, the FaultToleranceManager's rule): a decision for a person, so the run
         ends (the worker reports `fatal`). None: nothing was ever committed, start from scratch. Every rank
-        calls it."""
+        calls it.
+
+        With snapshot_every set, peer memory comes first: the newest snapshot every old rank's part of survives
+        somewhere (resharded to this world size, every CRC checked), when no durable checkpoint is newer. The
+        `restored` report says which it was, and why storage was used."""
+        self._live_state = obj
+        why = ""
+        if self._worker.snapshots is not None and self._snapshot_group is not None:
+            committed = self.coordinator.committed_steps()
+            got = self._worker.snapshots.recover(obj, self._snapshot_group, max(committed, default=None))
+            if got.step is not None:
+                info = coordinator_lib.CheckpointInfo(got.step, "memory", got.training_state, {})
+                self.restored, self.rolled_back, self._snapshot_step = info, [], got.step
+                self._worker.report("restored", generation=self.generation, rank=self.rank, step=got.step,
+                                    source="memory", why=got.why, received=got.received, rolled_back=[])
+                return info
+            why = got.why
         before = len(self.coordinator.skipped)
         info = self.coordinator.restore(obj)
         skipped = list(self.coordinator.skipped[before:])
@@ -134,9 +159,25 @@ class TrainContext:
                                        rollback_depth=self._settings.rollback_depth)
         self.restored, self.rolled_back = info, skipped
         self._worker.report("restored", generation=self.generation, rank=self.rank,
-                            step=None if info is None else info.step,
+                            step=None if info is None else info.step, source="storage", why=why,
                             rolled_back=[{"step": s.step, "problems": list(s.problems[:3])} for s in skipped])
         return info
+
+    def snapshot(self, obj: Any, step: int, *, training_state: Any = None) -> None:
+        """Keeps `obj` (what save() takes) at `step` in host memory, with a copy on another node (in the
+        background), when `step` is a multiple of snapshot_every; does nothing when snapshots are off, so a
+        loop may call it every step. Every rank, same step. A failure then costs the steps since the last
+        snapshot, not since the last checkpoint (docs/ELASTIC.md, "Peer-memory snapshots"). With
+        snapshot_every set, report(step) snapshots the state given to restore() by itself."""
+        every = self._settings.snapshot_every
+        keeper = self._worker.snapshots
+        if keeper is None or self._snapshot_group is None or step % every or step == self._snapshot_step:
+            return
+        a = self._assignment
+        hops = max(member.workers for member in a.membership.members)  # the next rank on another node
+        keeper.take(obj, step, self._snapshot_group, instance=a.membership.instance, generation=a.generation,
+                    hops=hops, training_state=training_state)
+        self._snapshot_step = step
 
     def save(self, obj: Any, step: int, *, training_state: Any = None) -> None:
         """Saves checkpoint `step` (every rank, same step; it commits in the background) and reports progress.
@@ -179,6 +220,8 @@ class TrainContext:
         training state kept in memory, until the job resumes or the generation ends."""
         self._worker.report("progress", generation=self.generation, rank=self.rank, step=int(step),
                             metrics={k: float(v) for k, v in metrics.items()})
+        if self._live_state is not None:
+            self.snapshot(self._live_state, int(step))
         self._worker.wait_while_paused(self.rank, self.generation)
 
 
@@ -197,6 +240,11 @@ class Worker:
         self._assignments: queue.Queue[dict[str, Any]] = queue.Queue()
         self._groups: list[collectives.ProcessGroup] = []
         self._groups_lock = threading.Lock()
+        self.snapshots = snapshot.Keeper(
+            replicas=settings.snapshot_replicas, memory_limit=settings.snapshot_memory_limit,
+            report=lambda kind, **fields: self.report(kind, generation=self.generation, **fields),
+        ) if settings.snapshot_every > 0 else None  # outlives generations: so does this process
+        self.generation: int | None = None  # the one being run
 
     def report(self, kind: str, **fields: Any) -> None:
         try:
@@ -255,6 +303,7 @@ class Worker:
 
     def _run_generation(self, a: Assignment) -> None:
         s = self.settings
+        self.generation = a.generation
         set_torchrun_environment(a, s)
         records = storage.open_record_store(s.elastic_root)  # process groups' addresses, beside the checkpoints
         fence_view = rendezvous.Rendezvous(pod.rendezvous_store(s.elastic_root), s.run_id, agent_id=a.agent_id,
@@ -264,7 +313,8 @@ class Worker:
         coordinator = None
         groups: list[collectives.ProcessGroup] = []
         try:
-            for name in ("train", "checkpoint"):  # async saves run their collectives beside training's
+            names = ["train", "checkpoint"] + (["snapshot"] if self.snapshots is not None else [])
+            for name in names:  # async saves and snapshots run their collectives beside training's
                 # named by the sealed membership, not only its number: a run id used again (a job created
                 # again under its name, on the same volume) starts at generation 0 again
                 prefix = f"comm/{s.run_id}/{a.membership.instance}/{name}"
@@ -280,18 +330,18 @@ class Worker:
             coordinator = coordinator_lib.CheckpointCoordinator(
                 s.checkpoint_dir, max_to_keep=s.max_to_keep, async_save=s.async_save, device="cpu",
                 group=groups[1], commit_fence=lambda: fence_view.check_fence(a.membership))
-            self.train_fn(TrainContext(a, s, groups[0], coordinator, self))
+            self.train_fn(TrainContext(a, s, groups[0], coordinator, self, groups[2] if len(groups) > 2 else None))
             call_counting_committed_as_saved(coordinator.close)  # the last save commits (or fails) on every rank
             coordinator = None
             groups[0].barrier()  # every rank is done: no agent leaves while a peer still needs it
             self.report("done", generation=a.generation)
         except errors.MembershipChangingError as e:
             self.report("boundary", generation=a.generation, step=e.step)
-        except errors.RollbackLimitError as e:
+        except (errors.RollbackLimitError, errors.SnapshotMemoryError) as e:
             self.report("fatal", generation=a.generation, error=f"{type(e).__name__}: {e}")
         except Exception as e:
             if self.aborted.is_set() or isinstance(e, errors.CollectiveError | errors.StoreError |
-                                                   errors.ShardedCheckpointError):
+                                                   errors.ShardedCheckpointError | errors.ReplicaDivergenceError):
                 self.report("failed", generation=a.generation, error=f"{type(e).__name__}: {e}")
             else:  # the user's code failed: this process is replaced, and the failure counted
                 self.report("error", generation=a.generation, error=traceback.format_exc(limit=20)[-4000:])
@@ -302,6 +352,11 @@ class Worker:
             for group in groups:
                 group.abort()  # a no-op when the call that ended it was a success
                 group.close()
+            if self.snapshots is not None:
+                try:
+                    self.snapshots.wait()  # the snapshot in flight ended with its group
+                except errors.SneppXError as e:
+                    log.info("generation %d: its snapshot in flight ends with it: %s", a.generation, e)
             if coordinator is not None:
                 try:
                     coordinator.close()

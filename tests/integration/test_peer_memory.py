@@ -1,0 +1,151 @@
+"""Recovery from peer-memory snapshots (elastic/snapshot.py): real launchers, agents and workers
+(recovery_script.py, a snapshot every step, a durable checkpoint every 10), failures made with real signals.
+Each run must end at the parameters of the same training uninterrupted (w replicated, m sharded over the ranks)
+and say where each generation resumed from: steps redone = the last step done before the failure - the step
+restored (at most 1 when the failure hit while that step's copies were in flight; storage alone would redo up
+to 9 here).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from recovery_script import M, Run
+
+STEPS = 40
+EVERY = 10  # the durable checkpoint interval
+
+
+@pytest.fixture
+def runs(launched: list[Run]) -> Any:
+    def start(out: Path, **knobs: Any) -> Run:
+        # hang_timeout 5: a worker starved of CPU on a loaded 2-core box is not taken for a hung one (killing it
+        # would take its snapshots with it and hide what the test looks at)
+        defaults = {"steps": STEPS, "every": EVERY, "snapshot": 1, "hang_timeout": 5}
+        run = Run(out, str(out.parent / "ckpts"), **{**defaults, **knobs})
+        launched.append(run)
+        return run
+
+    return start
+
+
+def assert_trained_to_the_end(run: Run, result: dict[str, Any], steps: int = STEPS) -> dict[str, Any]:
+    assert "error" not in result, result
+    final = run.final()
+    assert final["step"] == steps and final["w"] == [float(steps)] * 4, final  # no step lost or repeated
+    assert final["m_total"] == M * steps and final["spread"] == 0.0, final  # every shard, every rank alike
+    return final
+
+
+def resumed(run: Run) -> list[dict[str, Any]]:
+    """The restores after the first generation's start from nothing."""
+    return [r for r in run.restores() if r["generation"] > 0]
+
+
+def assert_from_memory_redoing_at_most_one_step(run: Run, result: dict[str, Any]) -> None:
+    restores = resumed(run)
+    why = (run.restores(), [f["reason"][-300:] for f in result["failures"]])
+    assert restores and all(r["source"] == "memory" for r in restores), why
+    assert all(r["before"] - r["step"] <= 1 for r in restores), why
+
+
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_a_killed_worker_is_replaced_and_resumes_from_peer_memory(tmp_path: Path, runs: Any, nodes: int) -> None:
+    run = runs(tmp_path / "out", nodes=nodes)
+    run.wait_for(lambda p: p["step"] >= 13)  # past the checkpoint of step 10: storage would redo 3+
+    os.kill(run.worker(f"node-{nodes - 1}", 0), signal.SIGKILL)
+    result = run.finish()
+    assert_trained_to_the_end(run, result)
+    assert_from_memory_redoing_at_most_one_step(run, result)
+
+
+def test_a_killed_node_is_left_behind_and_its_part_comes_from_its_peer(tmp_path: Path, runs: Any) -> None:
+    # node-1's only copy of its part is on node-0 (rank 1 -> rank 2 mod 2); the survivor goes on alone
+    run = runs(tmp_path / "out", nodes=2, node_restart_delay=30)
+    run.wait_for(lambda p: p["step"] >= 13)
+    os.killpg(run.agent("node-1"), signal.SIGKILL)
+    result = run.finish()
+    assert assert_trained_to_the_end(run, result)["world_size"] == 1
+    assert_from_memory_redoing_at_most_one_step(run, result)
+
+
+def test_a_stopped_node_is_left_behind_and_the_survivor_resumes_from_memory(tmp_path: Path, runs: Any) -> None:
+    run = runs(tmp_path / "out", nodes=2, steps=60)
+    run.wait_for(lambda p: p["step"] >= 13)
+    frozen = run.agent("node-1")
+    os.killpg(frozen, signal.SIGSTOP)
+    try:
+        run.wait_for(lambda p: p["world_size"] == 1)
+    finally:
+        os.killpg(frozen, signal.SIGKILL)
+    result = run.finish()
+    assert_trained_to_the_end(run, result, steps=60)
+    assert_from_memory_redoing_at_most_one_step(run, result)
+
+
+def test_world_4_to_2_to_4_resumes_from_memory_each_time(tmp_path: Path, runs: Any) -> None:
+    # node-1 and node-3 are not neighbours: each one's copy is on a survivor; back at the next checkpoint
+    run = runs(tmp_path / "out", nodes=4, steps=30, until_world=4, node_restart_delay=1)
+    run.wait_for(lambda p: p["step"] >= 13)
+    for node in ("node-1", "node-3"):
+        os.killpg(run.agent(node), signal.SIGKILL)
+    run.wait_for(lambda p: p["world_size"] == 2)
+    result = run.finish()  # until_world: it trains on until the nodes are back
+    assert "error" not in result, result
+    final = run.final()
+    assert final["w"] == [float(final["step"])] * 4 and final["m_total"] == M * final["step"], final
+    assert_from_memory_redoing_at_most_one_step(run, result)
+    sizes = [g["world_size"] for g in result["generations"]]
+    assert 2 in sizes and sizes[-1] == 4, sizes
+
+
+def test_two_neighbours_killed_at_once_fall_back_to_storage_and_say_why(tmp_path: Path, runs: Any) -> None:
+    # rank 1's part lives on node-1 and its one copy on node-2: both gone
+    run = runs(tmp_path / "out", nodes=4, node_restart_delay=30)
+    run.wait_for(lambda p: p["step"] >= 13)
+    for node in ("node-1", "node-2"):
+        os.killpg(run.agent(node), signal.SIGKILL)
+    result = run.finish()
+    assert_trained_to_the_end(run, result)
+    first = resumed(run)[0]
+    assert first["source"] == "storage" and first["step"] == 10, run.restores()
+    why = next(e for e in result["events"] if e["kind"] == "restored" and e["generation"] == first["generation"])
+    assert "lost the part of rank(s) 1" in why["why"], why
+
+
+@pytest.mark.parametrize(("nodes", "replicas", "source"), [(2, 1, "storage"), (3, 2, "memory")])
+def test_a_flipped_byte_in_a_copy_is_caught_and_another_copy_or_storage_used(
+        tmp_path: Path, runs: Any, nodes: int, replicas: int, source: str) -> None:
+    # rank 0 flips a byte in the copies it holds, then the last rank fails: its own snapshot dies with its
+    # process, so its part survives in rank 0's corrupt copy and, with 2 replicas, in rank 1's good one
+    run = runs(tmp_path / "out", nodes=nodes, replicas=replicas, flip_at=13)
+    result = run.finish()
+    assert_trained_to_the_end(run, result)
+    corrupt = [e for e in result["events"] if e["kind"] == "snapshot_corrupt"]
+    assert corrupt and corrupt[0]["source"] == nodes - 1 and "CRC32C" in corrupt[0]["problems"][0], corrupt
+    first = resumed(run)[0]
+    assert first["source"] == source, run.restores()
+    assert first["step"] == (13 if source == "memory" else 10), run.restores()
+
+
+def test_replicas_that_disagree_are_named_and_the_job_rolls_back_to_where_they_agreed(tmp_path: Path,
+                                                                                     runs: Any) -> None:
+    run = runs(tmp_path / "out", nodes=2, diverge_at=13)
+    result = run.finish()
+    assert_trained_to_the_end(run, result)  # spread 0: rank 1's drifted replica was rolled back too
+    reasons = [f["reason"] for f in result["failures"]]
+    assert any("ReplicaDivergenceError" in r and "rank(s) 1 differ" in r for r in reasons), reasons
+    first = resumed(run)[0]
+    assert first["source"] == "memory" and first["step"] == 13, run.restores()  # the last step they agreed on
+
+
+def test_snapshots_over_the_memory_limit_end_the_run_at_the_first_snapshot(tmp_path: Path, runs: Any) -> None:
+    run = runs(tmp_path / "out", nodes=2, snapshot_limit=64)
+    result = run.finish()
+    assert result.get("error") == "ElasticRunError", result
+    assert "SnapshotMemoryError" in result["message"] and "snapshot_memory_limit" in result["message"], result
+    assert not (run.out / "final.json").exists()
