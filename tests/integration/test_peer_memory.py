@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -149,3 +150,21 @@ def test_snapshots_over_the_memory_limit_end_the_run_at_the_first_snapshot(tmp_p
     assert result.get("error") == "ElasticRunError", result
     assert "SnapshotMemoryError" in result["message"] and "snapshot_memory_limit" in result["message"], result
     assert not (run.out / "final.json").exists()
+
+
+def test_a_node_killed_while_the_next_generation_recovers_from_memory_still_loses_nothing(tmp_path: Path,
+                                                                                         runs: Any) -> None:
+    # rank 3 dies; as soon as generation 1 is sealed (its ranks fetching their parts) node-1 dies too. Rank 3's
+    # part is on node-0 and node-1's on node-2: the generation after that still finds every part
+    run = runs(tmp_path / "out", nodes=4, node_restart_delay=30)
+    run.wait_for(lambda p: p["step"] >= 13)
+    os.kill(run.worker("node-3", 0), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not any(e["kind"] == "generation" and e["generation"] >= 1 for e in run.events("node-0")):
+        assert time.monotonic() < deadline, run.tail()
+        time.sleep(0.005)
+    os.killpg(run.agent("node-1"), signal.SIGKILL)
+    result = run.finish()
+    assert_trained_to_the_end(run, result)
+    assert_from_memory_redoing_at_most_one_step(run, result)
+    assert len(result["generations"]) >= 3, result["generations"]

@@ -122,9 +122,16 @@ def test_the_pods_environment_is_the_word_on_the_jobs_shape() -> None:
                                    max_nodes=4, step_timeout=90.0, checkpoint_uri="file:///var/lib/sneppx/checkpoints",
                                    max_to_keep=3, rollback_depth=1)
     assert pod.PodEnvironment.from_environ({**POD_ENV, "SNEPPX_HANG_TIMEOUT_SECONDS": "0"}).step_timeout is None
+    snapshots = pod.PodEnvironment.from_environ({**POD_ENV, "SNEPPX_SNAPSHOT_EVERY_N_STEPS": "1",
+                                                 "SNEPPX_SNAPSHOT_REPLICAS": "2"})
+    assert (snapshots.snapshot_every, snapshots.snapshot_replicas) == (1, 2)
+    settings = ElasticTrainer(train_fn=print, checkpoint_dir="/elsewhere", snapshot_every=5)._worker_settings(
+        "train", snapshots)
+    assert (settings.snapshot_every, settings.snapshot_replicas) == (1, 2)  # the job spec wins
     for name, value, problem in [("SNEPPX_POD_NAME", "", "SNEPPX_POD_NAME is not"),
                                  ("SNEPPX_PROCS_PER_NODE", "eight", "not an integer"),
-                                 ("SNEPPX_MAX_NODES", "0", "below 1"), ("SNEPPX_JOB", "../x", "not a Kubernetes name")]:
+                                 ("SNEPPX_MAX_NODES", "0", "below 1"), ("SNEPPX_JOB", "../x", "not a Kubernetes name"),
+                                 ("SNEPPX_SNAPSHOT_REPLICAS", "0", "below 1")]:
         with pytest.raises(errors.ElasticLaunchError, match=problem):
             pod.PodEnvironment.from_environ({**POD_ENV, name: value})
 

@@ -54,6 +54,9 @@ def test_pod_carries_the_rank_environment() -> None:
     assert env["SNEPPX_SAVE_EVERY_N_STEPS"] == "50" and env["SNEPPX_MAX_TO_KEEP"] == "4"
     assert env["SNEPPX_CHECKPOINT_VALIDATION"] == "Quick" and env["SNEPPX_ROLLBACK_DEPTH"] == "1"
     assert env["SNEPPX_HEARTBEAT_KEY_FILE"] == "/var/run/sneppx/heartbeat/heartbeat-key"
+    assert env["SNEPPX_SNAPSHOT_EVERY_N_STEPS"] == "0" and env["SNEPPX_SNAPSHOT_REPLICAS"] == "1"  # off by default
+    node = next(e for e in pod()["spec"]["containers"][0]["env"] if e["name"] == "SNEPPX_NODE_NAME")
+    assert node["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}  # copies go to other nodes
 
 
 def test_pod_identity_owner_and_labels() -> None:

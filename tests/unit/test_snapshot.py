@@ -141,7 +141,7 @@ def test_keepers_replicate_to_the_next_rank_free_old_steps_and_recover_after_a_r
 
     def train(rank: int) -> None:
         for step in (1, 2, 3):
-            keepers[rank].take(state(rank, 3, step), step, old[rank], instance="i", generation=0, hops=1)
+            keepers[rank].take(state(rank, 3, step), step, old[rank], instance="i", generation=0, place=f"node-{rank}")
         keepers[rank].wait()
 
     assert on_threads(3, train) == [None] * 3
@@ -169,7 +169,7 @@ def test_a_copy_that_fails_its_crcs_is_dropped_reported_and_not_used() -> None:
     reports: list[tuple[str, dict[str, Any]]] = []
     keepers = [snapshot.Keeper(report=lambda kind, **f: reports.append((kind, f))) for _ in range(2)]
     assert on_threads(2, lambda r: (keepers[r].take(state(r, 2, 4), 4, old[r], instance="i", generation=0,
-                                                     hops=1), keepers[r].wait())) == [(None, None)] * 2
+                                                     place=f"node-{r}"), keepers[r].wait())) == [(None, None)] * 2
     for g in old:
         g.close()
     keepers[0].held[0].payload[1] ^= 0x01  # rank 1's part, as rank 0 holds it
@@ -186,12 +186,12 @@ def test_replicated_arrays_that_differ_fail_the_snapshot_naming_the_rank() -> No
     keepers = [snapshot.Keeper() for _ in range(3)]
 
     def train(rank: int) -> None:
-        keepers[rank].take(state(rank, 3, 1), 1, old[rank], instance="i", generation=0, hops=1)
+        keepers[rank].take(state(rank, 3, 1), 1, old[rank], instance="i", generation=0, place=f"node-{rank}")
         keepers[rank].wait()
         drifted = state(rank, 3, 2)
         if rank == 2:
             drifted["w"][1] += 1e-12
-        keepers[rank].take(drifted, 2, old[rank], instance="i", generation=0, hops=1)
+        keepers[rank].take(drifted, 2, old[rank], instance="i", generation=0, place=f"node-{rank}")
         keepers[rank].wait()
 
     results = on_threads(3, train)
@@ -205,7 +205,7 @@ def test_more_than_the_memory_limit_is_refused_before_anything_is_sent() -> None
     group = groups(1, 0, tempfile.mkdtemp())[0]
     keeper = snapshot.Keeper(memory_limit=100)
     with pytest.raises(errors.SnapshotMemoryError, match="snapshot_memory_limit") as refused:
-        keeper.take(state(0, 1, 1), 1, group, instance="i", generation=0, hops=1)
+        keeper.take(state(0, 1, 1), 1, group, instance="i", generation=0, place="node-0")
     assert refused.value.limit == 100 and refused.value.needed > 100
     assert keeper.own == [] and keeper.sent_bytes == 0
     group.close()
@@ -218,3 +218,30 @@ def test_a_0_d_array_keeps_its_shape() -> None:
     target = {"step": np.array(0, np.int64)}
     snapshot.apply(target, [shot])
     assert target["step"].shape == () and int(target["step"]) == 7
+
+
+def test_copies_go_as_far_around_the_ring_as_it_takes_to_leave_the_node() -> None:
+    assert snapshot.placement_hop(["a", "b", "c"]) == 1
+    assert snapshot.placement_hop(["a", "a", "b", "b"]) == 2  # 2 workers a node: rank r's copy on r + 2
+    assert snapshot.placement_hop(["a", "a", "a", "b"]) == 0  # rank 0 + any h lands on its own node somewhere
+    assert snapshot.placement_hop(["a", "a"]) == 0  # one node: no copy survives its loss
+    assert snapshot.placement_hop(["a"]) == 0
+
+
+def test_pods_on_one_kubernetes_node_keep_no_copies_of_each_other() -> None:
+    root = tempfile.mkdtemp()
+    old = groups(4, 0, root)
+    keepers = [snapshot.Keeper() for _ in range(4)]
+    places = ["node-x", "node-x", "node-y", "node-y"]
+    assert on_threads(4, lambda r: (keepers[r].take(state(r, 4, 1), 1, old[r], instance="i", generation=0,
+                                                     place=places[r]), keepers[r].wait())) == [(None, None)] * 4
+    assert [[s.source for s in k.held] for k in keepers] == [[2], [3], [0], [1]]
+    for g in old:
+        g.close()
+
+
+def test_the_default_limit_follows_a_containers_memory_limit(tmp_path: Any) -> None:
+    (tmp_path / "memory.max").write_text("1073741824\n")
+    (tmp_path / "unlimited").write_text("max\n")
+    assert snapshot.host_memory((str(tmp_path / "memory.max"),)) == min(1 << 30, snapshot.host_memory(()))
+    assert snapshot.host_memory((str(tmp_path / "unlimited"),)) == snapshot.host_memory(())

@@ -56,6 +56,8 @@ class PodEnvironment:
     checkpoint_uri: str
     max_to_keep: int | None
     rollback_depth: int
+    snapshot_every: int = 0
+    snapshot_replicas: int = 1
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> PodEnvironment | None:
@@ -92,7 +94,10 @@ class PodEnvironment:
             max_nodes=number(job_object.ENV_MAX_NODES, 1), step_timeout=float(hang) if hang else None,
             checkpoint_uri=text(job_object.ENV_CHECKPOINT_URI), max_to_keep=keep or None,
             rollback_depth=number(job_object.ENV_ROLLBACK_DEPTH, 0) if environ.get(job_object.ENV_ROLLBACK_DEPTH)
-            else 2)
+            else 2,
+            snapshot_every=number(job_object.ENV_SNAPSHOT_EVERY, 0) if environ.get(job_object.ENV_SNAPSHOT_EVERY) else 0,
+            snapshot_replicas=number(job_object.ENV_SNAPSHOT_REPLICAS, 1)
+            if environ.get(job_object.ENV_SNAPSHOT_REPLICAS) else 1)
 
 
 def rendezvous_store(elastic_root: str, environ: Mapping[str, str] = os.environ) -> record.RecordStore:

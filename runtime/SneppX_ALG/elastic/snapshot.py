@@ -16,7 +16,9 @@ Per snapshot of step s (the generation's `snapshot` group, a TCP ring of its own
 1. the training thread copies the state into a free buffer: the only part it waits for;
 2. a background thread computes the CRCs, checks that the replicated arrays agree across ranks (one CRC each,
    allgathered: silent data corruption caught), and shifts the description and the unique bytes around the ring,
-   `hops` ranks per node (the most workers any node has), keeping what arrives from 1..replicas nodes back;
+   h ranks per copy, keeping what arrives from h, 2h, .. replicas x h ranks back: h is the smallest distance
+   at which no rank has a neighbour on its own node (`placement_hop`; the first snapshot of a generation
+   allgathers where each rank is: its agent, or its Kubernetes node in a pod);
 3. it is complete when every rank holds its copies (that same allgather, one step later); older snapshots go.
 One is in flight at a time: the next snapshot waits for it.
 
@@ -143,8 +145,22 @@ def needed_bytes(state_bytes: int, unique_bytes: int, replicas: int) -> int:
     return 2 * (state_bytes + replicas * unique_bytes)
 
 
-def host_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
+
+
+def host_memory(limits: tuple[str, ...] = CGROUP_LIMITS) -> int:
+    """The memory this process may use: the machine's, or its container's limit when lower (in a pod the
+    machine's memory is not what the OOM killer counts against)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in limits:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            return min(total, int(text))
+    return total
 
 
 # ---- keeping them: what a worker holds across generations ------------------------------------------------------
@@ -171,19 +187,23 @@ class Keeper:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._checked_memory = False
+        self._placed: tuple[Any, list[str], int] = (None, [], 0)  # (group, each rank's place, the hop to copy at)
 
     # -- taking a snapshot --
 
     def take(self, obj: Any, step: int, group: collectives.ProcessGroup, *, instance: str, generation: int,
-             hops: int, training_state: Any = None) -> None:
-        """Snapshot `step` (every rank of the generation, same step). Waits for the previous one first and
-        raises what it failed with."""
+             place: str, training_state: Any = None) -> None:
+        """Snapshot `step` (every rank of the generation, same step; `place`: the node this rank is on, whose
+        loss takes it). Waits for the previous one first and raises what it failed with."""
         self.wait()
+        if self._placed[0] is not group:  # a new generation: where is everyone?
+            places = allgather_json(group, place) if group.world_size > 1 else [place]
+            self._placed = (group, places, placement_hop(places))
         snapshot = capture(obj, step, instance=instance, generation=generation, rank=group.rank,
                            world=group.world_size, into=self._buffer, training_state=training_state)
         if not self._checked_memory:
             self._check_memory(snapshot)
-        self._thread = threading.Thread(target=self._replicate, args=(snapshot, group, hops),
+        self._thread = threading.Thread(target=self._replicate, args=(snapshot, group),
                                         name="sneppx-snapshot", daemon=True)
         self._thread.start()
 
@@ -214,15 +234,15 @@ class Keeper:
                 return self._free.pop(i)[:nbytes]
         return np.empty(nbytes, np.uint8)
 
-    def _replicate(self, snapshot: Snapshot, group: collectives.ProcessGroup, hops: int) -> None:
+    def _replicate(self, snapshot: Snapshot, group: collectives.ProcessGroup) -> None:
         try:
             seal(snapshot)
             self.own.append(snapshot)
             check = np.zeros((group.world_size, 2), np.int64)
             check[group.rank] = (1, replicated_digest(snapshot))
             if group.world_size > 1:
-                # one node (hops ranks or more): there is no other node to hold a copy
-                received = self._send_to_peers(snapshot.unique(), group, hops) if group.world_size > hops else []
+                # a hop of 0: every rank on one node, none to hold a copy
+                received = self._send_to_peers(snapshot.unique(), group) if self._placed[2] else []
                 group.allgather(check)  # every rank holds its copies, and what its replicated arrays are
                 different = divergent(check[:, 1])
                 if different:
@@ -237,12 +257,13 @@ class Keeper:
         except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
             self._error = e
 
-    def _send_to_peers(self, unique: Snapshot, group: collectives.ProcessGroup, hops: int) -> list[Snapshot]:
-        """Shifts this rank's unique part `replicas x hops` ranks around the ring, forwarding what arrives; keeps
-        the copies that come from a whole node (`hops` ranks) or more back."""
+    def _send_to_peers(self, unique: Snapshot, group: collectives.ProcessGroup) -> list[Snapshot]:
+        """Shifts this rank's unique part `replicas x h` ranks around the ring, forwarding what arrives; keeps
+        the copies from h, 2h, .. ranks back that come from another node."""
+        _, places, hops = self._placed
         received = []
         outgoing = unique
-        for hop in range(1, self.replicas * hops + 1):
+        for hop in range(1, min(self.replicas * hops, group.world_size - 1) + 1):
             meta = json.dumps(outgoing.meta, separators=(",", ":")).encode()
             sizes = np.array([len(meta), len(outgoing.payload)], np.int64)
             theirs = group.shift(sizes, np.zeros(2, np.int64))
@@ -250,7 +271,7 @@ class Keeper:
             payload_in = group.shift(outgoing.payload, self._buffer(int(theirs[1])))
             self.sent_bytes += len(outgoing.payload)
             incoming = Snapshot(json.loads(meta_in.tobytes()), payload_in)
-            if hop % hops == 0 and incoming.source != group.rank:
+            if hop % hops == 0 and places[incoming.source] != places[group.rank]:
                 self.held.append(incoming)
                 received.append(incoming)
             outgoing = incoming
@@ -347,6 +368,13 @@ class Recovered:
     why: str
     received: int
     training_state: Any = None
+
+
+def placement_hop(places: list[str]) -> int:
+    """The smallest h such that rank r + h (around the ring) is on another node than rank r, for every r: each
+    rank's copy then never shares its node. 0 when there is none (one node: no copy can survive its loss)."""
+    world = len(places)
+    return next((h for h in range(1, world) if all(places[r] != places[(r + h) % world] for r in range(world))), 0)
 
 
 def divergent(digests: np.ndarray) -> list[int]:

@@ -191,7 +191,8 @@ class ElasticTrainer:
                 checkpoint_dir=in_pod.checkpoint_uri, elastic_root=elastic_root(in_pod.checkpoint_uri),
                 run_id=run_id, backend=self.backend, collective_timeout=self.collective_timeout,
                 max_to_keep=in_pod.max_to_keep, rollback_depth=in_pod.rollback_depth, max_restarts=self.max_restarts,
-                **self.snapshot)
+                **{**self.snapshot, "snapshot_every": in_pod.snapshot_every,
+                   "snapshot_replicas": in_pod.snapshot_replicas})
         return worker.WorkerSettings(
             checkpoint_dir=self.checkpoint_dir, elastic_root=self.elastic_root, run_id=run_id, backend=self.backend,
             collective_timeout=self.collective_timeout, max_to_keep=self.max_to_keep,

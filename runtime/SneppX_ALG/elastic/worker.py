@@ -29,6 +29,7 @@ from SneppX_ALG import coordinator as coordinator_lib
 from SneppX_ALG import errors, storage
 from SneppX_ALG.elastic import collectives, control, fault_tolerance, pod, rendezvous, snapshot
 from SneppX_ALG.elastic import store as store_lib
+from SneppX_ALG.storage import job_object
 
 log = logging.getLogger(__name__)
 
@@ -174,9 +175,9 @@ class TrainContext:
         if keeper is None or self._snapshot_group is None or step % every or step == self._snapshot_step:
             return
         a = self._assignment
-        hops = max(member.workers for member in a.membership.members)  # the next rank on another node
+        place = os.environ.get(job_object.ENV_NODE_NAME) or a.agent_id  # a pod's Kubernetes node, else its agent
         keeper.take(obj, step, self._snapshot_group, instance=a.membership.instance, generation=a.generation,
-                    hops=hops, training_state=training_state)
+                    place=place, training_state=training_state)
         self._snapshot_step = step
 
     def save(self, obj: Any, step: int, *, training_state: Any = None) -> None:

@@ -63,6 +63,9 @@ ENV_PROCS_PER_NODE = "SNEPPX_PROCS_PER_NODE"  # workers per pod
 ENV_CHECKPOINT_URI = "SNEPPX_CHECKPOINT_URI"
 ENV_MAX_TO_KEEP = "SNEPPX_MAX_TO_KEEP"
 ENV_ROLLBACK_DEPTH = "SNEPPX_ROLLBACK_DEPTH"
+ENV_SNAPSHOT_EVERY = "SNEPPX_SNAPSHOT_EVERY_N_STEPS"  # peer-memory snapshots (0: off)
+ENV_SNAPSHOT_REPLICAS = "SNEPPX_SNAPSHOT_REPLICAS"
+ENV_NODE_NAME = "SNEPPX_NODE_NAME"  # the Kubernetes node (downward API): a snapshot's copies go to other nodes
 
 _DATA_KEY_RE = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
 _POD_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
