@@ -108,6 +108,32 @@ def test_a_sigkilled_rank_is_replaced_and_training_resumes_from_the_last_valid_c
     assert_params_match(out, steps)
 
 
+def test_with_peer_memory_snapshots_a_sigkilled_rank_costs_no_steps_and_resumed_from_says_memory(
+    api: kubernetes.client.ApiClient, cluster: k8s_cluster.Cluster, namespace: str,
+    operator: kopf.testing.KopfRunner, pods: pod_runner.PodRunner, tmp_path: pathlib.Path,
+) -> None:
+    out, steps = output(pods), STEPS
+    job = training_job("snap", steps=steps, min_nodes=1)
+    job["spec"]["checkpoint"]["snapshotEveryNSteps"] = 1  # the job spec turns them on; the script is unchanged
+    k8s_helpers.kubectl_apply(cluster, namespace, job, tmp_path)
+    k8s_helpers.wait_for(lambda: progress(out)["step"] >= 3 * EVERY + 1 and progress(out)["world_size"] == 2,
+                         "two pods training together past a checkpoint", FINISH_TIMEOUT)
+    pods.kill("snap-1", signal.SIGKILL)
+    resumed_from = wait_status(api, namespace, "snap", "resumedFrom in memory",
+                               lambda s: s.get("resumedFrom", {}).get("location") == "memory", FINISH_TIMEOUT)
+    resumed_from = resumed_from["resumedFrom"]
+
+    done = wait_finished(api, namespace, "snap")
+    assert done["phase"] == "Succeeded", (done, {p: pods.log_of(p)[-3000:] for p in ("snap-0", "snap-1")})
+    survivor = agent_events(pods, "snap-0")
+    failure = next(e for e in survivor if e["kind"] == "failure")
+    before = max(e["step"] for e in survivor if e["kind"] == "step" and e["t"] <= failure["t"])
+    restored = next(e for e in survivor if e["kind"] == "restored" and e["t"] > failure["t"])
+    assert restored["source"] == "memory" and before - restored["step"] <= 1, (before, restored)
+    assert resumed_from["step"] >= restored["step"]
+    assert_params_match(out, steps)
+
+
 def test_max_nodes_raised_at_run_time_grows_the_world_at_the_next_generation(
     api: kubernetes.client.ApiClient, cluster: k8s_cluster.Cluster, namespace: str,
     operator: kopf.testing.KopfRunner, pods: pod_runner.PodRunner, tmp_path: pathlib.Path,

@@ -165,6 +165,9 @@ def test_rank_0s_report_is_what_the_operator_reads_and_follows_the_newest_commit
     assert report.last_valid_checkpoint is not None and report.last_valid_checkpoint.step == 12
     assert report.last_valid_checkpoint.location == f"{tmp_path / 'ckpts'}/step-000000012"
     assert report.resumed_from is not None and report.resumed_from.step == 9
+    assert report.resumed_from.location == f"{tmp_path / 'ckpts'}/step-000000009"
+    link.report(membership, 14, "memory", force=True)  # restored from peer-memory snapshots
+    assert view().resumed_from == job_object.CheckpointRef(14, "memory", view().resumed_from.time)
     link.close()
 
 

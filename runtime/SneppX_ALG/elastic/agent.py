@@ -174,6 +174,7 @@ class NodeAgent:
         self.paused = False
         self.step_timeout = settings.step_timeout  # operator mode: the control record's, from the next generation
         self.resumed_from: int | None = None  # the step this generation restored (rank 0's report)
+        self.resumed_source = "storage"  # where from: "memory" (peer-memory snapshots) or its step on storage
         # bound once, held for the agent's life: a port released between generations could be taken meanwhile
         self.heartbeat_socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.heartbeat_socket.bind((settings.host, 0))
@@ -200,7 +201,7 @@ class NodeAgent:
                 outcome = self._run_generation(membership)
                 if outcome.kind == "done":
                     if self.link is not None and membership.node_rank(self.s.agent_id) == 0:
-                        self.link.report(membership, self.resumed_from, force=True)  # the last step saved
+                        self.link.report(membership, self.resumed_from, self.resumed_source, force=True)  # the last step saved
                     self.rdzv.finish("completed")
                     code, reason = 0, "completed"
                     return code
@@ -314,7 +315,7 @@ class NodeAgent:
             for w in self.workers:
                 w.last_progress = now
         if m.node_rank(self.s.agent_id) == 0:
-            self.link.report(m, self.resumed_from)
+            self.link.report(m, self.resumed_from, self.resumed_source)
         return due
 
     def _report_absent(self, m: rendezvous.Membership, nxt: rendezvous.NextGeneration, now: float) -> None:
@@ -480,8 +481,9 @@ class NodeAgent:
                             rolled_back=message.get("rolled_back", []))
                 step = message.get("step")
                 self.resumed_from = step if isinstance(step, int) and not isinstance(step, bool) else None
+                self.resumed_source = "memory" if message.get("source") == "memory" else "storage"
                 if self.link is not None and m.node_rank(self.s.agent_id) == 0:
-                    self.link.report(m, self.resumed_from, force=True)
+                    self.link.report(m, self.resumed_from, self.resumed_source, force=True)
         elif kind == "snapshot_corrupt":  # a copy that failed its CRCs: dropped, another copy or storage used
             self._event("snapshot_corrupt", generation=m.generation, rank=w.rank, step=message.get("step"),
                         source=message.get("source"), problems=message.get("problems", []))

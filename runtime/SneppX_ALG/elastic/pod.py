@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_POLL_S = 2.0  # how often node rank 0's agent looks for a newly committed step (one listing)
 CONTROL_POLL_S = 1.0  # how often an agent reads the operator's control record while a generation runs
+MEMORY_LOCATION = "memory"  # resumedFrom.location of a step restored from peer-memory snapshots
 REPORT_MIN_INTERVAL_S = 1.0  # rank 0's report is rewritten at most this often (it changes with each checkpoint)
 HUNG_REPORTS_PER_POLL = 8  # hang reports node rank 0 writes at one poll at most (the others at the next polls)
 ABSENCE_MARGIN_S = 1.0  # added to a hang report's silent_seconds: see `hung_record`
@@ -160,16 +161,18 @@ class JobLink:
             log.warning("%s: can't read the operator's control record: %s", self.agent_id, e)
             return None
 
-    def report(self, membership: rendezvous.Membership, resumed_from: int | None, *, force: bool = False) -> None:
+    def report(self, membership: rendezvous.Membership, resumed_from: int | None, resumed_source: str = "storage",
+               *, force: bool = False) -> None:
         """Writes `job/report` if anything in it changed (at most every REPORT_MIN_INTERVAL_S unless `force`).
-        Only node rank 0 of `membership` calls it. Store errors are logged: the next call tries again."""
+        Only node rank 0 of `membership` calls it. Store errors are logged: the next call tries again.
+        resumed_source "memory": the step came from peer-memory snapshots, and its location says so."""
         now = time.monotonic()
         if force or now - self._checked_at >= CHECKPOINT_POLL_S:
             self._checked_at = now
             self._last_valid = self._newest_committed()
         body = {"generation": membership.generation, "world_size": membership.world_size,
                 "members": list(membership.agent_ids), "last_valid_checkpoint": self._ref(self._last_valid),
-                "resumed_from": self._ref(resumed_from)}
+                "resumed_from": self._ref(resumed_from, in_memory=resumed_source == "memory")}
         if body == self._written or (not force and now - self._written_at < REPORT_MIN_INTERVAL_S):
             return
         value = {"version": job_object.RECORD_VERSION, "kind": "report", **body, "reported_at": now_rfc3339()}
@@ -181,11 +184,12 @@ class JobLink:
             return
         self._written, self._written_at = body, now
 
-    def _ref(self, step: int | None) -> dict[str, object] | None:
+    def _ref(self, step: int | None, *, in_memory: bool = False) -> dict[str, object] | None:
         if step is None:
             return None
         seen = self._seen.setdefault(step, now_rfc3339())
-        return {"step": step, "location": f"{self.checkpoint_uri}/{storage.step_name(step)}", "time": seen}
+        location = MEMORY_LOCATION if in_memory else f"{self.checkpoint_uri}/{storage.step_name(step)}"
+        return {"step": step, "location": location, "time": seen}
 
     def _newest_committed(self) -> int | None:
         try:
