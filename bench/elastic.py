@@ -4,6 +4,11 @@
     python -m bench elastic -- --quick       # 2 of each
     python -m bench elastic -- --kills 10 --small
     python -m bench elastic -- --formations 20 --before /tmp/before   # false suspicions while generations form
+    python -m bench elastic -- --snapshot-only   # only what a peer-memory snapshot costs (bench/snapshot_cost.py)
+
+Each failure kind is measured twice, side by side: with the demo's peer-memory snapshot every step
+(memory-first: the next generation restores from the survivors' memory) and without (storage-only: from the
+newest checkpoint), one run after the other; then what a snapshot costs (bench/snapshot_cost.py).
 
 The run is `make demo`'s scene 2 (`python -m SneppX_ALG.demo --phase elastic`): 2 node agents x 2 workers on
 127.0.0.1, the recipe-1 reference Transformer trained data-parallel with sharded AdamW state, a checkpoint every
@@ -47,6 +52,7 @@ import tempfile
 import time
 from typing import Any
 
+from bench import snapshot_cost
 from bench.common import cpu_model
 from SneppX_ALG import demo
 
@@ -57,6 +63,7 @@ KINDS = {  # what is done to the run, and how the tables name it
     "node": "SIGKILL of a node (agent + 2 workers)",
     "frozen": "SIGSTOP of a node (nothing closes its sockets)",
 }
+MODES = {"memory-first": 1, "storage-only": 0}  # the demo's --snapshot-every: peer-memory snapshots, or none
 GOALS = {"detected": 1.0, "resumed": 5.0}  # issue 13: detected under 1 s, training again under 5 s
 EVERY = 10  # checkpoint interval of the run, in steps
 WAIT_S = 180.0  # for any one thing the run should do; a miss is reported, not waited for forever
@@ -70,11 +77,12 @@ def percentile(values: list[float], q: float) -> float:
 class Run:
     """The demo's scene-2 training as a child of this process, with no end: stop() kills it."""
 
-    def __init__(self, workdir: str, small: bool):
-        self.run_id = f"bench-{os.getpid()}"
+    def __init__(self, workdir: str, small: bool, snapshot_every: int):
+        self.run_id = f"bench-{os.getpid()}-{snapshot_every}"
         self.args = demo.parse_args(["--output", workdir, "--elastic-steps", "1000000000", "--elastic-every",
                                      str(EVERY), "--node-restart-delay", "1", "--min-step-time", "0",
-                                     "--max-restarts", "1000", *(["--small"] if small else [])])
+                                     "--max-restarts", "1000", "--snapshot-every", str(snapshot_every),
+                                     *(["--small"] if small else [])])
         self.checkpoint_dir, events_dir = demo.elastic_paths(self.args)
         self.log_path = os.path.join(workdir, "run.log")
         with open(self.log_path, "wb") as log:
@@ -183,15 +191,16 @@ def measure_floor(run: Run, repeats: int) -> list[dict[str, float]]:
     return floors
 
 
-def row(name: str, recoveries: list[demo.Recovery], floor: float) -> str:
+def row(mode: str, name: str, recoveries: list[demo.Recovery], floor: float) -> str:
     cells = []
     for field in ("detected", "sealed", "resumed"):
         values = [getattr(r, field) for r in recoveries]
         cells.append(f"{statistics.median(values):.2f} / {percentile(values, 90):.2f} s")
     resumed = statistics.median(r.resumed for r in recoveries)
     lost = [r.lost_steps for r in recoveries]
-    return (f"| {name} | {len(recoveries)} | {' | '.join(cells)} | {resumed / floor:.2f}x | "
-            f"{statistics.median(lost):.0f} / {max(lost)} |")
+    sources = sorted({r.source for r in recoveries})
+    return (f"| {mode} | {name} | {len(recoveries)} | {' | '.join(cells)} | {resumed / floor:.2f}x | "
+            f"{statistics.median(lost):.0f} / {max(lost)} | {', '.join(sources)} |")
 
 
 def measure_formations(runs: int, before: str | None, seed: int) -> None:
@@ -239,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--small", action="store_true", help="the demo's tiny model instead of recipe-1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--floor", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--snapshot-mib", type=int, default=256,
+                        help="the per-rank state of the snapshot cost measurement (default 256)")
+    parser.add_argument("--snapshot-only", action="store_true", help="only the snapshot cost measurement")
     parser.add_argument("--formations", type=int, default=0,
                         help="only measure generation forming: this many runs of 8 staggered launchers")
     parser.add_argument("--before", help="with --formations: also a checkout of an older commit (its runtime/, "
@@ -250,44 +262,63 @@ def main(argv: list[str] | None = None) -> None:
     if args.formations:
         measure_formations(args.formations, args.before, args.seed)
         return
+    if args.snapshot_only:
+        snapshot_cost.report_demo_state(args.small)
+        snapshot_cost.measure(args.snapshot_mib)
+        return
     kills = 2 if args.quick else args.kills
     rng = random.Random(args.seed)
     print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
           f"2 nodes x 2 workers on 127.0.0.1, {'tiny' if args.small else 'recipe-1'} model, checkpoint every "
           f"{EVERY} steps\n", flush=True)
-    workdir = tempfile.mkdtemp(prefix="sneppx-bench-elastic-")
-    run = Run(workdir, args.small)
+    workdirs, results, step_ms = [], {}, {}
     try:
-        first = run.whole_and_training(min_steps=EVERY)
-        steps = [e for e in run.events.events if e["kind"] == "step" and "loss" in e["metrics"]]
-        step_ms = 1e3 * (steps[-1]["t"] - steps[0]["t"]) / max(1, steps[-1]["step"] - steps[0]["step"])
-        print(f"generation {first['generation']} formed {first['joined_in']:.2f} s after its agent started; "
-              f"a step takes {step_ms:.0f} ms at world size 4\n", flush=True)
-        results = measure_failures(run, kills, rng)
-    finally:
-        run.stop()
-    try:
+        for mode, snapshot_every in MODES.items():  # the same training, one after the other
+            workdirs.append(tempfile.mkdtemp(prefix="sneppx-bench-elastic-"))
+            run = Run(workdirs[-1], args.small, snapshot_every)
+            try:
+                first = run.whole_and_training(min_steps=EVERY)
+                steps = [e for e in run.events.events if e["kind"] == "step" and "loss" in e["metrics"]]
+                step_ms[mode] = 1e3 * (steps[-1]["t"] - steps[0]["t"]) / max(1, steps[-1]["step"] - steps[0]["step"])
+                print(f"{mode}: generation {first['generation']} formed {first['joined_in']:.2f} s after its agent "
+                      f"started; a step takes {step_ms[mode]:.0f} ms at world size 4", flush=True)
+                results[mode] = measure_failures(run, kills, rng)
+            finally:
+                run.stop()
         floors = measure_floor(run, max(3, kills))
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        for workdir in workdirs:
+            shutil.rmtree(workdir, ignore_errors=True)
     floor = statistics.median(f["wall"] for f in floors)
     build, restore = (statistics.median(f[k] for f in floors) for k in ("build", "restore"))
     print(f"\nfloor: a fresh process to a restored model, {floor:.2f} s (median of {len(floors)}): interpreter start "
           f"and imports {floor - build - restore:.2f} s, model and data {build:.2f} s, restore {restore:.3f} s\n")
-    print("| failure | times | detected, p50 / p90 | next generation sealed | training again | "
-          "training again / floor (p50) | steps redone, p50 / max |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for kind, name in KINDS.items():
-        print(row(name, results[kind], floor))
+    print("| recovery | failure | times | detected, p50 / p90 | next generation sealed | training again | "
+          "training again / floor (p50) | steps redone, p50 / max | restored from |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for mode in MODES:
+        for kind, name in KINDS.items():
+            print(row(mode, name, results[mode][kind], floor))
     print()
+    memory, storage_only = MODES
+    overhead = step_ms[memory] / step_ms[storage_only] - 1
+    print(f"A step with a snapshot every step: {step_ms[memory]:.0f} ms against {step_ms[storage_only]:.0f} ms without "
+          f"({100 * overhead:+.1f}%; two runs one after the other on a noisy machine).")
+    for kind, name in KINDS.items():
+        mine, theirs = ([r.lost_steps for r in results[m][kind]] for m in MODES)
+        again = [statistics.median(r.resumed for r in results[m][kind]) for m in MODES]
+        print(f"{name}: steps redone {sum(mine)} in total against {sum(theirs)} from storage alone; training again "
+              f"{again[0]:.2f} s against {again[1]:.2f} s ({again[1] / again[0]:.2f}x).")
     for kind in ("node", "frozen"):
-        detected = statistics.median(r.detected for r in results[kind])
-        resumed = statistics.median(r.resumed for r in results[kind])
+        detected = statistics.median(r.detected for r in results[memory][kind])
+        resumed = statistics.median(r.resumed for r in results[memory][kind])
         print(f"{KINDS[kind]}: detected {TORCHRUN_NODE_DROP_S / max(detected, 1e-3):.0f}x faster than torchrun's "
               f"{TORCHRUN_NODE_DROP_S:.0f} s (its rendezvous' keep-alive, 5 s x 3); training again "
               f"{(TORCHRUN_NODE_DROP_S + floor) / resumed:.1f}x faster than torchrun's 15 s + the floor "
               f"({TORCHRUN_NODE_DROP_S + floor:.1f} s).")
-    every = [r for rs in results.values() for r in rs]
+    snapshot_cost.report_demo_state(args.small)
+    snapshot_cost.measure(args.snapshot_mib)
+    every = [r for per_mode in results.values() for rs in per_mode.values() for r in rs]
     for goal, limit in GOALS.items():
         misses = [getattr(r, goal) for r in every if getattr(r, goal) >= limit]
         print(f"Goal '{goal} under {limit:g} s': met by {len(every) - len(misses)} of {len(every)} failures"
