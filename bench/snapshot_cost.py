@@ -150,12 +150,12 @@ def measure(state_mib: int = 256, repeats: int = 7) -> None:
         copy_anchor.append(time.perf_counter() - began)
     network = statistics.median(_loopback_seconds(half) for _ in range(3))
     durable = []
-    with tempfile.TemporaryDirectory(prefix="sneppx-bench-durable-") as d:
-        with coordinator.CheckpointCoordinator(d, async_save=False, max_to_keep=2) as saver:
-            for step in range(1, repeats + 1):
-                began = time.perf_counter()
-                saver.save({"params": params, "optim": shards[1]}, step)
-                durable.append(time.perf_counter() - began)
+    with tempfile.TemporaryDirectory(prefix="sneppx-bench-durable-") as d, \
+            coordinator.CheckpointCoordinator(d, async_save=False, max_to_keep=2) as saver:
+        for step in range(1, repeats + 1):
+            began = time.perf_counter()
+            saver.save({"params": params, "optim": shards[1]}, step)
+            durable.append(time.perf_counter() - began)
 
     r1 = timings[1]
     med = {k: statistics.median(t[k] for t in r1) for k in r1[0]}
