@@ -201,9 +201,10 @@ def test_replicated_arrays_that_differ_fail_the_snapshot_naming_the_rank() -> No
         g.close()
 
 
-def test_more_than_the_memory_limit_is_refused_before_anything_is_sent() -> None:
+def test_more_than_the_memory_limit_is_refused_before_anything_is_allocated_or_sent() -> None:
     group = groups(1, 0, tempfile.mkdtemp())[0]
     keeper = snapshot.Keeper(memory_limit=100)
+    keeper._buffer = lambda nbytes: pytest.fail(f"{nbytes} bytes allocated before the limit was checked")
     with pytest.raises(errors.SnapshotMemoryError, match="snapshot_memory_limit") as refused:
         keeper.take(state(0, 1, 1), 1, group, instance="i", generation=0, place="node-0")
     assert refused.value.limit == 100 and refused.value.needed > 100

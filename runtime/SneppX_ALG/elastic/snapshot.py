@@ -90,8 +90,10 @@ class Snapshot:
 
 
 def capture(obj: Any, step: int, *, instance: str, generation: int, rank: int, world: int,
-            into: Callable[[int], np.ndarray], training_state: Any = None) -> Snapshot:
-    """Copies `obj` (what `ctx.save` takes) into a buffer from `into(nbytes)`; the CRCs come later (`seal`)."""
+            into: Callable[[int], np.ndarray], training_state: Any = None,
+            admit: Callable[[int, int], None] | None = None) -> Snapshot:
+    """Copies `obj` (what `ctx.save` takes) into a buffer from `into(nbytes)`; the CRCs come later (`seal`).
+    `admit(state bytes, unique bytes)` is asked first, before anything is allocated (it raises to refuse)."""
     kind, leaves, values = state_lib.flatten_state(obj)
     for path, leaf, _ in leaves:
         if isinstance(leaf, state_lib.DeviceArray):
@@ -108,6 +110,10 @@ def capture(obj: Any, step: int, *, instance: str, generation: int, rank: int, w
                         "offset": list(shard.global_offset) if shard else None, "at": at, "nbytes": array.nbytes,
                         "crcs": []})
         at += -(-array.nbytes // 64) * 64  # each tensor starts 64-byte aligned
+    if admit is not None:
+        unique = at if rank == 0 else max((t["at"] + t["nbytes"] for t in tensors if t["offset"] is not None),
+                                          default=0)
+        admit(at, unique)
     payload = into(at)
     for t, (_, leaf, _) in zip(tensors, ordered, strict=True):
         view = payload[t["at"]:t["at"] + t["nbytes"]].view(format.numpy_dtype(t["dtype"]))
@@ -200,9 +206,8 @@ class Keeper:
             places = allgather_json(group, place) if group.world_size > 1 else [place]
             self._placed = (group, places, placement_hop(places))
         snapshot = capture(obj, step, instance=instance, generation=generation, rank=group.rank,
-                           world=group.world_size, into=self._buffer, training_state=training_state)
-        if not self._checked_memory:
-            self._check_memory(snapshot)
+                           world=group.world_size, into=self._buffer, training_state=training_state,
+                           admit=None if self._checked_memory else self._check_memory)
         self._thread = threading.Thread(target=self._replicate, args=(snapshot, group),
                                         name="sneppx-snapshot", daemon=True)
         self._thread.start()
@@ -216,13 +221,11 @@ class Keeper:
         if error is not None:
             raise error
 
-    def _check_memory(self, snapshot: Snapshot) -> None:
-        total = len(snapshot.payload)
-        needed = needed_bytes(total, len(snapshot.unique().payload) if snapshot.source else total, self.replicas)
+    def _check_memory(self, total: int, unique: int) -> None:
+        needed = needed_bytes(total, unique, self.replicas)
         if needed > self.memory_limit:
-            self.own.clear()
             raise errors.SnapshotMemoryError(
-                f"peer-memory snapshots need {needed / 2**20:.1f} MiB of host memory on rank {snapshot.source} "
+                f"peer-memory snapshots need {needed / 2**20:.1f} MiB of host memory on this rank "
                 f"(2 x (state {total / 2**20:.1f} MiB + {self.replicas} peer copies)), over "
                 f"snapshot_memory_limit {self.memory_limit / 2**20:.1f} MiB: raise the limit, or snapshot less "
                 "state", needed=needed, limit=self.memory_limit)
