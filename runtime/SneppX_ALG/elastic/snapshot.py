@@ -255,7 +255,8 @@ class Keeper:
                     raise errors.ReplicaDivergenceError(
                         f"step {snapshot.meta['step']}: the replicated arrays of rank(s) "
                         f"{', '.join(map(str, different))} differ from the other ranks' (silent data corruption "
-                        "in a core or memory): the step is not kept", step=snapshot.meta["step"], ranks=different)
+                        "in a core or memory): the step is not kept. Arrays meant to differ between ranks are "
+                        "not replicated: give them as Shards", step=snapshot.meta["step"], ranks=different)
             self._completed(snapshot.key)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
             self._error = e
