@@ -171,6 +171,30 @@ def test_a_sigkilled_container_fails_its_pod_and_the_operator_replaces_it(
     assert_params_match(out, STEPS)
 
 
+def test_snapshots_of_pods_on_one_node_keep_no_copies_of_each_other_so_a_lost_rank_resumes_from_storage(
+    node: real_node.Node, api: kubernetes.client.ApiClient, operator: str, namespace: str, tmp_path: pathlib.Path,
+) -> None:
+    """Peer-memory snapshots place each rank's copy on another Kubernetes node, named by the kubelet through the
+    downward API (spec.nodeName). On one node there is none: a rank killed here takes its only snapshot with it,
+    and the job resumes from its newest checkpoint, saying why."""
+    out = checkpoint_volume(node, api, namespace) / "out"
+    job = training_job("train")
+    job["spec"]["checkpoint"]["snapshotEveryNSteps"] = 1
+    k8s_helpers.kubectl_apply(node.cluster, namespace, job, tmp_path)
+    two_ranks_training(out)
+    killed_at = time.time()
+    os.kill(container_pid(node, api, namespace, "train-1"), signal.SIGKILL)
+
+    done = wait_finished(api, namespace, "train")
+    assert done["phase"] == "Succeeded", (done, logs(node, namespace, "train-0")[-4000:])
+    events = {pod: k8s_helpers.agent_events(logs(node, namespace, pod)) for pod in ("train-0", "train-1")}
+    restored = [e for pod in events for e in events[pod] if e["kind"] == "restored" and e["t"] > killed_at]
+    assert restored and restored[0]["source"] == "storage", restored
+    assert "lost the part of rank(s) 1" in restored[0]["why"], restored[0]
+    assert done["resumedFrom"]["location"] != "memory"
+    assert_params_match(out, STEPS)
+
+
 def test_a_deleted_pod_is_replaced_and_training_resumes(
     node: real_node.Node, api: kubernetes.client.ApiClient, operator: str, namespace: str, tmp_path: pathlib.Path,
 ) -> None:
