@@ -218,7 +218,8 @@ class PodRunner:
         container = pod.spec.containers[0]
         env = {"PATH": os.environ.get("PATH", ""), "HOME": str(root), "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-        fields = {"status.podIP": "127.0.0.1", "metadata.name": name, "metadata.namespace": self.namespace}
+        fields = {"status.podIP": "127.0.0.1", "metadata.name": name, "metadata.namespace": self.namespace,
+                  "spec.nodeName": pod.spec.node_name}
         for item in container.env or []:
             if item.value is not None:
                 env[item.name] = _mapped(item.value, mounts)
