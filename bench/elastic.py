@@ -13,8 +13,9 @@ newest checkpoint), one run after the other; then what a snapshot costs (bench/s
 The run is `make demo`'s scene 2 (`python -m SneppX_ALG.demo --phase elastic`): 2 node agents x 2 workers on
 127.0.0.1, the recipe-1 reference Transformer trained data-parallel with sharded AdamW state, a checkpoint every
 10 steps into a local directory, restart_delay 0 (no backoff before re-forming) and the trainer's defaults
-otherwise. Failures take turns, each once the world is whole again and a random number of steps into the
-generation: (a) SIGKILL of one worker (which one is random); (b) SIGKILL of a whole node, its agent's process
+otherwise. Failures take turns, each once the world is whole again, a random number of steps into the
+generation and a random time into the step (uniform over one step time: a failure at the moment a step is
+reported would always hit the snapshot just taken, in flight): (a) SIGKILL of one worker (which one is random); (b) SIGKILL of a whole node, its agent's process
 group (the agent and its 2 workers); (c) SIGSTOP of that node, then SIGKILL once the others train without it.
 On one machine the kernel closes a killed process' sockets, so in (a) and (b) the peers' collectives fail at
 once; a machine that loses power or network closes nothing, which is (c): only the heartbeat tells. The
@@ -138,11 +139,12 @@ class Run:
         self.proc.wait()
 
 
-def measure_failures(run: Run, kills: int, rng: random.Random) -> dict[str, list[demo.Recovery]]:
+def measure_failures(run: Run, kills: int, rng: random.Random, step_s: float) -> dict[str, list[demo.Recovery]]:
     results: dict[str, list[demo.Recovery]] = {kind: [] for kind in KINDS}
     for i in range(len(KINDS) * kills):
         kind = list(KINDS)[i % len(KINDS)]
         run.whole_and_training(min_steps=rng.randint(EVERY + 2, 2 * EVERY + 1))  # a random phase of the interval
+        time.sleep(rng.uniform(0, step_s))  # and of the step: a failure does not wait for a step to be reported
         failed_at, what = run.fail(kind, rng)
         over = functools.partial(demo.recovery_after, killed_at=failed_at)
         recovery = run.wait(f"recovery from the {kind} failure", over)
@@ -282,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
                 step_ms[mode] = 1e3 * (steps[-1]["t"] - steps[0]["t"]) / max(1, steps[-1]["step"] - steps[0]["step"])
                 print(f"{mode}: generation {first['generation']} formed {first['joined_in']:.2f} s after its agent "
                       f"started; a step takes {step_ms[mode]:.0f} ms at world size 4", flush=True)
-                results[mode] = measure_failures(run, kills, rng)
+                results[mode] = measure_failures(run, kills, rng, step_ms[mode] / 1e3)
             finally:
                 run.stop()
         floors = measure_floor(run, max(3, kills))

@@ -32,6 +32,7 @@ new world size, after checking the CRCs of what arrived.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -105,7 +106,7 @@ def capture(obj: Any, step: int, *, instance: str, generation: int, rank: int, w
     tensors, at = [], 0
     for path, leaf, shard in ordered:
         array = np.asarray(leaf)  # not ascontiguousarray: it makes a 0-d array 1-d
-        tensors.append({"path": list(path), "dtype": format.dtype_name(array.dtype), "local": list(array.shape),
+        tensors.append({"path": list(path), "dtype": _dtype_name(array.dtype), "local": list(array.shape),
                         "shape": list(shard.global_shape) if shard else list(array.shape),
                         "offset": list(shard.global_offset) if shard else None, "at": at, "nbytes": array.nbytes,
                         "crcs": []})
@@ -122,6 +123,9 @@ def capture(obj: Any, step: int, *, instance: str, generation: int, rank: int, w
             "kind": kind, "tensors": tensors, "values": [{"path": list(p), "value": v} for p, v in values],
             "training_state": training_state}
     return Snapshot(meta, payload)
+
+
+_dtype_name = functools.lru_cache(maxsize=64)(format.dtype_name)  # numpy's dtype.name is slow, and asked per leaf
 
 
 def seal(snapshot: Snapshot) -> None:
