@@ -14,12 +14,13 @@ replicated arrays too, which is about 1/N of the state per rank with ZeRO-1 data
 
 Per snapshot of step s (the generation's `snapshot` group, a TCP ring of its own, docs/ELASTIC.md):
 1. the training thread copies the state into a free buffer: the only part it waits for;
-2. a background thread computes the CRCs, checks that the replicated arrays agree across ranks (one CRC each,
-   allgathered: silent data corruption caught), and shifts the description and the unique bytes around the ring,
-   h ranks per copy, keeping what arrives from h, 2h, .. replicas x h ranks back: h is the smallest distance
-   at which no rank has a neighbour on its own node (`placement_hop`; the first snapshot of a generation
-   allgathers where each rank is: its agent, or its Kubernetes node in a pod);
-3. it is complete when every rank holds its copies (that same allgather, one step later); older snapshots go.
+2. a background thread computes the CRCs; one allgather of (bytes to send, a CRC of the replicated arrays) tells
+   every rank what it will receive and catches replicas that disagree (silent data corruption) before anything
+   is sent; then the unique bytes and their description travel around the ring, h ranks per copy, each rank
+   keeping what arrives from h, 2h, .. replicas x h ranks back: h is the smallest distance at which no rank has
+   a neighbour on its own node (`placement_hop`; the first snapshot of a generation allgathers where each rank
+   is: its agent, or its Kubernetes node in a pod);
+3. a barrier: every rank holds its copies, the step is complete, and older snapshots go.
 One is in flight at a time: the next snapshot waits for it.
 
 Recovery (`recover`, every rank of the new generation, before train_fn resumes): each rank checks every CRC of
@@ -51,6 +52,7 @@ from SneppX_ALG.elastic import collectives
 log = logging.getLogger(__name__)
 
 PIECE = 4 << 20  # bytes per CRC32C
+MAX_FREE_BUFFERS = 8  # buffers kept for reuse: a snapshot cycle frees its own, its wire and its copies
 DEFAULT_MEMORY_FRACTION = 0.25  # of the host's memory, when no snapshot_memory_limit is given
 
 
@@ -151,8 +153,9 @@ def replicated_digest(snapshot: Snapshot) -> int:
 
 def needed_bytes(state_bytes: int, unique_bytes: int, replicas: int) -> int:
     """Host memory snapshots of this rank hold at most: two of its own (the complete one and the one being
-    taken) and two of each peer's unique part it keeps (assumed as large as its own)."""
-    return 2 * (state_bytes + replicas * unique_bytes)
+    taken), two of each peer's unique part it keeps (assumed as large as its own), and two parts in transit
+    (what it sends, what it forwards)."""
+    return 2 * (state_bytes + replicas * unique_bytes) + 2 * unique_bytes
 
 
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
@@ -230,60 +233,79 @@ class Keeper:
         if needed > self.memory_limit:
             raise errors.SnapshotMemoryError(
                 f"peer-memory snapshots need {needed / 2**20:.1f} MiB of host memory on this rank "
-                f"(2 x (state {total / 2**20:.1f} MiB + {self.replicas} peer copies)), over "
+                f"(2 x (state {total / 2**20:.1f} MiB + {self.replicas} peer copies) + 2 in transit), over "
                 f"snapshot_memory_limit {self.memory_limit / 2**20:.1f} MiB: raise the limit, or snapshot less "
                 "state", needed=needed, limit=self.memory_limit)
         self._checked_memory = True
 
     def _buffer(self, nbytes: int) -> np.ndarray:
-        for i, buffer in enumerate(self._free):
-            if len(buffer) >= nbytes:
-                return self._free.pop(i)[:nbytes]
+        """A buffer of nbytes: the smallest free one that fits (their sizes repeat from snapshot to snapshot), else
+        a new one."""
+        fits = [i for i, buffer in enumerate(self._free) if len(buffer) >= nbytes]
+        if fits:
+            return self._free.pop(min(fits, key=lambda i: len(self._free[i])))[:nbytes]
         return np.empty(nbytes, np.uint8)
 
     def _replicate(self, snapshot: Snapshot, group: collectives.ProcessGroup) -> None:
+        """The background thread: CRCs; one allgather of (wire bytes, replicated digest) per rank, which tells each
+        rank what it will receive and catches replicas that disagree before anything is sent; the shifts; a
+        barrier, after which every rank holds its copies. 2 + h ring rounds in all."""
         try:
             seal(snapshot)
             self.own.append(snapshot)
-            check = np.zeros((group.world_size, 2), np.int64)
-            check[group.rank] = (1, replicated_digest(snapshot))
             if group.world_size > 1:
-                # a hop of 0: every rank on one node, none to hold a copy
-                received = self._send_to_peers(snapshot.unique(), group) if self._placed[2] else []
-                group.allgather(check)  # every rank holds its copies, and what its replicated arrays are
-                different = divergent(check[:, 1])
+                _, places, hops = self._placed
+                wire = self._wire(snapshot.unique()) if hops else np.zeros(0, np.uint8)
+                sizes = np.zeros((group.world_size, 2), np.int64)
+                sizes[group.rank] = (len(wire), replicated_digest(snapshot))
+                group.allgather(sizes)
+                different = divergent(sizes[:, 1])
                 if different:
                     self.own.remove(snapshot)
-                    for copy in received:
-                        self.held.remove(copy)
                     raise errors.ReplicaDivergenceError(
                         f"step {snapshot.meta['step']}: the replicated arrays of rank(s) "
                         f"{', '.join(map(str, different))} differ from the other ranks' (silent data corruption "
                         "in a core or memory): the step is not kept. Arrays meant to differ between ranks are "
                         "not replicated: give them as Shards", step=snapshot.meta["step"], ranks=different)
+                if hops:  # 0: every rank on one node, none to hold a copy
+                    self._send_to_peers(wire, group, sizes[:, 0], places, hops)
+                group.barrier()  # every rank holds its copies: the step is complete
             self._completed(snapshot.key)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
             self._error = e
 
-    def _send_to_peers(self, unique: Snapshot, group: collectives.ProcessGroup) -> list[Snapshot]:
-        """Shifts this rank's unique part `replicas x h` ranks around the ring, forwarding what arrives; keeps
-        the copies from h, 2h, .. ranks back that come from another node."""
-        _, places, hops = self._placed
-        received = []
-        outgoing = unique
+    def _wire(self, part: Snapshot) -> np.ndarray:
+        """What travels: the payload, then the description, then its length (8 bytes): the payload stays at
+        offset 0, aligned, in the buffer that receives it."""
+        meta = json.dumps(part.meta, separators=(",", ":")).encode()
+        wire = self._buffer(len(part.payload) + len(meta) + 8)
+        wire[:len(part.payload)] = part.payload
+        wire[len(part.payload):-8] = np.frombuffer(meta, np.uint8)
+        wire[-8:] = np.frombuffer(len(meta).to_bytes(8, "little"), np.uint8)
+        return wire
+
+    def _send_to_peers(self, wire: np.ndarray, group: collectives.ProcessGroup, sizes: np.ndarray,
+                       places: list[str], hops: int) -> None:
+        """Shifts this rank's wire `replicas x h` ranks around the ring, forwarding what arrives; keeps the copies
+        from h, 2h, .. ranks back that come from another node."""
+        outgoing, kept = wire, False
         for hop in range(1, min(self.replicas * hops, group.world_size - 1) + 1):
-            meta = json.dumps(outgoing.meta, separators=(",", ":")).encode()
-            sizes = np.array([len(meta), len(outgoing.payload)], np.int64)
-            theirs = group.shift(sizes, np.zeros(2, np.int64))
-            meta_in = group.shift(np.frombuffer(meta, np.uint8).copy(), np.empty(int(theirs[0]), np.uint8))
-            payload_in = group.shift(outgoing.payload, self._buffer(int(theirs[1])))
-            self.sent_bytes += len(outgoing.payload)
-            incoming = Snapshot(json.loads(meta_in.tobytes()), payload_in)
-            if hop % hops == 0 and places[incoming.source] != places[group.rank]:
-                self.held.append(incoming)
-                received.append(incoming)
+            source = (group.rank - hop) % group.world_size
+            incoming = group.shift(outgoing, self._buffer(int(sizes[source])))
+            self.sent_bytes += len(outgoing)
+            if not kept:
+                self._release(outgoing)  # sent, and not a copy this rank keeps: its buffer serves again
+            kept = hop % hops == 0 and places[source] != places[group.rank]
+            if kept:
+                self.held.append(from_wire(incoming))
             outgoing = incoming
-        return received
+        if not kept:
+            self._release(outgoing)
+
+    def _release(self, buffer: np.ndarray) -> None:
+        self._free.append(buffer.base if buffer.base is not None else buffer)
+        if len(self._free) > MAX_FREE_BUFFERS:  # a layout that changed: the smallest are least likely to serve
+            self._free.remove(min(self._free, key=len))
 
     def _completed(self, key: tuple[str, int, int]) -> None:
         """`key` is held everywhere: older snapshots are no longer needed (their buffers are reused)."""
@@ -291,7 +313,7 @@ class Keeper:
         for kept in (self.own, self.held):
             for snapshot in [s for s in kept if s.key != key]:
                 kept.remove(snapshot)
-                self._free.append(snapshot.payload.base if snapshot.payload.base is not None else snapshot.payload)
+                self._release(snapshot.payload)
 
     # -- recovering from them --
 
@@ -376,6 +398,13 @@ class Recovered:
     why: str
     received: int
     training_state: Any = None
+
+
+def from_wire(wire: np.ndarray) -> Snapshot:
+    """A part as it arrived (Keeper._wire's layout); its payload a view of `wire`."""
+    meta_len = int.from_bytes(wire[-8:].tobytes(), "little")
+    end = len(wire) - 8 - meta_len
+    return Snapshot(json.loads(wire[end:-8].tobytes()), wire[:end])
 
 
 def placement_hop(places: list[str]) -> int:
