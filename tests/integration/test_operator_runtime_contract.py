@@ -37,7 +37,8 @@ def rank_environment(job: str, namespace: str, spec: dict[str, Any]) -> dict[str
         if "value" in item:
             env[item["name"]] = item["value"]
         elif "fieldRef" in item["valueFrom"]:
-            env[item["name"]] = {"status.podIP": "127.0.0.7"}[item["valueFrom"]["fieldRef"]["fieldPath"]]
+            downward = {"status.podIP": "127.0.0.7", "spec.nodeName": "node-a"}
+            env[item["name"]] = downward[item["valueFrom"]["fieldRef"]["fieldPath"]]
         else:
             env[item["name"]] = S3_SECRET_VALUES[item["valueFrom"]["secretKeyRef"]["key"]]
     return env
