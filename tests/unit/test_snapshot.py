@@ -246,3 +246,25 @@ def test_the_default_limit_follows_a_containers_memory_limit(tmp_path: Any) -> N
     (tmp_path / "unlimited").write_text("max\n")
     assert snapshot.host_memory((str(tmp_path / "memory.max"),)) == min(1 << 30, snapshot.host_memory(()))
     assert snapshot.host_memory((str(tmp_path / "unlimited"),)) == snapshot.host_memory(())
+
+
+def test_many_snapshots_two_workers_a_node_reuse_a_bounded_set_of_buffers() -> None:
+    # h = 2: each copy is forwarded once on its way, and every snapshot frees its own, its wire and its copies
+    root = tempfile.mkdtemp()
+    old = groups(4, 0, root)
+    keepers = [snapshot.Keeper() for _ in range(4)]
+    places = ["node-x", "node-x", "node-y", "node-y"]
+
+    def train(rank: int) -> None:
+        for step in range(1, 16):
+            keepers[rank].take(state(rank, 4, step), step, old[rank], instance="i", generation=0,
+                               place=places[rank])
+        keepers[rank].wait()
+
+    assert on_threads(4, train) == [None] * 4
+    for rank, keeper in enumerate(keepers):
+        assert [s.meta["step"] for s in keeper.own] == [15]
+        assert [(s.source, s.meta["step"]) for s in keeper.held] == [((rank - 2) % 4, 15)]
+        assert len(keeper._free) <= snapshot.MAX_FREE_BUFFERS
+    for g in old:
+        g.close()

@@ -56,7 +56,7 @@ MAX_FREE_BUFFERS = 8  # buffers kept for reuse: a snapshot cycle frees its own, 
 DEFAULT_MEMORY_FRACTION = 0.25  # of the host's memory, when no snapshot_memory_limit is given
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # one snapshot is one object: lists of them are searched by identity
 class Snapshot:
     """One rank's state at one step: `meta` describes `payload` (tensors at byte offsets, their CRCs)."""
 
@@ -225,8 +225,10 @@ class Keeper:
             self._thread.join()
             self._thread = None
         error, self._error = self._error, None
-        if error is not None:
+        if isinstance(error, errors.SneppXError):
             raise error
+        if error is not None:  # not the user's code: the generation ends, not the process with its snapshots
+            raise errors.SnapshotError(f"the snapshot in flight failed: {type(error).__name__}: {error}") from error
 
     def _check_memory(self, total: int, unique: int) -> None:
         needed = needed_bytes(total, unique, self.replicas)
@@ -305,7 +307,7 @@ class Keeper:
     def _release(self, buffer: np.ndarray) -> None:
         self._free.append(buffer.base if buffer.base is not None else buffer)
         if len(self._free) > MAX_FREE_BUFFERS:  # a layout that changed: the smallest are least likely to serve
-            self._free.remove(min(self._free, key=len))
+            self._free.pop(min(range(len(self._free)), key=lambda i: len(self._free[i])))
 
     def _completed(self, key: tuple[str, int, int]) -> None:
         """`key` is held everywhere: older snapshots are no longer needed (their buffers are reused)."""

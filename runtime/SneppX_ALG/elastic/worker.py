@@ -342,7 +342,7 @@ class Worker:
             self.report("fatal", generation=a.generation, error=f"{type(e).__name__}: {e}")
         except Exception as e:
             if self.aborted.is_set() or isinstance(e, errors.CollectiveError | errors.StoreError |
-                                                   errors.ShardedCheckpointError | errors.ReplicaDivergenceError):
+                                                   errors.ShardedCheckpointError | errors.SnapshotError):
                 self.report("failed", generation=a.generation, error=f"{type(e).__name__}: {e}")
             else:  # the user's code failed: this process is replaced, and the failure counted
                 self.report("error", generation=a.generation, error=traceback.format_exc(limit=20)[-4000:])
