@@ -191,7 +191,8 @@ def test_snapshots_of_pods_on_one_node_keep_no_copies_of_each_other_so_a_lost_ra
     restored = [e for pod in events for e in events[pod] if e["kind"] == "restored" and e["t"] > killed_at]
     assert restored and restored[0]["source"] == "storage", restored
     assert "lost the part of rank(s) 1" in restored[0]["why"], restored[0]
-    assert done["resumedFrom"]["location"] != "memory"
+    # (when the replacement joins at a checkpoint, the one-rank generation's snapshot is whole: that restore
+    # may come from memory, so the final resumedFrom says nothing about the kill)
     assert_params_match(out, STEPS)
 
 
