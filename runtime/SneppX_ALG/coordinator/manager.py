@@ -53,7 +53,7 @@ import os
 import threading
 import types
 import weakref
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any, Self
 
 import numpy as np
@@ -504,15 +504,7 @@ class CheckpointCoordinator:
 
 def _load_whole(obj: Any, manifest: dict[str, Any], arrays: list[np.ndarray]) -> None:
     """Hands a step read whole to `obj`: load_state_dict() with the saved tree, or a dict updated in place."""
-    tree = state.tree_of(manifest, arrays)
-    if manifest["kind"] == "state_dict" and hasattr(obj, "load_state_dict"):
-        obj.load_state_dict(tree)
-    elif isinstance(obj, MutableMapping):
-        state.load_into_mapping(obj, tree)
-    elif hasattr(obj, "load_state_dict"):
-        obj.load_state_dict(tree)
-    else:
-        raise errors.UnsupportedTensorError(f"can't restore into a {type(obj).__name__}")
+    state.load_whole(obj, manifest["kind"], state.tree_of(manifest, arrays))
 
 
 def _private_key(key: Any) -> Any:

@@ -240,6 +240,19 @@ def tree_of(manifest: dict[str, Any], arrays: list[np.ndarray]) -> dict[str, Any
     return tree
 
 
+def load_whole(obj: Any, kind: str, tree: dict[str, Any]) -> None:
+    """Hands a whole saved tree to `obj`: load_state_dict() when it was saved from one (`kind`), else a dict
+    updated in place, else load_state_dict() anyway."""
+    if kind == "state_dict" and hasattr(obj, "load_state_dict"):
+        obj.load_state_dict(tree)
+    elif isinstance(obj, MutableMapping):
+        load_into_mapping(obj, tree)
+    elif hasattr(obj, "load_state_dict"):
+        obj.load_state_dict(tree)
+    else:
+        raise errors.UnsupportedTensorError(f"can't restore into a {type(obj).__name__}")
+
+
 # ---- restoring into a sharded state: what each rank asks for, and where it goes ------------------------------
 
 

@@ -39,7 +39,7 @@ import logging
 import os
 import threading
 from collections import Counter
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -513,11 +513,4 @@ def _apply_whole(obj: Any, kind: str, pieces: Mapping[tuple[str, ...], list[tupl
         state_lib.set_path(tree, list(path), whole)
     for path, value in values.items():
         state_lib.set_path(tree, list(path), value)
-    if kind == "state_dict" and hasattr(obj, "load_state_dict"):
-        obj.load_state_dict(tree)
-    elif isinstance(obj, MutableMapping):
-        state_lib.load_into_mapping(obj, tree)
-    elif hasattr(obj, "load_state_dict"):
-        obj.load_state_dict(tree)
-    else:
-        raise errors.UnsupportedTensorError(f"can't restore into a {type(obj).__name__}")
+    state_lib.load_whole(obj, kind, tree)
