@@ -62,7 +62,8 @@ def train_loop(ctx: Any) -> None:
             if ctx.rank == 0:  # a bad DIMM under the copies it keeps for its peers
                 ctx._worker.snapshots.wait()
                 for copy in ctx._worker.snapshots.held:
-                    copy.payload[len(copy.payload) // 2] ^= 0x01
+                    tensor = copy.meta["tensors"][0]  # its shard of m
+                    copy.payload[tensor["at"] + tensor["nbytes"] // 2] ^= 0x01
             elif ctx.rank == ctx.world_size - 1:
                 time.sleep(0.5)  # rank 0 flips first
                 raise RuntimeError(f"planted failure at step {step} after a flipped byte")

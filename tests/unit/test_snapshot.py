@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from SneppX_ALG import errors, storage
+from SneppX_ALG import _native, errors, storage
 from SneppX_ALG.coordinator import Shard
 from SneppX_ALG.elastic import collectives, snapshot
 from SneppX_ALG.elastic import store as store_lib
@@ -43,32 +43,66 @@ def test_a_sealed_snapshot_checks_out_and_a_flipped_byte_is_named() -> None:
     assert len(problems) == 1 and "rank 1's snapshot of step 5" in problems[0] and "CRC32C" in problems[0]
 
 
-def test_only_the_shards_travel_except_from_rank_0() -> None:
-    one, zero = taken(1, 2, 5), taken(0, 2, 5)
-    assert [t["path"] for t in one.unique().meta["tensors"]] == [["m"]]
-    assert len(one.unique().payload) < len(one.payload) and one.unique().problems() == []
-    assert zero.unique() is zero  # rank 0 also carries the replicated arrays and plain values
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_the_shards_travel_from_the_snapshots_own_buffer(rank: int) -> None:
+    shot = taken(rank, 2, 5)
+    wire = snapshot.wire_view(shot)
+    assert np.shares_memory(wire, shot.payload)  # no copy on the way out
+    arrived = snapshot.from_wire(wire.copy())
+    assert [t["path"] for t in arrived.meta["tensors"]] == [["m"]] and arrived.meta["values"] == []
+    assert len(arrived.payload) < len(shot.payload) and arrived.problems() == []
+    assert np.array_equal(arrived.payload, shot.unique().payload)
+    assert shot.problems() == []  # the description written into the slot touched no tensor
 
 
-def entry(source: int, step: int, world: int = 2, generation: int = 0) -> dict[str, Any]:
+def test_a_description_that_outgrew_its_slot_is_refused() -> None:
+    shot = taken(1, 2, 5)
+    shot.meta["instance"] = "x" * 1000
+    with pytest.raises(errors.SnapshotError, match="outgrew its slot"):
+        snapshot.wire_view(shot)
+
+
+def test_a_state_without_shards_sends_only_its_description() -> None:
+    shot = snapshot.capture({"w": np.ones(100)}, 1, instance="i", generation=0, rank=1, world=2,
+                            into=lambda n: np.empty(n, np.uint8))
+    snapshot.seal(shot)
+    arrived = snapshot.from_wire(snapshot.wire_view(shot).copy())
+    assert len(arrived.payload) == 0 and arrived.meta["tensors"] == [] and arrived.meta["step"] == 1
+
+
+def entry(source: int, step: int, world: int = 2, generation: int = 0, whole: bool = True) -> dict[str, Any]:
     return {"instance": "i", "generation": generation, "step": step, "world": world, "source": source,
-            "meta": 1, "payload": 1}
+            "whole": whole, "meta": 1, "payload": 1}
 
 
 def test_choose_takes_the_newest_step_every_old_rank_survives_in() -> None:
     # step 6 lost rank 1's part; step 5 is whole: rank 0 holds its own, rank 1 (a new rank) holds rank 1's copy
-    lists = [[entry(0, 6), entry(0, 5)], [entry(1, 5)]]
-    assert snapshot.choose(lists, durable_step=None) == (("i", 0, 5), [0, 1])
-    assert snapshot.choose(lists, durable_step=5) == (("i", 0, 5), [0, 1])  # as new: memory is faster
+    lists = [[entry(0, 6), entry(0, 5)], [entry(1, 5, whole=False)]]
+    assert snapshot.choose(lists, durable_step=None) == (("i", 0, 5), [0, 1], 0)
+    assert snapshot.choose(lists, durable_step=5) == (("i", 0, 5), [0, 1], 0)  # as new: memory is faster
     assert "newer than any snapshot" in snapshot.choose(lists, durable_step=6)
     lost = snapshot.choose([[entry(0, 6)], []], durable_step=None)
     assert "lost the part of rank(s) 1" in lost
     assert "no snapshot survives" in snapshot.choose([[], []], durable_step=3)
 
 
-def test_the_lowest_rank_holding_a_part_sends_it() -> None:
-    lists = [[entry(1, 4)], [entry(0, 4), entry(1, 4)]]
-    assert snapshot.choose(lists, None) == (("i", 0, 4), [1, 0])
+def test_the_lowest_rank_holding_a_part_sends_it_and_an_own_snapshot_sends_the_replicated_arrays() -> None:
+    lists = [[entry(1, 4, whole=False)], [entry(0, 4, whole=False), entry(1, 4)]]
+    assert snapshot.choose(lists, None) == (("i", 0, 4), [1, 1], 1)  # rank 1's own, whole, not rank 0's copy
+
+
+def test_only_copies_left_are_not_enough_the_replicated_arrays_died_with_every_own_snapshot() -> None:
+    lists = [[entry(1, 4, whole=False)], [entry(0, 4, whole=False)]]
+    assert "no rank's own snapshot left" in snapshot.choose(lists, None)
+
+
+def test_the_snapshot_ring_visits_the_nodes_in_turn() -> None:
+    assert snapshot.ring_order([2, 2]) == [0, 2, 1, 3]
+    assert snapshot.ring_order([3, 1, 2]) == [0, 3, 4, 1, 5, 2]
+    assert snapshot.ring_order([4]) == [0, 1, 2, 3]
+    places = ["a", "a", "b", "b", "c", "c"]
+    order = snapshot.ring_order([2, 2, 2])
+    assert snapshot.placement_hop([places[r] for r in order]) == 1  # h = 2 in rank order
 
 
 @pytest.mark.parametrize("new_world", [1, 3, 4])
@@ -134,7 +168,8 @@ def on_threads(world: int, fn: Callable[[int], Any]) -> list[Any]:
     return results
 
 
-def test_keepers_replicate_to_the_next_rank_free_old_steps_and_recover_after_a_rank_is_lost() -> None:
+@pytest.mark.parametrize("lost", [2, 0])  # rank 0's own snapshot is not the only home of the replicated arrays
+def test_keepers_replicate_to_the_next_rank_free_old_steps_and_recover_after_a_rank_is_lost(lost: int) -> None:
     root = tempfile.mkdtemp()
     old = groups(3, 0, root)
     keepers = [snapshot.Keeper() for _ in range(3)]
@@ -151,14 +186,15 @@ def test_keepers_replicate_to_the_next_rank_free_old_steps_and_recover_after_a_r
         assert keeper.complete == ("i", 0, 3)
     for g in old:
         g.close()
-    # rank 2 is gone; ranks 0 and 1 form a world of 2: rank 2's part is the copy rank 0 holds
+    # rank `lost` is gone; the other two form a world of 2: its part is the copy its right-hand neighbour holds
+    survivors = [keepers[r] for r in range(3) if r != lost]
     new = groups(2, 1, root)
     targets = [{"w": np.zeros(3), "m": shard_of(r, 2), "epoch": 0} for r in range(2)]
-    got = on_threads(2, lambda r: keepers[r].recover(targets[r], new[r], durable_step=2))
+    got = on_threads(2, lambda r: survivors[r].recover(targets[r], new[r], durable_step=2))
     assert [g.step for g in got] == [3, 3], got
     for rank in range(2):
         assert np.array_equal(targets[rank]["m"].data, shard_of(rank, 2, fill=3000.0).data)
-        assert np.array_equal(targets[rank]["w"], np.full(3, 3.0))
+        assert np.array_equal(targets[rank]["w"], np.full(3, 3.0)) and targets[rank]["epoch"] == 0
     for g in new:
         g.close()
 
@@ -268,3 +304,73 @@ def test_many_snapshots_two_workers_a_node_reuse_a_bounded_set_of_buffers() -> N
         assert len(keeper._free) <= snapshot.MAX_FREE_BUFFERS
     for g in old:
         g.close()
+
+
+# ---- state on a CUDA device ------------------------------------------------------------------------------------
+
+
+class HostBackedDeviceTensor:
+    """A stand-in for a CUDA tensor (its "device memory" a host array), seen through __cuda_array_interface__."""
+
+    def __init__(self, values: np.ndarray, stream: int | None):
+        self.memory = np.ascontiguousarray(values)
+        self.__cuda_array_interface__ = {"shape": values.shape, "typestr": values.dtype.str, "strides": None,
+                                         "data": (self.memory.ctypes.data, False), "version": 3, "stream": stream}
+
+
+class FakeDeviceCopier:
+    """The copy engine's boundary without a GPU: D2H copies read host memory at the "device" pointer."""
+
+    def __init__(self) -> None:
+        self.host = _native.Copier(-1)
+        self.calls: list[tuple[str, int]] = []
+
+    def wait_stream(self, stream: int) -> None:
+        self.calls.append(("wait", stream))
+
+    def copy(self, dst: Any, src: Any, nbytes: int | None = None, *, crc: int | None = 0,
+             kind: int = _native.COPY_H2H) -> int | None:
+        assert kind == _native.COPY_D2H
+        self.calls.append(("copy", nbytes or 0))
+        return self.host.copy(dst, src, nbytes, crc=crc)
+
+
+def test_cuda_tensors_are_copied_after_their_producer_stream_and_hashed_as_they_land() -> None:
+    m = np.arange(M // 2, dtype=np.float32)
+    big = np.arange((snapshot.PIECE + 100) // 4, dtype=np.float32)  # two pieces
+    obj = {"w": HostBackedDeviceTensor(big, stream=7), "m": Shard(HostBackedDeviceTensor(m, stream=7), (M,), (0,)),
+           "epoch": 3}
+    copier = FakeDeviceCopier()
+    shot = snapshot.capture(obj, 1, instance="i", generation=0, rank=0, world=2,
+                            into=lambda n: np.empty(n, np.uint8), copier=lambda device: copier)
+    assert copier.calls[0] == ("wait", 7) and [c for c in copier.calls if c[0] == "wait"] == [("wait", 7)]
+    assert [n for kind, n in copier.calls if kind == "copy"] == [m.nbytes, snapshot.PIECE, 100]
+    snapshot.seal(shot)
+    assert shot.problems() == []
+    target = {"w": np.zeros_like(big), "m": Shard(np.zeros(M // 2, np.float32), (M,), (0,)), "epoch": 0}
+    snapshot.apply(target, [shot])
+    assert np.array_equal(target["w"], big) and np.array_equal(target["m"].data, m) and target["epoch"] == 3
+    shot.payload[shot.meta["tensors"][1]["at"] + snapshot.PIECE + 3] ^= 1  # the CRC of the copy's second piece
+    assert len(shot.problems()) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _native.cuda_available(), reason="no CUDA device")
+def test_a_snapshot_of_real_device_memory_restores_into_host_arrays() -> None:
+    values = np.random.default_rng(0).standard_normal((snapshot.PIECE + 12345) // 8)
+    pointer = _native.cuda_malloc(0, values.nbytes)
+    try:
+        _native.cuda_memcpy(0, pointer, _native.address_of(values), values.nbytes, _native.COPY_H2D)
+        tensor = type("DeviceTensor", (), {})()
+        tensor.__cuda_array_interface__ = {"shape": values.shape, "typestr": values.dtype.str, "strides": None,
+                                           "data": (pointer, False), "version": 3, "stream": 1}
+        keeper = snapshot.Keeper()
+        shot = snapshot.capture({"w": tensor}, 1, instance="i", generation=0, rank=0, world=1,
+                                into=lambda n: np.empty(n, np.uint8), copier=keeper._copier)
+        snapshot.seal(shot)
+        assert shot.problems() == []
+        target = {"w": np.zeros_like(values)}
+        snapshot.apply(target, [shot])
+        assert np.array_equal(target["w"], values)
+    finally:
+        _native.cuda_free(0, pointer)

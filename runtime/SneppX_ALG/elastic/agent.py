@@ -473,7 +473,8 @@ class NodeAgent:
             w.last_progress = now
             if message.get("rank") == 0:
                 self._event("step", generation=m.generation, step=message.get("step"),
-                            metrics=message.get("metrics", {}))
+                            metrics=message.get("metrics", {}),  # and what the newest snapshot cost, if any
+                            **({"snapshot": message["snapshot"]} if isinstance(message.get("snapshot"), dict) else {}))
         elif kind == "restored":
             if message.get("rank") == 0:
                 self._event("restored", generation=m.generation, step=message.get("step"),

@@ -7,10 +7,12 @@ into host memory is a memcpy, and a copy on the next node survives the loss of t
 resiliency extension's local checkpoints). A snapshot is not a checkpoint: it never reaches storage, and when no
 complete one survives the job restores the newest durable checkpoint as before.
 
-What a snapshot is: one rank's tensors (its `Shard`s first, then the replicated arrays) copied into a buffer
-reused from step to step, a CRC32C per `PIECE` bytes of each tensor, and a small JSON description (paths,
-dtypes, boxes, plain values). Only the unique part travels to the peer: a rank's Shards, and rank 0's
-replicated arrays too, which is about 1/N of the state per rank with ZeRO-1 data parallelism.
+What a snapshot is: one rank's tensors (its `Shard`s first, then a slot for the description of its unique part,
+then the replicated arrays) copied into a buffer reused from step to step, a CRC32C per `PIECE` bytes of each
+tensor, and a small JSON description (paths, dtypes, boxes, plain values). Only the unique part travels to the
+peer, straight from that buffer: a rank's Shards, which is about 1/N of the state per rank with ZeRO-1 data
+parallelism. The replicated arrays and plain values survive in every rank's own snapshot (equal on every rank:
+the digests compared at each snapshot say so), so any one survivor's restores them.
 
 Per snapshot of step s (the generation's `snapshot` group, a TCP ring of its own, docs/ELASTIC.md):
 1. the training thread copies the state into a free buffer: the only part it waits for;
@@ -19,15 +21,17 @@ Per snapshot of step s (the generation's `snapshot` group, a TCP ring of its own
    is sent; then the unique bytes and their description travel around the ring, h ranks per copy, each rank
    keeping what arrives from h, 2h, .. replicas x h ranks back: h is the smallest distance at which no rank has
    a neighbour on its own node (`placement_hop`; the first snapshot of a generation allgathers where each rank
-   is: its agent, or its Kubernetes node in a pod);
+   is: its agent, or its Kubernetes node in a pod). The snapshot group's ring visits the nodes in turn
+   (`ring_order`), so with as many workers on every node h is 1: each part crosses the network once;
 3. a barrier: every rank holds its copies, the step is complete, and older snapshots go.
 One is in flight at a time: the next snapshot waits for it.
 
 Recovery (`recover`, every rank of the new generation, before train_fn resumes): each rank checks every CRC of
 what it holds and lists it; the lists are allgathered; the newest step for which every old rank's unique part
-survives somewhere wins when it is newer than the newest durable checkpoint (`choose`, pure); for each old rank
-the lowest new rank that holds it broadcasts it, and each rank copies out the boxes it needs, resharding to the
-new world size, after checking the CRCs of what arrived.
+survives somewhere, and one old rank's own snapshot whole (the replicated arrays), wins when it is newer than the
+newest durable checkpoint (`choose`, pure); for each old rank the lowest new rank that holds it broadcasts it, and
+each rank copies out the boxes it needs, resharding to the new world size, after checking the CRCs of what
+arrived.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -72,6 +77,11 @@ class Snapshot:
     def source(self) -> int:
         return int(self.meta["rank"])
 
+    @property
+    def unique_end(self) -> int:
+        """Where the unique part's bytes (the Shards, first) end: its description's slot starts there."""
+        return int(self.meta["unique_end"])
+
     def problems(self) -> list[str]:
         """What does not match its CRCs (empty: every byte checked and good)."""
         ranges = [(t["at"] + i * PIECE, min(PIECE, t["nbytes"] - i * PIECE))
@@ -84,63 +94,124 @@ class Snapshot:
                 for (at, n), want, have in zip(ranges, expected, got, strict=True) if want != have]
 
     def unique(self) -> Snapshot:
-        """What a peer keeps of it: the Shards, and rank 0's replicated arrays (a view, no copy)."""
-        if self.meta["rank"] == 0:
-            return self
-        tensors = [t for t in self.meta["tensors"] if t["offset"] is not None]
-        end = max((t["at"] + t["nbytes"] for t in tensors), default=0)
-        return Snapshot({**self.meta, "tensors": tensors, "values": []}, self.payload[:end])
+        """What a peer keeps of it: the Shards (a view, no copy), without plain values or training state."""
+        return Snapshot(_unique_meta(self.meta), self.payload[:self.unique_end])
 
 
 def capture(obj: Any, step: int, *, instance: str, generation: int, rank: int, world: int,
             into: Callable[[int], np.ndarray], training_state: Any = None,
-            admit: Callable[[int, int], None] | None = None) -> Snapshot:
-    """Copies `obj` (what `ctx.save` takes) into a buffer from `into(nbytes)`; the CRCs come later (`seal`).
-    `admit(state bytes, unique bytes)` is asked first, before anything is allocated (it raises to refuse)."""
+            admit: Callable[[int, int], None] | None = None,
+            copier: Callable[[int], Any] | None = None) -> Snapshot:
+    """Copies `obj` (what `ctx.save` takes) into a buffer from `into(nbytes)`: host arrays with a memcpy, their
+    CRCs later (`seal`, off the training thread); CUDA tensors through `copier(device)`'s pinned staging, after
+    the work queued on their producer's stream, hashed as they land. `admit(state bytes, unique bytes)` is asked
+    first, before anything is allocated (it raises to refuse). `copier(device)`: a copy engine per device (the
+    Keeper keeps them; by default one per call)."""
+    copier = copier or functools.cache(_native.Copier)
     kind, leaves, values = state_lib.flatten_state(obj)
-    for path, leaf, _ in leaves:
-        if isinstance(leaf, state_lib.DeviceArray):
-            raise errors.UnsupportedTensorError(f"{'/'.join(path)}: snapshots take host arrays for now; copy "
-                                                "CUDA tensors to the host (docs/ELASTIC.md, what is not covered)")
     for path, value in values:
         state_lib.check_json_safe(value, "/".join(path))
     ordered = sorted(leaves, key=lambda leaf: leaf[2] is None)  # Shards first: the unique part is a prefix
-    tensors, at = [], 0
+    meta: dict[str, Any] = {"instance": instance, "generation": generation, "step": int(step), "rank": rank,
+                            "world": world, "kind": kind, "tensors": [], "unique_end": 0, "slot": 0}
+    at = 0
     for path, leaf, shard in ordered:
-        array = np.asarray(leaf)  # not ascontiguousarray: it makes a 0-d array 1-d
-        tensors.append({"path": list(path), "dtype": _dtype_name(array.dtype), "local": list(array.shape),
-                        "shape": list(shard.global_shape) if shard else list(array.shape),
-                        "offset": list(shard.global_offset) if shard else None, "at": at, "nbytes": array.nbytes,
-                        "crcs": []})
-        at += -(-array.nbytes // 64) * 64  # each tensor starts 64-byte aligned
+        if shard is None and not meta["slot"]:  # the Shards end here: the slot for their description
+            at = _reserve_slot(meta, at)
+        on_device = isinstance(leaf, state_lib.DeviceArray)
+        array = leaf if on_device else np.asarray(leaf)  # not ascontiguousarray: it makes a 0-d array 1-d
+        shape, nbytes = tuple(array.shape), int(np.prod(array.shape, dtype=np.int64)) * array.dtype.itemsize
+        meta["tensors"].append({"path": list(path), "dtype": _dtype_name(array.dtype), "local": list(shape),
+                                "shape": list(shard.global_shape) if shard else list(shape),
+                                "offset": list(shard.global_offset) if shard else None, "at": at,
+                                "nbytes": nbytes, "crcs": []})
+        at += _aligned(nbytes)  # each tensor starts 64-byte aligned
+    if not meta["slot"]:
+        at = _reserve_slot(meta, at)
     if admit is not None:
-        unique = at if rank == 0 else max((t["at"] + t["nbytes"] for t in tensors if t["offset"] is not None),
-                                          default=0)
-        admit(at, unique)
+        admit(at, meta["unique_end"])
     payload = into(at)
-    for t, (_, leaf, _) in zip(tensors, ordered, strict=True):
+    ordered_streams: set[tuple[int, int]] = set()
+    for t, (_, leaf, _) in zip(meta["tensors"], ordered, strict=True):
+        if isinstance(leaf, state_lib.DeviceArray):
+            t["crcs"] = _copy_from_device(leaf, payload[t["at"]:t["at"] + t["nbytes"]], copier(leaf.device),
+                                          ordered_streams)
+            continue
         view = payload[t["at"]:t["at"] + t["nbytes"]].view(format.numpy_dtype(t["dtype"]))
         np.copyto(view.reshape(t["local"]), np.asarray(leaf), casting="no")
-    meta = {"instance": instance, "generation": generation, "step": int(step), "rank": rank, "world": world,
-            "kind": kind, "tensors": tensors, "values": [{"path": list(p), "value": v} for p, v in values],
-            "training_state": training_state}
+    meta["values"] = [{"path": list(p), "value": v} for p, v in values]
+    meta["training_state"] = training_state
     return Snapshot(meta, payload)
 
 
 _dtype_name = functools.lru_cache(maxsize=64)(format.dtype_name)  # numpy's dtype.name is slow, and asked per leaf
 
 
+def _copy_from_device(leaf: state_lib.DeviceArray, into: np.ndarray, copier: Any,
+                      ordered_streams: set[tuple[int, int]]) -> list[int]:
+    """A CUDA tensor's bytes into host memory, PIECE by PIECE, and their CRCs: the copy engine hashes each piece
+    as it lands. Ordered after the producer's stream (once per stream a snapshot), which may still be writing."""
+    if leaf.stream is not None and (leaf.device, leaf.stream) not in ordered_streams:
+        copier.wait_stream(leaf.stream)
+        ordered_streams.add((leaf.device, leaf.stream))
+    crcs = []
+    for at in range(0, max(1, len(into)), PIECE):
+        n = min(PIECE, len(into) - at)
+        crcs.append(int(copier.copy(into[at:at + n], leaf.pointer + at, n, kind=_native.COPY_D2H) or 0) if n else 0)
+    return crcs
+
+
+_MAX_CRC = 0xFFFFFFFF  # the widest a CRC is written in JSON: the slot is sized with it
+_LENGTH = 8  # bytes of the description's length, at the end of the slot
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
+
+
+def _unique_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """The description of the unique part: its Shards; no plain values or training state (every rank's own
+    snapshot has those)."""
+    return {**meta, "tensors": [t for t in meta["tensors"] if t["offset"] is not None], "values": [],
+            "training_state": None}
+
+
+def _reserve_slot(meta: dict[str, Any], at: int) -> int:
+    """Marks the unique part's end at `at` and reserves room after it for its description, as long as it can be
+    once the CRCs are known: the part then travels from the snapshot's own buffer (`wire_view`)."""
+    widest = [{**t, "crcs": [_MAX_CRC] * max(1, -(-t["nbytes"] // PIECE))} for t in meta["tensors"]]
+    text = json.dumps({**_unique_meta({**meta, "tensors": widest}), "unique_end": at, "slot": 1 << 62},
+                      separators=(",", ":"))
+    meta["unique_end"], meta["slot"] = at, _aligned(len(text) + _LENGTH)
+    return at + meta["slot"]
+
+
+def wire_view(snapshot: Snapshot) -> np.ndarray:
+    """What travels of a sealed snapshot, a view of its own buffer: [unique part][its description, padded with
+    spaces][the description's length, 8 bytes]. The unique part stays at offset 0, aligned, in the buffer that
+    receives it."""
+    start, slot = snapshot.unique_end, snapshot.meta["slot"]
+    text = json.dumps(_unique_meta(snapshot.meta), separators=(",", ":")).encode()
+    if len(text) > slot - _LENGTH:
+        raise errors.SnapshotError(f"a snapshot's description ({len(text)} bytes) outgrew its slot ({slot})")
+    wire = snapshot.payload[:start + slot]
+    wire[start:start + slot - _LENGTH] = np.frombuffer(text.ljust(slot - _LENGTH), np.uint8)  # JSON allows spaces
+    wire[-_LENGTH:] = np.frombuffer((slot - _LENGTH).to_bytes(_LENGTH, "little"), np.uint8)
+    return wire
+
+
 def seal(snapshot: Snapshot) -> None:
-    """Fills in the CRCs (the background thread's first job)."""
+    """Fills in the CRCs of the host arrays (the background thread's first job; a CUDA tensor's came with its
+    copy)."""
     ranges, owners = [], []
     for t in snapshot.meta["tensors"]:
+        if t["crcs"]:
+            continue
         pieces = max(1, -(-t["nbytes"] // PIECE))
         for i in range(pieces):
             ranges.append((t["at"] + i * PIECE, max(0, min(PIECE, t["nbytes"] - i * PIECE))))
             owners.append(t)
     crcs = _native.crc32c_ranges(snapshot.payload, ranges) if ranges else []
-    for t in snapshot.meta["tensors"]:
-        t["crcs"] = []
     for t, crc in zip(owners, crcs, strict=True):
         t["crcs"].append(int(crc))
 
@@ -196,7 +267,9 @@ class Keeper:
         self.held: list[Snapshot] = []
         self.complete: tuple[str, int, int] | None = None  # the newest key every rank holds copies of
         self.sent_bytes = 0  # unique bytes this rank sent to peers (all hops), since it started
+        self.costs: dict[str, float] = {}  # of the newest snapshot: see _replicate
         self._free: list[np.ndarray] = []
+        self._copiers: dict[int, Any] = {}  # a copy engine per CUDA device the state lives on
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._checked_memory = False
@@ -205,16 +278,21 @@ class Keeper:
     # -- taking a snapshot --
 
     def take(self, obj: Any, step: int, group: collectives.ProcessGroup, *, instance: str, generation: int,
-             place: str, training_state: Any = None) -> None:
+             place: str, rank: int | None = None, training_state: Any = None) -> None:
         """Snapshot `step` (every rank of the generation, same step; `place`: the node this rank is on, whose
-        loss takes it). Waits for the previous one first and raises what it failed with."""
+        loss takes it; `rank`: its rank in the generation, when the group's ring visits the ranks in another
+        order, `ring_order`). Waits for the previous one first and raises what it failed with."""
+        began = time.perf_counter()
         self.wait()
+        waited = time.perf_counter()
         if self._placed[0] is not group:  # a new generation: where is everyone?
             places = allgather_json(group, place) if group.world_size > 1 else [place]
             self._placed = (group, places, placement_hop(places))
-        snapshot = capture(obj, step, instance=instance, generation=generation, rank=group.rank,
+        snapshot = capture(obj, step, instance=instance, generation=generation,
+                           rank=group.rank if rank is None else rank,
                            world=group.world_size, into=self._buffer, training_state=training_state,
-                           admit=None if self._checked_memory else self._check_memory)
+                           admit=None if self._checked_memory else self._check_memory, copier=self._copier)
+        self.costs = {"wait_ms": 1e3 * (waited - began), "copy_ms": 1e3 * (time.perf_counter() - waited)}
         self._thread = threading.Thread(target=self._replicate, args=(snapshot, group),
                                         name="sneppx-snapshot", daemon=True)
         self._thread.start()
@@ -240,6 +318,11 @@ class Keeper:
                 "state", needed=needed, limit=self.memory_limit)
         self._checked_memory = True
 
+    def _copier(self, device: int) -> Any:
+        if device not in self._copiers:
+            self._copiers[device] = _native.Copier(device)  # AcceleratorUnavailableError without CUDA
+        return self._copiers[device]
+
     def _buffer(self, nbytes: int) -> np.ndarray:
         """A buffer of nbytes: the smallest free one that fits (their sizes repeat from snapshot to snapshot), else
         a new one."""
@@ -251,17 +334,19 @@ class Keeper:
     def _replicate(self, snapshot: Snapshot, group: collectives.ProcessGroup) -> None:
         """The background thread: CRCs; one allgather of (wire bytes, replicated digest) per rank, which tells each
         rank what it will receive and catches replicas that disagree before anything is sent; the shifts; a
-        barrier, after which every rank holds its copies. 2 + h ring rounds in all."""
+        barrier, after which every rank holds its copies. 2 + h ring rounds in all. Records what it cost in
+        `costs` (the training thread's wait and copy, the background's wall and CPU time, the bytes sent)."""
+        began, cpu, sent = time.perf_counter(), time.thread_time(), self.sent_bytes
         try:
             seal(snapshot)
             self.own.append(snapshot)
             if group.world_size > 1:
                 _, places, hops = self._placed
-                wire = self._wire(snapshot.unique()) if hops else np.zeros(0, np.uint8)
-                sizes = np.zeros((group.world_size, 2), np.int64)
-                sizes[group.rank] = (len(wire), replicated_digest(snapshot))
+                wire = wire_view(snapshot) if hops else np.zeros(0, np.uint8)
+                sizes = np.zeros((group.world_size, 3), np.int64)  # ring position: wire bytes, digest, rank
+                sizes[group.rank] = (len(wire), replicated_digest(snapshot), snapshot.source)
                 group.allgather(sizes)
-                different = divergent(sizes[:, 1])
+                different = sorted(int(sizes[p, 2]) for p in divergent(sizes[:, 1]))
                 if different:
                     self.own.remove(snapshot)
                     raise errors.ReplicaDivergenceError(
@@ -273,24 +358,16 @@ class Keeper:
                     self._send_to_peers(wire, group, sizes[:, 0], places, hops)
                 group.barrier()  # every rank holds its copies: the step is complete
             self._completed(snapshot.key)
+            self.costs = {**self.costs, "background_ms": 1e3 * (time.perf_counter() - began),
+                          "background_cpu_ms": 1e3 * (time.thread_time() - cpu), "sent_bytes": self.sent_bytes - sent}
         except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
             self._error = e
-
-    def _wire(self, part: Snapshot) -> np.ndarray:
-        """What travels: the payload, then the description, then its length (8 bytes): the payload stays at
-        offset 0, aligned, in the buffer that receives it."""
-        meta = json.dumps(part.meta, separators=(",", ":")).encode()
-        wire = self._buffer(len(part.payload) + len(meta) + 8)
-        wire[:len(part.payload)] = part.payload
-        wire[len(part.payload):-8] = np.frombuffer(meta, np.uint8)
-        wire[-8:] = np.frombuffer(len(meta).to_bytes(8, "little"), np.uint8)
-        return wire
 
     def _send_to_peers(self, wire: np.ndarray, group: collectives.ProcessGroup, sizes: np.ndarray,
                        places: list[str], hops: int) -> None:
         """Shifts this rank's wire `replicas x h` ranks around the ring, forwarding what arrives; keeps the copies
         from h, 2h, .. ranks back that come from another node."""
-        outgoing, kept = wire, False
+        outgoing, kept = wire, True  # the first to go is the rank's own snapshot: its buffer is not free
         for hop in range(1, min(self.replicas * hops, group.world_size - 1) + 1):
             source = (group.rank - hop) % group.world_size
             incoming = group.shift(outgoing, self._buffer(int(sizes[source])))
@@ -334,7 +411,8 @@ class Keeper:
                 meta = json.dumps(snapshot.meta, separators=(",", ":")).encode()
                 listed.append({"instance": snapshot.meta["instance"], "generation": snapshot.meta["generation"],
                                "step": snapshot.meta["step"], "world": snapshot.meta["world"],
-                               "source": snapshot.source, "meta": len(meta), "payload": len(snapshot.payload)})
+                               "source": snapshot.source, "whole": kept is self.own, "meta": len(meta),
+                               "payload": len(snapshot.payload)})
         return listed
 
     def find(self, key: tuple[str, int, int], source: int) -> Snapshot:
@@ -354,9 +432,10 @@ class Keeper:
         plan = choose(lists, max(durable, default=None))
         if isinstance(plan, str):
             return Recovered(None, plan, 0)
-        key, holders = plan
+        key, holders, whole = plan
         parts, received = [], 0
-        for source, holder in enumerate(holders):
+        for source in [whole] + [s for s in range(len(holders)) if s != whole]:  # the whole one first: apply()
+            holder = holders[source]
             entry = next(e for e in lists[holder] if (e["instance"], e["generation"], e["step"]) == key
                          and e["source"] == source)
             if group.rank == holder:
@@ -373,7 +452,7 @@ class Keeper:
                 raise errors.CommProtocolError(  # tries again, without that copy if it was the holder's memory
                     f"a snapshot part received from rank {holder}: {problems[0]}", rank=group.rank,
                     generation=group.generation, peer=holder)
-            parts.append(part if source == 0 else part.unique())
+            parts.append(part if source == whole else part.unique())
             received += len(payload) if group.rank != holder else 0
         try:
             apply(obj, parts)
@@ -403,10 +482,19 @@ class Recovered:
 
 
 def from_wire(wire: np.ndarray) -> Snapshot:
-    """A part as it arrived (Keeper._wire's layout); its payload a view of `wire`."""
+    """A part as it arrived (`wire_view`'s layout); its payload a view of `wire`."""
     meta_len = int.from_bytes(wire[-8:].tobytes(), "little")
     end = len(wire) - 8 - meta_len
     return Snapshot(json.loads(wire[end:-8].tobytes()), wire[:end])
+
+
+def ring_order(workers: list[int]) -> list[int]:
+    """The generation's ranks in the order the snapshot group's ring visits them (node i has `workers[i]` ranks,
+    numbered on from node i - 1's): one of each node in turn, so that with as many workers on every node no
+    rank's neighbour is on its own node and a copy crosses one link, not h."""
+    starts = [sum(workers[:i]) for i in range(len(workers))]
+    return [starts[node] + local for local in range(max(workers, default=0))
+            for node in range(len(workers)) if local < workers[node]]
 
 
 def placement_hop(places: list[str]) -> int:
@@ -436,35 +524,49 @@ def allgather_json(group: collectives.ProcessGroup, value: Any) -> list[Any]:
     return [json.loads(rows[r, :int(n)].tobytes()) for r, n in enumerate(lengths)]
 
 
-def choose(lists: list[list[dict[str, Any]]], durable_step: int | None) -> tuple[tuple[str, int, int], list[int]] | str:
-    """The snapshot to restore and, for each of its old ranks, the new rank that sends it: the newest step
-    (then the newest generation) for which every old rank's part is held by someone. A reason instead when
-    there is none, or none newer than the newest durable checkpoint. Pure: every rank decides alike."""
+Choice = tuple[tuple[str, int, int], list[int], int]
+
+
+def choose(lists: list[list[dict[str, Any]]], durable_step: int | None) -> Choice | str:
+    """The snapshot to restore: its key, for each of its old ranks the new rank that sends that rank's part, and
+    the old rank whose part is sent whole (its own snapshot, which also holds the replicated arrays and plain
+    values). The newest step (then the newest generation) for which every old rank's part is held by someone
+    and one old rank's own snapshot survives; the lowest new rank holding a part sends it, and an own snapshot
+    is preferred to a copy. A reason instead when there is none, or none newer than the newest durable
+    checkpoint. Pure: every rank decides alike."""
     holders: dict[tuple[str, int, int], dict[int, int]] = {}
+    wholes: dict[tuple[str, int, int], dict[int, int]] = {}
     worlds: dict[tuple[str, int, int], int] = {}
     for rank, listed in enumerate(lists):
         for e in listed:
             key = (e["instance"], e["generation"], e["step"])
             holders.setdefault(key, {}).setdefault(e["source"], rank)
+            if e.get("whole"):
+                wholes.setdefault(key, {}).setdefault(e["source"], rank)
             worlds[key] = e["world"]
     if not holders:
         return "no snapshot survives (a new job, or every rank that held one is gone)"
     for key in sorted(holders, key=lambda k: (k[2], k[1]), reverse=True):
-        missing = [r for r in range(worlds[key]) if r not in holders[key]]
-        if missing:
+        if any(r not in holders[key] for r in range(worlds[key])) or not wholes.get(key):
             continue
         if durable_step is not None and durable_step > key[2]:
             return f"the durable checkpoint of step {durable_step} is newer than any snapshot (step {key[2]})"
-        return key, [holders[key][r] for r in range(worlds[key])]
+        senders = [holders[key][r] for r in range(worlds[key])]
+        whole = min(wholes[key])
+        senders[whole] = wholes[key][whole]
+        return key, senders, whole
     newest = max(holders, key=lambda k: (k[2], k[1]))
     lost = [r for r in range(worlds[newest]) if r not in holders[newest]]
+    if not lost:
+        return (f"no complete snapshot survives: the newest, step {newest[2]}, has no rank's own snapshot left "
+                "(the replicated arrays)")
     return (f"no complete snapshot survives: the newest, step {newest[2]}, lost the part of rank(s) "
             f"{', '.join(map(str, lost))} with every copy")
 
 
 def apply(obj: Any, parts: list[Snapshot]) -> None:
-    """Copies what `parts` (part r: old rank r's; part 0 also holds the replicated arrays and plain values)
-    hold into `obj`, each target getting its box of each tensor: the resharding."""
+    """Copies what `parts` (one per old rank; the first whole, with the replicated arrays and plain values, the
+    others their unique parts) hold into `obj`, each target getting its box of each tensor: the resharding."""
     pieces: dict[tuple[str, ...], list[tuple[dict[str, Any], np.ndarray]]] = {}
     for part in parts:
         for t in part.meta["tensors"]:

@@ -177,7 +177,7 @@ class TrainContext:
         a = self._assignment
         place = os.environ.get(job_object.ENV_NODE_NAME) or a.agent_id  # a pod's Kubernetes node, else its agent
         keeper.take(obj, step, self._snapshot_group, instance=a.membership.instance, generation=a.generation,
-                    place=place, training_state=training_state)
+                    place=place, rank=a.rank, training_state=training_state)
         self._snapshot_step = step
 
     def save(self, obj: Any, step: int, *, training_state: Any = None) -> None:
@@ -219,8 +219,10 @@ class TrainContext:
         counts as hung); `metrics` (e.g. loss=) are shown by the agent's log and the demo's display.
         While the job is paused (operator mode: quorum lost with actionOnLoss Pause) it waits here, the
         training state kept in memory, until the job resumes or the generation ends."""
+        keeper = self._worker.snapshots
         self._worker.report("progress", generation=self.generation, rank=self.rank, step=int(step),
-                            metrics={k: float(v) for k, v in metrics.items()})
+                            metrics={k: float(v) for k, v in metrics.items()},
+                            **({"snapshot": keeper.costs} if keeper is not None and keeper.costs else {}))
         if self._live_state is not None:
             self.snapshot(self._live_state, int(step))
         self._worker.wait_while_paused(self.rank, self.generation)
@@ -319,8 +321,10 @@ class Worker:
                 # named by the sealed membership, not only its number: a run id used again (a job created
                 # again under its name, on the same volume) starts at generation 0 again
                 prefix = f"comm/{s.run_id}/{a.membership.instance}/{name}"
+                ring_rank = a.rank if name != "snapshot" else snapshot.ring_order(  # a node's neighbours elsewhere
+                    [m.workers for m in a.membership.members]).index(a.rank)
                 groups.append(collectives.ProcessGroup(
-                    store_lib.RecordKeyStore(records, prefix), a.rank, a.membership.world_size, a.generation,
+                    store_lib.RecordKeyStore(records, prefix), ring_rank, a.membership.world_size, a.generation,
                     backend=s.backend if name == "train" else "tcp", host=host, timeout=s.collective_timeout,
                     device=a.local_rank, aborted=self.aborted))  # an abort ends its setup too
                 with self._groups_lock:
