@@ -67,6 +67,8 @@ KINDS = {  # what is done to the run, and how the tables name it
 MODES = {"memory-first": 1, "storage-only": 0}  # the demo's --snapshot-every: peer-memory snapshots, or none
 GOALS = {"detected": 1.0, "resumed": 5.0}  # issue 13: detected under 1 s, training again under 5 s
 EVERY = 10  # checkpoint interval of the run, in steps
+STEP_TIME_STEPS = 50  # steps of the whole world the step time is measured over, per mode
+MIB = 1 << 20
 WAIT_S = 180.0  # for any one thing the run should do; a miss is reported, not waited for forever
 
 
@@ -273,17 +275,22 @@ def main(argv: list[str] | None = None) -> None:
     print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
           f"2 nodes x 2 workers on 127.0.0.1, {'tiny' if args.small else 'recipe-1'} model, checkpoint every "
           f"{EVERY} steps\n", flush=True)
-    workdirs, results, step_ms = [], {}, {}
+    workdirs, results, step_ms, snapshot_costs = [], {}, {}, {}
     try:
         for mode, snapshot_every in MODES.items():  # the same training, one after the other
             workdirs.append(tempfile.mkdtemp(prefix="sneppx-bench-elastic-"))
             run = Run(workdirs[-1], args.small, snapshot_every)
             try:
-                first = run.whole_and_training(min_steps=EVERY)
-                steps = [e for e in run.events.events if e["kind"] == "step" and "loss" in e["metrics"]]
+                first = run.whole_and_training(min_steps=STEP_TIME_STEPS)
+                steps = [e for e in run.events.events if e["kind"] == "step" and "loss" in e["metrics"]
+                         and e["generation"] == first["generation"]][2:]  # past the first steps' warm-up
                 step_ms[mode] = 1e3 * (steps[-1]["t"] - steps[0]["t"]) / max(1, steps[-1]["step"] - steps[0]["step"])
                 print(f"{mode}: generation {first['generation']} formed {first['joined_in']:.2f} s after its agent "
-                      f"started; a step takes {step_ms[mode]:.0f} ms at world size 4", flush=True)
+                      f"started; a step takes {step_ms[mode]:.1f} ms at world size 4 (mean of "
+                      f"{len(steps) - 1} steps)", flush=True)
+                costs = [e["snapshot"] for e in steps if "background_cpu_ms" in e.get("snapshot", {})]
+                if costs:
+                    snapshot_costs = {k: statistics.median(c[k] for c in costs) for k in costs[0]}
                 results[mode] = measure_failures(run, kills, rng, step_ms[mode] / 1e3)
             finally:
                 run.stop()
@@ -304,8 +311,20 @@ def main(argv: list[str] | None = None) -> None:
     print()
     memory, storage_only = MODES
     overhead = step_ms[memory] / step_ms[storage_only] - 1
-    print(f"A step with a snapshot every step: {step_ms[memory]:.0f} ms against {step_ms[storage_only]:.0f} ms without "
-          f"({100 * overhead:+.1f}%; two runs one after the other on a noisy machine).")
+    print(f"A step with a snapshot every step: {step_ms[memory]:.1f} ms against {step_ms[storage_only]:.1f} ms "
+          f"without ({100 * overhead:+.1f}%; two runs one after the other on a noisy machine).")
+    if snapshot_costs:
+        c = snapshot_costs
+        cores = os.cpu_count() or 1
+        print(f"What a snapshot cost rank 0 (medians over the steps): the training thread {c['wait_ms'] + c['copy_ms']:.2f}"
+              f" ms a step ({c['copy_ms']:.2f} ms copying, {c['wait_ms']:.2f} ms waiting for the previous one: "
+              f"{100 * (c['wait_ms'] + c['copy_ms']) / step_ms[storage_only]:.1f}% of a step without); the background "
+              f"thread {c['background_ms']:.1f} ms, of it {c['background_cpu_ms']:.2f} ms of CPU, "
+              f"{c['sent_bytes'] / MIB:.2f} MiB sent. With 4 ranks on {cores} CPU(s) every rank's background CPU "
+              f"comes out of training: 4 x {c['background_cpu_ms']:.2f} ms / {cores} = "
+              f"{4 * c['background_cpu_ms'] / cores:.1f} ms a step, "
+              f"{100 * 4 * c['background_cpu_ms'] / cores / step_ms[storage_only]:.1f}% of a step; with a free core "
+              f"per rank only the training thread's part is.")
     for kind, name in KINDS.items():
         mine, theirs = ([r.lost_steps for r in results[m][kind]] for m in MODES)
         again = [statistics.median(r.resumed for r in results[m][kind]) for m in MODES]

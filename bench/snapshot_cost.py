@@ -58,12 +58,13 @@ def report_demo_state(small: bool, world: int = 4) -> None:
                                                     _Shape(rank, world), batch_size=8, lr=1e-2, seed=0)
         shot = snapshot.capture(trainer, 1, instance="bench", generation=0, rank=rank, world=world,
                                 into=lambda n: np.empty(n, np.uint8))
-        rows.append((len(shot.payload), len(shot.unique().payload)))
-    state, sent = statistics.mean(r[0] for r in rows), statistics.mean(r[1] for r in rows[1:])
+        snapshot.seal(shot)
+        rows.append((len(shot.payload), len(snapshot.wire_view(shot))))
+    state, sent = statistics.mean(r[0] for r in rows), statistics.mean(r[1] for r in rows)
     print(f"\nBytes per snapshot, {'tiny' if small else 'recipe-1'} model at world size {world}: a rank holds "
-          f"{state / MIB:.2f} MiB (parameters, its AdamW shards, data position); ranks 1-{world - 1} send "
-          f"{sent / MIB:.3f} MiB each ({100 * sent / state:.0f}% of it: their shards), rank 0 "
-          f"{rows[0][1] / MIB:.2f} MiB (its shards and the replicated arrays, so they survive with it).")
+          f"{state / MIB:.2f} MiB (parameters, its AdamW shards, data position, the description's slot); each "
+          f"rank sends {sent / MIB:.3f} MiB ({100 * sent / state:.0f}% of it: its shards and their description), "
+          f"once per replica: the replicated arrays stay in every rank's own snapshot.")
 
 
 def _on_threads(n: int, fn: Any) -> list[Any]:
@@ -137,7 +138,7 @@ def measure(state_mib: int = 256, repeats: int = 7) -> None:
 
     _on_threads(world, rank_loop)
     used = _rss() - before - world * (state_mib * MIB + MIB)
-    bound = sum(snapshot.needed_bytes(state_mib * MIB, state_mib * MIB if r == 0 else half, 1) for r in range(world))
+    bound = world * snapshot.needed_bytes(state_mib * MIB, half, 1)  # every rank sends its Shard
     for g in groups:
         g.close()
 
