@@ -116,7 +116,7 @@ def measure(state_mib: int = 256, repeats: int = 7) -> None:
     root = tempfile.mkdtemp(prefix="sneppx-bench-snapshot-")
     records = storage.open_record_store(root)
     groups = _on_threads(world, lambda r: collectives.ProcessGroup(
-        store_lib.RecordKeyStore(records, "g"), r, world, 0, key=b"k" * 32, timeout=300))
+        store_lib.RecordKeyStore(records, "g"), r, world, 0, key=b"k" * 32, timeout=300, backend="tcp"))
     keepers = [snapshot.Keeper() for _ in range(world)]
     before = _rss()  # the scratch buffers below (the bench's own copies, timed apart) are counted out after
     timings: list[list[dict[str, float]]] = [[] for _ in range(world)]

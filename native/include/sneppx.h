@@ -386,6 +386,35 @@ int sx_comm_shift(sx_comm *c, const void *send_buf, size_t send_len, void *recv_
                   double timeout_s);
 /* Returns when every rank has entered it. */
 int sx_comm_barrier(sx_comm *c, double timeout_s);
+
+/* ---- collectives: shared memory between the ranks of one host (shm.c) ----
+ * The same calls and results as sx_comm_* (reductions may differ in the last
+ * bits of floats: another order), for ranks that share /dev/shm and a PID
+ * namespace. Rank 0 creates the segment `name` (create=1, O_EXCL, mode 0600;
+ * the caller makes the name unguessable), the others open it; then every rank
+ * calls sx_shm_wait_attached, which unlinks the name once all have mapped it.
+ * A peer's exit is seen through its pidfd (SX_EPEER, and sx_shm_failed_peer
+ * names it on every rank); a failure or sx_shm_abort() on any rank fails every
+ * rank's running and later calls at once. slot_bytes: per rank and chunk, a
+ * multiple of 64. One call at a time per communicator. */
+typedef struct sx_shm sx_shm;
+
+int sx_shm_create(const char *name, int create, int rank, int world_size, uint64_t generation, size_t slot_bytes,
+                  sx_shm **out);
+/* SX_ETIMEDOUT when not every rank has come by timeout_s: call it again. */
+int sx_shm_wait_attached(sx_shm *c, double timeout_s);
+/* Never while a call is running on c: sx_shm_abort() first, then wait for it. */
+void sx_shm_destroy(sx_shm *c);
+/* Thread-safe; idempotent. */
+void sx_shm_abort(sx_shm *c);
+/* The rank blamed for the first failure (the one that died, left or called
+ * something else), or -1. */
+int sx_shm_failed_peer(const sx_shm *c);
+int sx_shm_allreduce(sx_shm *c, void *buf, size_t count, int dtype, int op, double timeout_s);
+int sx_shm_reduce_scatter(sx_shm *c, void *buf, size_t count, int dtype, int op, double timeout_s);
+int sx_shm_allgather(sx_shm *c, void *buf, size_t count, int dtype, double timeout_s);
+int sx_shm_broadcast(sx_shm *c, void *buf, size_t nbytes, int root, double timeout_s);
+int sx_shm_barrier(sx_shm *c, double timeout_s);
 /* The shard of count elements that rank owns among world ranks: [*start, *stop),
  * start = floor(count * rank / world), exact for any count < 2^64. */
 void sx_shard_range(uint64_t count, int world_size, int rank, uint64_t *start, uint64_t *stop);

@@ -21,6 +21,7 @@
  */
 #define _GNU_SOURCE
 #include "sneppx.h"
+#include "reduce.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -90,7 +91,7 @@ void sx_shard_range(uint64_t count, int world_size, int rank, uint64_t *start, u
     *stop = q * (k + 1) + r * (k + 1) / w;
 }
 
-static size_t dtype_size(int dtype) {
+size_t sx_dtype_size(int dtype) {
     switch (dtype) {
     case SX_DTYPE_F32: case SX_DTYPE_I32: return 4;
     case SX_DTYPE_F64: case SX_DTYPE_I64: return 8;
@@ -101,7 +102,7 @@ static size_t dtype_size(int dtype) {
 
 /* ---- reductions: dst[i] = dst[i] (op) src[i] ------------------------------------------------------- */
 
-typedef void (*reduce_fn)(void *dst, const void *src, size_t n);
+typedef sx_reduce_fn reduce_fn;
 
 /* Integer sums go through the unsigned type: they wrap like numpy's instead of being undefined. NaN
  * wins max and min, as in numpy. */
@@ -124,7 +125,7 @@ REDUCERS(double, double, f64)
 REDUCERS(int32_t, uint32_t, i32)
 REDUCERS(int64_t, uint64_t, i64)
 
-static reduce_fn reducer(int dtype, int op) {
+reduce_fn sx_reducer(int dtype, int op) {
     static const reduce_fn table[4][3] = {
         {sum_f32, max_f32, min_f32}, {sum_f64, max_f64, min_f64},
         {sum_i32, max_i32, min_i32}, {sum_i64, max_i64, min_i64},
@@ -455,13 +456,13 @@ static int plan_allgather(sx_comm *c, char *buf, size_t count, size_t elsize, in
 
 static int reduce_call(sx_comm *c, int op_code, void *buf, size_t count, int dtype, int op, double timeout_s,
                        int gather) {
-    reduce_fn reduce = reducer(dtype, op);
+    reduce_fn reduce = sx_reducer(dtype, op);
     if (!reduce || (count && !buf)) return SX_EINVAL;
     double deadline;
     uint64_t seq;
     int rc = start(c, timeout_s, &deadline, &seq);
     if (rc != SX_OK || c->world == 1) return rc;
-    size_t elsize = dtype_size(dtype);
+    size_t elsize = sx_dtype_size(dtype);
     int nsteps = plan_reduce_scatter(c, buf, count, elsize);
     if (gather) nsteps = plan_allgather(c, buf, count, elsize, nsteps);
     return run_plan(c, op_code, seq, nsteps, reduce, elsize, deadline);
@@ -476,7 +477,7 @@ int sx_comm_reduce_scatter(sx_comm *c, void *buf, size_t count, int dtype, int o
 }
 
 int sx_comm_allgather(sx_comm *c, void *buf, size_t count, int dtype, double timeout_s) {
-    size_t elsize = dtype_size(dtype);
+    size_t elsize = sx_dtype_size(dtype);
     if (!elsize || (count && !buf)) return SX_EINVAL;
     double deadline;
     uint64_t seq;
@@ -525,5 +526,5 @@ int sx_comm_barrier(sx_comm *c, double timeout_s) {
     c->barrier_word = 1;
     int nsteps = plan_reduce_scatter(c, (char *)&c->barrier_word, 1, 8);
     nsteps = plan_allgather(c, (char *)&c->barrier_word, 1, 8, nsteps);
-    return run_plan(c, OP_BARRIER, seq, nsteps, reducer(SX_DTYPE_I64, SX_OP_SUM), 8, deadline);
+    return run_plan(c, OP_BARRIER, seq, nsteps, sx_reducer(SX_DTYPE_I64, SX_OP_SUM), 8, deadline);
 }

@@ -629,6 +629,50 @@ class Comm(_Communicator):
         self._call("barrier", lib.sx_comm_barrier, timeout)
 
 
+class ShmComm(_Communicator):
+    """One rank's end of a shared-memory group on one host (sx_shm_* in sneppx.h): rank 0 creates the segment
+    `name` (create=True), the others open it; wait_attached() then returns once every rank has mapped it."""
+
+    _abort = lib.sx_shm_abort
+    _destroy = lib.sx_shm_destroy
+
+    def __init__(self, name: str, rank: int, world_size: int, generation: int, *, create: bool,
+                 slot_bytes: int = 1 << 20):
+        out = ffi.new("sx_shm **")
+        code = lib.sx_shm_create(name.encode(), int(create), rank, world_size, generation, slot_bytes, out)
+        if code in (lib.SX_ENOENT, lib.SX_EEXIST, lib.SX_EPERM, lib.SX_EIO, lib.SX_ENOMEM):
+            raise_for(code, f"shared-memory segment {name}")
+        raise_collective(code, "create shared-memory communicator", rank=rank, generation=generation)
+        super().__init__(out[0], rank, world_size, generation)
+
+    def _blamed(self) -> int | None:
+        peer = int(lib.sx_shm_failed_peer(self._handle))
+        return peer if peer >= 0 else None
+
+    def wait_attached(self, timeout: float) -> None:
+        self._call("setup (every rank mapping the segment)", lib.sx_shm_wait_attached, timeout)
+
+    def allreduce(self, data: Any, count: int, dtype: str, op: str, timeout: float) -> None:
+        buf = _check_buffer(data, count, dtype, REDUCE_DTYPES)
+        self._call("allreduce", lib.sx_shm_allreduce, buf, count, COMM_DTYPES[dtype], REDUCE_OPS[op], timeout)
+
+    def reduce_scatter(self, data: Any, count: int, dtype: str, op: str, timeout: float) -> None:
+        buf = _check_buffer(data, count, dtype, REDUCE_DTYPES)
+        self._call("reduce_scatter", lib.sx_shm_reduce_scatter, buf, count, COMM_DTYPES[dtype], REDUCE_OPS[op],
+                   timeout)
+
+    def allgather(self, data: Any, count: int, dtype: str, timeout: float) -> None:
+        buf = _check_buffer(data, count, dtype, COMM_DTYPES)
+        self._call("allgather", lib.sx_shm_allgather, buf, count, COMM_DTYPES[dtype], timeout)
+
+    def broadcast(self, data: Any, root: int, timeout: float) -> None:
+        buf = as_buffer(data)
+        self._call("broadcast", lib.sx_shm_broadcast, buf, len(buf), root, timeout)
+
+    def barrier(self, timeout: float) -> None:
+        self._call("barrier", lib.sx_shm_barrier, timeout)
+
+
 def nccl_candidates(sys_path: list[str], env: dict[str, str]) -> list[str]:
     """Where to look for libnccl: $SNEPPX_NCCL, the nvidia-nccl-cu12 wheel, the soname."""
     return wheel_library_candidates(_NCCL_IN_WHEEL, NCCL_SONAME, "SNEPPX_NCCL", sys_path, env)

@@ -18,9 +18,10 @@ NUMPY_OPS = {"sum": np.sum, "max": np.max, "min": np.min}
 
 
 def connect(store_dir: str, rank: int, world: int, generation: int = 1, timeout: float = 120,
-            **kwargs: Any) -> collectives.ProcessGroup:
+            backend: str = "tcp", **kwargs: Any) -> collectives.ProcessGroup:
+    """The ring unless asked otherwise: most of these tests are about it (its handshake, what its sockets tell)."""
     return collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, generation, key=KEY,
-                                    timeout=timeout, **kwargs)
+                                    timeout=timeout, backend=backend, **kwargs)
 
 
 def rank_input(count: int, dtype: str, round_: int, rank: int) -> np.ndarray:
@@ -31,12 +32,12 @@ def rank_input(count: int, dtype: str, round_: int, rank: int) -> np.ndarray:
     return rng.standard_normal(count).astype(dtype)
 
 
-def battery(store_dir: str, rank: int, world: int, rounds: int, results: Any) -> None:
+def battery(store_dir: str, rank: int, world: int, rounds: int, results: Any, backend: str = "tcp") -> None:
     """Every collective against numpy: the fixed sizes 0, 1, odd, world +- 1 and large, then `rounds` rounds of
     random sizes, dtypes and ops (the same draws on every rank). Puts (rank, [failure, ...])."""
     failures: list[str] = []
     try:
-        group = connect(store_dir, rank, world, chunk_bytes=1 << 16)
+        group = connect(store_dir, rank, world, chunk_bytes=1 << 16, backend=backend)
         draw = np.random.default_rng(7)
         fixed = [0, 1, 1001, world + 1, max(world - 1, 0), (1 << 20) + 3]
         for round_ in range(len(fixed) + rounds):
@@ -70,10 +71,11 @@ def battery(store_dir: str, rank: int, world: int, rounds: int, results: Any) ->
     results.put((rank, failures))
 
 
-def allreduce_forever(store_dir: str, rank: int, world: int, op_timeout: float, results: Any) -> None:
+def allreduce_forever(store_dir: str, rank: int, world: int, op_timeout: float, results: Any,
+                      backend: str = "tcp") -> None:
     """Connects, reports ("ready", rank), then allreduces 4 MiB until a collective fails; reports
     ("failed", rank, error class name, blamed peer)."""
-    group = connect(store_dir, rank, world, timeout=op_timeout)
+    group = connect(store_dir, rank, world, timeout=op_timeout, backend=backend)
     data = np.ones(1 << 20, np.float32)
     group.barrier()
     results.put(("ready", rank))
@@ -85,10 +87,11 @@ def allreduce_forever(store_dir: str, rank: int, world: int, op_timeout: float, 
         results.put(("failed", rank, type(e).__name__, e.peer))
 
 
-def abort_while_peer_is_away(store_dir: str, rank: int, peer_may_go: Any, results: Any) -> None:
+def abort_while_peer_is_away(store_dir: str, rank: int, peer_may_go: Any, results: Any,
+                             backend: str = "tcp") -> None:
     """Rank 0 enters an allreduce with a 10-minute deadline while rank 1 waits elsewhere; a thread of rank 0
     aborts it. Rank 1 then enters the same allreduce and must learn at once that its peer is gone."""
-    group = connect(store_dir, rank, 2, timeout=600)
+    group = connect(store_dir, rank, 2, timeout=600, backend=backend)
     group.barrier()
     data = np.ones(1000, np.float64)
     if rank == 0:
@@ -103,7 +106,7 @@ def abort_while_peer_is_away(store_dir: str, rank: int, peer_may_go: Any, result
         group.allreduce(data)
         results.put((rank, "no error", 0.0))
     except errors.CollectiveError as e:
-        results.put((rank, type(e).__name__, time.monotonic() - started))
+        results.put((rank, type(e).__name__, time.monotonic() - started, e.peer))
 
 
 def allreduce_once(store_dir: str, rank: int, world: int, results: Any) -> None:

@@ -90,6 +90,61 @@ def test_abort_from_a_thread_ends_the_call_and_the_peer_learns_at_once(tmp_path:
     assert ranks.get()[:2] == (1, "PeerLostError")
 
 
+# ---- the same over shared memory (backend="shm": every rank on this host) -------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shared_memory_collectives_match_numpy(tmp_path: os.PathLike[str], ranks: Ranks, world: int) -> None:
+    for rank in range(world):
+        ranks.start(rank, workers.battery, str(tmp_path), rank, world, 12, ranks.results, "shm")
+    reports = dict(ranks.get() for _ in range(world))
+    assert reports == {rank: [] for rank in range(world)}
+
+
+def test_sigkill_of_a_rank_over_shared_memory_names_it_on_every_survivor(tmp_path: os.PathLike[str],
+                                                                        ranks: Ranks) -> None:
+    """Shared memory closes nothing when a process dies: each survivor learns it from the victim's pidfd, or
+    from the first survivor's record of it, and every one names the victim (the ring names a neighbour)."""
+    world, victim = 4, 2
+    victims_queue = multiprocessing.get_context("spawn").Queue()
+    for rank in range(world):
+        results = victims_queue if rank == victim else ranks.results
+        ranks.start(rank, workers.allreduce_forever, str(tmp_path), rank, world, 300.0, results, "shm")
+    assert sorted(ranks.get() for _ in range(world - 1)) == [("ready", r) for r in range(world) if r != victim]
+    assert victims_queue.get(timeout=300) == ("ready", victim)
+    os.kill(ranks.processes[victim].pid, signal.SIGKILL)
+    reports = sorted(ranks.get() for _ in range(world - 1))
+    assert reports == [("failed", r, "PeerLostError", victim) for r in range(world) if r != victim]
+
+
+def test_sigstop_of_a_rank_over_shared_memory_times_out_the_others(tmp_path: os.PathLike[str], ranks: Ranks) -> None:
+    world, victim = 3, 1
+    victims_queue = multiprocessing.get_context("spawn").Queue()
+    for rank in range(world):
+        results = victims_queue if rank == victim else ranks.results
+        ranks.start(rank, workers.allreduce_forever, str(tmp_path), rank, world, 3.0, results, "shm")
+    assert sorted(ranks.get() for _ in range(world - 1)) == [("ready", r) for r in range(world) if r != victim]
+    assert victims_queue.get(timeout=300) == ("ready", victim)
+    os.kill(ranks.processes[victim].pid, signal.SIGSTOP)
+    try:
+        reports = [ranks.get() for _ in range(world - 1)]
+    finally:
+        os.kill(ranks.processes[victim].pid, signal.SIGKILL)
+    # the first to time out ends the rest at once, and every one names the stopped rank
+    assert sorted(reports) == [("failed", r, "CollectiveTimeoutError", victim) for r in range(world) if r != victim]
+
+
+def test_an_abort_over_shared_memory_ends_the_call_and_the_peer_learns_who_left(tmp_path: os.PathLike[str],
+                                                                               ranks: Ranks) -> None:
+    peer_may_go = multiprocessing.get_context("spawn").Event()
+    for rank in range(2):
+        ranks.start(rank, workers.abort_while_peer_is_away, str(tmp_path), rank, peer_may_go, ranks.results, "shm")
+    assert ranks.get()[:2] == (0, "CollectiveAbortedError")
+    peer_may_go.set()
+    rank, kind, _, peer = ranks.get()
+    assert (rank, kind, peer) == (1, "PeerLostError", 0)
+
+
 def handshake_as(address: tuple[str, int], key: bytes, generation: int, rank: int, world: int,
                  *, answer_with: bytes | None = None) -> bytes:
     """Plays a client of the documented handshake against a listener; returns what the listener sent last
@@ -159,7 +214,7 @@ def test_a_listener_without_the_key_is_not_trusted(tmp_path: os.PathLike[str]) -
 
         threading.Thread(target=answer, daemon=True).start()
         with pytest.raises(errors.CommAuthError, match="does not prove"):
-            collectives.ProcessGroup(s, 0, 2, 1, key=workers.KEY, timeout=60)
+            collectives.ProcessGroup(s, 0, 2, 1, key=workers.KEY, timeout=60, backend="tcp")
 
 
 def test_an_abort_during_setup_ends_it_and_the_process_forms_the_next_group(tmp_path: os.PathLike[str],

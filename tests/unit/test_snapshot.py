@@ -145,7 +145,7 @@ def groups(world: int, generation: int, root: str) -> list[collectives.ProcessGr
 
     def connect(rank: int) -> None:
         made[rank] = collectives.ProcessGroup(store_lib.RecordKeyStore(records, f"g{generation}"), rank, world,
-                                              generation, key=b"k" * 32, timeout=30)
+                                              generation, key=b"k" * 32, timeout=30, backend="tcp")  # shift
 
     on_threads(world, connect)
     return made

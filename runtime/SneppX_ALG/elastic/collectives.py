@@ -58,7 +58,7 @@ ACCEPTED, STALE_GENERATION, UNEXPECTED_RANK, CHUNK_MISMATCH = 0, 1, 2, 3
 SERVER_LABEL = b"sneppx-comm-server\0"
 CLIENT_LABEL = b"sneppx-comm-client\0"
 
-Backend = Literal["tcp", "nccl"]
+Backend = Literal["auto", "tcp", "shm", "nccl"]
 
 
 def address_key(generation: int, rank: int) -> str:
@@ -67,6 +67,26 @@ def address_key(generation: int, rank: int) -> str:
 
 def nccl_id_key(generation: int) -> str:
     return store_lib.generation_key(generation, "comm/nccl-unique-id")
+
+
+def shm_key(generation: int, what: str) -> str:
+    return store_lib.generation_key(generation, f"comm/shm/{what}")
+
+
+def host_identity() -> str:
+    """What ranks that can share memory have in common: the machine's boot, the /dev/shm they see and their PID
+    namespace (pods on one node share the boot, but neither /dev/shm nor PIDs)."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    shm, pids = os.stat("/dev/shm"), os.stat("/proc/self/ns/pid")
+    return f"{boot}:{shm.st_dev}:{shm.st_ino}:{pids.st_ino}"
+
+
+def shm_name(key: bytes, generation: int, nonce: bytes) -> str:
+    """The segment's name, from the job key: the store carries only the nonce, so a reader of the store without
+    the key cannot name it, and no rank of another generation opens it."""
+    digest = hmac.new(key, b"sneppx-shm\0" + struct.pack("!Q", generation) + nonce, "sha256").hexdigest()
+    return f"/sneppx-{digest[:40]}"
 
 
 # ---- the handshake ---------------------------------------------------------------------------------------------
@@ -316,9 +336,11 @@ class ProcessGroup:
     surviving rank (PeerLostError, CollectiveTimeoutError, CollectiveAbortedError, StaleGenerationError,
     CommProtocolError) and leaves the group unusable: the next generation builds a new one.
 
-    backend="tcp" (CPU, any machine; needs the job key when world_size > 1) or "nccl" (GPU `device`; arrays are
-    staged through device memory, and objects with __cuda_array_interface__ are used in place). `abort()` may be
-    called from any thread.
+    backend="auto" (CPU: "shm" when every rank is on one host, else "tcp"; rank 0 decides for all), "tcp" (CPU,
+    the TCP ring, any machines), "shm" (CPU, every rank on one host: shared memory, native/src/shm.c) or "nccl"
+    (GPU `device`; arrays are staged through device memory, and objects with __cuda_array_interface__ are used in
+    place). The CPU backends need the job key when world_size > 1. `backend` then says the one in use. `abort()`
+    may be called from any thread.
 
     aborted: an Event another thread may set while the constructor still connects (there is no group yet to
     call abort() on): setup then raises CollectiveAbortedError, as a collective that abort() ends does. The
@@ -327,7 +349,7 @@ class ProcessGroup:
     """
 
     def __init__(self, store: store_lib.Store, rank: int, world_size: int, generation: int = 0, *,
-                 backend: Backend = "tcp", key: bytes | str | None = None, host: str = "127.0.0.1",
+                 backend: Backend = "auto", key: bytes | str | None = None, host: str = "127.0.0.1",
                  timeout: float = DEFAULT_TIMEOUT, chunk_bytes: int = 1 << 20, device: int = 0,
                  aborted: threading.Event | None = None):
         for name, value, low in (("world_size", world_size, 1), ("generation", generation, 0),
@@ -338,8 +360,8 @@ class ProcessGroup:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if not timeout > 0 or timeout == float("inf"):
             raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
-        if backend not in ("tcp", "nccl"):
-            raise ValueError(f"backend must be 'tcp' or 'nccl', got {backend!r}")
+        if backend not in ("auto", "tcp", "shm", "nccl"):
+            raise ValueError(f"backend must be 'auto', 'tcp', 'shm' or 'nccl', got {backend!r}")
         if not 8 <= chunk_bytes <= 1 << 30:
             raise ValueError(f"chunk_bytes must be in 8..2^30, got {chunk_bytes}")
         self.rank, self.world_size, self.generation = rank, world_size, generation
@@ -352,15 +374,25 @@ class ProcessGroup:
         _check_setup_aborted(aborted, rank, generation)
         if backend == "nccl":
             self._comm: Any = self._connect_nccl(store, device, deadline, aborted)
-        else:
-            self._comm = self._connect_tcp(store, key, host, chunk_bytes & ~7, deadline, aborted)
-
-    def _connect_tcp(self, store: store_lib.Store, key: bytes | str | None, host: str, chunk_bytes: int,
-                     deadline: float, aborted: threading.Event | None) -> _native.Comm:
-        if self.world_size == 1:  # no peers: nothing to connect or authenticate
-            return _native.Comm(0, 1, self.generation, chunk_bytes=chunk_bytes)
+            return
+        if world_size == 1:  # no peers: nothing to connect or authenticate
+            self.backend = "tcp" if backend == "auto" else backend
+            self._comm = _native.Comm(0, 1, generation, chunk_bytes=chunk_bytes & ~7)
+            return
         # The job's one key, as the heartbeat reads it: key=, else $SNEPPX_HEARTBEAT_KEY_FILE, else the hex variable.
-        me = _Identity(heartbeat.load_key(key, os.environ), self.generation, self.rank, self.world_size, chunk_bytes)
+        job_key = heartbeat.load_key(key, os.environ)
+        segment = self._open_segment(store, backend, job_key, chunk_bytes & ~63, deadline, aborted) \
+            if backend != "tcp" else None
+        if segment is not None:
+            self.backend = "shm"
+            self._comm = self._attach(segment, deadline, aborted)
+        else:
+            self.backend = "tcp"
+            self._comm = self._connect_tcp(store, job_key, host, chunk_bytes & ~7, deadline, aborted)
+
+    def _connect_tcp(self, store: store_lib.Store, key: bytes, host: str, chunk_bytes: int,
+                     deadline: float, aborted: threading.Event | None) -> _native.Comm:
+        me = _Identity(key, self.generation, self.rank, self.world_size, chunk_bytes)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
             listener.bind((host, 0))
             listener.listen(MAX_PENDING_HANDSHAKES)
@@ -370,29 +402,93 @@ class ProcessGroup:
         return _native.Comm(self.rank, self.world_size, self.generation, send_sock.detach(), recv_sock.detach(),
                             chunk_bytes)
 
+    def _open_segment(self, store: store_lib.Store, backend: Backend, key: bytes, slot_bytes: int, deadline: float,
+                      aborted: threading.Event | None) -> _native.ShmComm | None:
+        """Shared memory or the ring ("auto"), shared memory or an error ("shm"): every rank publishes where it runs
+        (`host_identity`); rank 0 reads them all, creates the segment if they are one host, and publishes the
+        outcome (its nonce); the others read it and open the segment (2N store operations, not N^2). Returns this
+        rank's end of the segment, or None for the ring."""
+        g, rank = self.generation, self.rank
+        store.set(shm_key(g, f"host/{rank}"), json.dumps({"host": host_identity()}).encode())
+        if rank != 0:
+            outcome = json.loads(self._poll_store(store, shm_key(g, "segment"), deadline, aborted,
+                                                  "transport from rank 0", 0))
+            if "error" in outcome:
+                raise errors.CommProtocolError(outcome["error"], rank=rank, generation=g, peer=0)
+            if "nonce" not in outcome:
+                return None
+            return _native.ShmComm(shm_name(key, g, bytes.fromhex(outcome["nonce"])), rank, self.world_size, g,
+                                   create=False, slot_bytes=slot_bytes)
+        hosts = [json.loads(self._poll_store(store, shm_key(g, f"host/{r}"), deadline, aborted,
+                                             f"host of rank {r}", r))["host"] for r in range(self.world_size)]
+        elsewhere = ", ".join(str(r) for r, host in enumerate(hosts) if host != hosts[0])
+        comm = None
+        if not elsewhere:
+            nonce = secrets.token_bytes(16)
+            comm = _native.ShmComm(shm_name(key, g, nonce), 0, self.world_size, g, create=True,
+                                   slot_bytes=slot_bytes)
+            outcome = {"nonce": nonce.hex()}  # published once the segment exists
+        elif backend == "auto":
+            outcome = {"ring": f"rank(s) {elsewhere} on other hosts"}
+        else:
+            outcome = {"error": "backend 'shm' needs every rank on one host (one boot, /dev/shm and PID namespace): "
+                                f"rank(s) {elsewhere} are not on rank 0's"}
+        try:
+            store.set(shm_key(g, "segment"), json.dumps(outcome).encode())
+        except BaseException:
+            if comm is not None:
+                comm.close()
+            raise
+        if "error" in outcome:
+            raise errors.CommProtocolError(outcome["error"], rank=rank, generation=g, peer=0)
+        return comm
+
+    def _attach(self, comm: _native.ShmComm, deadline: float, aborted: threading.Event | None) -> _native.ShmComm:
+        """Waits until every rank has mapped the segment (its name is then unlinked)."""
+        try:
+            while True:  # in slices: an abort must end the wait
+                try:
+                    comm.wait_attached(min(_SETUP_POLL, max(deadline - time.monotonic(), 1e-3)))
+                    return comm
+                except errors.CollectiveTimeoutError:
+                    _check_setup_aborted(aborted, self.rank, self.generation)
+                    if time.monotonic() >= deadline:
+                        raise errors.CollectiveTimeoutError(
+                            f"setup of generation {self.generation}: not every rank mapped the shared-memory "
+                            "segment in time", rank=self.rank, generation=self.generation) from None
+        except BaseException:
+            comm.close()
+            raise
+
+    def _poll_store(self, store: store_lib.Store, key: str, deadline: float, aborted: threading.Event | None,
+                    what: str, peer: int) -> bytes:
+        """A store value rank `peer` will publish, polled here with backoff, not in store.get: an abort must
+        end the wait."""
+        interval = 0.01
+        while True:
+            _check_setup_aborted(aborted, self.rank, self.generation)
+            try:
+                return store.get(key, 0)
+            except errors.StoreTimeoutError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise errors.CollectiveTimeoutError(
+                        f"setup of generation {self.generation}: no {what} (never published)", rank=self.rank,
+                        generation=self.generation, peer=peer) from None
+            if aborted is not None:
+                aborted.wait(min(interval, left))
+            else:
+                time.sleep(min(interval, left))
+            interval = min(interval * 2, 0.25)
+
     def _connect_nccl(self, store: store_lib.Store, device: int, deadline: float,
                       aborted: threading.Event | None) -> _native.NcclComm:
         if self.rank == 0:
             unique_id = _native.nccl_unique_id()
             store.set(nccl_id_key(self.generation), unique_id)
         else:
-            interval = 0.01
-            while True:  # polled here with backoff, not in store.get: an abort must wake the wait
-                _check_setup_aborted(aborted, self.rank, self.generation)
-                try:
-                    unique_id = store.get(nccl_id_key(self.generation), 0)
-                    break
-                except errors.StoreTimeoutError:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise errors.CollectiveTimeoutError(
-                            f"setup of generation {self.generation}: rank 0 never published the NCCL id",
-                            rank=self.rank, generation=self.generation, peer=0) from None
-                if aborted is not None:
-                    aborted.wait(min(interval, left))
-                else:
-                    time.sleep(min(interval, left))
-                interval = min(interval * 2, 0.25)
+            unique_id = self._poll_store(store, nccl_id_key(self.generation), deadline, aborted,
+                                         "NCCL id from rank 0", 0)
         return _native.NcclComm(unique_id, self.rank, self.world_size, self.generation, device=device,
                                 timeout=max(deadline - time.monotonic(), 1e-3))
 

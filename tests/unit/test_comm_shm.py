@@ -1,0 +1,174 @@
+"""The shared-memory collectives of native/src/shm.c through their wrapper (`_native.ShmComm`), with the ranks as
+threads of this process (cffi releases the GIL, so they really run at once), each with its own mapping of one
+segment. Real processes, real SIGKILL and SIGSTOP are in tests/integration/test_collectives.py."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from SneppX_ALG import _native, errors
+
+NUMPY_OPS = {"sum": np.sum, "max": np.max, "min": np.min}
+TOLERANCE = {"float32": 1e-5, "float64": 1e-12, "int32": 0, "int64": 0}  # sums in another order; integers exact
+
+
+def make_group(world: int, generation: int = 3, slot_bytes: int = 4096) -> list[_native.ShmComm]:
+    name = f"/sneppx-test-{secrets.token_hex(8)}"
+    comms = [_native.ShmComm(name, rank, world, generation, create=rank == 0, slot_bytes=slot_bytes)
+             for rank in range(world)]
+    run_ranks(comms, lambda rank, comm: comm.wait_attached(30))
+    return comms
+
+
+def run_ranks(comms: list[Any], fn: Callable[[int, Any], Any]) -> list[Any]:
+    """fn(rank, comm) on one thread per rank; returns each result or the exception it raised."""
+    results: list[Any] = [None] * len(comms)
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, comms[rank])
+        except Exception as e:  # noqa: BLE001 - handed back to the test to assert on
+            results[rank] = e
+
+    threads = [threading.Thread(target=body, args=(rank,)) for rank in range(len(comms))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def inputs(world: int, count: int, dtype: str, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if dtype.startswith("int"):
+        return [rng.integers(-10**6, 10**6, count).astype(dtype) for _ in range(world)]
+    return [rng.standard_normal(count).astype(dtype) for _ in range(world)]
+
+
+def each(comms: list[_native.ShmComm], method: str, data: list[np.ndarray], *args: Any) -> list[np.ndarray]:
+    """comms[r].method(copy of data[r], *args) on every rank at once; returns the copies."""
+    copies = [x.copy() for x in data]
+    results = run_ranks(comms, lambda r, c: getattr(c, method)(copies[r], *args))
+    assert all(result is None for result in results), results
+    return copies
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("count", [0, 1, 7, 1_000_003])
+def test_every_collective_matches_numpy_for_every_dtype_and_op(world: int, count: int) -> None:
+    comms = make_group(world, slot_bytes=1 << 16 if count > 1000 else 256)  # many chunks, each slot set reused
+    for dtype in ("float32", "float64", "int32", "int64"):
+        data = inputs(world, count, dtype, seed=count + world)
+        for op in ("sum", "max", "min"):
+            want = NUMPY_OPS[op](np.stack(data), axis=0)
+            got = each(comms, "allreduce", data, count, dtype, op, 30)
+            for x in got:
+                np.testing.assert_allclose(x, want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+            assert all(np.array_equal(x, got[0]) for x in got)  # the same bits on every rank
+            for rank, x in enumerate(each(comms, "reduce_scatter", data, count, dtype, op, 30)):
+                lo, hi = _native.shard_range(count, world, rank)
+                np.testing.assert_allclose(x[lo:hi], want[lo:hi], rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+        owners = np.concatenate([data[r][slice(*_native.shard_range(count, world, r))] for r in range(world)])
+        own_shards = [np.where(np.isin(np.arange(count), np.arange(*_native.shard_range(count, world, r))),
+                               data[r], 0).astype(dtype) for r in range(world)]
+        assert all(np.array_equal(x, owners) for x in each(comms, "allgather", own_shards, count, dtype, 30))
+        root = count % world
+        assert all(np.array_equal(x, data[root]) for x in each(comms, "broadcast", data, root, 30))
+    assert run_ranks(comms, lambda r, c: c.barrier(30)) == [None] * world
+    for c in comms:
+        c.close()
+
+
+def test_ranks_in_different_calls_fail_the_group_naming_the_odd_one() -> None:
+    comms = make_group(3)
+    results = run_ranks(comms, lambda r, c: c.allreduce(np.ones(8), 8, "float64", "sum", 30) if r != 1 else
+                        c.allreduce(np.ones(9), 9, "float64", "sum", 30))
+    assert all(isinstance(e, errors.CommProtocolError) for e in results), results
+    assert {e.peer for e in results} <= {0, 1, 2} and any(e.peer == 1 for e in results)
+    assert all(isinstance(e, errors.CollectiveAbortedError) for e in run_ranks(comms, lambda r, c: c.barrier(30)))
+    for c in comms:
+        c.close()
+
+
+def test_an_abort_ends_the_running_call_and_every_peer_learns_who_left() -> None:
+    comms = make_group(3)
+    timer = threading.Timer(0.3, comms[2].abort)  # rank 2 never calls: the others wait on it until the abort
+    timer.start()
+    results = run_ranks(comms[:2], lambda r, c: c.allreduce(np.ones(8), 8, "float64", "sum", 600))
+    timer.join()
+    assert all(isinstance(e, errors.PeerLostError) and e.peer == 2 for e in results), results
+    with pytest.raises(errors.CollectiveAbortedError):
+        comms[2].barrier(30)
+    for c in comms:
+        c.close()
+
+
+def test_a_rank_that_never_comes_ends_the_call_at_its_deadline() -> None:
+    comms = make_group(2)
+    began = time.monotonic()
+    with pytest.raises(errors.CollectiveTimeoutError) as waited:
+        comms[0].barrier(0.2)
+    assert time.monotonic() - began < 60 and waited.value.peer == 1  # the one it waited for
+    with pytest.raises(errors.CollectiveTimeoutError) as told:  # the group is spent, for the other rank too
+        comms[1].barrier(30)
+    assert told.value.peer == 1
+    with pytest.raises(errors.CollectiveAbortedError):
+        comms[1].barrier(30)
+    for c in comms:
+        c.close()
+
+
+def test_a_segment_of_another_generation_or_shape_is_refused() -> None:
+    name = f"/sneppx-test-{secrets.token_hex(8)}"
+    first = _native.ShmComm(name, 0, 2, 5, create=True, slot_bytes=4096)
+    with pytest.raises(errors.StaleGenerationError):
+        _native.ShmComm(name, 1, 2, 4, create=False, slot_bytes=4096)
+    with pytest.raises(errors.CommProtocolError):
+        _native.ShmComm(name, 1, 2, 5, create=False, slot_bytes=8192)
+    with pytest.raises(errors.SneppXError):  # taken: O_EXCL
+        _native.ShmComm(name, 0, 2, 5, create=True, slot_bytes=4096)
+    second = _native.ShmComm(name, 1, 2, 5, create=False, slot_bytes=4096)
+    assert run_ranks([first, second], lambda r, c: c.wait_attached(30)) == [None, None]
+    with pytest.raises(errors.SneppXError):  # unlinked once both mapped it: nobody else can attach
+        _native.ShmComm(name, 1, 2, 5, create=False, slot_bytes=4096)
+    first.close()
+    second.close()
+
+
+def test_a_shm_group_with_a_rank_on_another_host_is_refused_by_every_rank(tmp_path: Any,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from SneppX_ALG.elastic import collectives, store
+
+    # ranks as threads: each "runs" on the host its thread is named after
+    monkeypatch.setattr(collectives, "host_identity", lambda: threading.current_thread().name.split("-")[0])
+
+    def join(rank: int) -> Any:
+        threading.current_thread().name = ("here", "there")[rank] + "-rank"
+        return collectives.ProcessGroup(store.DirectoryStore(tmp_path), rank, 2, 1, backend="shm",
+                                        key=b"k" * 32, timeout=30)
+
+    results = run_ranks([None, None], lambda rank, _: join(rank))
+    assert all(isinstance(e, errors.CommProtocolError) and "rank(s) 1 are not on rank 0's" in str(e)
+               for e in results), results
+
+
+def test_a_shm_group_is_a_process_group_like_any_other(tmp_path: Any) -> None:
+    from SneppX_ALG.elastic import collectives, store
+
+    def train(rank: int) -> list[float]:
+        with collectives.ProcessGroup(store.DirectoryStore(tmp_path), rank, 3, 2, backend="shm", key=b"k" * 32,
+                                      timeout=30) as group:
+            data = np.full(5, rank + 1.0)
+            group.allreduce(data)
+            with pytest.raises(ValueError, match="tcp group"):
+                group.shift(data, data)
+            return data.tolist()
+
+    assert run_ranks([None] * 3, lambda rank, _: train(rank)) == [[6.0] * 5] * 3
