@@ -1,4 +1,5 @@
-"""Collectives: allreduce bus bandwidth of the TCP ring against MPICH and memcpy; data-parallel scaling 1 -> 2 ranks.
+"""Collectives: allreduce bus bandwidth of the TCP ring and of shared memory against MPICH and memcpy; data-parallel
+scaling 1 -> 2 ranks.
 
     python -m bench comm                          # 2 ranks; 64 KiB .. 64 MiB; DP scaling on the recipe-1 model
     python -m bench comm -- --world 4 --iterations 20 --sizes 1048576 16777216
@@ -13,6 +14,10 @@ figure is comparable across world sizes). Against it, in the same run:
   `lo`), which is what it does between machines;
 - memcpy (numpy copyto of the same size): the physical ceiling of moving those bytes once in memory on this host.
 
+Peer death: 2 ranks allreduce 1 MiB without end; the bench SIGKILLs rank 1 and times rank 0's PeerLostError from the
+moment before the signal (p50 / p99 over --kills kills, each backend): the ring learns it from the kernel closing the
+dead process' sockets, shared memory from the dead process' pidfd.
+
 Data-parallel scaling: DataParallelTrainer steps of the recipe-1 model (global batch 16 x 64 tokens) on 1 and on 2
 rank processes, each with one BLAS thread so that the ranks, not BLAS, are what scales. Speedup = step time at 1
 rank / step time at 2 ranks; the ideal is 2 on two idle cores.
@@ -25,6 +30,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,10 +50,12 @@ ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THRE
 MPICH_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "lo", "UCX_NET_DEVICES": "lo"}
 
 
-def ring_rank(store_dir: str, rank: int, world: int, sizes: list[int], iterations: int, results: Any) -> None:
+def ring_rank(store_dir: str, rank: int, world: int, sizes: list[int], iterations: int, backend: str,
+              results: Any) -> None:
     from SneppX_ALG.elastic import collectives, store
 
-    group = collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, key=KEY, timeout=300)
+    group = collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, key=KEY, timeout=300,
+                                     backend=backend)
     times = {}
     for size in sizes:
         data = np.ones(size // 4, np.float32)
@@ -60,6 +68,48 @@ def ring_rank(store_dir: str, rank: int, world: int, sizes: list[int], iteration
             times[size].append(time.perf_counter() - started)
     results.put((rank, times))
     group.close()
+
+
+def doomed_rank(store_dir: str, rank: int, world: int, backend: str, results: Any) -> None:
+    """Allreduces without end until a collective fails; reports ("ready", rank, pid) first, then ("failed", rank,
+    time.time() at the failure, the error's class name)."""
+    from SneppX_ALG import errors
+    from SneppX_ALG.elastic import collectives, store
+
+    group = collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, key=KEY, timeout=300,
+                                     backend=backend)
+    data = np.ones(1 << 18, np.float32)
+    group.barrier()
+    results.put(("ready", rank, os.getpid()))
+    try:
+        while True:
+            group.allreduce(data)
+    except errors.CollectiveError as e:
+        results.put(("failed", rank, time.time(), type(e).__name__))
+
+
+def time_to_peer_lost(backend: str, kills: int) -> list[float]:
+    """Seconds from just before a SIGKILL of rank 1 to rank 0's PeerLostError, once per kill."""
+    context = multiprocessing.get_context("spawn")
+    seconds = []
+    for _ in range(kills):
+        results = context.Queue()
+        store_dir = tempfile.mkdtemp(prefix="bench-comm-kill-")
+        processes = [context.Process(target=doomed_rank, args=(store_dir, r, 2, backend, results)) for r in range(2)]
+        for p in processes:
+            p.start()
+        pids = {r: pid for _, r, pid in (results.get(timeout=300) for _ in range(2))}
+        time.sleep(0.05)  # well into the allreduces
+        sent_at = time.time()
+        os.kill(pids[1], signal.SIGKILL)
+        _, _, failed_at, kind = results.get(timeout=300)
+        if kind != "PeerLostError":
+            raise RuntimeError(f"{backend}: rank 0 failed with {kind}, not PeerLostError")
+        seconds.append(failed_at - sent_at)
+        for p in processes:
+            p.join(60)
+        shutil.rmtree(store_dir, ignore_errors=True)
+    return seconds
 
 
 def mpi_rank(sizes: list[int], iterations: int) -> None:
@@ -159,6 +209,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES, help="bytes")
     parser.add_argument("--dp-steps", type=int, default=10)
+    parser.add_argument("--kills", type=int, default=20, help="peer SIGKILLs timed per backend")
     parser.add_argument("--mpi-rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mpi_rank:
@@ -168,7 +219,8 @@ def main(argv: list[str]) -> None:
     world = args.world
     print(f"machine: {common.cpu_model()}, {os.cpu_count()} CPUs; {world} ranks on 127.0.0.1; "
           f"median of {args.iterations} iterations (slowest rank of each)")
-    ring = spawn_ranks(world, ring_rank, args.sizes, args.iterations)
+    ring = spawn_ranks(world, ring_rank, args.sizes, args.iterations, "tcp")
+    shared = spawn_ranks(world, ring_rank, args.sizes, args.iterations, "shm")
     mpich_shm = run_mpich(world, args.sizes, args.iterations, over_tcp=False)
     mpich_tcp = run_mpich(world, args.sizes, args.iterations, over_tcp=True)
     print(f"MPICH: {mpich_shm[0] if mpich_shm else 'not installed (pip install mpi4py mpich)'}\n")
@@ -177,16 +229,26 @@ def main(argv: list[str]) -> None:
     def busbw(per_rank: list[dict[int, list[float]]] | None, size: int) -> float:
         return size * factor / slowest_rank_median(per_rank, size) if per_rank else float("nan")
 
-    print("| size | SneppX ring (TCP) | MPICH over TCP | MPICH shared memory | memcpy | ring / MPICH TCP "
-          "| ring / MPICH shm | ring / memcpy |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| size | SneppX ring (TCP) | SneppX shared memory | MPICH over TCP | MPICH shared memory | memcpy "
+          "| ring / MPICH TCP | shared / MPICH shared | shared / memcpy |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes:
-        ours = busbw(ring, size)
+        ours, ours_shm = busbw(ring, size), busbw(shared, size)
         tcp = busbw(mpich_tcp[1] if mpich_tcp else None, size)
         shm = busbw(mpich_shm[1] if mpich_shm else None, size)
         copy = size / memcpy_seconds(size, args.iterations)
-        print(f"| {size >> 10} KiB | {ours / 1e9:.2f} GB/s | {tcp / 1e9:.2f} GB/s | {shm / 1e9:.2f} GB/s | "
-              f"{copy / 1e9:.2f} GB/s | {ours / tcp:.2f}x | {ours / shm:.2f}x | {ours / copy:.2f} |", flush=True)
+        print(f"| {size >> 10} KiB | {ours / 1e9:.2f} GB/s | {ours_shm / 1e9:.2f} GB/s | {tcp / 1e9:.2f} GB/s | "
+              f"{shm / 1e9:.2f} GB/s | {copy / 1e9:.2f} GB/s | {ours / tcp:.2f}x | {ours_shm / shm:.2f}x | "
+              f"{ours_shm / copy:.2f} |", flush=True)
+
+    print(f"\nPeer SIGKILLed mid-allreduce (2 ranks, 1 MiB): time to the survivor's PeerLostError, {args.kills} kills")
+    print("| transport | p50 | p99 | max |")
+    print("|---|---|---|---|")
+    for backend, name in (("tcp", "SneppX ring (TCP)"), ("shm", "SneppX shared memory")):
+        lost = sorted(time_to_peer_lost(backend, args.kills))
+        p99 = lost[min(len(lost) - 1, int(0.99 * len(lost)))]
+        print(f"| {name} | {1e3 * statistics.median(lost):.1f} ms | {1e3 * p99:.1f} ms | {1e3 * lost[-1]:.1f} ms |",
+              flush=True)
 
     step_times = {}
     for ranks in (1, 2):
