@@ -98,8 +98,9 @@ class ElasticTrainer:
     hang_timeout: a worker that sends no heartbeat (a thread, every 0.1 s) for this long is stopped or wedged,
         and is killed (raise it if train_fn calls C code that holds the GIL longer than that). step_timeout: a worker that reports no step (ctx.save/ctx.report) for this long is
         killed (None: no limit). heartbeat_timeout: an agent silent this long is gone, with its node.
-    backend: "tcp" (CPU) or "nccl" (GPU `local_rank`) for ctx.group. collective_timeout: the deadline of one
-        collective (a failure is normally seen far sooner: see agent.py).
+    backend: for ctx.group: "auto" (CPU: shared memory between the workers of a generation of one node, the
+        TCP ring between nodes), "tcp", "shm" or "nccl" (GPU `local_rank`). collective_timeout: the deadline of
+        one collective (a failure is normally seen far sooner: see agent.py).
     run_id: the run's name in the store (default SNEPPX_RUN_ID, else a new random one per run()).
     restart_nodes: the launcher restarts a node agent that died (as a cluster restarts its pod), after
         node_restart_delay seconds (default restart_delay), at most max_restarts + num_nodes times; it joins
@@ -118,7 +119,7 @@ class ElasticTrainer:
     def __init__(self, train_fn: Callable[[worker.TrainContext], Any], checkpoint_dir: str,
                  max_restarts: int = 3, restart_delay: float = 1.0, join_timeout: float = 600.0, *,
                  min_nodes: int = 1, last_call: float = 10.0, hang_timeout: float = 1.0,
-                 step_timeout: float | None = None, heartbeat_timeout: float = 0.8, backend: Backend = "tcp",
+                 step_timeout: float | None = None, heartbeat_timeout: float = 0.8, backend: Backend = "auto",
                  collective_timeout: float = 300.0, max_to_keep: int | None = 5, rollback_depth: int = 2,
                  run_id: str | None = None, restart_nodes: bool = True, node_restart_delay: float | None = None,
                  events_dir: str | None = None, snapshot_every: int = 0, snapshot_replicas: int = 1,

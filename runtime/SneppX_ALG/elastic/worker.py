@@ -44,7 +44,7 @@ class WorkerSettings:
     checkpoint_dir: str
     elastic_root: str  # where the run's records live (rendezvous, process-group addresses)
     run_id: str
-    backend: collectives.Backend = "tcp"
+    backend: collectives.Backend = "auto"
     collective_timeout: float = 300.0
     max_to_keep: int | None = 5
     async_save: bool = True
@@ -317,6 +317,9 @@ class Worker:
         groups: list[collectives.ProcessGroup] = []
         try:
             names = ["train", "checkpoint"] + (["snapshot"] if self.snapshots is not None else [])
+            # each agent is a node of its own, even where a test runs several on one host: shared memory only
+            # among the workers of a one-node generation; checkpoint and snapshot groups keep to the ring
+            train_backend = "tcp" if s.backend == "auto" and len(a.membership.members) > 1 else s.backend
             for name in names:  # async saves and snapshots run their collectives beside training's
                 # named by the sealed membership, not only its number: a run id used again (a job created
                 # again under its name, on the same volume) starts at generation 0 again
@@ -325,7 +328,7 @@ class Worker:
                     [m.workers for m in a.membership.members]).index(a.rank)
                 groups.append(collectives.ProcessGroup(
                     store_lib.RecordKeyStore(records, prefix), ring_rank, a.membership.world_size, a.generation,
-                    backend=s.backend if name == "train" else "tcp", host=host, timeout=s.collective_timeout,
+                    backend=train_backend if name == "train" else "tcp", host=host, timeout=s.collective_timeout,
                     device=a.local_rank, aborted=self.aborted))  # an abort ends its setup too
                 with self._groups_lock:
                     self._groups = list(groups)
