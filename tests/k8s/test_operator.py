@@ -214,12 +214,17 @@ def test_scale_down_deletes_the_highest_ranks(
 ) -> None:
     _create_job(api, namespace, k8s_helpers.valid_job("shrink", max_nodes=3))
     k8s_helpers.wait_for(lambda: len(_pods(api, namespace, "shrink")) == 3, "3 rank pods")
+    first = {p.metadata.labels["sneppx.io/membership-generation"] for p in _pods(api, namespace, "shrink")}
     _patch_job(api, namespace, "shrink", {"spec": {"elastic": {"maxNodes": 2}}})
-    names = k8s_helpers.wait_for(
-        lambda: (n := [p.metadata.name for p in _pods(api, namespace, "shrink")]) and len(n) == 2 and n,
-        "rank 2 deleted",
-    )
-    assert names == ["shrink-0", "shrink-1"]
+
+    def resized() -> list[str] | None:
+        # a resize is a new pod generation (another WORLD_SIZE): every pod is replaced, so pods are judged once
+        # the next generation's are all there, not at the first moment two pods exist
+        pods = _pods(api, namespace, "shrink")
+        generations = {p.metadata.labels["sneppx.io/membership-generation"] for p in pods}
+        return [p.metadata.name for p in pods] if len(pods) == 2 and not generations & first else None
+
+    assert k8s_helpers.wait_for(resized, "ranks 0-1 of the next generation, rank 2 gone") == ["shrink-0", "shrink-1"]
 
 
 def test_a_deleted_jobs_objects_are_garbage_collected(
