@@ -30,6 +30,7 @@
 #include <linux/futex.h>
 #include <math.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,7 +42,8 @@
 
 #define SHM_MAGIC 0x314d485358504e53ULL /* "SNPXSHM1" little-endian */
 #define MAX_LOCAL 1024
-#define SPINS 256 /* reads of a counter before sleeping on it */
+#define SPINS 256     /* reads of a counter before yielding the CPU between reads */
+#define YIELD_S 50e-6 /* then yielding (a peer that needs this core runs) this long before sleeping on it */
 #define PEER_CHECK_S 0.002 /* a dead peer is seen within about this */
 #define NAME_MAX_LEN 255
 
@@ -145,6 +147,7 @@ static int exited(sx_shm *c, int r) {
  * deadline. */
 static int wait_rank(sx_shm *c, int r, uint32_t target, double deadline) {
     uint32_t *word = &c->ranks[r].posted;
+    double yield_until = 0;
     for (int spin = 0;; spin++) {
         uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
         if ((int32_t)(seen - target) >= 0) return SX_OK;
@@ -153,6 +156,11 @@ static int wait_rank(sx_shm *c, int r, uint32_t target, double deadline) {
         if (rc != SX_OK) return rc;
         if (spin < SPINS) {
             cpu_relax();
+            continue;
+        }
+        if (spin == SPINS) yield_until = now_s() + YIELD_S;
+        if (now_s() < yield_until) { /* a futex sleep and wake costs more than a phase of a small chunk */
+            sched_yield();
             continue;
         }
         double left = deadline - now_s();
