@@ -172,3 +172,4 @@ def test_a_shm_group_is_a_process_group_like_any_other(tmp_path: Any) -> None:
             return data.tolist()
 
     assert run_ranks([None] * 3, lambda rank, _: train(rank)) == [[6.0] * 5] * 3
+

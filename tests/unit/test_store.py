@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -109,3 +110,30 @@ def test_a_group_reads_the_key_file_the_operator_mounts(tmp_path: os.PathLike[st
     for t in threads:
         t.join(120)
     assert sums == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_two_groups_of_one_generation_share_a_store_by_name(tmp_path: Any, backend: str) -> None:
+    shared = store.DirectoryStore(tmp_path)
+
+    def both(rank: int) -> list[float]:
+        kwargs = {"backend": backend, "key": b"k" * 32, "timeout": 30}
+        with collectives.ProcessGroup(shared, rank, 2, 4, **kwargs) as train, \
+                collectives.ProcessGroup(shared, rank, 2, 4, name="ckpt", **kwargs) as ckpt:
+            a, b = np.full(3, rank + 1.0), np.full(3, 10.0 * (rank + 1))
+            train.allreduce(a)
+            ckpt.allreduce(b)
+            return [*a, *b]
+
+    results: list[Any] = [None, None]
+    threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, both(r))) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == [[3.0] * 3 + [30.0] * 3] * 2
+    # without a name the second group's keys are the first's: create-only, so it is refused
+    with pytest.raises(errors.StoreKeyExistsError):
+        collectives.ProcessGroup(shared, 0, 2, 4, backend=backend, key=b"k" * 32, timeout=30)
+    with pytest.raises(ValueError, match="store key"):
+        collectives.ProcessGroup(shared, 0, 2, 4, backend=backend, key=b"k" * 32, timeout=30, name="../x")

@@ -342,6 +342,10 @@ class ProcessGroup:
     place). The CPU backends need the job key when world_size > 1. `backend` then says the one in use. `abort()`
     may be called from any thread.
 
+    name: several groups of one generation over one store (training's, and an async checkpoint coordinator's,
+    whose writer thread runs collectives beside training) each take a name: their keys live apart
+    (`store.Namespace`), so no second store is needed.
+
     aborted: an Event another thread may set while the constructor still connects (there is no group yet to
     call abort() on): setup then raises CollectiveAbortedError, as a collective that abort() ends does. The
     tcp backend sees it within _SETUP_POLL seconds at any step of setup; nccl while rank > 0 waits for rank 0's
@@ -351,11 +355,11 @@ class ProcessGroup:
     def __init__(self, store: store_lib.Store, rank: int, world_size: int, generation: int = 0, *,
                  backend: Backend = "auto", key: bytes | str | None = None, host: str = "127.0.0.1",
                  timeout: float = DEFAULT_TIMEOUT, chunk_bytes: int = 1 << 20, device: int = 0,
-                 aborted: threading.Event | None = None):
-        for name, value, low in (("world_size", world_size, 1), ("generation", generation, 0),
+                 aborted: threading.Event | None = None, name: str = ""):
+        for what, value, low in (("world_size", world_size, 1), ("generation", generation, 0),
                                  ("rank", rank, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+                raise ValueError(f"{what} must be an int >= {low}, got {value!r}")
         if rank >= world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if not timeout > 0 or timeout == float("inf"):
@@ -364,7 +368,9 @@ class ProcessGroup:
             raise ValueError(f"backend must be 'auto', 'tcp', 'shm' or 'nccl', got {backend!r}")
         if not 8 <= chunk_bytes <= 1 << 30:
             raise ValueError(f"chunk_bytes must be in 8..2^30, got {chunk_bytes}")
-        self.rank, self.world_size, self.generation = rank, world_size, generation
+        if name:
+            store = store_lib.Namespace(store, f"group/{name}")  # ValueError for a name no key may hold
+        self.rank, self.world_size, self.generation, self.name = rank, world_size, generation, name
         self.backend: Backend = backend
         self.timeout = timeout
         self.refused: Counter[str] = Counter()  # connections turned away during setup, by reason

@@ -53,6 +53,20 @@ def generation_key(generation: int, name: str) -> str:
     return check_key(f"gen-{generation}/{name}")
 
 
+class Namespace:
+    """A Store inside another, its keys under `prefix/`: the groups of one generation (training's, an async
+    checkpoint coordinator's) share one store without sharing a key (`ProcessGroup(name=...)`)."""
+
+    def __init__(self, store: Store, prefix: str):
+        self.store, self.prefix = store, check_key(prefix)
+
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(f"{self.prefix}/{check_key(key)}", value)
+
+    def get(self, key: str, timeout: float) -> bytes:
+        return self.store.get(f"{self.prefix}/{check_key(key)}", timeout)
+
+
 class DirectoryStore:
     """A Store in a local (or shared, NFS) directory: one file per key.
 
