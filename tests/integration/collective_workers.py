@@ -71,17 +71,19 @@ def battery(store_dir: str, rank: int, world: int, rounds: int, results: Any, ba
     results.put((rank, failures))
 
 
-def allreduce_forever(store_dir: str, rank: int, world: int, op_timeout: float, results: Any,
-                      backend: str = "tcp") -> None:
-    """Connects, reports ("ready", rank), then allreduces 4 MiB until a collective fails; reports
+def collective_forever(store_dir: str, rank: int, world: int, op_timeout: float, results: Any,
+                      backend: str = "tcp", op: str = "allreduce") -> None:
+    """Connects, reports ("ready", rank), then runs `op` on 4 MiB until a collective fails; reports
     ("failed", rank, error class name, blamed peer)."""
     group = connect(store_dir, rank, world, timeout=op_timeout, backend=backend)
     data = np.ones(1 << 20, np.float32)
+    calls = {"allreduce": group.allreduce, "reduce_scatter": group.reduce_scatter, "allgather": group.allgather,
+             "broadcast": group.broadcast, "barrier": lambda _: group.barrier()}
     group.barrier()
     results.put(("ready", rank))
     try:
         while True:
-            group.allreduce(data)
+            calls[op](data)
             data.fill(1.0)
     except errors.CollectiveError as e:
         results.put(("failed", rank, type(e).__name__, e.peer))

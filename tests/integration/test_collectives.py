@@ -44,7 +44,7 @@ def test_sigkill_of_a_rank_mid_allreduce_fails_every_other_rank_with_peer_lost(t
     victims_queue = multiprocessing.get_context("spawn").Queue()
     for rank in range(world):
         results = victims_queue if rank == victim else ranks.results
-        ranks.start(rank, workers.allreduce_forever, str(tmp_path), rank, world, 300.0, results)
+        ranks.start(rank, workers.collective_forever, str(tmp_path), rank, world, 300.0, results)
     assert sorted(ranks.get() for _ in range(world - 1)) == [("ready", r) for r in range(world) if r != victim]
     assert victims_queue.get(timeout=300) == ("ready", victim)
     os.kill(ranks.processes[victim].pid, signal.SIGKILL)
@@ -66,7 +66,7 @@ def test_sigstop_of_a_rank_times_out_the_others(tmp_path: os.PathLike[str], rank
     victims_queue = multiprocessing.get_context("spawn").Queue()
     for rank in range(world):
         results = victims_queue if rank == victim else ranks.results
-        ranks.start(rank, workers.allreduce_forever, str(tmp_path), rank, world, 3.0, results)
+        ranks.start(rank, workers.collective_forever, str(tmp_path), rank, world, 3.0, results)
     assert sorted(ranks.get() for _ in range(world - 1)) == [("ready", r) for r in range(world) if r != victim]
     assert victims_queue.get(timeout=300) == ("ready", victim)
     os.kill(ranks.processes[victim].pid, signal.SIGSTOP)
@@ -101,15 +101,19 @@ def test_shared_memory_collectives_match_numpy(tmp_path: os.PathLike[str], ranks
     assert reports == {rank: [] for rank in range(world)}
 
 
+SHM_OPS = ["allreduce", "reduce_scatter", "allgather", "broadcast", "barrier"]
+
+
+@pytest.mark.parametrize("op", SHM_OPS)
 def test_sigkill_of_a_rank_over_shared_memory_names_it_on_every_survivor(tmp_path: os.PathLike[str],
-                                                                        ranks: Ranks) -> None:
+                                                                        ranks: Ranks, op: str) -> None:
     """Shared memory closes nothing when a process dies: each survivor learns it from the victim's pidfd, or
     from the first survivor's record of it, and every one names the victim (the ring names a neighbour)."""
     world, victim = 4, 2
     victims_queue = multiprocessing.get_context("spawn").Queue()
     for rank in range(world):
         results = victims_queue if rank == victim else ranks.results
-        ranks.start(rank, workers.allreduce_forever, str(tmp_path), rank, world, 300.0, results, "shm")
+        ranks.start(rank, workers.collective_forever, str(tmp_path), rank, world, 300.0, results, "shm", op)
     assert sorted(ranks.get() for _ in range(world - 1)) == [("ready", r) for r in range(world) if r != victim]
     assert victims_queue.get(timeout=300) == ("ready", victim)
     os.kill(ranks.processes[victim].pid, signal.SIGKILL)
@@ -117,12 +121,14 @@ def test_sigkill_of_a_rank_over_shared_memory_names_it_on_every_survivor(tmp_pat
     assert reports == [("failed", r, "PeerLostError", victim) for r in range(world) if r != victim]
 
 
-def test_sigstop_of_a_rank_over_shared_memory_times_out_the_others(tmp_path: os.PathLike[str], ranks: Ranks) -> None:
+@pytest.mark.parametrize("op", SHM_OPS)
+def test_sigstop_of_a_rank_over_shared_memory_times_out_the_others(tmp_path: os.PathLike[str], ranks: Ranks,
+                                                                   op: str) -> None:
     world, victim = 3, 1
     victims_queue = multiprocessing.get_context("spawn").Queue()
     for rank in range(world):
         results = victims_queue if rank == victim else ranks.results
-        ranks.start(rank, workers.allreduce_forever, str(tmp_path), rank, world, 3.0, results, "shm")
+        ranks.start(rank, workers.collective_forever, str(tmp_path), rank, world, 3.0, results, "shm", op)
     assert sorted(ranks.get() for _ in range(world - 1)) == [("ready", r) for r in range(world) if r != victim]
     assert victims_queue.get(timeout=300) == ("ready", victim)
     os.kill(ranks.processes[victim].pid, signal.SIGSTOP)
