@@ -486,10 +486,15 @@ def elastic_scene(args: argparse.Namespace, console: Any) -> bool:
             for e in log.poll():
                 display.show(e)
             if display.killed_at is None and display.step >= args.kill_at:
+                # half a step later: after that step's snapshot reached its peers, before the next one's (a
+                # failure while a snapshot is in flight redoes that step: `python -m bench elastic` times
+                # failures at random moments)
+                time.sleep(args.min_step_time / 2)
                 display.killed_at = kill_node(run_id, KILLED_NODE)
                 display.say(f"[bold red]step {display.step}: SIGKILL to {KILLED_NODE}[/] (its agent and its "
                             f"{WORKERS_PER_NODE} workers: a node failure)")
-            time.sleep(0.05)
+            near = display.killed_at is None and display.step >= args.kill_at - 2
+            time.sleep(0.005 if near else 0.05)  # the step to kill at is seen within a few ms
         if child.poll() is None:  # past the deadline: end the run (the story check below fails)
             for pid in [child.pid] + [pid for pid, role, *_ in run_processes(run_id) if role == "agent"]:
                 os.killpg(pid, signal.SIGKILL)
