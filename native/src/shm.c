@@ -233,7 +233,11 @@ int sx_shm_create(const char *name, int create, int rank, int world_size, uint64
     }
     struct stat st;
     int rc = SX_OK;
-    if (create && ftruncate(fd, (off_t)c->size) != 0) rc = SX_ENOMEM;
+    if (create) { /* reserved now: a tmpfs too small (a container's 64 MiB /dev/shm) is an error here, not a
+                   * SIGBUS on first touch in the middle of a collective */
+        int e = posix_fallocate(fd, 0, (off_t)c->size);
+        if (e) { sx_record_errno(e); rc = e == ENOSPC ? SX_ENOSPC : SX_EIO; }
+    }
     if (rc == SX_OK && (fstat(fd, &st) != 0 || (size_t)st.st_size != c->size)) rc = SX_EPROTO; /* not ours */
     if (rc == SX_OK) {
         void *base = mmap(NULL, c->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

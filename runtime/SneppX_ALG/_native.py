@@ -640,7 +640,7 @@ class ShmComm(_Communicator):
                  slot_bytes: int = 1 << 20):
         out = ffi.new("sx_shm **")
         code = lib.sx_shm_create(name.encode(), int(create), rank, world_size, generation, slot_bytes, out)
-        if code in (lib.SX_ENOENT, lib.SX_EEXIST, lib.SX_EPERM, lib.SX_EIO, lib.SX_ENOMEM):
+        if code in (lib.SX_ENOENT, lib.SX_EEXIST, lib.SX_EPERM, lib.SX_EIO, lib.SX_ENOMEM, lib.SX_ENOSPC):
             raise_for(code, f"shared-memory segment {name}")
         raise_collective(code, "create shared-memory communicator", rank=rank, generation=generation)
         super().__init__(out[0], rank, world_size, generation)

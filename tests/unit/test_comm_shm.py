@@ -159,6 +159,14 @@ def test_a_shm_group_with_a_rank_on_another_host_is_refused_by_every_rank(tmp_pa
                for e in results), results
 
 
+def test_a_host_key_keeps_ranks_of_one_machine_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    from SneppX_ALG.elastic import collectives
+
+    here = collectives.host_identity()
+    monkeypatch.setenv(collectives.ENV_HOST_KEY, "numa-1")
+    assert collectives.host_identity() != here and collectives.host_identity().startswith(here)
+
+
 def test_a_shm_group_is_a_process_group_like_any_other(tmp_path: Any) -> None:
     from SneppX_ALG.elastic import collectives, store
 
@@ -173,3 +181,31 @@ def test_a_shm_group_is_a_process_group_like_any_other(tmp_path: Any) -> None:
 
     assert run_ranks([None] * 3, lambda rank, _: train(rank)) == [[6.0] * 5] * 3
 
+
+
+@pytest.mark.parametrize("backend", ["auto", "shm"])
+def test_a_dev_shm_without_room_means_the_ring_or_a_clear_error(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                 backend: str) -> None:
+    from SneppX_ALG.elastic import collectives, store
+
+    real = _native.ShmComm
+
+    def small_dev_shm(name: str, rank: int, world: int, generation: int, *, create: bool, slot_bytes: int) -> Any:
+        if create:  # what posix_fallocate reports on a full tmpfs
+            raise errors.DiskFullError(f"shared-memory segment {name}: no space left on device")
+        return real(name, rank, world, generation, create=create, slot_bytes=slot_bytes)
+
+    monkeypatch.setattr(_native, "ShmComm", small_dev_shm)
+
+    def join(rank: int) -> Any:
+        with collectives.ProcessGroup(store.DirectoryStore(tmp_path), rank, 2, 1, backend=backend, key=b"k" * 32,
+                                      timeout=30) as group:
+            data = np.full(2, rank + 1.0)
+            group.allreduce(data)
+            return group.backend, data.tolist()
+
+    results = run_ranks([None, None], lambda rank, _: join(rank))
+    if backend == "auto":
+        assert results == [("tcp", [3.0, 3.0])] * 2
+    else:
+        assert all(isinstance(e, errors.CommProtocolError) and "no room" in str(e) for e in results), results

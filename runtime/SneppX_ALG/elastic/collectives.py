@@ -73,13 +73,17 @@ def shm_key(generation: int, what: str) -> str:
     return store_lib.generation_key(generation, f"comm/shm/{what}")
 
 
+ENV_HOST_KEY = "SNEPPX_HOST_KEY"
+
+
 def host_identity() -> str:
     """What ranks that can share memory have in common: the machine's boot, the /dev/shm they see and their PID
-    namespace (pods on one node share the boot, but neither /dev/shm nor PIDs)."""
+    namespace (pods on one node share the boot, but neither /dev/shm nor PIDs), and $SNEPPX_HOST_KEY if set (a
+    launcher that wants ranks of one machine kept apart, e.g. one group per NUMA node, gives each its own)."""
     with open("/proc/sys/kernel/random/boot_id") as f:
         boot = f.read().strip()
     shm, pids = os.stat("/dev/shm"), os.stat("/proc/self/ns/pid")
-    return f"{boot}:{shm.st_dev}:{shm.st_ino}:{pids.st_ino}"
+    return f"{boot}:{shm.st_dev}:{shm.st_ino}:{pids.st_ino}:{os.environ.get(ENV_HOST_KEY, '')}"
 
 
 def shm_name(key: bytes, generation: int, nonce: bytes) -> str:
@@ -428,12 +432,19 @@ class ProcessGroup:
         hosts = [json.loads(self._poll_store(store, shm_key(g, f"host/{r}"), deadline, aborted,
                                              f"host of rank {r}", r))["host"] for r in range(self.world_size)]
         elsewhere = ", ".join(str(r) for r, host in enumerate(hosts) if host != hosts[0])
-        comm = None
+        comm, full = None, ""
         if not elsewhere:
             nonce = secrets.token_bytes(16)
-            comm = _native.ShmComm(shm_name(key, g, nonce), 0, self.world_size, g, create=True,
-                                   slot_bytes=slot_bytes)
+            try:
+                comm = _native.ShmComm(shm_name(key, g, nonce), 0, self.world_size, g, create=True,
+                                       slot_bytes=slot_bytes)
+            except errors.DiskFullError as e:  # /dev/shm too small for the segment (a container's default)
+                full = str(e)
+        if comm is not None:
             outcome = {"nonce": nonce.hex()}  # published once the segment exists
+        elif full:
+            outcome = {"ring": f"/dev/shm has no room for the segment: {full}"} if backend == "auto" else \
+                {"error": f"backend 'shm': /dev/shm has no room for the segment: {full}"}
         elif backend == "auto":
             outcome = {"ring": f"rank(s) {elsewhere} on other hosts"}
         else:
