@@ -587,11 +587,48 @@ class _Communicator:
                 type(self)._destroy(handle)
 
 
-class Comm(_Communicator):
+class _HostCollectives(_Communicator):
+    """The calls the two CPU communicators share, each through its class's C function of that name (sx_comm_* or
+    sx_shm_*): both take host buffers and the same dtype and op codes."""
+
+    _failed_peer: Any
+    _allreduce: Any
+    _reduce_scatter: Any
+    _allgather: Any
+    _broadcast: Any
+    _barrier: Any
+
+    def _blamed(self) -> int | None:
+        peer = int(type(self)._failed_peer(self._handle))
+        return peer if peer >= 0 else None
+
+    def allreduce(self, data: Any, count: int, dtype: str, op: str, timeout: float) -> None:
+        buf = _check_buffer(data, count, dtype, REDUCE_DTYPES)
+        self._call("allreduce", type(self)._allreduce, buf, count, COMM_DTYPES[dtype], REDUCE_OPS[op], timeout)
+
+    def reduce_scatter(self, data: Any, count: int, dtype: str, op: str, timeout: float) -> None:
+        buf = _check_buffer(data, count, dtype, REDUCE_DTYPES)
+        self._call("reduce_scatter", type(self)._reduce_scatter, buf, count, COMM_DTYPES[dtype], REDUCE_OPS[op],
+                   timeout)
+
+    def allgather(self, data: Any, count: int, dtype: str, timeout: float) -> None:
+        buf = _check_buffer(data, count, dtype, COMM_DTYPES)
+        self._call("allgather", type(self)._allgather, buf, count, COMM_DTYPES[dtype], timeout)
+
+    def broadcast(self, data: Any, root: int, timeout: float) -> None:
+        buf = as_buffer(data)
+        self._call("broadcast", type(self)._broadcast, buf, len(buf), root, timeout)
+
+    def barrier(self, timeout: float) -> None:
+        self._call("barrier", type(self)._barrier, timeout)
+
+
+class Comm(_HostCollectives):
     """One rank's end of the TCP ring (sx_comm_* in sneppx.h). Owns both sockets from construction on."""
 
-    _abort = lib.sx_comm_abort
-    _destroy = lib.sx_comm_destroy
+    _abort, _destroy, _failed_peer = lib.sx_comm_abort, lib.sx_comm_destroy, lib.sx_comm_failed_peer
+    _allreduce, _reduce_scatter, _allgather = lib.sx_comm_allreduce, lib.sx_comm_reduce_scatter, lib.sx_comm_allgather
+    _broadcast, _barrier = lib.sx_comm_broadcast, lib.sx_comm_barrier
 
     def __init__(self, rank: int, world_size: int, generation: int, send_fd: int = -1, recv_fd: int = -1,
                  chunk_bytes: int = 0):
@@ -600,41 +637,18 @@ class Comm(_Communicator):
         raise_collective(code, "create communicator", rank=rank, generation=generation)
         super().__init__(out[0], rank, world_size, generation)
 
-    def _blamed(self) -> int | None:
-        peer = int(lib.sx_comm_failed_peer(self._handle))
-        return peer if peer >= 0 else None
-
-    def allreduce(self, data: Any, count: int, dtype: str, op: str, timeout: float) -> None:
-        buf = _check_buffer(data, count, dtype, REDUCE_DTYPES)
-        self._call("allreduce", lib.sx_comm_allreduce, buf, count, COMM_DTYPES[dtype], REDUCE_OPS[op], timeout)
-
-    def reduce_scatter(self, data: Any, count: int, dtype: str, op: str, timeout: float) -> None:
-        buf = _check_buffer(data, count, dtype, REDUCE_DTYPES)
-        self._call("reduce_scatter", lib.sx_comm_reduce_scatter, buf, count, COMM_DTYPES[dtype], REDUCE_OPS[op],
-                   timeout)
-
-    def allgather(self, data: Any, count: int, dtype: str, timeout: float) -> None:
-        buf = _check_buffer(data, count, dtype, COMM_DTYPES)
-        self._call("allgather", lib.sx_comm_allgather, buf, count, COMM_DTYPES[dtype], timeout)
-
-    def broadcast(self, data: Any, root: int, timeout: float) -> None:
-        buf = as_buffer(data)
-        self._call("broadcast", lib.sx_comm_broadcast, buf, len(buf), root, timeout)
-
     def shift(self, send: Any, recv: Any, timeout: float) -> None:
         send_buf, recv_buf = as_buffer(send), as_buffer(recv)
         self._call("shift", lib.sx_comm_shift, send_buf, len(send_buf), recv_buf, len(recv_buf), timeout)
 
-    def barrier(self, timeout: float) -> None:
-        self._call("barrier", lib.sx_comm_barrier, timeout)
 
-
-class ShmComm(_Communicator):
+class ShmComm(_HostCollectives):
     """One rank's end of a shared-memory group on one host (sx_shm_* in sneppx.h): rank 0 creates the segment
     `name` (create=True), the others open it; wait_attached() then returns once every rank has mapped it."""
 
-    _abort = lib.sx_shm_abort
-    _destroy = lib.sx_shm_destroy
+    _abort, _destroy, _failed_peer = lib.sx_shm_abort, lib.sx_shm_destroy, lib.sx_shm_failed_peer
+    _allreduce, _reduce_scatter, _allgather = lib.sx_shm_allreduce, lib.sx_shm_reduce_scatter, lib.sx_shm_allgather
+    _broadcast, _barrier = lib.sx_shm_broadcast, lib.sx_shm_barrier
 
     def __init__(self, name: str, rank: int, world_size: int, generation: int, *, create: bool,
                  slot_bytes: int = 1 << 20):
@@ -645,32 +659,8 @@ class ShmComm(_Communicator):
         raise_collective(code, "create shared-memory communicator", rank=rank, generation=generation)
         super().__init__(out[0], rank, world_size, generation)
 
-    def _blamed(self) -> int | None:
-        peer = int(lib.sx_shm_failed_peer(self._handle))
-        return peer if peer >= 0 else None
-
     def wait_attached(self, timeout: float) -> None:
         self._call("setup (every rank mapping the segment)", lib.sx_shm_wait_attached, timeout)
-
-    def allreduce(self, data: Any, count: int, dtype: str, op: str, timeout: float) -> None:
-        buf = _check_buffer(data, count, dtype, REDUCE_DTYPES)
-        self._call("allreduce", lib.sx_shm_allreduce, buf, count, COMM_DTYPES[dtype], REDUCE_OPS[op], timeout)
-
-    def reduce_scatter(self, data: Any, count: int, dtype: str, op: str, timeout: float) -> None:
-        buf = _check_buffer(data, count, dtype, REDUCE_DTYPES)
-        self._call("reduce_scatter", lib.sx_shm_reduce_scatter, buf, count, COMM_DTYPES[dtype], REDUCE_OPS[op],
-                   timeout)
-
-    def allgather(self, data: Any, count: int, dtype: str, timeout: float) -> None:
-        buf = _check_buffer(data, count, dtype, COMM_DTYPES)
-        self._call("allgather", lib.sx_shm_allgather, buf, count, COMM_DTYPES[dtype], timeout)
-
-    def broadcast(self, data: Any, root: int, timeout: float) -> None:
-        buf = as_buffer(data)
-        self._call("broadcast", lib.sx_shm_broadcast, buf, len(buf), root, timeout)
-
-    def barrier(self, timeout: float) -> None:
-        self._call("barrier", lib.sx_shm_barrier, timeout)
 
 
 def nccl_candidates(sys_path: list[str], env: dict[str, str]) -> list[str]:

@@ -34,19 +34,26 @@ def test_every_collective_matches_numpy(tmp_path: os.PathLike[str], ranks: Ranks
     assert reports == {rank: [] for rank in range(world)}
 
 
+def start_until_ready(ranks: Ranks, tmp_path: os.PathLike[str], world: int, victim: int, op_timeout: float,
+                      *args: str) -> None:
+    """Starts `world` ranks running a collective without end (collective_workers.collective_forever, with
+    `args`: backend, op) and returns once all are in it. The victim reports on a queue of its own: a queue's
+    writers share a lock, which its feeder thread may still hold for a moment after the parent read its "ready";
+    killed or stopped then, it would block every other report (seen once in CI: none for 300 s, {2: -9})."""
+    victims_queue = multiprocessing.get_context("spawn").Queue()
+    for rank in range(world):
+        results = victims_queue if rank == victim else ranks.results
+        ranks.start(rank, workers.collective_forever, str(tmp_path), rank, world, op_timeout, results, *args)
+    assert sorted(ranks.get() for _ in range(world - 1)) == [("ready", r) for r in range(world) if r != victim]
+    assert victims_queue.get(timeout=300) == ("ready", victim)
+
+
 def test_sigkill_of_a_rank_mid_allreduce_fails_every_other_rank_with_peer_lost(tmp_path: os.PathLike[str],
                                                                                ranks: Ranks) -> None:
     """The deadline is 5 minutes: PeerLostError (not a timeout) shows each survivor heard of the death itself,
     through the ring's shut connections, long before it."""
     world, victim = 4, 2
-    # The victim reports on a queue of its own, as in the SIGSTOP test below: killed while its feeder thread held
-    # the shared queue's lock, it would block every other report (seen once in CI: none for 300 s, {2: -9}).
-    victims_queue = multiprocessing.get_context("spawn").Queue()
-    for rank in range(world):
-        results = victims_queue if rank == victim else ranks.results
-        ranks.start(rank, workers.collective_forever, str(tmp_path), rank, world, 300.0, results)
-    assert sorted(ranks.get() for _ in range(world - 1)) == [("ready", r) for r in range(world) if r != victim]
-    assert victims_queue.get(timeout=300) == ("ready", victim)
+    start_until_ready(ranks, tmp_path, world, victim, 300.0)
     os.kill(ranks.processes[victim].pid, signal.SIGKILL)
     reports = sorted(ranks.get() for _ in range(world - 1))
     assert [r[:3] for r in reports] == [("failed", r, "PeerLostError") for r in range(world) if r != victim]
@@ -61,14 +68,7 @@ def test_sigstop_of_a_rank_times_out_the_others(tmp_path: os.PathLike[str], rank
     """A stopped rank keeps its connections open: only the deadline (3 s here) can end the others' wait. The
     first to time out shuts its connections, so a rank may learn it as PeerLostError instead."""
     world, victim = 3, 1
-    # The victim reports on a queue of its own: a queue's writers share a lock, which its feeder thread may still
-    # hold for a moment after the parent read its "ready". Stopped then, it would block every other report.
-    victims_queue = multiprocessing.get_context("spawn").Queue()
-    for rank in range(world):
-        results = victims_queue if rank == victim else ranks.results
-        ranks.start(rank, workers.collective_forever, str(tmp_path), rank, world, 3.0, results)
-    assert sorted(ranks.get() for _ in range(world - 1)) == [("ready", r) for r in range(world) if r != victim]
-    assert victims_queue.get(timeout=300) == ("ready", victim)
+    start_until_ready(ranks, tmp_path, world, victim, 3.0)
     os.kill(ranks.processes[victim].pid, signal.SIGSTOP)
     try:
         reports = [ranks.get() for _ in range(world - 1)]
@@ -110,12 +110,7 @@ def test_sigkill_of_a_rank_over_shared_memory_names_it_on_every_survivor(tmp_pat
     """Shared memory closes nothing when a process dies: each survivor learns it from the victim's pidfd, or
     from the first survivor's record of it, and every one names the victim (the ring names a neighbour)."""
     world, victim = 4, 2
-    victims_queue = multiprocessing.get_context("spawn").Queue()
-    for rank in range(world):
-        results = victims_queue if rank == victim else ranks.results
-        ranks.start(rank, workers.collective_forever, str(tmp_path), rank, world, 300.0, results, "shm", op)
-    assert sorted(ranks.get() for _ in range(world - 1)) == [("ready", r) for r in range(world) if r != victim]
-    assert victims_queue.get(timeout=300) == ("ready", victim)
+    start_until_ready(ranks, tmp_path, world, victim, 300.0, "shm", op)
     os.kill(ranks.processes[victim].pid, signal.SIGKILL)
     reports = sorted(ranks.get() for _ in range(world - 1))
     assert reports == [("failed", r, "PeerLostError", victim) for r in range(world) if r != victim]
@@ -125,12 +120,7 @@ def test_sigkill_of_a_rank_over_shared_memory_names_it_on_every_survivor(tmp_pat
 def test_sigstop_of_a_rank_over_shared_memory_times_out_the_others(tmp_path: os.PathLike[str], ranks: Ranks,
                                                                    op: str) -> None:
     world, victim = 3, 1
-    victims_queue = multiprocessing.get_context("spawn").Queue()
-    for rank in range(world):
-        results = victims_queue if rank == victim else ranks.results
-        ranks.start(rank, workers.collective_forever, str(tmp_path), rank, world, 3.0, results, "shm", op)
-    assert sorted(ranks.get() for _ in range(world - 1)) == [("ready", r) for r in range(world) if r != victim]
-    assert victims_queue.get(timeout=300) == ("ready", victim)
+    start_until_ready(ranks, tmp_path, world, victim, 3.0, "shm", op)
     os.kill(ranks.processes[victim].pid, signal.SIGSTOP)
     try:
         reports = [ranks.get() for _ in range(world - 1)]

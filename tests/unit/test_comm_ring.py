@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from ranks_on_threads import NUMPY_OPS, inputs, run_ranks
 
 from SneppX_ALG import _native, errors
 
@@ -35,34 +36,6 @@ def make_ring(world: int, generation: int = 7, chunk_bytes: int = 0) -> list[_na
         a.close()
         b.close()
     return comms
-
-
-def run_ranks(comms: list[_native.Comm], fn: Callable[[int, _native.Comm], Any]) -> list[Any]:
-    """fn(rank, comm) on one thread per rank; returns each result or the exception it raised."""
-    results: list[Any] = [None] * len(comms)
-
-    def body(rank: int) -> None:
-        try:
-            results[rank] = fn(rank, comms[rank])
-        except Exception as e:  # noqa: BLE001 - handed back to the test to assert on
-            results[rank] = e
-
-    threads = [threading.Thread(target=body, args=(rank,)) for rank in range(len(comms))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return results
-
-
-def inputs(world: int, count: int, dtype: str, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    if dtype.startswith("int"):
-        return [rng.integers(-1000, 1000, count).astype(dtype) for _ in range(world)]
-    return [rng.standard_normal(count).astype(dtype) for _ in range(world)]
-
-
-NUMPY_OPS = {"sum": np.sum, "max": np.max, "min": np.min}
 
 
 @given(count=st.integers(0, 2**64 - 1), world=st.integers(1, 65536), data=st.data())

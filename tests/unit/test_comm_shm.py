@@ -7,15 +7,14 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
+from ranks_on_threads import NUMPY_OPS, inputs, run_ranks
 
 from SneppX_ALG import _native, errors
 
-NUMPY_OPS = {"sum": np.sum, "max": np.max, "min": np.min}
 TOLERANCE = {"float32": 1e-5, "float64": 1e-12, "int32": 0, "int64": 0}  # sums in another order; integers exact
 
 
@@ -25,31 +24,6 @@ def make_group(world: int, generation: int = 3, slot_bytes: int = 4096) -> list[
              for rank in range(world)]
     run_ranks(comms, lambda rank, comm: comm.wait_attached(30))
     return comms
-
-
-def run_ranks(comms: list[Any], fn: Callable[[int, Any], Any]) -> list[Any]:
-    """fn(rank, comm) on one thread per rank; returns each result or the exception it raised."""
-    results: list[Any] = [None] * len(comms)
-
-    def body(rank: int) -> None:
-        try:
-            results[rank] = fn(rank, comms[rank])
-        except Exception as e:  # noqa: BLE001 - handed back to the test to assert on
-            results[rank] = e
-
-    threads = [threading.Thread(target=body, args=(rank,)) for rank in range(len(comms))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return results
-
-
-def inputs(world: int, count: int, dtype: str, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    if dtype.startswith("int"):
-        return [rng.integers(-10**6, 10**6, count).astype(dtype) for _ in range(world)]
-    return [rng.standard_normal(count).astype(dtype) for _ in range(world)]
 
 
 def each(comms: list[_native.ShmComm], method: str, data: list[np.ndarray], *args: Any) -> list[np.ndarray]:
@@ -180,7 +154,6 @@ def test_a_shm_group_is_a_process_group_like_any_other(tmp_path: Any) -> None:
             return data.tolist()
 
     assert run_ranks([None] * 3, lambda rank, _: train(rank)) == [[6.0] * 5] * 3
-
 
 
 @pytest.mark.parametrize("backend", ["auto", "shm"])
