@@ -32,12 +32,16 @@ def rank_input(count: int, dtype: str, round_: int, rank: int) -> np.ndarray:
     return rng.standard_normal(count).astype(dtype)
 
 
-def battery(store_dir: str, rank: int, world: int, rounds: int, results: Any, backend: str = "tcp") -> None:
+def battery(store_dir: str, rank: int, world: int, rounds: int, results: Any, backend: str = "tcp",
+            host_key: str = "") -> None:
     """Every collective against numpy: the fixed sizes 0, 1, odd, world +- 1 and large, then `rounds` rounds of
     random sizes, dtypes and ops (the same draws on every rank). Puts (rank, [failure, ...])."""
     failures: list[str] = []
+    os.environ[collectives.ENV_HOST_KEY] = host_key  # ranks with different keys are on different "hosts"
     try:
         group = connect(store_dir, rank, world, chunk_bytes=1 << 16, backend=backend)
+        if host_key and type(group._comm).__name__ != "_Hierarchical":
+            failures.append(f"rank {rank}: not the hierarchical path but {type(group._comm).__name__}")
         draw = np.random.default_rng(7)
         fixed = [0, 1, 1001, world + 1, max(world - 1, 0), (1 << 20) + 3]
         for round_ in range(len(fixed) + rounds):
@@ -72,9 +76,10 @@ def battery(store_dir: str, rank: int, world: int, rounds: int, results: Any, ba
 
 
 def collective_forever(store_dir: str, rank: int, world: int, op_timeout: float, results: Any,
-                      backend: str = "tcp", op: str = "allreduce") -> None:
+                       backend: str = "tcp", op: str = "allreduce", host_key: str = "") -> None:
     """Connects, reports ("ready", rank), then runs `op` on 4 MiB until a collective fails; reports
     ("failed", rank, error class name, blamed peer)."""
+    os.environ[collectives.ENV_HOST_KEY] = host_key
     group = connect(store_dir, rank, world, timeout=op_timeout, backend=backend)
     data = np.ones(1 << 20, np.float32)
     calls = {"allreduce": group.allreduce, "reduce_scatter": group.reduce_scatter, "allgather": group.allgather,
@@ -87,6 +92,7 @@ def collective_forever(store_dir: str, rank: int, world: int, op_timeout: float,
             data.fill(1.0)
     except errors.CollectiveError as e:
         results.put(("failed", rank, type(e).__name__, e.peer))
+        time.sleep(600)  # alive until the test ends (the fixture kills it): the others learn from the group
 
 
 def abort_while_peer_is_away(store_dir: str, rank: int, peer_may_go: Any, results: Any,

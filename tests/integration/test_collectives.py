@@ -35,15 +35,17 @@ def test_every_collective_matches_numpy(tmp_path: os.PathLike[str], ranks: Ranks
 
 
 def start_until_ready(ranks: Ranks, tmp_path: os.PathLike[str], world: int, victim: int, op_timeout: float,
-                      *args: str) -> None:
+                      *args: str, per_host: int = 0) -> None:
     """Starts `world` ranks running a collective without end (collective_workers.collective_forever, with
-    `args`: backend, op) and returns once all are in it. The victim reports on a queue of its own: a queue's
+    `args`: backend, op; with per_host, that many ranks per "host": SNEPPX_HOST_KEY) and returns once all are
+    in it. The victim reports on a queue of its own: a queue's
     writers share a lock, which its feeder thread may still hold for a moment after the parent read its "ready";
     killed or stopped then, it would block every other report (seen once in CI: none for 300 s, {2: -9})."""
     victims_queue = multiprocessing.get_context("spawn").Queue()
     for rank in range(world):
         results = victims_queue if rank == victim else ranks.results
-        ranks.start(rank, workers.collective_forever, str(tmp_path), rank, world, op_timeout, results, *args)
+        host = [f"host-{rank // per_host}"] if per_host else []
+        ranks.start(rank, workers.collective_forever, str(tmp_path), rank, world, op_timeout, results, *args, *host)
     assert sorted(ranks.get() for _ in range(world - 1)) == [("ready", r) for r in range(world) if r != victim]
     assert victims_queue.get(timeout=300) == ("ready", victim)
 
@@ -91,6 +93,32 @@ def test_abort_from_a_thread_ends_the_call_and_the_peer_learns_at_once(tmp_path:
 
 
 # ---- the same over shared memory (backend="shm": every rank on this host) -------------------------------------
+
+
+@pytest.mark.parametrize(("hosts", "per_host"), [(2, 2), (2, 3), (3, 2)])
+def test_hierarchical_collectives_over_hosts_match_numpy(tmp_path: os.PathLike[str], ranks: Ranks, hosts: int,
+                                                         per_host: int) -> None:
+    """Ranks with different SNEPPX_HOST_KEY count as different hosts: shared memory inside each, a ring per
+    local index between them."""
+    world = hosts * per_host
+    for rank in range(world):
+        ranks.start(rank, workers.battery, str(tmp_path), rank, world, 8, ranks.results, "auto",
+                    f"host-{rank // per_host}")
+    reports = dict(ranks.get() for _ in range(world))
+    assert reports == {rank: [] for rank in range(world)}
+
+
+@pytest.mark.parametrize("op", ["allreduce", "broadcast", "barrier"])
+def test_sigkill_of_a_rank_on_one_host_fails_every_rank_of_every_host(tmp_path: os.PathLike[str], ranks: Ranks,
+                                                                      op: str) -> None:
+    """Rank 2 shares no group with the victim (hosts {0, 1} and {2, 3}; rings {0, 2} and {1, 3}): it learns
+    because a rank that fails in one group fails its other group too (the deadline, 30 s, would say
+    CollectiveTimeoutError: every rank stays alive after its failure)."""
+    world, victim = 4, 1
+    start_until_ready(ranks, tmp_path, world, victim, 30.0, "auto", op, per_host=2)
+    os.kill(ranks.processes[victim].pid, signal.SIGKILL)
+    reports = sorted(ranks.get() for _ in range(world - 1))
+    assert [r[:3] for r in reports] == [("failed", r, "PeerLostError") for r in range(world) if r != victim]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

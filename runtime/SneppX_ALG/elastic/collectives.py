@@ -393,7 +393,10 @@ class ProcessGroup:
         job_key = heartbeat.load_key(key, os.environ)
         segment = self._open_segment(store, backend, job_key, chunk_bytes & ~63, deadline, aborted) \
             if backend != "tcp" else None
-        if segment is not None:
+        if isinstance(segment, list):  # several hosts, as many ranks on each
+            self.backend = "shm"
+            self._comm = self._connect_hierarchical(store, segment, job_key, host, chunk_bytes, deadline, aborted)
+        elif segment is not None:
             self.backend = "shm"
             self._comm = self._attach(segment, deadline, aborted)
         else:
@@ -413,11 +416,12 @@ class ProcessGroup:
                             chunk_bytes)
 
     def _open_segment(self, store: store_lib.Store, backend: Backend, key: bytes, slot_bytes: int, deadline: float,
-                      aborted: threading.Event | None) -> _native.ShmComm | None:
+                      aborted: threading.Event | None) -> _native.ShmComm | list[list[int]] | None:
         """Shared memory or the ring ("auto"), shared memory or an error ("shm"): every rank publishes where it runs
         (`host_identity`); rank 0 reads them all, creates the segment if they are one host, and publishes the
         outcome (its nonce); the others read it and open the segment (2N store operations, not N^2). Returns this
-        rank's end of the segment, or None for the ring."""
+        rank's end of the segment, None for the ring, or the ranks of each host when there are several hosts with
+        as many ranks (at least 2) on each: shared memory inside each, a ring between (`_Hierarchical`)."""
         g, rank = self.generation, self.rank
         store.set(shm_key(g, f"host/{rank}"), json.dumps({"host": host_identity()}).encode())
         if rank != 0:
@@ -425,6 +429,8 @@ class ProcessGroup:
                                                   "transport from rank 0", 0))
             if "error" in outcome:
                 raise errors.CommProtocolError(outcome["error"], rank=rank, generation=g, peer=0)
+            if "hosts" in outcome:
+                return [[int(r) for r in ranks] for ranks in outcome["hosts"]]
             if "nonce" not in outcome:
                 return None
             return _native.ShmComm(shm_name(key, g, bytes.fromhex(outcome["nonce"])), rank, self.world_size, g,
@@ -432,6 +438,13 @@ class ProcessGroup:
         hosts = [json.loads(self._poll_store(store, shm_key(g, f"host/{r}"), deadline, aborted,
                                              f"host of rank {r}", r))["host"] for r in range(self.world_size)]
         elsewhere = ", ".join(str(r) for r, host in enumerate(hosts) if host != hosts[0])
+        by_host: dict[str, list[int]] = {}
+        for r, host in enumerate(hosts):
+            by_host.setdefault(host, []).append(r)
+        groups = list(by_host.values())
+        if elsewhere and len({len(ranks) for ranks in groups}) == 1 and len(groups[0]) > 1:
+            store.set(shm_key(g, "segment"), json.dumps({"hosts": groups}).encode())
+            return groups
         comm, full = None, ""
         if not elsewhere:
             nonce = secrets.token_bytes(16)
@@ -459,6 +472,34 @@ class ProcessGroup:
         if "error" in outcome:
             raise errors.CommProtocolError(outcome["error"], rank=rank, generation=g, peer=0)
         return comm
+
+    def _connect_hierarchical(self, store: store_lib.Store, hosts: list[list[int]], key: bytes, host: str,
+                              chunk_bytes: int, deadline: float, aborted: threading.Event | None) -> _Hierarchical:
+        """This rank's shared-memory group (its host's ranks; the first creates the segment and publishes its
+        nonce) and its ring between hosts (the ranks of its local index on every host)."""
+        g = self.generation
+        index = next(h for h, ranks in enumerate(hosts) if self.rank in ranks)
+        local_rank = hosts[index].index(self.rank)
+        where = shm_key(g, f"host-segment/{index}")
+        if local_rank == 0:
+            nonce = secrets.token_bytes(16)
+            local = _native.ShmComm(shm_name(key, g, nonce), 0, len(hosts[index]), g, create=True,
+                                    slot_bytes=chunk_bytes & ~63)
+            store.set(where, json.dumps({"nonce": nonce.hex()}).encode())
+        else:
+            record = json.loads(self._poll_store(store, where, deadline, aborted, f"segment of host {index}",
+                                                 hosts[index][0]))
+            local = _native.ShmComm(shm_name(key, g, bytes.fromhex(record["nonce"])), local_rank,
+                                    len(hosts[index]), g, create=False, slot_bytes=chunk_bytes & ~63)
+        local = self._attach(local, deadline, aborted)
+        try:
+            cross = ProcessGroup(store_lib.Namespace(store, f"cross/{local_rank}"), index, len(hosts), g,
+                                 backend="tcp", key=key, host=host, timeout=max(deadline - time.monotonic(), 1e-3),
+                                 chunk_bytes=chunk_bytes, aborted=aborted)
+        except BaseException:
+            local.close()
+            raise
+        return _Hierarchical(local, cross, hosts, self.rank)
 
     def _attach(self, comm: _native.ShmComm, deadline: float, aborted: threading.Event | None) -> _native.ShmComm:
         """Waits until every rank has mapped the segment (its name is then unlinked)."""
@@ -671,6 +712,82 @@ def _count(array: Any) -> int:
     """Elements of a numpy array or a device array (whose `size` may be a method, as torch's is)."""
     interface = getattr(array, "__cuda_array_interface__", None)
     return math.prod(interface["shape"]) if interface is not None else int(array.size)
+
+
+class _Hierarchical:
+    """Collectives of ranks on several hosts, as many on each: shared memory inside a host, and between hosts one
+    TCP ring per local index, each carrying its local rank's share (the inter-host leg striped over every rank of
+    a host, not funnelled through one). The same calls as a communicator (`_native.Comm`)."""
+
+    def __init__(self, local: _native.ShmComm, cross: ProcessGroup, hosts: list[list[int]], rank: int):
+        self.local, self.cross, self.hosts, self.rank = local, cross, hosts, rank
+        self.local_size = len(hosts[0])
+        self.local_rank = next(ranks.index(rank) for ranks in hosts if rank in ranks)
+
+    def _failing(self, error: errors.CollectiveError) -> errors.CollectiveError:
+        """A failure in one of the two groups fails the other too, so its ranks learn at once instead of waiting
+        on this one until their deadline."""
+        self.abort()
+        return error
+
+    def allreduce(self, data: np.ndarray, count: int, dtype: str, op: str, timeout: float) -> None:
+        """Reduce-scatter in the host, allreduce of this rank's share between hosts, allgather in the host."""
+        try:
+            self.local.reduce_scatter(data, count, dtype, op, timeout)
+            lo, hi = _native.shard_range(count, self.local_size, self.local_rank)
+            self.cross.allreduce(data.reshape(-1)[lo:hi], op, timeout)
+            self.local.allgather(data, count, dtype, timeout)
+        except errors.CollectiveError as e:
+            raise self._failing(e) from None
+
+    def reduce_scatter(self, data: np.ndarray, count: int, dtype: str, op: str, timeout: float) -> None:
+        self.allreduce(data, count, dtype, op, timeout)  # every shard reduced, this rank's among them
+
+    def allgather(self, data: np.ndarray, count: int, dtype: str, timeout: float) -> None:
+        """Every element is one rank's: the others' are zeroed and the bytes summed as integers, exact for any
+        dtype (one rank contributes each element)."""
+        world = sum(len(ranks) for ranks in self.hosts)
+        start, stop = _native.shard_range(count, world, self.rank)
+        flat = data.reshape(-1)
+        flat[:start] = 0
+        flat[stop:] = 0
+        if flat.itemsize in (4, 8):
+            words = flat.view(np.int32 if flat.itemsize == 4 else np.int64)
+            self.allreduce(words, words.size, str(words.dtype), "sum", timeout)
+        else:  # bytes: widened so that sums fit, then narrowed back
+            wide = flat.astype(np.int32)
+            self.allreduce(wide, wide.size, "int32", "sum", timeout)
+            flat[:] = wide
+
+    def broadcast(self, data: np.ndarray, root: int, timeout: float) -> None:
+        """From root to its local index's ring's other hosts, then inside each host."""
+        index = next(h for h, ranks in enumerate(self.hosts) if root in ranks)
+        root_local = self.hosts[index].index(root)
+        try:
+            if self.local_rank == root_local:
+                self.cross.broadcast(data, index, timeout)
+            self.local.broadcast(data, root_local, timeout)
+        except errors.CollectiveError as e:
+            raise self._failing(e) from None
+
+    def barrier(self, timeout: float) -> None:
+        try:
+            self.local.barrier(timeout)
+            self.cross.barrier(timeout)
+            self.local.barrier(timeout)
+        except errors.CollectiveError as e:
+            raise self._failing(e) from None
+
+    def shift(self, send: Any, recv: Any, timeout: float) -> None:
+        raise ValueError("shift runs on a tcp group")
+
+    def abort(self) -> None:
+        self.local.abort()
+        self.cross.abort()
+
+    def close(self) -> None:
+        self.local.close()
+        self.cross.close()
 
 
 def _host(array: Any) -> np.ndarray:
