@@ -3,6 +3,7 @@ spawned process imports only this, numpy and SneppX, not pytest and the tests)."
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import traceback
@@ -33,13 +34,13 @@ def rank_input(count: int, dtype: str, round_: int, rank: int) -> np.ndarray:
 
 
 def battery(store_dir: str, rank: int, world: int, rounds: int, results: Any, backend: str = "tcp",
-            host_key: str = "") -> None:
+            host_key: str = "", address: str = "127.0.0.1") -> None:
     """Every collective against numpy: the fixed sizes 0, 1, odd, world +- 1 and large, then `rounds` rounds of
     random sizes, dtypes and ops (the same draws on every rank). Puts (rank, [failure, ...])."""
     failures: list[str] = []
     os.environ[collectives.ENV_HOST_KEY] = host_key  # ranks with different keys are on different "hosts"
     try:
-        group = connect(store_dir, rank, world, chunk_bytes=1 << 16, backend=backend)
+        group = connect(store_dir, rank, world, chunk_bytes=1 << 16, backend=backend, host=address)
         if host_key and type(group._comm).__name__ != "_Hierarchical":
             failures.append(f"rank {rank}: not the hierarchical path but {type(group._comm).__name__}")
         draw = np.random.default_rng(7)
@@ -235,3 +236,22 @@ def sharded_run(store_dir: str, root: str, rank: int, world: int, results: Any, 
         ckpt_group.close()
     except Exception:  # noqa: BLE001
         results.put((rank, traceback.format_exc()))
+
+
+class _FileReport:
+    """A results queue for a rank started outside multiprocessing (in a network namespace): put() writes JSON."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def put(self, value: Any) -> None:
+        with open(self.path + ".tmp", "w") as f:
+            json.dump(value, f)
+        os.replace(self.path + ".tmp", self.path)
+
+
+if __name__ == "__main__":  # python collective_workers.py REPORT STORE RANK WORLD HOST_KEY ADDRESS: a battery
+    import sys
+
+    report, store_dir, rank_arg, world_arg, host_key_arg, address_arg = sys.argv[1:7]
+    battery(store_dir, int(rank_arg), int(world_arg), 4, _FileReport(report), "auto", host_key_arg, address_arg)

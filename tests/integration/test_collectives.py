@@ -7,10 +7,14 @@ import hmac
 import json
 import multiprocessing
 import os
+import pathlib
 import secrets
 import signal
 import socket
+import subprocess
+import sys
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import collective_workers as workers
@@ -289,3 +293,46 @@ def test_an_abort_ends_an_nccl_rank_waiting_for_rank_0s_id(tmp_path: os.PathLike
                                      aborted=aborted)
     finally:
         timer.cancel()
+
+
+# ---- two hosts for real: two network namespaces joined by a veth pair --------------------------------------------
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[list[tuple[str, str]]]:
+    """Two network namespaces joined by a veth pair, 10.77.<n>.1 and .2 (addresses inside namespaces this test
+    creates; nothing leaves the machine); yields [(namespace, address)] for each "host", removes them after."""
+    tag = f"sx{os.getpid() % 100000}"
+    hosts = [(f"{tag}a", f"10.77.{os.getpid() % 250}.1"), (f"{tag}b", f"10.77.{os.getpid() % 250}.2")]
+    commands = [["ip", "netns", "add", hosts[0][0]], ["ip", "netns", "add", hosts[1][0]],
+                ["ip", "link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb"]]
+    for (namespace, address), link in zip(hosts, (f"{tag}va", f"{tag}vb"), strict=True):
+        commands += [["ip", "link", "set", link, "netns", namespace],
+                     ["ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", link],
+                     ["ip", "-n", namespace, "link", "set", link, "up"],
+                     ["ip", "-n", namespace, "link", "set", "lo", "up"]]
+    try:
+        for command in commands:
+            subprocess.run(command, check=True, capture_output=True, timeout=60)
+        yield hosts
+    finally:
+        for namespace, _ in hosts:  # the veth pair goes with them
+            subprocess.run(["ip", "netns", "delete", namespace], check=False, capture_output=True, timeout=60)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creating network namespaces needs root")
+def test_hierarchical_collectives_between_two_network_namespaces(tmp_path: pathlib.Path,
+                                                                 two_hosts: list[tuple[str, str]]) -> None:
+    """2 hosts x 2 ranks: shared memory inside each namespace, the rings between them over the veth pair (each
+    rank listens on its namespace's address, which the other namespace reaches only through the veth)."""
+    store_dir, world = tmp_path / "store", 4
+    processes = []
+    for rank in range(world):
+        namespace, address = two_hosts[rank // 2]
+        processes.append(subprocess.Popen(
+            ["ip", "netns", "exec", namespace, sys.executable, workers.__file__, str(tmp_path / f"rank-{rank}.json"),
+             str(store_dir), str(rank), str(world), namespace, address]))
+    for p in processes:
+        assert p.wait(timeout=600) == 0
+    reports = {rank: json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(world)}
+    assert reports == {rank: [rank, []] for rank in range(world)}
