@@ -18,6 +18,10 @@ Peer death: 2 ranks allreduce 1 MiB without end; the bench SIGKILLs rank 1 and t
 moment before the signal (p50 / p99 over --kills kills, each backend): the ring learns it from the kernel closing the
 dead process' sockets, shared memory from the dead process' pidfd.
 
+Two hosts (`--hosts 2`, root): two network namespaces joined by a veth pair, 2 ranks in each, every byte between
+them over the veth: SneppX's default there (shared memory in a host, a TCP ring per local index between hosts),
+SneppX's flat TCP ring over the veth, and MPICH over TCP on the veth (each rank's interface its namespace's end).
+
 Data-parallel scaling: DataParallelTrainer steps of the recipe-1 model (global batch 16 x 64 tokens) on 1 and on 2
 rank processes, each with one BLAS thread so that the ranks, not BLAS, are what scales. Speedup = step time at 1
 rank / step time at 2 ranks; the ideal is 2 on two idle cores.
@@ -110,6 +114,118 @@ def time_to_peer_lost(backend: str, kills: int) -> list[float]:
             p.join(60)
         shutil.rmtree(store_dir, ignore_errors=True)
     return seconds
+
+
+def netns_rank(report: str, store_dir: str, rank: int, world: int, backend: str, host_key: str, address: str,
+               sizes: list[int], iterations: int) -> None:
+    """One rank inside a network namespace (started by `ip netns exec`): the allreduce loop; its times as JSON."""
+    from SneppX_ALG.elastic import collectives, store
+
+    os.environ[collectives.ENV_HOST_KEY] = host_key
+    group = collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, key=KEY, timeout=300,
+                                     backend=backend, host=address)  # type: ignore[arg-type]
+    times: dict[int, list[float]] = {}
+    for size in sizes:
+        data = np.ones(size // 4, np.float32)
+        group.allreduce(data)
+        times[size] = []
+        for _ in range(iterations):
+            group.barrier()
+            started = time.perf_counter()
+            group.allreduce(data)
+            times[size].append(time.perf_counter() - started)
+    with open(report, "w") as f:
+        json.dump({"transport": type(group._comm).__name__, "times": times}, f)
+    group.close()
+
+
+class TwoHosts:
+    """Two network namespaces joined by a veth pair (10.78.0.1 and .2: addresses inside namespaces this bench
+    creates, nothing leaves the machine); removed on exit."""
+
+    def __init__(self) -> None:
+        tag = f"sxb{os.getpid() % 10000}"
+        self.hosts = [(f"{tag}a", "10.78.0.1", f"{tag}va"), (f"{tag}b", "10.78.0.2", f"{tag}vb")]
+        commands = [["ip", "netns", "add", self.hosts[0][0]], ["ip", "netns", "add", self.hosts[1][0]],
+                    ["ip", "link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb"]]
+        for namespace, address, link in self.hosts:
+            commands += [["ip", "link", "set", link, "netns", namespace],
+                         ["ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", link],
+                         ["ip", "-n", namespace, "link", "set", link, "up"],
+                         ["ip", "-n", namespace, "link", "set", "lo", "up"]]
+        for command in commands:
+            subprocess.run(command, check=True, capture_output=True, timeout=60)
+
+    def close(self) -> None:
+        for namespace, _, _ in self.hosts:
+            subprocess.run(["ip", "netns", "delete", namespace], check=False, capture_output=True, timeout=60)
+
+    def run_sneppx(self, backend: str, sizes: list[int], iterations: int) -> tuple[str, list[dict[int, list[float]]]]:
+        workdir = tempfile.mkdtemp(prefix="bench-comm-hosts-")
+        try:
+            processes = []
+            for rank in range(4):
+                namespace, address, _ = self.hosts[rank // 2]
+                processes.append(subprocess.Popen(
+                    ["ip", "netns", "exec", namespace, sys.executable, "-m", "bench.comm", "--netns-rank",
+                     os.path.join(workdir, f"{rank}.json"), os.path.join(workdir, "store"), str(rank), "4",
+                     backend, namespace, address, "--iterations", str(iterations), "--sizes", *map(str, sizes)],
+                    env={**os.environ, **ONE_THREAD}))
+            for p in processes:
+                if p.wait(timeout=1800) != 0:
+                    raise RuntimeError(f"a rank in a namespace failed ({backend})")
+            reports = []
+            for r in range(4):
+                with open(os.path.join(workdir, f"{r}.json")) as f:
+                    reports.append(json.load(f))
+            return reports[0]["transport"], [{int(k): v for k, v in r["times"].items()} for r in reports]
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def run_mpich(self, sizes: list[int], iterations: int) -> list[dict[int, list[float]]] | None:
+        """mpiexec.gforker starts 4 copies of a wrapper that moves each rank into its namespace (PMI's
+        descriptors are inherited) with MPICH's TCP netmod on that namespace's end of the veth."""
+        mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec.gforker")
+        if not os.path.exists(mpiexec):
+            return None
+        workdir = tempfile.mkdtemp(prefix="bench-comm-hosts-mpi-")
+        wrapper = os.path.join(workdir, "rank.sh")
+        with open(wrapper, "w") as f:
+            f.write("#!/bin/sh\nhost=$((PMI_RANK / 2))\n"
+                    f"if [ $host = 0 ]; then ns={self.hosts[0][0]}; link={self.hosts[0][2]}; "
+                    f"else ns={self.hosts[1][0]}; link={self.hosts[1][2]}; fi\n"
+                    "exec ip netns exec $ns env FI_TCP_IFACE=$link \"$@\"\n")
+        os.chmod(wrapper, 0o755)
+        env = {**os.environ, **MPICH_ENV, **ONE_THREAD, "MPIR_CVAR_NOLOCAL": "1"}
+        env.pop("FI_TCP_IFACE", None)
+        try:
+            done = subprocess.run([mpiexec, "-n", "4", wrapper, sys.executable, "-m", "bench.comm", "--mpi-rank",
+                                   "--iterations", str(iterations), "--sizes", *map(str, sizes)],
+                                  capture_output=True, text=True, env=env, timeout=1800, check=True)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        return [{int(size): times for size, times in rank.items()} for rank in report["times"]]
+
+
+def measure_two_hosts(sizes: list[int], iterations: int) -> None:
+    hosts = TwoHosts()
+    try:
+        hierarchical, shm_times = hosts.run_sneppx("auto", sizes, iterations)
+        _, ring_times = hosts.run_sneppx("tcp", sizes, iterations)
+        mpich = hosts.run_mpich(sizes, iterations)
+    finally:
+        hosts.close()
+    factor = 2 * 3 / 4
+    print(f"\nTwo hosts (network namespaces joined by a veth pair) x 2 ranks; SneppX default: {hierarchical}")
+    print("| size | SneppX default (shared memory + ring per local index) | SneppX flat ring | MPICH over TCP "
+          "| default / MPICH | default / flat ring |")
+    print("|---|---|---|---|---|---|")
+    for size in sizes:
+        ours, flat = (size * factor / slowest_rank_median(t, size) for t in (shm_times, ring_times))
+        theirs = size * factor / slowest_rank_median(mpich, size) if mpich else float("nan")
+        print(f"| {size >> 10} KiB | {ours / 1e9:.2f} GB/s | {flat / 1e9:.2f} GB/s | {theirs / 1e9:.2f} GB/s | "
+              f"{ours / theirs:.2f}x | {ours / flat:.2f}x |", flush=True)
 
 
 def mpi_rank(sizes: list[int], iterations: int) -> None:
@@ -210,10 +326,21 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES, help="bytes")
     parser.add_argument("--dp-steps", type=int, default=10)
     parser.add_argument("--kills", type=int, default=20, help="peer SIGKILLs timed per backend")
+    parser.add_argument("--hosts", type=int, choices=[1, 2], default=1,
+                        help="2: only the two-host measurement (network namespaces and a veth pair; needs root)")
     parser.add_argument("--mpi-rank", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--netns-rank", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mpi_rank:
         mpi_rank(args.sizes, args.iterations)
+        return
+    if args.netns_rank:
+        report, store_dir, rank, world, backend, host_key, address = args.netns_rank
+        netns_rank(report, store_dir, int(rank), int(world), backend, host_key, address, args.sizes, args.iterations)
+        return
+    if args.hosts == 2:
+        print(f"machine: {common.cpu_model()}, {os.cpu_count()} CPUs; median of {args.iterations} iterations")
+        measure_two_hosts(args.sizes, args.iterations)
         return
 
     world = args.world
