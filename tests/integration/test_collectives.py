@@ -123,6 +123,11 @@ def test_sigkill_of_a_rank_on_one_host_fails_every_rank_of_every_host(tmp_path: 
     os.kill(ranks.processes[victim].pid, signal.SIGKILL)
     reports = sorted(ranks.get() for _ in range(world - 1))
     assert [r[:3] for r in reports] == [("failed", r, "PeerLostError") for r in range(world) if r != victim]
+    # blamed ranks are ranks of the whole group; the first to fail waited on the victim itself (its host-mate
+    # through its pidfd, or its ring-mate through the closed connection) and names it; the others may name the
+    # rank that failed their group on its behalf
+    blamed = {rank: peer for _, rank, _, peer in reports}
+    assert victim in blamed.values() and set(blamed.values()) <= set(range(world)), blamed
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

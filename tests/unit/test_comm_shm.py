@@ -182,3 +182,27 @@ def test_a_dev_shm_without_room_means_the_ring_or_a_clear_error(tmp_path: Any, m
         assert results == [("tcp", [3.0, 3.0])] * 2
     else:
         assert all(isinstance(e, errors.CommProtocolError) and "no room" in str(e) for e in results), results
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float32", "float64"])
+def test_a_hierarchical_allgather_keeps_every_bit(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    """2 "hosts" x 2 ranks (threads named after their host): allgather sums bytes as integers, so -0.0, NaN
+    payloads and bytes come through exactly."""
+    from SneppX_ALG.elastic import collectives, store
+
+    monkeypatch.setattr(collectives, "host_identity", lambda: threading.current_thread().name.split("-")[0])
+    count = 1003
+    values = np.frombuffer(np.random.default_rng(3).bytes(count * np.dtype(dtype).itemsize), dtype).copy()
+    if dtype != "uint8":
+        values[:3] = np.array([-0.0, np.nan, -np.inf], dtype)
+
+    def gather(rank: int) -> bytes:
+        threading.current_thread().name = f"host{rank // 2}-rank"
+        with collectives.ProcessGroup(store.DirectoryStore(tmp_path), rank, 4, 1, key=b"k" * 32, timeout=30) as g:
+            assert type(g._comm).__name__ == "_Hierarchical"
+            mine = np.zeros(count, dtype)
+            lo, hi = g.shard_range(count)
+            mine[lo:hi] = values[lo:hi]
+            return g.allgather(mine).tobytes()
+
+    assert run_ranks([None] * 4, lambda rank, _: gather(rank)) == [values.tobytes()] * 4

@@ -721,24 +721,30 @@ class _Hierarchical:
 
     def __init__(self, local: _native.ShmComm, cross: ProcessGroup, hosts: list[list[int]], rank: int):
         self.local, self.cross, self.hosts, self.rank = local, cross, hosts, rank
+        self.index = next(h for h, ranks in enumerate(hosts) if rank in ranks)
         self.local_size = len(hosts[0])
-        self.local_rank = next(ranks.index(rank) for ranks in hosts if rank in ranks)
+        self.local_rank = hosts[self.index].index(rank)
 
-    def _failing(self, error: errors.CollectiveError) -> errors.CollectiveError:
-        """A failure in one of the two groups fails the other too, so its ranks learn at once instead of waiting
-        on this one until their deadline."""
-        self.abort()
-        return error
+    def _in(self, group: Literal["host", "ring"], call: Any, *args: Any) -> None:
+        """call(*args) on one of the two groups. A failure fails the other group too (its ranks learn at once
+        instead of waiting on this one until their deadline) and is raised with the blamed rank as a rank of
+        the whole group (a host's groups number their ranks 0..local size, a ring its hosts)."""
+        try:
+            call(*args)
+        except errors.CollectiveError as e:
+            self.abort()
+            peer = e.peer
+            if peer is not None:
+                peer = self.hosts[self.index][peer] if group == "host" else self.hosts[peer][self.local_rank]
+            raise type(e)(f"{e}; of the whole group: rank {peer}" if peer is not None else str(e), rank=self.rank,
+                          generation=e.generation, peer=peer) from None
 
     def allreduce(self, data: np.ndarray, count: int, dtype: str, op: str, timeout: float) -> None:
         """Reduce-scatter in the host, allreduce of this rank's share between hosts, allgather in the host."""
-        try:
-            self.local.reduce_scatter(data, count, dtype, op, timeout)
-            lo, hi = _native.shard_range(count, self.local_size, self.local_rank)
-            self.cross.allreduce(data.reshape(-1)[lo:hi], op, timeout)
-            self.local.allgather(data, count, dtype, timeout)
-        except errors.CollectiveError as e:
-            raise self._failing(e) from None
+        self._in("host", self.local.reduce_scatter, data, count, dtype, op, timeout)
+        lo, hi = _native.shard_range(count, self.local_size, self.local_rank)
+        self._in("ring", self.cross.allreduce, data.reshape(-1)[lo:hi], op, timeout)
+        self._in("host", self.local.allgather, data, count, dtype, timeout)
 
     def reduce_scatter(self, data: np.ndarray, count: int, dtype: str, op: str, timeout: float) -> None:
         self.allreduce(data, count, dtype, op, timeout)  # every shard reduced, this rank's among them
@@ -763,20 +769,14 @@ class _Hierarchical:
         """From root to its local index's ring's other hosts, then inside each host."""
         index = next(h for h, ranks in enumerate(self.hosts) if root in ranks)
         root_local = self.hosts[index].index(root)
-        try:
-            if self.local_rank == root_local:
-                self.cross.broadcast(data, index, timeout)
-            self.local.broadcast(data, root_local, timeout)
-        except errors.CollectiveError as e:
-            raise self._failing(e) from None
+        if self.local_rank == root_local:
+            self._in("ring", self.cross.broadcast, data, index, timeout)
+        self._in("host", self.local.broadcast, data, root_local, timeout)
 
     def barrier(self, timeout: float) -> None:
-        try:
-            self.local.barrier(timeout)
-            self.cross.barrier(timeout)
-            self.local.barrier(timeout)
-        except errors.CollectiveError as e:
-            raise self._failing(e) from None
+        self._in("host", self.local.barrier, timeout)
+        self._in("ring", self.cross.barrier, timeout)
+        self._in("host", self.local.barrier, timeout)
 
     def shift(self, send: Any, recv: Any, timeout: float) -> None:
         raise ValueError("shift runs on a tcp group")
