@@ -279,10 +279,6 @@ def test_a_failed_write_can_not_be_committed(tmp_path: pathlib.Path) -> None:
 # ---- a writer is single-use; a reader owns its file until closed or collected ------------------------------
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 @pytest.mark.parametrize("finish", ["commit", "abort"])
 def test_a_writer_is_single_use_after_commit_or_abort(tmp_path: pathlib.Path, finish: str) -> None:
     path = tmp_path / "w.snpx"
@@ -342,16 +338,20 @@ def test_a_reader_dropped_without_close_closes_its_file(tmp_path: pathlib.Path) 
     path = tmp_path / "r.snpx"
     with CheckpointWriter(path) as w:
         w.write("a", np.arange(100, dtype=np.int64))
-    baseline = open_fds()
+
+    def open_on_file() -> int:  # this file's descriptors only: other tests' threads may close theirs meanwhile
+        fds = os.listdir("/proc/self/fd")
+        return sum(1 for fd in fds if os.path.realpath(f"/proc/self/fd/{fd}") == str(path.resolve()))
+
     for _ in range(50):
         reader = CheckpointReader(path)
         assert reader.names() == ["a"]
         del reader  # no close(): its finalizer closes the file
-    assert open_fds() == baseline
+    assert open_on_file() == 0
     kept = CheckpointReader(path).read("a")  # the reader is gone at once, its array stays valid
     np.testing.assert_array_equal(kept, np.arange(100))
     del kept  # the mapping (and the descriptor Python's mmap keeps) goes with the last array
-    assert open_fds() == baseline
+    assert open_on_file() == 0
 
 
 def test_reading_after_close_is_a_typed_error_and_earlier_arrays_stay_valid(tmp_path: pathlib.Path) -> None:
