@@ -54,13 +54,9 @@ ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THRE
 MPICH_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "lo", "UCX_NET_DEVICES": "lo"}
 
 
-def ring_rank(store_dir: str, rank: int, world: int, sizes: list[int], iterations: int, backend: str,
-              results: Any) -> None:
-    from SneppX_ALG.elastic import collectives, store
-
-    group = collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, key=KEY, timeout=300,
-                                     backend=backend)
-    times = {}
+def time_allreduces(group: Any, sizes: list[int], iterations: int) -> dict[int, list[float]]:
+    """Each iteration's allreduce of a float32 array of each size, timed from a barrier to its return."""
+    times: dict[int, list[float]] = {}
     for size in sizes:
         data = np.ones(size // 4, np.float32)
         group.allreduce(data)  # warm: pages touched, connections' buffers grown
@@ -70,7 +66,16 @@ def ring_rank(store_dir: str, rank: int, world: int, sizes: list[int], iteration
             started = time.perf_counter()
             group.allreduce(data)
             times[size].append(time.perf_counter() - started)
-    results.put((rank, times))
+    return times
+
+
+def ring_rank(store_dir: str, rank: int, world: int, sizes: list[int], iterations: int, backend: str,
+              results: Any) -> None:
+    from SneppX_ALG.elastic import collectives, store
+
+    group = collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, key=KEY, timeout=300,
+                                     backend=backend)
+    results.put((rank, time_allreduces(group, sizes, iterations)))
     group.close()
 
 
@@ -124,16 +129,7 @@ def netns_rank(report: str, store_dir: str, rank: int, world: int, backend: str,
     os.environ[collectives.ENV_HOST_KEY] = host_key
     group = collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, key=KEY, timeout=300,
                                      backend=backend, host=address)  # type: ignore[arg-type]
-    times: dict[int, list[float]] = {}
-    for size in sizes:
-        data = np.ones(size // 4, np.float32)
-        group.allreduce(data)
-        times[size] = []
-        for _ in range(iterations):
-            group.barrier()
-            started = time.perf_counter()
-            group.allreduce(data)
-            times[size].append(time.perf_counter() - started)
+    times = time_allreduces(group, sizes, iterations)
     with open(report, "w") as f:
         json.dump({"transport": type(group._comm).__name__, "times": times}, f)
     group.close()
