@@ -29,7 +29,7 @@
 #define SX_ETIMEDOUT -13  /* a wait ended at its deadline */
 #define SX_ENET -14       /* a socket call failed (see sx_last_errno), e.g. the address is in use */
 
-#define SX_EPEER -15      /* a peer's connection closed or reset: the peer died or left (see sx_comm_failed_peer) */
+#define SX_EPEER -15      /* a peer died or left: its connection closed, or a neighbour reported it (see sx_comm_failed_peer) */
 #define SX_EABORTED -16   /* aborted (sx_comm_abort), or the communicator failed earlier */
 #define SX_ESTALE -17     /* a message from another membership generation */
 #define SX_EPROTO -18     /* a malformed message, or ranks that called different collectives */
@@ -343,7 +343,11 @@ const char *sx_elastic_event_name(int event);
  * arrival. Every call has a deadline. sx_comm_abort(), from any thread,
  * makes the running call and every later one return SX_EABORTED at once and
  * shuts the sockets, so the neighbours fail too (SX_EPEER) instead of waiting
- * out their deadlines. After any failure the communicator only fails: build a
+ * out their deadlines. Any other failure (a peer lost, a deadline, a bad
+ * frame) is sent to both neighbours in a notice frame naming the blamed rank
+ * before the sockets shut; a neighbour takes it as its own and passes it on,
+ * so every survivor reports the same failure and rank (sx_comm_failed_peer).
+ * After any failure the communicator only fails: build a
  * new one for the next generation. One call at a time per communicator.
  * On failure, the contents of buf are unspecified. */
 #define SX_DTYPE_F32 0

@@ -16,8 +16,11 @@
  *
  * One thread drives both directions with non-blocking I/O and poll(), alongside a self-pipe that
  * sx_comm_abort() writes to: an abort, a deadline, a closed or reset connection, or a bad frame ends
- * the call at once, and the failure shuts both sockets so the neighbours fail at once too, around
- * the ring, rather than each waiting out its deadline.
+ * the call at once. The failing rank then tells both neighbours what failed and whom it blames (a
+ * notice frame: to the right once the frame it was sending is complete, to the left on the socket it
+ * otherwise only reads) and shuts both sockets. A neighbour takes a notice's failure as its own and
+ * passes it on, so the news travels around the ring in both directions, and every survivor of a
+ * SIGKILLed rank names that rank, not the neighbour that told it.
  */
 #define _GNU_SOURCE
 #include "sneppx.h"
@@ -40,7 +43,9 @@
 #define MAX_CHUNK ((size_t)1 << 30) /* the header's length field is 32 bits */
 #define MAX_WORLD 65536
 
-enum { OP_ALLREDUCE = 1, OP_REDUCE_SCATTER = 2, OP_ALLGATHER = 3, OP_BROADCAST = 4, OP_BARRIER = 5, OP_SHIFT = 6 };
+enum { OP_ALLREDUCE = 1, OP_REDUCE_SCATTER = 2, OP_ALLGATHER = 3, OP_BROADCAST = 4, OP_BARRIER = 5, OP_SHIFT = 6,
+       OP_NOTICE = 0x7F };
+#define NOTICE_FLUSH_S 1.0 /* at most this long to complete the frame a failing rank was sending */
 
 struct sx_comm {
     int rank, world;
@@ -209,13 +214,12 @@ void sx_comm_abort(sx_comm *c) {
 
 int sx_comm_failed_peer(const sx_comm *c) { return c ? c->failed_peer : -1; }
 
-/* Records the first failure (later ones are its consequences) and shuts the sockets so the neighbours
- * learn of it at once. */
+/* Records the first failure (later ones are its consequences). The call that failed then tells the
+ * neighbours and shuts the sockets (run_plan). */
 static int fail(sx_comm *c, int code, int peer) {
     int none = 0;
     if (__atomic_compare_exchange_n(&c->failed, &none, code, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
         c->failed_peer = peer;
-    shut_sockets(c);
     return code;
 }
 
@@ -260,6 +264,97 @@ static int peer_lost(sx_comm *c, int peer, int err) {
     return fail(c, SX_EPEER, peer);
 }
 
+/* ---- notices: a failure passed on to the neighbours ------------------------------------------------- */
+
+/* The failures a notice carries: the others end with the same error, blaming the same rank. An abort is
+ * not among them: its sockets are already shut, which tells the neighbours this rank left. */
+static int relayable(int code) {
+    return code == SX_EPEER || code == SX_ETIMEDOUT || code == SX_ESTALE || code == SX_EPROTO;
+}
+
+/* A frame header with op NOTICE, the status negated in the flags byte, the blamed rank in the step field
+ * (0xFFFFFFFF: none) and no payload. */
+static void notice_header(const sx_comm *c, unsigned char *h, int code, int peer) {
+    memset(h, 0, HEADER);
+    put32(h, SX_COMM_MAGIC);
+    h[4] = OP_NOTICE;
+    h[5] = (unsigned char)-code;
+    put64(h + 8, c->generation);
+    put64(h + 16, c->seq);
+    put32(h + 24, (uint32_t)peer);
+}
+
+static int is_notice(const unsigned char *h) { return get32(h) == SX_COMM_MAGIC && h[4] == OP_NOTICE; }
+
+/* A neighbour's notice, taken as this rank's own failure. A notice that names no failure or rank this
+ * group knows is garbage (the caller blames the neighbour that sent it). */
+static int take_notice(sx_comm *c, const unsigned char *h) {
+    int code = -(int)h[5];
+    uint32_t peer = get32(h + 24);
+    if (get64(h + 8) != c->generation) return SX_ESTALE;
+    if (!relayable(code) || get16(h + 6) != 0 || get32(h + 28) != 0 ||
+        (peer != UINT32_MAX && peer >= (uint32_t)c->world))
+        return SX_EPROTO;
+    return fail(c, code, peer == UINT32_MAX ? -1 : (int)peer);
+}
+
+/* The right-hand neighbour writes on send_fd only to send a notice: anything else readable there means it
+ * closed, reset or sent garbage. A notice is read before the end of the stream that follows it. */
+static int check_right(sx_comm *c) {
+    unsigned char h[HEADER];
+    ssize_t got = recv(c->send_fd, h, HEADER, MSG_PEEK | MSG_DONTWAIT);
+    if (got == HEADER && is_notice(h)) return fail(c, take_notice(c, h), right_of(c));
+    if (got > 0 && got < HEADER && get32(h) == SX_COMM_MAGIC) return SX_OK; /* the rest of a notice is on its way */
+    if (got > 0) return fail(c, SX_EPROTO, right_of(c));
+    if (got == 0) return peer_lost(c, right_of(c), 0);
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return SX_OK;
+    return peer_lost(c, right_of(c), errno);
+}
+
+/* Sends len bytes on fd by `until`; 0 once all are out, -1 if the socket fails, the deadline passes or the
+ * comm is aborted. */
+static int send_by(sx_comm *c, int fd, const unsigned char *at, size_t len, double until) {
+    while (len) {
+        ssize_t w = send(fd, at, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w > 0) { at += w; len -= (size_t)w; continue; }
+        if (w < 0 && errno == EINTR) continue;
+        if (w == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) return -1;
+        double left = until - now_s();
+        if (left <= 0 || __atomic_load_n(&c->aborted, __ATOMIC_SEQ_CST)) return -1;
+        struct pollfd p[2] = {{.fd = fd, .events = POLLOUT}, {.fd = c->wake[0], .events = POLLIN}};
+        if (poll(p, 2, (int)ceil(left * 1000.0)) > 0 && p[1].revents) return -1;
+    }
+    return 0;
+}
+
+/* After a failure: a notice of it to both neighbours, then both sockets shut. To the left it goes on the
+ * socket that otherwise carries nothing that way; to the right it must start at a frame boundary, so the
+ * frame being sent is completed first (with whatever its buffer holds: the receiver fails on the notice
+ * that follows), for at most NOTICE_FLUSH_S. A neighbour that is gone just fails the write. */
+static void tell_neighbours(struct run *r) {
+    sx_comm *c = r->c;
+    int code = __atomic_load_n(&c->failed, __ATOMIC_SEQ_CST);
+    if (relayable(code) && !__atomic_load_n(&c->aborted, __ATOMIC_SEQ_CST)) {
+        unsigned char notice[HEADER];
+        notice_header(c, notice, code, c->failed_peer);
+        double until = now_s() + NOTICE_FLUSH_S;
+        send_by(c, c->recv_fd, notice, HEADER, until);
+        int flushed = 0;
+        if (r->sdone == 0) {
+            flushed = 1;
+        } else if (r->sdone < HEADER) {
+            flushed = send_by(c, c->send_fd, r->shdr + r->sdone, HEADER - r->sdone, until) == 0 &&
+                      send_by(c, c->send_fd, (unsigned char *)r->steps[r->st].send + r->sbase, r->slen, until) == 0;
+        } else {
+            size_t done = r->sdone - HEADER;
+            flushed = send_by(c, c->send_fd, (unsigned char *)r->steps[r->st].send + r->sbase + done,
+                              r->slen - done, until) == 0;
+        }
+        if (flushed) send_by(c, c->send_fd, notice, HEADER, until);
+    }
+    shut_sockets(c);
+}
+
 static int send_some(struct run *r, int *progressed, int *want_out) {
     sx_comm *c = r->c;
     for (;;) {
@@ -296,7 +391,8 @@ static int send_some(struct run *r, int *progressed, int *want_out) {
         if (w < 0) {
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) { *want_out = 1; return SX_OK; }
-            return peer_lost(c, right_of(c), errno);
+            int rc = check_right(c); /* a notice it sent before it shut is still to be read */
+            return rc != SX_OK ? rc : peer_lost(c, right_of(c), errno);
         }
         *progressed = 1;
         r->sdone += (size_t)w;
@@ -349,7 +445,7 @@ static int recv_some(struct run *r, int *progressed) {
             r->rhdr_got += (size_t)got;
             if (r->rhdr_got < HEADER) continue;
             size_t len = min_size(c->chunk, s->recv_len - r->rbase);
-            int rc = check_header(r, len);
+            int rc = is_notice(r->rhdr) ? take_notice(c, r->rhdr) : check_header(r, len);
             if (rc != SX_OK) return fail(c, rc, left_of(c));
             r->rlen = len;
             r->rgot = 0;
@@ -365,35 +461,24 @@ static int recv_some(struct run *r, int *progressed) {
     }
 }
 
-/* The right-hand neighbour never writes on send_fd: readable means it closed, reset or sent garbage. */
-static int check_right(sx_comm *c) {
-    char byte;
-    ssize_t got = recv(c->send_fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (got > 0) return fail(c, SX_EPROTO, right_of(c));
-    if (got == 0) return peer_lost(c, right_of(c), 0);
-    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return SX_OK;
-    return peer_lost(c, right_of(c), errno);
-}
-
-static int run_plan(sx_comm *c, int op, uint64_t seq, int nsteps, reduce_fn reduce, size_t elsize,
-                    double deadline) {
-    struct run r = {.c = c, .steps = c->steps, .nsteps = nsteps, .op = op, .seq = seq, .reduce = reduce,
-                    .elsize = elsize};
+/* Moves the plan's frames until both directions are done or something fails. */
+static int drive(struct run *r, double deadline) {
+    sx_comm *c = r->c;
     for (;;) {
         if (__atomic_load_n(&c->aborted, __ATOMIC_SEQ_CST)) return fail(c, SX_EABORTED, -1);
         int progressed = 0, want_out = 0;
-        int rc = send_some(&r, &progressed, &want_out);
-        if (rc == SX_OK) rc = recv_some(&r, &progressed);
+        int rc = send_some(r, &progressed, &want_out);
+        if (rc == SX_OK) rc = recv_some(r, &progressed);
         if (rc != SX_OK) return rc;
-        if (r.st == nsteps && r.rt == nsteps) return SX_OK;
+        if (r->st == r->nsteps && r->rt == r->nsteps) return SX_OK;
         double left = deadline - now_s();
         if (left <= 0) return fail(c, SX_ETIMEDOUT, -1);
         if (progressed) continue;
         /* Only the directions still in use are watched: a neighbour that finished this call early may
          * already be sending the next one's frames, or have closed after its last one. */
         struct pollfd p[3] = {
-            {.fd = r.st < nsteps ? c->send_fd : -1, .events = (short)(POLLIN | (want_out ? POLLOUT : 0))},
-            {.fd = r.rt < nsteps ? c->recv_fd : -1, .events = POLLIN},
+            {.fd = r->st < r->nsteps ? c->send_fd : -1, .events = (short)(POLLIN | (want_out ? POLLOUT : 0))},
+            {.fd = r->rt < r->nsteps ? c->recv_fd : -1, .events = POLLIN},
             {.fd = c->wake[0], .events = POLLIN},
         };
         double ms = ceil(left * 1000.0);
@@ -406,6 +491,15 @@ static int run_plan(sx_comm *c, int op, uint64_t seq, int nsteps, reduce_fn redu
             if (rc != SX_OK) return rc;
         }
     }
+}
+
+static int run_plan(sx_comm *c, int op, uint64_t seq, int nsteps, reduce_fn reduce, size_t elsize,
+                    double deadline) {
+    struct run r = {.c = c, .steps = c->steps, .nsteps = nsteps, .op = op, .seq = seq, .reduce = reduce,
+                    .elsize = elsize};
+    int rc = drive(&r, deadline);
+    if (rc != SX_OK) tell_neighbours(&r);
+    return rc;
 }
 
 /* ---- the collectives ------------------------------------------------------------------------------- */

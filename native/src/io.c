@@ -46,7 +46,7 @@ const char *sx_strerror(int code) {
     case SX_ESTATE: return "not allowed in the current state";
     case SX_ETIMEDOUT: return "timed out";
     case SX_ENET: return "socket error";
-    case SX_EPEER: return "peer lost: its connection closed or reset";
+    case SX_EPEER: return "peer lost: it died or left (its connection closed, or a neighbour reported it)";
     case SX_EABORTED: return "aborted, or failed in an earlier call";
     case SX_ESTALE: return "message from another membership generation";
     case SX_EPROTO: return "malformed message, or ranks called different collectives";

@@ -295,7 +295,8 @@ class CollectiveError(SneppXError):
 
 
 class PeerLostError(CollectiveError, ConnectionError):
-    """A peer's connection closed or reset during a collective: the peer died, left, or failed itself."""
+    """A peer died or left during a collective: its connection closed or reset, its process exited (shared memory),
+    or another rank reported it. `.peer` names it."""
 
 
 class CollectiveTimeoutError(CollectiveError, TimeoutError):

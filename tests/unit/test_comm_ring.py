@@ -4,6 +4,7 @@ where a peer must misbehave. Real processes and real signals are in tests/integr
 
 from __future__ import annotations
 
+import itertools
 import socket
 import struct
 import threading
@@ -19,7 +20,8 @@ from ranks_on_threads import NUMPY_OPS, inputs, run_ranks
 from SneppX_ALG import _native, errors
 
 HEADER = struct.Struct("<IBBHQQII")  # docs/ELASTIC.md, "Frames": magic, op, flags, reserved, generation, seq, step, length
-OP_ALLREDUCE, OP_BROADCAST = 1, 4
+OP_ALLREDUCE, OP_BROADCAST, OP_NOTICE = 1, 4, 0x7F
+EPEER, EPROTO = 15, 18  # a notice's flags byte: the failure's status, negated (sneppx.h)
 
 
 def make_ring(world: int, generation: int = 7, chunk_bytes: int = 0) -> list[_native.Comm]:
@@ -109,13 +111,13 @@ def test_reduce_scatter_allgather_broadcast_and_barrier(world: int) -> None:
 
 
 class Peer:
-    """Rank 0's comm, with the test holding the other ends: `frames_in` receives what rank 0 sends, `out` is
-    where the test writes what rank 0 receives."""
+    """Rank 0's comm, with the test holding the other ends: `frames_in` receives what rank 0 sends (the test is
+    rank 1), `out` is where the test writes what rank 0 receives (the test is rank world - 1)."""
 
-    def __init__(self, generation: int = 5, chunk_bytes: int = 1 << 20):
+    def __init__(self, generation: int = 5, chunk_bytes: int = 1 << 20, world: int = 2):
         to_peer, self.frames_in = socket.socketpair()
         self.out, from_peer = socket.socketpair()
-        self.comm = _native.Comm(0, 2, generation, to_peer.detach(), from_peer.detach(), chunk_bytes)
+        self.comm = _native.Comm(0, world, generation, to_peer.detach(), from_peer.detach(), chunk_bytes)
         self.generation = generation
 
     def call_in_thread(self, fn: Callable[[], None]) -> tuple[threading.Thread, list[BaseException]]:
@@ -258,3 +260,83 @@ def test_shift_sends_to_the_right_and_receives_from_the_left_whatever_each_sends
     for rank in range(world):
         left = (rank - 1) % world
         assert np.array_equal(got[rank], np.full(sizes[left], left + 1, np.uint8))
+
+
+# ---- who died: notices --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call", ["allreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "shift"])
+def test_every_survivor_names_the_rank_that_died_not_the_neighbour_that_told_it(call: str) -> None:
+    """Rank 2 of 5 closes its sockets (as a killed process's close) while the others are in the middle of calls
+    without end. Its neighbours see it go; ranks 0 and 4 only hear of it from them, and must name rank 2."""
+    world, dead = 5, 2
+    comms = make_ring(world, chunk_bytes=4096)  # many frames a call: the failure lands mid-frame
+    data = [np.ones(1 << 16, np.float32) for _ in range(world)]
+    into = [np.zeros(1 << 18, np.uint8) for _ in range(world)]
+    calls = {"allreduce": lambda c, d, _: c.allreduce(d, d.size, "float32", "sum", 60),
+             "reduce_scatter": lambda c, d, _: c.reduce_scatter(d, d.size, "float32", "max", 60),
+             "allgather": lambda c, d, _: c.allgather(d, d.size, "float32", 60),
+             "broadcast": lambda c, d, _: c.broadcast(d, 1, 60),
+             "barrier": lambda c, d, _: c.barrier(60),
+             "shift": lambda c, d, got: c.shift(d, got, 60)}
+
+    def body(rank: int, comm: _native.Comm) -> None:
+        for done in itertools.count():
+            if rank == dead and done == 20:
+                comm.close()
+                return
+            calls[call](comm, data[rank], into[rank])
+
+    results = run_ranks(comms, body)
+    assert results[dead] is None
+    survivors = {rank: results[rank] for rank in range(world) if rank != dead}
+    assert all(isinstance(e, errors.PeerLostError) and e.peer == dead for e in survivors.values()), survivors
+    for comm in comms:
+        comm.close()
+
+
+def notice(peer: int, status: int = EPEER, generation: int = 5) -> bytes:
+    return HEADER.pack(_native.COMM_MAGIC, OP_NOTICE, status, 0, generation, 1, peer & 0xFFFFFFFF, 0)
+
+
+def read_notice(sock: socket.socket) -> tuple[int, ...]:
+    """The notice at the end of what rank 0 sent on `sock`, whatever frames came before it."""
+    drain = b""
+    sock.settimeout(60)
+    while more := sock.recv(1 << 16):
+        drain += more
+    return HEADER.unpack(drain[-HEADER.size:])
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_notice_from_either_neighbour_is_taken_and_passed_on_both_ways(side: str) -> None:
+    """Rank 0 of 4; the test is rank 1 (right) and rank 3 (left). A notice that rank 2 is lost, from either side,
+    ends rank 0's call with PeerLostError naming rank 2, and rank 0 tells both neighbours the same."""
+    peer = Peer(generation=5, world=4, chunk_bytes=64)
+    values = np.zeros(1 << 12, np.float32)
+    thread, raised = peer.call_in_thread(lambda: peer.comm.allreduce(values, values.size, "float32", "sum", 60))
+    recv_exactly(peer.frames_in, HEADER.size)  # rank 0 is in the call
+    (peer.out if side == "left" else peer.frames_in).sendall(notice(2))
+    thread.join(60)
+    assert len(raised) == 1 and isinstance(raised[0], errors.PeerLostError) and raised[0].peer == 2, raised
+    told = (_native.COMM_MAGIC, OP_NOTICE, EPEER, 0, 5)
+    to_right, to_left = read_notice(peer.frames_in), read_notice(peer.out)
+    assert to_right[:5] == told and to_right[6:] == (2, 0), to_right
+    assert to_left[:5] == told and to_left[6:] == (2, 0), to_left
+    peer.close()
+
+
+@pytest.mark.parametrize(("bad", "error"), [
+    (notice(4), errors.CommProtocolError),                 # no rank 4 in a world of 4
+    (notice(2, status=99), errors.CommProtocolError),      # no such failure
+    (notice(2, generation=4), errors.StaleGenerationError),
+])
+def test_a_notice_of_nothing_this_group_knows_blames_its_sender(bad: bytes, error: type[Exception]) -> None:
+    peer = Peer(generation=5, world=4)
+    values = np.zeros(8, np.float32)
+    thread, raised = peer.call_in_thread(lambda: peer.comm.allreduce(values, values.size, "float32", "sum", 60))
+    recv_exactly(peer.frames_in, HEADER.size)
+    peer.out.sendall(bad)
+    thread.join(60)
+    assert len(raised) == 1 and isinstance(raised[0], error) and raised[0].peer == 3, raised
+    peer.close()
