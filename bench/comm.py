@@ -12,6 +12,10 @@ figure is comparable across world sizes). Against it, in the same run:
   timing, as the MPI a user would pick instead, twice: as it runs by default on one machine (shared memory between
   the ranks), and over the same transport as the ring (MPIR_CVAR_NOLOCAL=1: libfabric's tcp provider, pinned to
   `lo`), which is what it does between machines;
+- gloo (torch.distributed's CPU backend, what a PyTorch user has at hand): `dist.all_reduce` on a tensor sharing the
+  array's memory, one torch thread per rank, over TCP on `lo` (gloo has no shared-memory transport). torch is not a
+  dependency of SneppX (the wheel and its CUDA libraries are about 5 GB): the bench uses the interpreter named by
+  $SNEPPX_BENCH_TORCH_PYTHON, else this one if it has torch, else prints that gloo was not measured;
 - memcpy (numpy copyto of the same size): the physical ceiling of moving those bytes once in memory on this host.
 
 Peer death: 2 ranks allreduce 1 MiB without end; the bench SIGKILLs rank 1 and times rank 0's PeerLostError from the
@@ -20,7 +24,8 @@ dead process' sockets, shared memory from the dead process' pidfd.
 
 Two hosts (`--hosts 2`, root): two network namespaces joined by a veth pair, 2 ranks in each, every byte between
 them over the veth: SneppX's default there (shared memory in a host, a TCP ring per local index between hosts),
-SneppX's flat TCP ring over the veth, and MPICH over TCP on the veth (each rank's interface its namespace's end).
+SneppX's flat TCP ring over the veth, MPICH over TCP on the veth (each rank's interface its namespace's end), and
+gloo on the veth.
 
 Data-parallel scaling: DataParallelTrainer steps of the recipe-1 model (global batch 16 x 64 tokens) on 1 and on 2
 rank processes, each with one BLAS thread so that the ranks, not BLAS, are what scales. Speedup = step time at 1
@@ -30,11 +35,13 @@ rank / step time at 2 ranks; the ideal is 2 on two idle cores.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +59,9 @@ RECIPE = {"vocab_size": 1000, "dim": 128, "num_heads": 4, "num_layers": 2, "ffn_
 ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # MPICH on one host talks through shared memory; any network endpoint it opens stays on the loopback interface.
 MPICH_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "lo", "UCX_NET_DEVICES": "lo"}
+ENV_TORCH_PYTHON = "SNEPPX_BENCH_TORCH_PYTHON"
+GLOO_MISSING = f"not measured (no torch here: pip install torch, or ${ENV_TORCH_PYTHON}=a python that has it)"
+GLOO_PORT = 29517  # inside a namespace this bench created: nothing else listens there
 
 
 def time_allreduces(group: Any, sizes: list[int], iterations: int) -> dict[int, list[float]]:
@@ -119,6 +129,69 @@ def time_to_peer_lost(backend: str, kills: int) -> list[float]:
             p.join(60)
         shutil.rmtree(store_dir, ignore_errors=True)
     return seconds
+
+
+def torch_python() -> str | None:
+    """An interpreter with torch, for the gloo anchor: $SNEPPX_BENCH_TORCH_PYTHON, else this one if it has torch."""
+    named = os.environ.get(ENV_TORCH_PYTHON)
+    if named:
+        return named
+    return sys.executable if importlib.util.find_spec("torch") is not None else None
+
+
+def gloo_rank(report: str, rank: int, world: int, master: str, sizes: list[int], iterations: int) -> None:
+    """One gloo rank (run by torch_python(), which need not have SneppX): the allreduce loop; its times as JSON."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world)
+
+    class Gloo:
+        def allreduce(self, data: np.ndarray) -> None:
+            dist.all_reduce(torch.from_numpy(data))  # the array's own memory, as SneppX's calls use it
+
+        def barrier(self) -> None:
+            dist.barrier()
+
+    times = time_allreduces(Gloo(), sizes, iterations)
+    with open(report, "w") as f:
+        json.dump({"transport": f"gloo (torch {torch.__version__})", "times": times}, f)
+    dist.destroy_process_group()
+
+
+def run_gloo(world: int, sizes: list[int], iterations: int,
+             places: list[tuple[list[str], str, str]] | None = None) -> tuple[str, list[dict[int, list[float]]]] | None:
+    """`world` gloo ranks; places[r] = (command prefix, master address, interface) for ranks in namespaces, else
+    every rank on 127.0.0.1 over `lo`. None when no interpreter has torch."""
+    python = torch_python()
+    if python is None:
+        return None
+    if places is None:
+        with socket.socket() as probe:  # a free port on loopback for rank 0's rendezvous
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        places = [([], f"127.0.0.1:{port}", "lo")] * world
+    workdir = tempfile.mkdtemp(prefix="bench-comm-gloo-")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        processes = []
+        for rank, (prefix, master, interface) in enumerate(places):
+            env = {**os.environ, **ONE_THREAD, "GLOO_SOCKET_IFNAME": interface, "PYTHONPATH": repo}
+            processes.append(subprocess.Popen(
+                [*prefix, python, "-m", "bench.comm", "--gloo-rank", os.path.join(workdir, f"{rank}.json"),
+                 str(rank), str(world), master, "--iterations", str(iterations), "--sizes", *map(str, sizes)],
+                env=env, cwd=repo))
+        for p in processes:
+            if p.wait(timeout=1800) != 0:
+                raise RuntimeError("a gloo rank failed")
+        reports = []
+        for rank in range(world):
+            with open(os.path.join(workdir, f"{rank}.json")) as f:
+                reports.append(json.load(f))
+        return reports[0]["transport"], [{int(k): v for k, v in r["times"].items()} for r in reports]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def netns_rank(report: str, store_dir: str, rank: int, world: int, backend: str, host_key: str, address: str,
@@ -210,18 +283,24 @@ def measure_two_hosts(sizes: list[int], iterations: int) -> None:
         hierarchical, shm_times = hosts.run_sneppx("auto", sizes, iterations)
         _, ring_times = hosts.run_sneppx("tcp", sizes, iterations)
         mpich = hosts.run_mpich(sizes, iterations)
+        gloo = run_gloo(4, sizes, iterations, [(["ip", "netns", "exec", hosts.hosts[r // 2][0]],
+                                                f"{hosts.hosts[0][1]}:{GLOO_PORT}", hosts.hosts[r // 2][2])
+                                               for r in range(4)])
     finally:
         hosts.close()
     factor = 2 * 3 / 4
     print(f"\nTwo hosts (network namespaces joined by a veth pair) x 2 ranks; SneppX default: {hierarchical}")
-    print("| size | SneppX default (shared memory + ring per local index) | SneppX flat ring | MPICH over TCP "
-          "| default / MPICH | default / flat ring |")
-    print("|---|---|---|---|---|---|")
+    print(f"gloo: {gloo[0] if gloo else GLOO_MISSING}")
+    print("| size | SneppX default (shared memory + ring per local index) | SneppX flat ring | MPICH over TCP | gloo "
+          "| default / MPICH | default / gloo | default / flat ring |")
+    print("|---|---|---|---|---|---|---|---|")
     for size in sizes:
         ours, flat = (size * factor / slowest_rank_median(t, size) for t in (shm_times, ring_times))
         theirs = size * factor / slowest_rank_median(mpich, size) if mpich else float("nan")
+        torch_s = size * factor / slowest_rank_median(gloo[1], size) if gloo else float("nan")
         print(f"| {size >> 10} KiB | {ours / 1e9:.2f} GB/s | {flat / 1e9:.2f} GB/s | {theirs / 1e9:.2f} GB/s | "
-              f"{ours / theirs:.2f}x | {ours / flat:.2f}x |", flush=True)
+              f"{torch_s / 1e9:.2f} GB/s | {ours / theirs:.2f}x | {ours / torch_s:.2f}x | {ours / flat:.2f}x |",
+              flush=True)
 
 
 def mpi_rank(sizes: list[int], iterations: int) -> None:
@@ -326,9 +405,14 @@ def main(argv: list[str]) -> None:
                         help="2: only the two-host measurement (network namespaces and a veth pair; needs root)")
     parser.add_argument("--mpi-rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--netns-rank", nargs=7, help=argparse.SUPPRESS)
+    parser.add_argument("--gloo-rank", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.mpi_rank:
         mpi_rank(args.sizes, args.iterations)
+        return
+    if args.gloo_rank:
+        report, rank, world, master = args.gloo_rank
+        gloo_rank(report, int(rank), int(world), master, args.sizes, args.iterations)
         return
     if args.netns_rank:
         report, store_dir, rank, world, backend, host_key, address = args.netns_rank
@@ -346,23 +430,26 @@ def main(argv: list[str]) -> None:
     shared = spawn_ranks(world, ring_rank, args.sizes, args.iterations, "shm")
     mpich_shm = run_mpich(world, args.sizes, args.iterations, over_tcp=False)
     mpich_tcp = run_mpich(world, args.sizes, args.iterations, over_tcp=True)
-    print(f"MPICH: {mpich_shm[0] if mpich_shm else 'not installed (pip install mpi4py mpich)'}\n")
+    gloo = run_gloo(world, args.sizes, args.iterations)
+    print(f"MPICH: {mpich_shm[0] if mpich_shm else 'not installed (pip install mpi4py mpich)'}")
+    print(f"gloo: {gloo[0] if gloo else GLOO_MISSING}\n")
     factor = 2 * (world - 1) / world
 
     def busbw(per_rank: list[dict[int, list[float]]] | None, size: int) -> float:
         return size * factor / slowest_rank_median(per_rank, size) if per_rank else float("nan")
 
-    print("| size | SneppX ring (TCP) | SneppX shared memory | MPICH over TCP | MPICH shared memory | memcpy "
-          "| ring / MPICH TCP | shared / MPICH shared | shared / memcpy |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| size | SneppX ring (TCP) | SneppX shared memory | MPICH over TCP | MPICH shared memory | gloo (TCP) "
+          "| memcpy | ring / MPICH TCP | shared / MPICH shared | shared / gloo | shared / memcpy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes:
         ours, ours_shm = busbw(ring, size), busbw(shared, size)
         tcp = busbw(mpich_tcp[1] if mpich_tcp else None, size)
         shm = busbw(mpich_shm[1] if mpich_shm else None, size)
+        torch_s = busbw(gloo[1] if gloo else None, size)
         copy = size / memcpy_seconds(size, args.iterations)
         print(f"| {size >> 10} KiB | {ours / 1e9:.2f} GB/s | {ours_shm / 1e9:.2f} GB/s | {tcp / 1e9:.2f} GB/s | "
-              f"{shm / 1e9:.2f} GB/s | {copy / 1e9:.2f} GB/s | {ours / tcp:.2f}x | {ours_shm / shm:.2f}x | "
-              f"{ours_shm / copy:.2f} |", flush=True)
+              f"{shm / 1e9:.2f} GB/s | {torch_s / 1e9:.2f} GB/s | {copy / 1e9:.2f} GB/s | {ours / tcp:.2f}x | "
+              f"{ours_shm / shm:.2f}x | {ours_shm / torch_s:.2f}x | {ours_shm / copy:.2f} |", flush=True)
 
     print(f"\nPeer SIGKILLed mid-allreduce (2 ranks, 1 MiB): time to the survivor's PeerLostError, {args.kills} kills")
     print("| transport | p50 | p99 | max |")
