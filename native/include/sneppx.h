@@ -333,6 +333,17 @@ int sx_elastic_next(int state, int event);
 const char *sx_elastic_state_name(int state);
 const char *sx_elastic_event_name(int event);
 
+/* ---- JSON from someone else: its cost before it is parsed (json_scan.c) ----
+ * One pass, no allocation: counts the objects and arrays of a document and its
+ * deepest nesting, skipping strings whole. SX_EPROTO when brackets don't
+ * balance or match or a string never ends; a document nested deeper than
+ * max_depth (at most 4096) stops the scan with depth = max_depth + 1. */
+typedef struct {
+    uint64_t containers; /* objects and arrays */
+    uint64_t depth;      /* deepest nesting; the top-level value is depth 1 */
+} sx_json_shape;
+int sx_json_scan(const void *buf, size_t len, uint32_t max_depth, sx_json_shape *out);
+
 /* ---- collectives: a TCP ring between the ranks of one generation (comm.c) ----
  * Each rank holds two connected stream sockets, authenticated and handed over
  * by the caller: send_fd to rank+1 and recv_fd from rank-1 (mod world_size).

@@ -67,6 +67,18 @@ def crc32c(data: Any, crc: int = 0) -> int:
     return int(lib.sx_crc32c(crc, buf, len(buf)))
 
 
+def json_shape(data: Any, max_depth: int) -> tuple[int, int] | None:
+    """(objects and arrays, deepest nesting) of a JSON document, found without parsing it; the depth stops at
+    max_depth + 1. None when its brackets don't balance or match or a string never ends (sx_json_scan)."""
+    buf = as_buffer(data)
+    out = ffi.new("sx_json_shape *")
+    code = lib.sx_json_scan(buf, len(buf), max_depth, out)
+    if code == lib.SX_EPROTO:
+        return None
+    raise_for(code, "json scan")
+    return int(out.containers), int(out.depth)
+
+
 def crc32c_parallel(data: Any, crc: int = 0, threads: int = 0) -> int:
     """CRC32C split over threads (0 = all CPUs); the same value as crc32c()."""
     buf = as_buffer(data)

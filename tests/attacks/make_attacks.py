@@ -102,6 +102,9 @@ def attacks() -> dict[str, tuple[bytes, str, str]]:
     a["name_lone_surrogate"] = (build([entry("\ud800")]), "CorruptTableError", "not valid Unicode")
     a["nested_json"] = (build([], table_raw=b'{"tensors":[],"metadata":{},"config":' + b"[" * 5000 + b"]" * 5000
                               + b"}"), "LimitExceededError", "nests")
+    # 100,000 empty objects: 300 KB that json would build into ~7 MB of dicts (a 64 MiB table: ~1.6 GB)
+    a["dense_containers"] = (build([], table_raw=b'{"tensors":[' + b",".join([b"{}"] * 100_000)
+                                   + b'],"metadata":{},"config":null}'), "LimitExceededError", "objects and arrays")
     a["duplicate_json_key"] = (build([], table_raw=b'{"tensors":[],"tensors":[],"metadata":{},"config":null}'),
                                "CorruptTableError", "duplicate key")
     a["nan_in_table"] = (build([], table_raw=b'{"tensors":[],"metadata":{},"config":NaN}'), "CorruptTableError",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -305,7 +306,7 @@ def test_signing_keeps_a_bfloat16_tensor_exactly(tmp_path: pathlib.Path) -> None
     path = write_checkpoint(tmp_path / "u.snpx", tensors={"h": np.arange(40, dtype=np.uint16).reshape(5, 8)})
     with checkpoint.CheckpointReader(path) as r:
         header, table = r.header, r.table
-    entry = format.TensorEntry(**{**table.tensors[0].__dict__, "dtype": "bfloat16"})
+    entry = dataclasses.replace(table.tensors[0], dtype="bfloat16")
     _rewrite_table(path, header, format.Table((entry,), table.metadata, table.config))
     verify.sign_checkpoint(path, priv)
     assert verify.verify_checkpoint(path, [pub]) == (True, [])
@@ -363,7 +364,7 @@ def test_signing_refuses_a_table_digest_that_does_not_match(tmp_path: pathlib.Pa
     with checkpoint.CheckpointReader(path) as r:
         header, table = r.header, r.table
     entries = list(table.tensors)
-    entries[0] = format.TensorEntry(**{**entries[0].__dict__, "digest": "blake3:" + "0" * 64})
+    entries[0] = dataclasses.replace(entries[0], digest="blake3:" + "0" * 64)
     _rewrite_table(path, header, format.Table(tuple(entries), table.metadata, table.config))
     with pytest.raises(errors.DigestMismatchError, match="already in its table"):
         verify.sign_checkpoint(path, priv)

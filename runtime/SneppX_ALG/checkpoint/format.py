@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from SneppX_ALG import _native, errors
+from SneppX_ALG import _native, errors, untrusted
 
 MAGIC = b"\x89SNPX\r\n\x1a"
 VERSION_MAJOR = 1
@@ -36,6 +36,7 @@ MAX_METADATA_VALUE_BYTES = 1 << 20
 MAX_DIM = 1 << 62
 MAX_LENGTH = 1 << 62
 MAX_JSON_DEPTH = 64
+TABLE_DEPTH = MAX_JSON_DEPTH + 1  # the table object, then a config nested MAX_JSON_DEPTH deep
 
 # dtype name -> item size in bytes (little-endian, C order)
 DTYPES: dict[str, int] = {
@@ -72,7 +73,7 @@ class Header:
     flags: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # no __dict__: a table may hold a million of them
 class TensorEntry:
     name: str
     dtype: str
@@ -300,6 +301,7 @@ def encode_table(table: Table) -> bytes:
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
     if len(raw) > MAX_TABLE_BYTES:
         raise errors.LimitExceededError(f"table is {len(raw)} bytes, limit {MAX_TABLE_BYTES}")
+    untrusted.check_json_cost(raw, what="table", max_depth=TABLE_DEPTH)  # what a reader refuses, refused here
     return raw
 
 
@@ -390,6 +392,7 @@ def decode_table(raw: bytes, header: Header, *, path: str | None = None) -> Tabl
     """Checks the table bytes (check_table_bytes), parses them strictly, and checks the canonical layout
     against the header."""
     check_table_bytes(raw, header, path=path)
+    untrusted.check_json_cost(raw, what="table", max_depth=TABLE_DEPTH, path=path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
