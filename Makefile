@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean k8s-tools
+.PHONY: demo test bench fuzz lint clean k8s-tools
 
 $(INSTALLED): pyproject.toml setup.py native/build_ffi.py native/include/sneppx.h $(wildcard native/src/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,13 @@ test: $(INSTALLED) k8s-tools
 
 bench: $(INSTALLED)
 	$(PY) -m bench
+
+# Every fuzz target for FUZZ_SECONDS each (default 60), what they learn kept under ~/.cache/sneppx/fuzz;
+# `make test` runs the same targets 4 s each. docs/TESTING.md, "Fuzzing", says how to triage a finding.
+FUZZ_SECONDS ?= 60
+fuzz: $(INSTALLED)
+	SNEPPX_FUZZ_SECONDS=$(FUZZ_SECONDS) SNEPPX_FUZZ_KEEP=$(HOME)/.cache/sneppx/fuzz \
+		$(PY) -m pytest tests/fuzz -p no:randomly --timeout=0 -v
 
 clean:
 	rm -rf $(VENV) build *.egg-info runtime/SneppX_ALG/*.so

@@ -243,6 +243,33 @@ def build_role_binding(job_name: str, namespace: str, job_uid: str) -> dict[str,
     }
 
 
+def spec_problem(spec: Mapping[str, Any]) -> str | None:
+    """What is wrong with a spec that the CRD's CEL rules (x-kubernetes-validations) would have refused, or None.
+
+    The API server checks these before the operator sees a spec, but only where it evaluates CEL (Kubernetes 1.25
+    and later, by default), and an object stored before a rule existed is never checked again: the operator
+    checks what its own plans rely on, and fails such a job with reason InvalidSpec instead of crashing on it."""
+    elastic, checkpoint = spec.get("elastic") or {}, spec.get("checkpoint") or {}
+    storage = checkpoint.get("storage") or {}
+    if ("pvc" in storage) == ("s3" in storage):
+        return "checkpoint.storage needs exactly one of pvc or s3"
+    sub_path = (storage.get("pvc") or {}).get("subPath") or ""
+    if sub_path.startswith("/") or ".." in sub_path.split("/"):
+        return "checkpoint.storage.pvc.subPath must be relative and must not contain '..'"
+    if checkpoint.get("rollbackDepth", 2) >= checkpoint.get("maxToKeep", 3):
+        return "checkpoint.rollbackDepth must be less than checkpoint.maxToKeep"
+    if elastic.get("minNodes", 1) > elastic.get("maxNodes", 1):
+        return "elastic.minNodes must not exceed elastic.maxNodes"
+    delay = (spec.get("failurePolicy") or {}).get("restartDelay") or {}
+    if delay.get("initialSeconds", 0) > delay.get("maxSeconds", float("inf")):
+        return "failurePolicy.restartDelay.initialSeconds must not exceed maxSeconds"
+    for rule in (spec.get("failurePolicy") or {}).get("rules") or []:
+        codes = rule.get("onExitCodes") or {}
+        if codes.get("operator") != "NotIn" and 0 in (codes.get("values") or []):
+            return "failurePolicy.rules: onExitCodes with operator In must not list 0 (a success)"
+    return None
+
+
 def checkpoint_uri(job_name: str, namespace: str, spec: Mapping[str, Any]) -> str:
     """Where the ranks keep checkpoints. Unless the job names its own place (an S3 prefix, a PVC subPath)
     each job gets its own, <namespace>/<job>, in the bucket or on the claim: jobs sharing a bucket or a claim

@@ -710,7 +710,7 @@ def plan(
     # restart in a row, from the last one.
     streak = _restart_streak(job, now) + (1 if work.restarts else 0)
     last_restart = now if work.restarts else _last_restart_at(previous)
-    invalid = _rejected_spec(job)
+    invalid = _rejected_spec(job) or builders.spec_problem(spec)
     resources: list[Action] = []
     new_pods: list[Action] = []
     creatable = list(work.missing)

@@ -398,7 +398,8 @@ def decode_table(raw: bytes, header: Header, *, path: str | None = None) -> Tabl
     except UnicodeDecodeError as e:
         raise errors.CorruptTableError(f"table is not valid UTF-8 ({e.reason} at byte {e.start})", path=path) from None
     try:
-        doc = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
+        doc = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant,
+                         parse_float=untrusted.finite_float)
     except RecursionError:
         raise errors.LimitExceededError("table JSON nests too deeply", path=path) from None
     except ValueError as e:

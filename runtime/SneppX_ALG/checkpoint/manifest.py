@@ -22,7 +22,7 @@ import os
 import re
 from typing import Any
 
-from SneppX_ALG import _native, errors, storage
+from SneppX_ALG import _native, errors, storage, untrusted
 from SneppX_ALG.checkpoint import chunks, format
 
 MANIFEST_FORMAT = "sneppx.manifest"
@@ -34,6 +34,7 @@ CHECKSUM = "checksum"
 BLOCK_BYTES = 256 << 10
 MIN_BLOCK_BYTES = 4096
 MAX_BLOCK_BYTES = 64 << 20
+MAX_DEPTH = format.MAX_JSON_DEPTH + 8  # the manifest's own structure, then a training state nested up to 64 deep
 _HEX = re.compile(r"^[0-9a-f]*$")
 
 
@@ -48,9 +49,13 @@ def manifest_checksum(manifest: dict[str, Any]) -> str:
 
 
 def encode_manifest(manifest: dict[str, Any]) -> bytes:
-    """The manifest's bytes: canonical JSON (sorted keys, no spaces, ASCII) with its checksum added."""
+    """The manifest's bytes: canonical JSON (sorted keys, no spaces, ASCII) with its checksum added. A manifest
+    that decode_manifest would refuse for its nesting (a training state nested too deep) is refused here."""
     content = {k: v for k, v in manifest.items() if k != CHECKSUM}
-    return _canonical({**content, CHECKSUM: manifest_checksum(content)})
+    raw = _canonical({**content, CHECKSUM: manifest_checksum(content)})
+    untrusted.check_json_cost(raw, what="manifest", max_depth=MAX_DEPTH, limit=errors.ManifestError,
+                              malformed=errors.ManifestError, dense_ok=True)
+    return raw
 
 
 def decode_manifest(raw: bytes, *, step: int, where: str) -> dict[str, Any]:
@@ -61,8 +66,11 @@ def decode_manifest(raw: bytes, *, step: int, where: str) -> dict[str, Any]:
 
     if len(raw) > storage.MAX_MANIFEST_BYTES:
         raise bad(f"manifest is {len(raw)} bytes, more than {storage.MAX_MANIFEST_BYTES}")
+    untrusted.check_json_cost(raw, what="manifest", max_depth=MAX_DEPTH, limit=errors.ManifestError,
+                              malformed=errors.ManifestError, dense_ok=True, path=where)
     try:
-        m = json.loads(raw, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+        m = json.loads(raw, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)),
+                       parse_float=untrusted.finite_float)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"manifest is not JSON: {e}") from None
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:

@@ -67,7 +67,7 @@ class Channel:
         for line in lines:
             try:
                 message = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser recurses
                 raise ChannelClosed("a line that is not JSON: not a SneppX worker") from None
             if isinstance(message, dict) and isinstance(message.get("kind"), str):
                 messages.append(message)
