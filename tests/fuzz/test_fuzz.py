@@ -40,7 +40,8 @@ def run_fuzzer(command: list[str], name: str, tmp_path: pathlib.Path, seeds: pat
     done = subprocess.run([*command, *libfuzzer_flags(artifacts), str(new_inputs), str(seeds)],
                           capture_output=True, text=True, timeout=SECONDS + 600, check=False, cwd=ROOT)
     found = sorted(artifacts.iterdir())
-    if KEEP and found:  # keep the finding where make fuzz keeps its corpus, for triage
+    if KEEP:  # the run's log (libFuzzer's final stats: executions, coverage) and any finding, for triage
+        pathlib.Path(KEEP, f"{name}.log").write_text(done.stderr[-20000:])
         for path in found:
             shutil.copy(path, pathlib.Path(KEEP) / f"{name}-{path.name}")
     assert done.returncode == 0 and not found, (
