@@ -261,7 +261,7 @@ def spec_problem(spec: Mapping[str, Any]) -> str | None:
     if elastic.get("minNodes", 1) > elastic.get("maxNodes", 1):
         return "elastic.minNodes must not exceed elastic.maxNodes"
     delay = (spec.get("failurePolicy") or {}).get("restartDelay") or {}
-    if delay.get("initialSeconds", 0) > delay.get("maxSeconds", float("inf")):
+    if delay.get("initialSeconds", 10) > delay.get("maxSeconds", 300):  # the CRD's defaults
         return "failurePolicy.restartDelay.initialSeconds must not exceed maxSeconds"
     for rule in (spec.get("failurePolicy") or {}).get("rules") or []:
         codes = rule.get("onExitCodes") or {}
