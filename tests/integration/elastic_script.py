@@ -10,6 +10,7 @@ writes OUT/progress.json after each step and OUT/params.npz at the end; the laun
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import signal
@@ -203,19 +204,30 @@ def process_state(pid: int) -> str | None:
 
 
 def assert_params_match(out: Path, steps: int) -> None:
-    """The run that wrote to `out` ended at the parameters of the same training uninterrupted in one process."""
-    expected = reference_params(steps)
+    """The run that wrote to `out` ended at the parameters of the same training uninterrupted in one process.
+
+    Measured against one step's movement there (the L2 distance from step `steps - 1` to `steps`, all parameters
+    together): world sizes and transports differ in summation order only, float noise that training amplifies
+    to about 0.001 of a step by step 200; an update lost or repeated anywhere in the run ends 0.9-7 steps away.
+    A per-element tolerance cannot split the two: AdamW's normalised update lifts the noise on elements near zero
+    to the size of the elements themselves."""
+    before, expected = reference_params(steps)
     got = params_in(out)
     assert set(got) == set(expected)
-    for name in expected:
-        # World sizes differ in summation order only: float noise, which AdamW's normalised update lifts to about
-        # 1e-5 on elements near zero; a step lost or repeated moves elements by about lr (3e-3).
-        scale = float(np.abs(expected[name]).max())
-        np.testing.assert_allclose(got[name], expected[name], rtol=1e-3, atol=1e-3 * scale, err_msg=name)
+    one_step = distance(expected, before)
+    off = distance(got, expected)
+    worst = max(expected, key=lambda name: float(np.abs(got[name] - expected[name]).max()))
+    assert off <= 0.05 * one_step, (f"{off / one_step:.3f} steps from the uninterrupted run's step {steps} "
+                                    f"(noise is ~0.001); furthest: {worst}")
 
 
-def reference_params(steps: int) -> dict[str, np.ndarray]:
-    """The same training, uninterrupted, in one process (world size 1): what every run must end at."""
+def distance(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    return math.sqrt(sum(float(np.sum((a[k].astype(np.float64) - b[k]) ** 2)) for k in a))
+
+
+def reference_params(steps: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The same training, uninterrupted, in one process (world size 1): its parameters after `steps - 1` steps
+    and after `steps`, where every run must end."""
     import tempfile
 
     from SneppX_ALG.elastic import collectives, store
@@ -225,9 +237,11 @@ def reference_params(steps: int) -> dict[str, np.ndarray]:
     with tempfile.TemporaryDirectory() as scratch:
         group = collectives.ProcessGroup(store.DirectoryStore(scratch), 0, 1)
         trainer = DataParallelTrainer(model, SyntheticLanguage(**DATA), group, batch_size=BATCH)
-        trainer.train(steps)
+        trainer.train(steps - 1)
+        before = {k: np.array(v) for k, v in model.params.items()}
+        trainer.train(1)
         group.close()
-    return {k: np.array(v) for k, v in model.params.items()}
+    return before, {k: np.array(v) for k, v in model.params.items()}
 
 
 if __name__ == "__main__":

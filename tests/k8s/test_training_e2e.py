@@ -74,7 +74,11 @@ def test_a_sigkilled_rank_is_replaced_and_training_resumes_from_the_last_valid_c
     operator: kopf.testing.KopfRunner, pods: pod_runner.PodRunner, tmp_path: pathlib.Path, min_nodes: int,
 ) -> None:
     out, steps = output(pods), STEPS
-    k8s_helpers.kubectl_apply(cluster, namespace, training_job("train", steps=steps, min_nodes=min_nodes), tmp_path)
+    # The replacement waits 3 s: the survivor settles in under 2 heartbeat timeouts (1.6 s), so with min_nodes 1 it
+    # goes on alone first. With no delay a quick replacement (same agent id) may join that generation: also right.
+    delay = {"restartDelay": {"initialSeconds": 3, "multiplier": 1, "maxSeconds": 3}}
+    job = training_job("train", steps=steps, min_nodes=min_nodes, failure_policy=delay)
+    k8s_helpers.kubectl_apply(cluster, namespace, job, tmp_path)
     k8s_helpers.wait_for(lambda: progress(out)["step"] >= 3 * EVERY and progress(out)["world_size"] == 2,
                          "two pods training together past a few checkpoints", FINISH_TIMEOUT)
     pods.kill("train-1", signal.SIGKILL)  # the agent and its worker: the whole rank
