@@ -147,9 +147,29 @@ def test_ls_of_an_empty_root_and_of_nothing(tmp_path: pathlib.Path) -> None:
 # ---- gc, local ----------------------------------------------------------------------------------------------
 
 
+def test_gc_keeps_every_step_a_kept_incremental_step_references_and_ls_shows_the_chain(
+        tmp_path: pathlib.Path) -> None:
+    root = tmp_path / "root"
+    # "b" never changes: every later step references step 100's copy (True: "auto" would stop comparing, as "b" is
+    # less than 1/8 of the state)
+    save(str(root), [100, 200, 300, 400, 500], incremental=True)
+    code, listing = ls(str(root), "--quick")
+    by_step = {r["step"]: r for r in listing["steps"]}
+    assert by_step[100]["uses"] == [] and all(by_step[s]["uses"] == [100] for s in (200, 300, 400, 500))
+    assert by_step[500]["bytes"] < by_step[100]["bytes"] and by_step[500]["logical_bytes"] == by_step[100][
+        "logical_bytes"]
+    report = json.loads(sneppx("gc", str(root), "--keep", "2", "--json").stdout)
+    assert report["delete"] == [200, 300] and report["pinned"] == [100], report
+    applied = sneppx("gc", str(root), "--keep", "2", "--apply")
+    assert applied.returncode == 0 and "step 100 is kept: a kept step references" in applied.stdout
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-000000100", "step-000000400", "step-000000500"]
+    code, listing = ls(str(root), "--full")
+    assert code == 0 and all(r["valid"] for r in listing["steps"]), listing
+
+
 def test_gc_is_a_dry_run_until_apply(tmp_path: pathlib.Path) -> None:
     root = tmp_path / "root"
-    save(str(root), [100, 200, 300, 400, 500])
+    save(str(root), [100, 200, 300, 400, 500], incremental=False)  # full steps: none pins another
     dry = sneppx("gc", str(root), "--keep", "2")
     assert dry.returncode == 0 and "would delete step 100" in dry.stdout and "dry run" in dry.stdout
     assert len(list(root.glob("step-*"))) == 5

@@ -57,7 +57,10 @@ def test_inspect_a_step_directory_shows_manifest_training_state_and_every_shard(
     assert {t["name"]: t["shape"] for t in info["tensors"]} == {"embed": [32, 16], "w": [16, 16], "steps": [4],
                                                                 "bias": [16]}
     entries = [e["name"] for shard in info["shards"] for e in shard["tensors"]]
-    assert set(entries) >= {"w", "steps", "bias"} and info["shards"][0]["file_bytes"] > 0
+    assert set(entries) >= {"w", "bias"} and info["shards"][0]["file_bytes"] > 0
+    # "embed" and "steps" did not change since step 100: step 200 references them there (an incremental step)
+    assert info["uses"] == [100] and {e for ref in info["referenced"] for e in ref["entries"]} == {"embed", "steps"}
+    assert "referenced in step 100's shard-00000.snpx" in result.stdout
 
 
 def test_inspect_errors_exit_nonzero_with_the_reason(tmp_path: pathlib.Path) -> None:

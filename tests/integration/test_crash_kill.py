@@ -1,7 +1,8 @@
 """Crash consistency, shown: a saving process is SIGKILLed at every I/O site and at random times.
 
 Each round forks a child that saves a few checkpoints into one shared root (so leftovers of earlier kills
-are there too). The child dies either by the native fault hook (`kill(getpid(), SIGKILL)` in front of the
+are there too); all but a round's first are incremental, referencing the frozen part of the state. The
+child dies either by the native fault hook (`kill(getpid(), SIGKILL)` in front of the
 k-th write/fsync/rename/dirsync/read: every site in turn) or by a SIGKILL from this process after a random
 delay. After every kill a new coordinator starts on the root and we check that leftovers are gone, that
 every committed step validates (no partial checkpoint is ever visible), that the newest committed step
@@ -12,14 +13,16 @@ never goes backwards, and that latest() restores bitwise what was saved at its s
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import random
 import signal
 import time
 
 import numpy as np
 
-from SneppX_ALG import CheckpointCoordinator, _native
+from SneppX_ALG import CheckpointCoordinator, _native, storage
 
 SAVES_PER_ROUND = 3
 TARGET_KILLS = int(os.environ.get("SNEPPX_KILLS", "200"))
@@ -27,8 +30,11 @@ ALL_SITES = "write,fsync,rename,dirsync,read"
 
 
 def state_for(step: int) -> dict:
+    """Different at every step, but for a frozen third that every save after a round's first references
+    (incremental steps: retention must keep what they reference, a kill at any site included)."""
     rng = np.random.default_rng(step)
-    return {"w": rng.standard_normal((64, 256)).astype(np.float32),
+    return {"frozen": np.random.default_rng(0).standard_normal((256, 1024)).astype(np.float32),
+            "w": rng.standard_normal((64, 256)).astype(np.float32),
             "emb": rng.integers(0, 255, (600, 1024), dtype=np.uint8),
             "opt": {"b": rng.standard_normal(10), "t": np.int64(step)}}
 
@@ -97,6 +103,7 @@ class Checker:
             want = state_for(info.step)
             assert got["w"].tobytes() == want["w"].tobytes()
             assert got["emb"].tobytes() == want["emb"].tobytes()
+            assert got["frozen"].tobytes() == want["frozen"].tobytes()
             assert got["opt"]["b"].tobytes() == want["opt"]["b"].tobytes() and got["opt"]["t"] == info.step
         finally:
             coord.close()
@@ -115,6 +122,8 @@ def test_sigkill_at_every_io_site_and_at_random_times_never_exposes_a_partial_ch
     assert not killed and sites is not None and sites > 20
     step += SAVES_PER_ROUND
     checker.after_round()
+    newest = json.loads((pathlib.Path(root) / storage.step_name(step - 1) / storage.MANIFEST).read_bytes())
+    assert newest.get("uses"), "the round's last save was not incremental: the kills would not cover one"
 
     # Every site in turn (retention deletes vary a little between rounds, so go a few past the count).
     for k in range(1, sites + 6):

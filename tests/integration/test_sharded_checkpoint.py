@@ -114,6 +114,24 @@ def test_a_step_saved_at_2_ranks_resumes_at_4(tmp_path: pathlib.Path, ranks: Ran
     assert_read_only_what_is_needed(reports, local=True)
 
 
+def test_an_incremental_step_of_2_ranks_resumes_at_3_through_its_references(
+        tmp_path: pathlib.Path, ranks: Ranks, uninterrupted: list[float]) -> None:
+    """Each rank saves the same state twice: the second step references every chunk of the first (both ranks'
+    files), and 3 ranks resume from it, each reading its boxes from step SAVED_AT - 1's files."""
+    root = str(tmp_path / "ckpt")
+    reports = launch(ranks, tmp_path / "store-save", root, 2, restore=False, train_steps=SAVED_AT,
+                     save_step=SAVED_AT - 1, save_again=SAVED_AT)
+    assert all(r["saved_again"] == SAVED_AT for r in reports.values()), reports
+    manifest = json.loads((pathlib.Path(root) / storage.step_name(SAVED_AT) / "manifest.json").read_bytes())
+    assert manifest["version"] == 4 and manifest["uses"] == [SAVED_AT - 1]
+    chunks = [c for t in manifest["tensors"] for c in t["chunks"]]
+    assert all(c["from"] == [SAVED_AT - 1, f"shard-{c['shard']:05d}.snpx"] for c in chunks)
+    assert validate_checkpoint(pathlib.Path(root) / storage.step_name(SAVED_AT)) == (True, [])
+    reports = launch(ranks, tmp_path / "store-load", root, 3, restore=True, train_steps=CONTINUE)
+    assert_resumed_exactly(reports, uninterrupted)
+    assert_read_only_what_is_needed(reports, local=True)
+
+
 def test_the_same_save_and_resharded_load_on_s3(s3_bucket: str, s3_env: Any, tmp_path: pathlib.Path,
                                                 ranks: Ranks, uninterrupted: list[float]) -> None:
     root = f"s3://{s3_bucket}/job"

@@ -3,11 +3,14 @@
 Run as a script (`python scenario.py ROOT SIGNING_KEY_PEM|- STEP...`) it saves the steps the way a training
 job does: one CheckpointCoordinator with max_to_keep=1, so committing a step deletes the one before. After
 each step's wait() it logs the mark "saved STEP": from there on that step is acknowledged, and a crash must
-not lose it.
+not lose it. With SNEPPX_SCENARIO_RESUME=1 it is a job that restarted: it restores the newest step first, and
+its saves are incremental (the frozen part of the state referenced, not written), so the step before is kept
+for as long as the new one references it. Without, every save is full.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 from typing import Any
@@ -24,7 +27,8 @@ STAGING_BYTES = 64 << 10  # less than the state: the snapshot streams through se
 def state_for(step: int) -> dict[str, Any]:
     """About 130 KiB in several dtypes, different at every step (so a mix of two steps can't pass)."""
     rng = np.random.default_rng(step)
-    return {"w": rng.standard_normal((96, 160)).astype(np.float32),
+    return {"frozen": np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32),  # never changes
+            "w": rng.standard_normal((96, 160)).astype(np.float32),
             "emb": rng.integers(0, 255, (40, 1024), dtype=np.uint8),
             "opt": {"m": rng.standard_normal(1000), "t": np.int64(step)}}
 
@@ -33,10 +37,12 @@ def training_state_for(step: int) -> dict[str, Any]:
     return {"step": step, "data_position": step * 32}
 
 
-def save(root: pathlib.Path, steps: list[int], signing_key: Any = None) -> None:
+def save(root: pathlib.Path, steps: list[int], signing_key: Any = None, *, resume: bool = False) -> None:
     coord = CheckpointCoordinator(root, max_to_keep=MAX_TO_KEEP, staging_bytes=STAGING_BYTES, device="cpu",
-                                  signing_key=signing_key)
+                                  signing_key=signing_key, incremental=True if resume else False)
     with coord:
+        if resume:
+            coord.restore({})
         for step in steps:
             coord.save(state_for(step), step=step, training_state=training_state_for(step))
             coord.wait()
@@ -109,4 +115,5 @@ def differences(got: Any, want: Any, path: str = "") -> list[str]:
 
 
 if __name__ == "__main__":
-    save(pathlib.Path(sys.argv[1]), [int(a) for a in sys.argv[3:]], None if sys.argv[2] == "-" else sys.argv[2])
+    save(pathlib.Path(sys.argv[1]), [int(a) for a in sys.argv[3:]], None if sys.argv[2] == "-" else sys.argv[2],
+         resume=os.environ.get("SNEPPX_SCENARIO_RESUME") == "1")

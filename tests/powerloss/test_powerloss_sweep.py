@@ -1,7 +1,9 @@
 """Power loss at every point of a real save: whatever the disk keeps, a restart restores the old or the new step.
 
 A root holds step 7 (and leftovers of an earlier crash); a CheckpointCoordinator with max_to_keep=1, in its
-own process under the recording shim, saves step 8, so committing 8 deletes 7. For every crash point of the
+own process under the recording shim, saves step 8, so committing 8 deletes 7. In the "resumed" recording the
+process restores 7 first and saves 8 as an incremental step that references 7's frozen tensor: retention must
+keep 7 then, at every crash point, or 8 would be left with references to nothing. For every crash point of the
 recorded log, every on-disk state the persistence model allows (crashfs.py; docs/TESTING.md, "Power loss")
 is written into a fresh directory and a fresh coordinator restores from it: it must get step 7 or step
 8, bit-exact, never a mix, never nothing, and never 7 once wait() had returned for 8.
@@ -19,6 +21,7 @@ random states beyond that, instead of single ops).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import pathlib
@@ -49,6 +52,7 @@ class Recording:
     after: crashfs.Tree
     trusted_keys: Any
     write_mode: str
+    resumed: bool = False
 
     def replay(self, ops: list[oplog.Op] | None = None, *, every_tear: bool = FULL) -> crashfs.Replay:
         return crashfs.Replay(self.initial, self.ops if ops is None else ops, every_tear=every_tear)
@@ -56,20 +60,21 @@ class Recording:
 
 @pytest.fixture(scope="module")
 def record_saves(recorder_shim: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """(signed, write mode) -> Recording: step OLD committed (plus leftovers), then the NEW steps saved by
-    another process under the shim, its shards written in that mode (SNEPPX_WRITE_MODE). Each kind is recorded
-    once per module."""
-    recordings: dict[tuple[bool, str], Recording] = {}
+    """(signed, write mode, resumed) -> Recording: step OLD committed (plus leftovers), then the NEW steps saved
+    by another process under the shim, its shards written in that mode (SNEPPX_WRITE_MODE), after restoring OLD
+    when `resumed` (incremental saves). Each kind is recorded once per module."""
+    recordings: dict[tuple[bool, str, bool], Recording] = {}
 
-    def record(signed: bool, mode: str) -> Recording:
-        if (signed, mode) not in recordings:
-            recordings[signed, mode] = _record(recorder_shim, tmp_path_factory.mktemp("powerloss"), signed, mode)
-        return recordings[signed, mode]
+    def record(signed: bool, mode: str, resumed: bool = False) -> Recording:
+        if (signed, mode, resumed) not in recordings:
+            recordings[signed, mode, resumed] = _record(recorder_shim, tmp_path_factory.mktemp("powerloss"), signed,
+                                                        mode, resumed)
+        return recordings[signed, mode, resumed]
 
     return record
 
 
-def _record(shim: pathlib.Path, folder: pathlib.Path, signed: bool, mode: str) -> Recording:
+def _record(shim: pathlib.Path, folder: pathlib.Path, signed: bool, mode: str, resumed: bool) -> Recording:
     root = folder / "root"
     key = key_file = trusted = None
     if signed:
@@ -78,20 +83,22 @@ def _record(shim: pathlib.Path, folder: pathlib.Path, signed: bool, mode: str) -
         key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                serialization.NoEncryption()))
         trusted = key.public_key()
-    scenario.save(root, [OLD], key)
+    scenario.save(root, [OLD], key, resume=resumed)  # resumed: saved incremental, so its blocks carry BLAKE3s
     scenario.plant_leftovers(root, NEW[0])
     initial = crashfs.read_tree(root)
     argv = [sys.executable, scenario.__file__, str(root), str(key_file or "-"), *map(str, NEW)]
-    ops = oplog.record(shim, root, argv, workdir=folder, env={"SNEPPX_WRITE_MODE": mode})
-    return Recording(initial, ops, crashfs.read_tree(root), trusted, mode)
+    env = {"SNEPPX_WRITE_MODE": mode, "SNEPPX_SCENARIO_RESUME": "1" if resumed else "0"}
+    ops = oplog.record(shim, root, argv, workdir=folder, env=env)
+    return Recording(initial, ops, crashfs.read_tree(root), trusted, mode, resumed)
 
 
 # Shards are written with O_DIRECT or buffered with write-behind, whichever measured faster on the filesystem
 # (checkpoint/write_mode.py): both are swept. Signing changes what is written, not how, so once is enough.
-@pytest.fixture(params=["unsigned-direct", "signed-direct", "unsigned-buffered"])
+# "resumed": an incremental save, after a restore, whose retention must keep the step it references.
+@pytest.fixture(params=["unsigned-direct", "signed-direct", "unsigned-buffered", "unsigned-direct-resumed"])
 def recording(request: pytest.FixtureRequest, record_saves: Any) -> Recording:
-    signed, mode = request.param.split("-")
-    return record_saves(signed == "signed", mode)
+    signed, mode, *resumed = request.param.split("-")
+    return record_saves(signed == "signed", mode, bool(resumed))
 
 
 @pytest.fixture(autouse=True)
@@ -119,7 +126,11 @@ def run_sweep(recording: Recording, replay: crashfs.Replay, workdir: pathlib.Pat
 def test_replaying_the_recorded_save_rebuilds_the_tree_it_left(recording: Recording) -> None:
     replay = recording.replay()
     assert replay.final() == recording.after, "the recording missed something the save did"
-    assert {storage.step_name(NEW[-1])} == {p for p in recording.after if "/" not in p}, "the save did not finish"
+    kept = {storage.step_name(OLD)} if recording.resumed else set()  # referenced by the new step: kept
+    assert {storage.step_name(NEW[-1])} | kept == {p for p in recording.after if "/" not in p}, "the save did not finish"
+    if recording.resumed:
+        manifest = json.loads(recording.after[f"{storage.step_name(NEW[-1])}/{storage.MANIFEST}"])
+        assert manifest["uses"] == [OLD], "the resumed save did not reference the step it restored"
     if recording.write_mode == "direct":
         assert replay.direct_writes and replay.buffered_writes, "shards go through O_DIRECT, the manifest buffered"
     else:

@@ -6,7 +6,9 @@ the manifest's contents.
 
 Versions: 1 and 2 list each tensor's `pieces` (flat byte ranges, written by one process); version 3 (since
 sharded steps) lists its `chunks`, boxes of the global tensor written by any rank, each with block checksums
-(docs/FORMAT.md, "Sharded steps"). All three are read.
+(docs/FORMAT.md, "Sharded steps"); version 4 is version 3 with references: a chunk whose bytes did not change
+since an earlier step names the file of that step which holds them (`from`), and `uses` lists those steps
+(docs/FORMAT.md, "Incremental steps"). All four are read; a step with no reference is written as version 3.
 
 Integrity: a manifest carries `"checksum": "crc32c:<8 hex>"`, the CRC32C of its canonical encoding without
 that key, and its bytes must be that canonical encoding, so every byte of it is covered whether the step is
@@ -27,6 +29,7 @@ from SneppX_ALG.checkpoint import chunks, format
 
 MANIFEST_FORMAT = "sneppx.manifest"
 MANIFEST_VERSION = 3
+INCREMENTAL_VERSION = 4  # a version 3 manifest with references to earlier steps' files
 CHECKSUM = "checksum"
 # Bytes per block checksum of a chunk (version 3): a load reads whole blocks, so this bounds what it reads
 # beyond what it needs (two partial blocks per run at most, one on average) against the manifest's size (8 hex
@@ -75,9 +78,9 @@ def decode_manifest(raw: bytes, *, step: int, where: str) -> dict[str, Any]:
         raise bad(f"manifest is not JSON: {e}") from None
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
         raise bad("not a SneppX manifest")
-    if m.get("version") not in (1, 2, MANIFEST_VERSION):
+    if m.get("version") not in (1, 2, MANIFEST_VERSION, INCREMENTAL_VERSION):
         raise bad(f"manifest version {m.get('version')!r} is not supported (this reader: 1 to "
-                  f"{MANIFEST_VERSION})")
+                  f"{INCREMENTAL_VERSION})")
     if m.get("step") != step:
         raise bad(f"manifest says step {m.get('step')!r}, the directory says {step}")
     shards = m.get("shards")
@@ -88,6 +91,13 @@ def decode_manifest(raw: bytes, *, step: int, where: str) -> dict[str, Any]:
         raise bad("manifest 'tensors' and 'values' must be lists")
     if m["version"] >= 3:
         _check_sharding(m, bad)
+    if m["version"] >= INCREMENTAL_VERSION:
+        uses = m.get("uses")
+        if not (isinstance(uses, list) and uses and all(type(u) is int and 0 <= u < step for u in uses)
+                and uses == sorted(set(uses))):
+            raise bad("manifest 'uses' must list the earlier steps it references, ascending, at least one")
+        if not (type(m.get("chain")) is int and m["chain"] >= 1):
+            raise bad("manifest 'chain' (saves since the last full one) must be an int >= 1")
     for t in m["tensors"]:
         key = "chunks" if m["version"] >= 3 else "pieces"
         try:
@@ -100,7 +110,7 @@ def decode_manifest(raw: bytes, *, step: int, where: str) -> dict[str, Any]:
         if not ok:
             raise bad(f"manifest tensor entry {str(t)[:200]} is malformed")
         if m["version"] >= 3:
-            _check_chunks(t, len(shards), m["block_bytes"], bad)
+            _check_chunks(t, len(shards), m["block_bytes"], m["version"], step, bad)
             continue
         covered = 0
         for p in pieces:
@@ -111,6 +121,12 @@ def decode_manifest(raw: bytes, *, step: int, where: str) -> dict[str, Any]:
             covered += p["nbytes"]
         if covered != nbytes:
             raise bad(f"tensor {'/'.join(path)}: pieces cover {covered} of {nbytes} bytes")
+    if m["version"] >= INCREMENTAL_VERSION:
+        referenced = sorted({c["from"][0] for t in m["tensors"] for c in t["chunks"] if "from" in c})
+        if referenced != m["uses"]:
+            raise bad(f"manifest 'uses' says {m['uses'][:20]}, its chunks reference {referenced[:20]}")
+    elif m["version"] <= MANIFEST_VERSION and ("uses" in m or "chain" in m):
+        raise bad(f"manifest version {m['version']} has 'uses' or 'chain': references need version 4")
     if m["version"] >= 2:
         stored = m.pop(CHECKSUM, None)
         if stored is None:
@@ -132,11 +148,16 @@ def _check_sharding(m: dict[str, Any], bad: Any) -> None:
         raise bad(f"manifest 'block_bytes' must be a power of two in {MIN_BLOCK_BYTES}..{MAX_BLOCK_BYTES}")
 
 
-def _check_chunks(tensor: dict[str, Any], shard_count: int, block_bytes: int, bad: Any) -> None:
-    """A version 3 tensor's chunks: well-formed, each with block checksums that combine to its CRC32C, and
-    together covering the tensor exactly once."""
+def _check_chunks(tensor: dict[str, Any], shard_count: int, block_bytes: int, version: int, step: int,
+                  bad: Any) -> None:
+    """A version 3 or 4 tensor's chunks: well-formed, each with block checksums that combine to its CRC32C, and
+    together covering the tensor exactly once; a reference (`from`, version 4) names an earlier step and a plain
+    file name, and carries a BLAKE3 per block, so what it points at is checked as strongly as a signature would."""
     name = "/".join(tensor["path"])
     itemsize = format.tensor_nbytes(tensor["dtype"], ())
+    keys = {"shard", "entry", "offset", "shape", "nbytes", "crc32c", "blocks", "digests"}
+    if version >= INCREMENTAL_VERSION:
+        keys.add("from")
     boxes = []
     for c in tensor["chunks"]:
         if not (isinstance(c, dict) and type(c.get("shard")) is int and 0 <= c["shard"] < shard_count
@@ -145,8 +166,11 @@ def _check_chunks(tensor: dict[str, Any], shard_count: int, block_bytes: int, ba
                 and c.get("nbytes") == math.prod(c["shape"]) * itemsize and type(c.get("crc32c")) is int
                 and isinstance(c.get("blocks"), str) and _HEX.match(c["blocks"])
                 and (c.get("digests") is None or (isinstance(c["digests"], str) and _HEX.match(c["digests"])))
-                and set(c) <= {"shard", "entry", "offset", "shape", "nbytes", "crc32c", "blocks", "digests"}):
+                and set(c) <= keys):
             raise bad(f"tensor {name}: chunk {str(c)[:200]} is malformed")
+        if "from" in c and not _reference_ok(c, step):
+            raise bad(f"tensor {name}: chunk {c['entry']!r} references {str(c['from'])[:80]}: a reference is "
+                      "[an earlier step, a plain file name] and needs block digests")
         count = block_count(c["nbytes"], block_bytes)
         if len(c["blocks"]) != 8 * count or (c.get("digests") is not None and len(c["digests"]) != 64 * count):
             raise bad(f"tensor {name}: chunk {c['entry']!r} needs {count} block checksums")
@@ -161,8 +185,28 @@ def _check_chunks(tensor: dict[str, Any], shard_count: int, block_bytes: int, ba
         raise bad(f"tensor {name}: chunks don't cover it exactly once: {problem}")
 
 
+def _reference_ok(chunk: dict[str, Any], step: int) -> bool:
+    ref = chunk["from"]
+    return (isinstance(ref, list) and len(ref) == 2 and type(ref[0]) is int and 0 <= ref[0] < step
+            and isinstance(ref[1], str) and storage.is_plain_name(ref[1]) and not ref[1].startswith(".")
+            and ref[1] not in (storage.MANIFEST, storage.SIGNATURE, storage.COMMITTED)
+            and isinstance(chunk.get("digests"), str))
+
+
 def _int_list(value: Any) -> bool:
     return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+
+
+def reference(chunk: dict[str, Any]) -> tuple[int, str] | None:
+    """(step, file) of an earlier step's file that holds a chunk's bytes (a version 4 reference), or None when
+    the chunk is in its own step's shard."""
+    ref = chunk.get("from")
+    return None if ref is None else (ref[0], ref[1])
+
+
+def uses(manifest: dict[str, Any]) -> list[int]:
+    """The earlier steps a decoded manifest references (what must be kept while it is)."""
+    return list(manifest.get("uses") or [])
 
 
 def parts_of(tensor: dict[str, Any]) -> list[dict[str, Any]]:

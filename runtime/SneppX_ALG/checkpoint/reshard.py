@@ -13,12 +13,18 @@ two partial blocks per byte run (docs/FORMAT.md, "Sharded steps: loading at anot
 
 Steps saved before manifest version 3 have no block checksums; `load` leaves them to a whole read
 (coordinator/steps.py reads them the old way and cuts the boxes out).
+
+A chunk of an incremental step (manifest version 4) may live in an earlier step's file (`from`): it is read from
+there through `open_step`, and its every block is checked against the BLAKE3 in this step's manifest as well as
+its CRC32C, so a reference to bytes that are gone or were changed makes this step invalid, never wrong.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -78,11 +84,17 @@ class _Work:
     blocks: np.ndarray  # (m, 2) coalesced block ranges
 
 
+OpenStep = Callable[[int], contextlib.AbstractContextManager[storage.StepReader]]
+
+
 def load(reader: storage.StepReader, step: int, needs: list[Need], trusted_keys: dict[bytes, Any] | None = None,
-         stats: ReadStats | None = None) -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
+         stats: ReadStats | None = None, open_step: OpenStep | None = None,
+         ) -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
     """(manifest, problems, arrays): one new array per need, holding the box it asked for, read and checked
     as the module docstring says; arrays is None when there are problems (the step is invalid: a verdict), and
     also for a step older than manifest version 3 (manifest["version"] says so: read it whole instead).
+
+    `open_step(s)` opens an earlier step of the same root, for the chunks an incremental step references there.
 
     Raises ShardingMismatchError when a need does not fit the step (a tensor it lacks, another dtype, a box
     outside the tensor): that is not the step's fault. I/O errors propagate (StorageError, OSError): they are
@@ -115,18 +127,52 @@ def load(reader: storage.StepReader, step: int, needs: list[Need], trusted_keys:
         problem = _unsigned(manifest, work)
         if problem is not None:
             return manifest, [problem], None
-    problems: list[str] = []
-    by_shard: dict[int, list[_Work]] = {}
-    for item in work:
-        by_shard.setdefault(item.chunk["shard"], []).append(item)
-    for shard, items in sorted(by_shard.items()):
-        try:
-            _read_shard(reader, manifest, shard, items, needs, outs, trusted_keys is not None, stats)
-        except (errors.CheckpointFormatError, errors.CheckpointNotFoundError) as e:
-            problems.append(f"{type(e).__name__}: {e}")
+    problems = _read_work(reader, manifest, work, needs, outs, trusted_keys is not None, stats, open_step)
     if problems:
         return manifest, problems, None
     return manifest, [], outs
+
+
+def read_references(open_step: OpenStep, manifest: dict[str, Any], outs: list[np.ndarray] | None,
+                    stats: ReadStats | None = None) -> list[str]:
+    """Reads every chunk a version 4 manifest references in earlier steps, whole, checking each block's CRC32C
+    and BLAKE3, into `outs` (one array per manifest tensor, in order; None: check only). Returns the problems."""
+    needs = [Need(tuple(t["path"])) for t in manifest["tensors"]]
+    work = []
+    for index, tensor in enumerate(manifest["tensors"]):
+        for chunk in tensor["chunks"]:
+            if manifest_codec.reference(chunk) is not None:
+                box = chunks.Box(tuple(chunk["offset"]), tuple(chunk["shape"]))
+                count = manifest_codec.block_count(chunk["nbytes"], manifest["block_bytes"])
+                work.append(_Work(index, chunk, box, np.array([[0, count]] if count else [], np.int64).reshape(-1, 2)))
+    return _read_work(None, manifest, work, needs, outs, False, stats or ReadStats(), open_step)
+
+
+def _read_work(reader: storage.StepReader | None, manifest: dict[str, Any], work: list[_Work], needs: list[Need],
+               outs: list[np.ndarray] | None, signed: bool, stats: ReadStats, open_step: OpenStep | None,
+               ) -> list[str]:
+    """Reads `work`, file by file: this step's shards through `reader`, referenced files of earlier steps through
+    `open_step`. Returns the problems (a verdict on the step)."""
+    problems: list[str] = []
+    by_file: dict[tuple[int, str], list[_Work]] = {}
+    for item in work:
+        ref = manifest_codec.reference(item.chunk)
+        key = ref if ref is not None else (-1, manifest["shards"][item.chunk["shard"]])
+        by_file.setdefault(key, []).append(item)
+    for (origin, name), items in sorted(by_file.items()):
+        try:
+            if origin < 0:
+                assert reader is not None
+                _read_file(reader, manifest, name, items, needs, outs, signed, stats, own=True)
+            elif open_step is None:
+                problems.append(f"step {manifest['step']} references step {origin}, which this reader can't open")
+            else:
+                with open_step(origin) as other:
+                    _read_file(other, manifest, name, items, needs, outs, signed, stats, own=False)
+        except (errors.CheckpointFormatError, errors.CheckpointNotFoundError) as e:
+            where = "" if origin < 0 else f"step {manifest['step']} references {name} of step {origin}: "
+            problems.append(f"{where}{type(e).__name__}: {e}")
+    return problems
 
 
 def _plan(manifest: dict[str, Any], tensors: dict[tuple[str, ...], dict[str, Any]], needs: list[Need],
@@ -159,6 +205,8 @@ def _unsigned(manifest: dict[str, Any], work: list[_Work]) -> str | None:
     digests), or None."""
     listed = manifest.get("files") or {}
     for item in work:
+        if manifest_codec.reference(item.chunk) is not None:
+            continue  # its block digests, in the signed manifest, vouch for it (the codec requires them)
         shard = manifest["shards"][item.chunk["shard"]]
         if shard not in listed:
             return (f"DigestMismatchError: shard {shard} has no digest in the signed manifest, so the signature "
@@ -169,13 +217,14 @@ def _unsigned(manifest: dict[str, Any], work: list[_Work]) -> str | None:
     return None
 
 
-def _read_shard(reader: storage.StepReader, manifest: dict[str, Any], shard: int, items: list[_Work],
-                needs: list[Need], outs: list[np.ndarray], signed: bool, stats: ReadStats) -> None:
-    """Reads what `items` need of one shard file: its header and table, then the blocks, each checked."""
-    name = manifest["shards"][shard]
+def _read_file(reader: storage.StepReader, manifest: dict[str, Any], name: str, items: list[_Work],
+               needs: list[Need], outs: list[np.ndarray] | None, signed: bool, stats: ReadStats, *, own: bool) -> None:
+    """Reads what `items` need of one shard file (this step's, `own`, or an earlier step's that this step
+    references): its header and table, then the blocks, each checked (a referenced block against its BLAKE3
+    too)."""
     path = f"{reader.location}/{name}"
     size = reader.size(name)
-    listed = (manifest.get("files") or {}).get(name)
+    listed = (manifest.get("files") or {}).get(name) if own else None
     if signed and listed is not None and listed.get("size") != size:
         raise errors.TruncatedCheckpointError(f"file {name!r} is {size} bytes, the manifest says {listed.get('size')}",
                                               path=reader.location)
@@ -200,10 +249,11 @@ def _read_shard(reader: storage.StepReader, manifest: dict[str, Any], shard: int
         if not manifest_codec.entry_matches(entry, chunk, tensor):
             raise errors.CorruptTableError(f"entry {chunk['entry']!r} does not match the manifest", path=path)
         crcs = manifest_codec.block_crcs(chunk)
-        digests = manifest_codec.block_digests(chunk) if signed else None
+        digests = manifest_codec.block_digests(chunk) if signed or not own else None
         base = int(item.blocks[0, 0]) * block_bytes if len(item.blocks) else 0
         end = min(int(item.blocks[-1, 1]) * block_bytes, chunk["nbytes"]) if len(item.blocks) else 0
-        direct = _direct_target(item, needs[item.need], outs[item.need])
+        out = outs[item.need] if outs is not None else None
+        direct = _direct_target(item, needs[item.need], out) if out is not None else None
         scratch = direct if direct is not None else np.empty(end - base, np.uint8)
         for first, stop in item.blocks.tolist():
             lo, hi = first * block_bytes, min(stop * block_bytes, chunk["nbytes"])
@@ -220,10 +270,10 @@ def _read_shard(reader: storage.StepReader, manifest: dict[str, Any], shard: int
                     piece = view[(block - first) * block_bytes:(block - first + 1) * block_bytes]
                     if bytes.fromhex(signing.block_digest(piece)) != digests[block]:
                         raise errors.DigestMismatchError(
-                            f"block {block} of {chunk['entry']!r} does not match its BLAKE3 in the signed manifest",
-                            path=path)
-        if direct is None:
-            _copy_out(scratch, base, chunk, item.part, needs[item.need], outs[item.need])
+                            f"block {block} of {chunk['entry']!r} does not match its BLAKE3 in the "
+                            f"{'signed ' if own else ''}manifest", path=path)
+        if direct is None and out is not None:
+            _copy_out(scratch, base, chunk, item.part, needs[item.need], out)
 
 
 def _direct_target(item: _Work, need: Need, out: np.ndarray) -> np.ndarray | None:

@@ -140,13 +140,17 @@ class StepTensors(TensorSet):
             raise errors.ManifestError("manifest.json is missing: not a committed step", path=path) from None
         self.manifest = manifest_codec.decode_manifest(raw, step=step, where=where)
         self.readers: list[file.CheckpointReader] = []
+        self._referenced: dict[tuple[int, str], file.CheckpointReader] = {}  # earlier steps' files (incremental)
         try:
             for shard in self.manifest["shards"]:
                 self.readers.append(file.CheckpointReader(os.path.join(path, shard)))
+            root = os.path.dirname(os.path.normpath(path))
+            for ref in storage.manifest_references(raw):
+                self._referenced[ref] = file.CheckpointReader(os.path.join(root, storage.step_name(ref[0]), ref[1]))
             self._tensors = {"/".join(t["path"]): t for t in self.manifest["tensors"]}
             for name, tensor in self._tensors.items():
                 for piece in manifest_codec.parts_of(tensor):
-                    reader = self.readers[piece["shard"]]
+                    reader = self._reader(piece)
                     entry = reader.entry(piece["entry"]) if piece["entry"] in reader else None
                     if entry is None or not (manifest_codec.entry_matches(entry, piece, tensor) if "offset" in piece
                                              else (entry.length, entry.crc32c, entry.dtype) == (
@@ -157,6 +161,11 @@ class StepTensors(TensorSet):
         except BaseException:
             self.close()
             raise
+
+    def _reader(self, piece: dict[str, Any]) -> file.CheckpointReader:
+        """The file that holds a piece: its shard, or the earlier step's file an incremental step references."""
+        ref = manifest_codec.reference(piece)
+        return self.readers[piece["shard"]] if ref is None else self._referenced[ref]
 
     @property
     def training_state(self) -> Any:
@@ -172,11 +181,11 @@ class StepTensors(TensorSet):
         pieces = manifest_codec.parts_of(self._tensors[name])
         dtype = format.numpy_dtype(info.dtype)
         if len(pieces) == 1:  # the whole tensor is one entry: a view of the shard's mapping
-            return np.asarray(self.readers[pieces[0]["shard"]].read(pieces[0]["entry"])).reshape(info.shape)
+            return np.asarray(self._reader(pieces[0]).read(pieces[0]["entry"])).reshape(info.shape)
         array = np.empty(info.shape, dtype=dtype)
         flat = array.reshape(-1).view(np.uint8)
         for piece in pieces:
-            data = np.asarray(self.readers[piece["shard"]].read(piece["entry"]))
+            data = np.asarray(self._reader(piece).read(piece["entry"]))
             if "offset" in piece:  # version 3: a box of the tensor, saved by any rank
                 box = chunks.Box(tuple(piece["offset"]), tuple(piece["shape"]))
                 array[box.slices()] = data.reshape(box.shape)
@@ -185,7 +194,7 @@ class StepTensors(TensorSet):
         return array
 
     def close(self) -> None:
-        for reader in self.readers:
+        for reader in [*self.readers, *self._referenced.values()]:
             reader.close()
 
 

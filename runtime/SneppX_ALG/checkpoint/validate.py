@@ -8,14 +8,15 @@ checks in the same order. Nothing here raises for a bad checkpoint; it reports w
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from SneppX_ALG import errors, storage
-from SneppX_ALG.checkpoint import chunks, file, format, scan, signing, verify
+from SneppX_ALG.checkpoint import chunks, file, format, reshard, scan, signing, verify
 from SneppX_ALG.checkpoint import manifest as manifest_codec
 
 
@@ -164,6 +165,8 @@ def _scan_step_files(local: str, step: int, trusted_keys: dict[bytes, Any] | Non
         return manifest, problems, None
     for tensor in manifest["tensors"]:
         for piece in tensor["chunks" if boxed else "pieces"]:
+            if manifest_codec.reference(piece) is not None:
+                continue  # in an earlier step's file: read and checked below
             where = (piece["shard"], piece["entry"])
             entry = entries.get(where)
             if entry is None:
@@ -177,12 +180,35 @@ def _scan_step_files(local: str, step: int, trusted_keys: dict[bytes, Any] | Non
                                 "match its bytes")
     if problems:
         return manifest, problems, None
+    if manifest_codec.uses(manifest):  # an incremental step: its chunks in earlier steps' files, beside it
+        problems = reshard.read_references(_sibling_steps(local), manifest, arrays if keep else None)
+        if problems:
+            return manifest, problems, None
     for views in targets.values():  # an entry that two pieces name (legal, unusual) was read into the first
         for view in views[1:]:
             view[:] = views[0]
     for array, box, view in scatters:  # chunks that are not one contiguous range of their tensor
         array[box.slices()] = np.frombuffer(view, array.dtype).reshape(box.shape)
     return manifest, [], arrays if keep else None
+
+
+def _sibling_steps(local: str) -> reshard.OpenStep:
+    """Opens the earlier steps an incremental step references: the step directories next to it (a local root;
+    an S3 step is fetched with the files it references, laid out the same way)."""
+    root = os.path.dirname(os.path.normpath(local))
+
+    @contextlib.contextmanager
+    def open_step(step: int) -> Iterator[storage.StepReader]:
+        path = os.path.join(root, storage.step_name(step))
+        if not os.path.isdir(path):
+            raise errors.CheckpointNotFoundError(f"step {step} is gone", path=path)
+        reader = storage.LocalStepReader(path)
+        try:
+            yield reader
+        finally:
+            reader.close()
+
+    return open_step
 
 
 def _read_signature(local: str) -> bytes:
@@ -221,6 +247,8 @@ def _destinations(manifest: dict[str, Any]) -> tuple[list[np.ndarray], dict[tupl
         array = np.empty(tuple(tensor["shape"]), dtype=format.numpy_dtype(tensor["dtype"]))
         flat = array.reshape(-1).view(np.uint8)
         for piece in tensor["chunks" if boxed else "pieces"]:
+            if manifest_codec.reference(piece) is not None:
+                continue  # read straight into `array` by reshard.read_references
             if boxed:
                 box = chunks.Box(tuple(piece["offset"]), tuple(piece["shape"]))
                 if box.volume == 0:

@@ -98,7 +98,17 @@ def _step_info(path: str, found: tensors.StepTensors) -> dict[str, Any]:
         shards.append({"name": name, "file_bytes": reader.header.file_size,
                        "signed": reader.header.signature_length > 0, "metadata": reader.metadata,
                        "tensors": [_entry_json(t) for t in reader.table.tensors]})
+    referenced: dict[tuple[int, str], dict[str, Any]] = {}
+    for tensor in m["tensors"]:
+        for chunk in manifest_codec.parts_of(tensor):
+            ref = manifest_codec.reference(chunk)
+            if ref is not None:
+                row = referenced.setdefault(ref, {"step": ref[0], "file": ref[1], "entries": [], "bytes": 0})
+                row["entries"].append(chunk["entry"])
+                row["bytes"] += chunk["nbytes"]
     return {"path": path, "kind": "step", "step": found.step, "created": m.get("created"),
+            "uses": list(m.get("uses") or []), "logical_bytes": sum(t["nbytes"] for t in m["tensors"]),
+            "referenced": [referenced[k] for k in sorted(referenced)],
             "state_kind": m.get("kind"), "world_size": m.get("world_size"),
             "signed": "files" in m, "training_state": found.training_state, "values": found.values,
             "tensors": [{"name": name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
@@ -146,6 +156,9 @@ def _print(info: dict[str, Any]) -> None:
         for t in info["tensors"]:
             table.add_row(t["name"], t["dtype"], _shape(t), output.human(t["bytes"]), str(t["pieces"]))
         console.print(table)
+        for ref in info["referenced"]:
+            console.print(f"{len(ref['entries'])} unchanged entries ({output.human(ref['bytes'])}) referenced in "
+                          f"step {ref['step']}'s {ref['file']}")
         for shard in info["shards"]:
             table = Table("entry", "dtype", "shape", "size", "crc32c",
                           title=f"{shard['name']}: {output.human(shard['file_bytes'])}, "

@@ -148,7 +148,11 @@ def _row(store: storage.Storage, entry: storage.Entry, visible: set[int], fence:
     manifest, quick_problems = validate.quick_check_step(entry.step, manifest_raw, entry.files, marker) \
         if manifest_raw is not None or state == "committed" else (None, [])
     signers = _signers(signature)
+    # An incremental step's files hold only what changed: `bytes` is what it stores, `logical_bytes` its tensors',
+    # and `uses` the earlier steps holding the rest (kept while it is).
+    logical = sum(t.get("nbytes", 0) for t in (manifest or {}).get("tensors", [])) if manifest else None
     return {"name": entry.name, "step": entry.step, "state": state, "bytes": sum(entry.files.values()),
+            "logical_bytes": logical, "uses": list((manifest or {}).get("uses") or []),
             "created": (manifest or {}).get("created"), "age": output.age((manifest or {}).get("created")),
             "signed": bool(signers), "signers": signers, "signer_trusted": None, "check": None, "valid": None,
             "problems": [], "quick_problems": quick_problems, "latest": False, "note": note}
@@ -183,7 +187,7 @@ def _print_ls(listing: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("step", "state", "check", "valid", "size", "age", "signer", "note",
+    table = Table("step", "state", "check", "valid", "size", "logical", "uses", "age", "signer", "note",
                   title=listing["root"], title_justify="left")
     for r in listing["steps"]:
         valid = "-" if r["valid"] is None else "yes" if r["valid"] else "NO"
@@ -194,7 +198,10 @@ def _print_ls(listing: dict[str, Any]) -> None:
         if r["latest"]:
             note = "<- latest()" + (f"; {note}" if note else "")
         step = str(r["step"]) if r["state"] == "committed" else r["name"]
-        table.add_row(step, r["state"], r["check"] or "-", valid, output.human(r["bytes"]), r["age"], signer, note)
+        logical = output.human(r["logical_bytes"]) if r["logical_bytes"] is not None else "-"
+        uses = ", ".join(map(str, r["uses"])) or "-"
+        table.add_row(step, r["state"], r["check"] or "-", valid, output.human(r["bytes"]), logical, uses, r["age"],
+                      signer, note)
     console = Console(width=max(Console().width, 140))
     console.print(table)
     console.print(listing["why"])
@@ -219,7 +226,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         output.fail("gc", e)
         return output.TROUBLE
     report = {"root": args.root, "applied": args.apply, "keep": plan.keep, "delete": plan.delete,
-              "remove_set_aside": plan.remove_set_aside, "newest_valid": plan.protected,
+              "remove_set_aside": plan.remove_set_aside, "newest_valid": plan.protected, "pinned": plan.pinned,
               "invalid": {str(step): problems for step, problems in plan.invalid.items()}}
     if args.json:
         print(json.dumps(report, indent=2))
@@ -230,6 +237,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"  step {plan.protected} is the newest valid step: never deleted")
     elif plan.delete:
         print("  no committed step validates: none is kept as the newest valid one")
+    for step in plan.pinned:
+        print(f"  step {step} is kept: a kept step references its files (incremental)")
     for step in plan.delete:
         print(f"  {verb} step {step}")
     for name in plan.remove_set_aside:

@@ -95,6 +95,44 @@ class StagingPool:
             self._free.clear()
 
 
+# ---- incremental saves ---------------------------------------------------------------------------------------
+
+# An incremental save cuts every array into pieces of at most this many bytes (four checksum blocks at the default
+# block size), each written or referenced whole: smaller finds more unchanged bytes in sparse updates, and costs a
+# table entry and a manifest chunk (~300 bytes) per piece. docs/BENCHMARKS.md, "Incremental checkpoints".
+REUSE_BYTES = 1 << 20
+AUTO = "auto"
+# "auto" stops comparing for the rest of a chain after a save that found less than this share of its bytes
+# unchanged (hashing then costs more than it saves); the chain's next full save compares again.
+AUTO_MIN_REUSE = 0.125
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """What this rank's next save may reference: the newest step it committed (`step`, in which this rank's file
+    was `shard`), how many incremental saves since the last full one (`length`: 0 after a full one), and each
+    piece it recorded there by entry name: (dtype, global shape, its manifest chunk, with BLAKE3 per block)."""
+
+    step: int
+    shard: str
+    length: int
+    records: dict[str, tuple[str, tuple[int, ...], dict[str, Any]]]
+    comparing: bool = True
+
+
+def reusable(base: Chain, entry: str, dtype: str, global_shape: tuple[int, ...], record: dict[str, Any],
+             ) -> tuple[int, str] | None:
+    """Where the bytes of a piece just hashed already are (the step and file to reference), or None: the base has
+    the same entry with the same dtype, global shape, box, length, block CRC32Cs and block BLAKE3s."""
+    known = base.records.get(entry)
+    if known is None or known[0] != dtype or known[1] != global_shape or record.get("digests") is None:
+        return None
+    old = known[2]
+    if any(old.get(k) != record[k] for k in ("offset", "shape", "nbytes", "crc32c", "blocks", "digests")):
+        return None
+    return manifest_codec.reference(old) or (base.step, base.shard)
+
+
 # ---- the background writer ---------------------------------------------------------------------------------
 
 
@@ -126,6 +164,12 @@ class Job:
     records: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     # Producer streams (of CUDA tensors) the copier's stream was already ordered after during this snapshot.
     ordered_streams: set[int] = dataclasses.field(default_factory=set)
+    # Incremental saves: the chain this save may reference (None: a full save), whether it hashes every block
+    # with BLAKE3 (to be compared now, or next time), and the bytes it referenced instead of writing.
+    base: Chain | None = None
+    hashing: bool = False
+    reused_bytes: int = 0
+    state_bytes: int = 0
 
     def fail(self, error: BaseException) -> None:
         """This rank's part of the step failed: kept, the writer dropped; the step's end still runs."""
@@ -147,7 +191,8 @@ class Engine:
 
     def __init__(self, known: steps.Steps, max_to_keep: int | None, keep_every_n_steps: int | None,
                  signing_key: Any, group: group_lib.Group = group_lib.SOLO,
-                 block_bytes: int = manifest_codec.BLOCK_BYTES, commit_fence: Callable[[], None] | None = None):
+                 block_bytes: int = manifest_codec.BLOCK_BYTES, commit_fence: Callable[[], None] | None = None,
+                 incremental: bool | str = False, full_every: int = 10):
         self.known = known
         self.store = known.store
         self.retention = (max_to_keep, keep_every_n_steps)
@@ -155,6 +200,9 @@ class Engine:
         self.group = group
         self.block_bytes = block_bytes
         self.commit_fence = commit_fence
+        self.incremental = incremental
+        self.full_every = full_every
+        self.chain: Chain | None = None  # set by each committed save of this rank, cleared by a restore
         self._stored_fence_checked = False  # a fence record left by an interrupted process is finished once
         self.queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.error: BaseException | None = None
@@ -169,6 +217,37 @@ class Engine:
     @property
     def shard_name(self) -> str:
         return plan.SHARD_FILE.format(self.group.rank)
+
+    @property
+    def unit_bytes(self) -> int | None:
+        """The largest piece a save writes or references whole (None: as large as a staging buffer)."""
+        return max(REUSE_BYTES, self.block_bytes) if self.incremental else None
+
+    def continue_chain(self, manifest: dict[str, Any]) -> None:
+        """After a restore of `manifest`'s step: the next save may reference the chunks this rank's file holds or
+        references there (those with block digests). A restore of an older step sets aside only newer steps, so
+        nothing this chain points at is fenced away. Another world size, or a step without digests: a full save."""
+        self.chain = None
+        if (not self.incremental or manifest.get("version", 0) < manifest_codec.MANIFEST_VERSION
+                or manifest.get("world_size") != self.group.world_size):
+            return
+        rank = self.group.rank
+        records = {c["entry"]: (t["dtype"], tuple(t["shape"]), c) for t in manifest["tensors"] for c in t["chunks"]
+                   if c["shard"] == rank and c.get("digests") is not None}
+        if records:
+            self.chain = Chain(manifest["step"], manifest["shards"][rank], int(manifest.get("chain", 0)), records)
+
+    def _plan_increment(self, job: Job) -> None:
+        """Whether this save references the chain (at most full_every - 1 saves after a full one) and whether it
+        hashes its blocks (to compare now, or to be compared by the next save)."""
+        chain = self.chain
+        if not self.incremental:
+            return
+        if chain is not None and chain.length + 1 < self.full_every:
+            job.base = chain if chain.comparing else None
+            job.hashing = chain.comparing
+        else:  # a full save: the start of the next chain, hashed so the saves after it can compare
+            job.hashing = True
 
     def submit(self, *item: Any) -> None:
         with self._idle:
@@ -251,6 +330,7 @@ class Engine:
         """Rank 0 claims the step and tells the others where to write; this rank opens its shard file."""
         group = self.group
         error: BaseException | None = None
+        self._plan_increment(job)
         if group.rank == 0:
             try:
                 # Before any rank writes: steps a restore abandoned are moved aside (the fence), and so is an
@@ -318,16 +398,24 @@ class Engine:
                 combined = _native.crc32c_combine(combined, crc,
                                                   min(self.block_bytes, piece.nbytes - index * self.block_bytes))
             digests = None
-            if self.signing_key is not None:
+            if self.signing_key is not None or job.hashing:
                 digests = "".join(signing.block_digest(data[i:i + self.block_bytes])
                                   for i in range(0, piece.nbytes, self.block_bytes))
-            entry = job.writer.write(piece.entry, array, **extra)
-            if entry.crc32c != expected or combined != expected:
+            record = plan.chunk_record(spec, piece, self.group.rank, expected, "".join(f"{c:08x}" for c in blocks),
+                                       digests)
+            job.state_bytes += piece.nbytes
+            reference = reusable(job.base, piece.entry, spec.dtype, spec.full_shape, record) if job.base else None
+            if reference is not None:  # unchanged since the chain's step: referenced, not written
+                written = expected
+                record["from"] = list(reference)
+                job.reused_bytes += piece.nbytes
+            else:
+                written = job.writer.write(piece.entry, array, **extra).crc32c
+            if written != expected or combined != expected:
                 raise errors.ChecksumMismatchError(
                     f"step {job.step}: tensor piece {piece.entry!r} changed in staging memory between snapshot "
-                    f"and write (snapshot {expected:#010x}, written {entry.crc32c:#010x}, blocks {combined:#010x})")
-            job.records[piece.entry] = plan.chunk_record(spec, piece, self.group.rank, expected,
-                                                         "".join(f"{c:08x}" for c in blocks), digests)
+                    f"and write (snapshot {expected:#010x}, written {written:#010x}, blocks {combined:#010x})")
+            job.records[piece.entry] = record
         del view, data
 
     def _end(self, job: Job) -> None:
@@ -373,6 +461,7 @@ class Engine:
         assert outcome is not None
         if outcome["state"] == "committed":
             job.committed = True
+            self._extend_chain(job)
             self._drop(job, remove=False)
             if group.rank == 0:
                 self._retain(job.step)
@@ -392,6 +481,24 @@ class Engine:
             f"step {job.step} was not committed: " + "; ".join(f"rank {r}: {w}" for r, w in sorted(failures.items())),
             failures=failures)
 
+    @staticmethod
+    def _chain_length(job: Job) -> int:
+        """Saves since this rank's last full one, this one included (0: it referenced nothing)."""
+        return job.base.length + 1 if job.base is not None and job.reused_bytes else 0
+
+    def _extend_chain(self, job: Job) -> None:
+        """A committed save becomes what the next one may reference (when it hashed its blocks)."""
+        if not job.hashing:
+            self.chain = None if self.chain is None else dataclasses.replace(self.chain, length=self.chain.length + 1)
+            return
+        length = self._chain_length(job)
+        comparing = (self.incremental != AUTO or job.base is None
+                     or job.reused_bytes >= AUTO_MIN_REUSE * job.state_bytes)
+        specs = {p.entry: job.specs[p.tensor] for p in job.pieces}
+        self.chain = Chain(job.step, self.shard_name, length,
+                           {name: (specs[name].dtype, specs[name].full_shape, record)
+                            for name, record in job.records.items()}, comparing)
+
     def _finish_part(self, job: Job) -> dict[str, Any]:
         """This rank's file durable and on the server; its report for rank 0."""
         assert job.writer is not None and job.pending is not None
@@ -403,6 +510,7 @@ class Engine:
         record = self._file_record(job, shard) if self.signing_key is not None else None
         parts = self.store.upload(job.pending, [shard])
         return {"ok": True, "shard": shard, "parts": {k: list(v) for k, v in parts.items()}, "file": record,
+                "chain": self._chain_length(job),
                 "declared": job.declared, "tensors": plan.rank_part(job.specs, job.pieces, job.records)}
 
     def _commit(self, job: Job, reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -422,7 +530,7 @@ class Engine:
         manifest = manifest_codec.encode_manifest(plan.build_manifest(
             job.step, tensors, job.values, job.kind, job.training_state, shards,
             world_size=self.group.world_size, generation=self.group.generation, block_bytes=self.block_bytes,
-            files=files))
+            files=files, chain=max(r["chain"] for r in reports)))
         signature = None
         if self.signing_key is not None:  # written before the commit point, by finalize()
             signature = signing.manifest_signature(manifest, self.signing_key)
@@ -504,14 +612,20 @@ class Engine:
                 doomed = retention.steps_to_delete(
                     committed, new_step=new_step, max_to_keep=max_to_keep, keep_every_n_steps=keep_every_n_steps,
                     protected=frozenset() if protected is None else frozenset({protected}))
+        pinned: set[int] = set()
+        if doomed:  # never a step that a kept one references (incremental steps): it would break that step
+            pinned = retention.referenced([s for s in committed if s not in doomed], self.known.uses) & set(doomed)
+            doomed = [s for s in doomed if s not in pinned]
         return retention.Plan(keep=[s for s in committed if s not in doomed], delete=doomed,
                               remove_set_aside=retention.set_aside_to_delete(self.store.set_aside_steps(),
                                                                              max_to_keep=max_to_keep),
-                              protected=protected, invalid=rejected)
+                              protected=protected, invalid=rejected, pinned=sorted(pinned))
 
     def apply_retention(self, plan: retention.Plan) -> None:
-        """Deletes the steps and set-aside steps `plan` names (one already gone is passed over)."""
-        for step in plan.delete:
+        """Deletes the steps and set-aside steps `plan` names (one already gone is passed over), newest first: a
+        step is referenced only by newer ones, so a deletion cut short never leaves a step whose references are
+        gone (the kill harness found the oldest-first order doing that)."""
+        for step in sorted(plan.delete, reverse=True):
             try:
                 self.store.delete(step)
             except errors.CheckpointNotFoundError:
@@ -544,6 +658,7 @@ class Engine:
             return
         if problems:
             aside = self.store.set_aside(step, "invalid")
+            self.known.forget([step])
             log.warning("step %d was committed but invalid (%s); moved to %s", step, problems[0], aside)
 
     def _drop(self, job: Job, *, remove: bool = True) -> None:

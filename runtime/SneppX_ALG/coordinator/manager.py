@@ -127,6 +127,13 @@ class CheckpointCoordinator:
     commit_fence: called by the committing rank right before each step's commit point; whatever it raises
         fails the step instead (the ElasticTrainer passes the rendezvous' `check_fence`, so a membership
         generation that is over commits nothing).
+    incremental: "auto" (the default), True or False. On, a save writes only the pieces (1 MiB boxes of each
+        array) whose bytes changed since this coordinator's previous save, and references the rest in the step
+        that holds them (compared by CRC32C and BLAKE3 per checksum block; docs/FORMAT.md, "Incremental
+        steps"). "auto" stops comparing for the rest of a chain once a save finds less than 1/8 of its bytes
+        unchanged. Retention keeps every step a kept step references. The first save after a restore is full.
+    full_every: every full_every-th save of a chain is full (default 10), so a damaged step can spoil at most the
+        full_every - 1 saves after it.
     """
 
     def __init__(self, checkpoint_root: str | os.PathLike[str], save_every_n_steps: int | None = None,
@@ -136,7 +143,12 @@ class CheckpointCoordinator:
                  signing_key: Any = None, trusted_keys: Any = None, read_only: bool = False,
                  group: group_lib.Group | None = None,
                  checksum_block_bytes: int = manifest_codec.BLOCK_BYTES,
-                 commit_fence: Callable[[], None] | None = None):
+                 commit_fence: Callable[[], None] | None = None, incremental: bool | str = engine.AUTO,
+                 full_every: int = 10):
+        if incremental not in (True, False, engine.AUTO):
+            raise ValueError(f"incremental must be True, False or 'auto', not {incremental!r}")
+        if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
+            raise ValueError(f"full_every must be an int >= 1, not {full_every!r}")
         for name, value in (("save_every_n_steps", save_every_n_steps), ("max_to_keep", max_to_keep),
                             ("keep_every_n_steps", keep_every_n_steps)):
             if value is not None and (not isinstance(value, int) or value < 0):
@@ -182,7 +194,7 @@ class CheckpointCoordinator:
         self._closed = False
         self._steps = steps.Steps(self._storage, self._trusted_keys)
         self._engine = engine.Engine(self._steps, max_to_keep, keep_every_n_steps, self._signing_key, self.group,
-                                     checksum_block_bytes, commit_fence)
+                                     checksum_block_bytes, commit_fence, incremental, full_every)
         self._finalizer = weakref.finalize(self, self._engine.shutdown)
 
     @staticmethod
@@ -295,7 +307,7 @@ class CheckpointCoordinator:
         if worker.pool is None:
             size = plan.choose_buffer_bytes(sum(s.nbytes for s in job.specs), self.staging_bytes)
             worker.pool = engine.StagingPool(self._copier, size, self.staging_bytes // size)
-        buffers = plan.plan_pieces(job.specs, worker.pool.size)
+        buffers = plan.plan_pieces(job.specs, worker.pool.size, worker.unit_bytes)
         state.check_entry_names(p for b in buffers for p in b)
         job.pieces = [p for b in buffers for p in b]
         for pieces in buffers:
@@ -449,6 +461,7 @@ class CheckpointCoordinator:
                 return self._info(candidate, manifest, read)
             fence = timeline.fence_after(candidate, current, invalid)
             self._steps.start_timeline(candidate, fence, verified=targets is None)
+            self._engine.continue_chain(manifest)
             if fence is not None:
                 with self._engine._idle:  # their numbers may be saved again on the new timeline
                     self._engine.steps -= set(fence.abandoned)

@@ -117,15 +117,18 @@ def replicated_declaration(specs: list[TensorSpec]) -> str:
     return hashlib.sha256(json.dumps(listed).encode()).hexdigest()
 
 
-def plan_pieces(specs: list[TensorSpec], buffer_bytes: int) -> list[list[Piece]]:
+def plan_pieces(specs: list[TensorSpec], buffer_bytes: int, unit_bytes: int | None = None) -> list[list[Piece]]:
     """Packs every tensor's pieces into buffers of buffer_bytes, in order; returns the pieces per buffer.
+    `unit_bytes` (incremental saves): no piece is larger, so a save can reference each piece that did not change
+    on its own; the boundaries depend only on the specs, so the same state is cut the same way every save.
 
     Entry names in the shard: the tensor's path joined with "/" when it is one piece, else `name@<i>`;
     a name already taken gets "~" appended until it is unique (the manifest maps entries back to paths)."""
+    largest = min(buffer_bytes, unit_bytes) if unit_bytes else buffer_bytes
     used: set[str] = set()
     own_name: dict[int, str] = {}
     for index, spec in enumerate(specs):  # whole tensors keep their own names first
-        if spec.nbytes <= buffer_bytes and spec.name not in used:
+        if spec.nbytes <= largest and spec.name not in used:
             used.add(spec.name)
             own_name[index] = spec.name
 
@@ -141,8 +144,8 @@ def plan_pieces(specs: list[TensorSpec], buffer_bytes: int) -> list[list[Piece]]
         # A tensor that fits in a buffer moves whole to the next one when it doesn't fit here; a larger one
         # starts by filling this buffer, so buffers are full and the staging area holds as much as it can.
         room = buffer_bytes - _align(fill, _PIECE_ALIGN)
-        parts = chunks.split_box(spec.shape, spec.itemsize, buffer_bytes,
-                                 room if spec.nbytes > buffer_bytes else None)
+        parts = chunks.split_box(spec.shape, spec.itemsize, largest,
+                                 room if spec.nbytes > largest and room < largest else None)
         for i, (start, nbytes, box) in enumerate(parts):
             if index in own_name:
                 entry = own_name[index]
@@ -158,7 +161,7 @@ def plan_pieces(specs: list[TensorSpec], buffer_bytes: int) -> list[list[Piece]]
 
 
 def chunk_record(spec: TensorSpec, piece: Piece, shard: int, crc: int, blocks: str,
-                 digests: str | None) -> dict[str, Any]:
+                 digests: str | None, reference: tuple[int, str] | None = None) -> dict[str, Any]:
     """A piece as a chunk of the manifest: the box of the global tensor it holds, where it is stored, its
     CRC32C, and its block checksums (hex: 8 digits per block CRC32C, 64 per block BLAKE3 in signed steps)."""
     box = piece.global_box(spec)
@@ -166,6 +169,8 @@ def chunk_record(spec: TensorSpec, piece: Piece, shard: int, crc: int, blocks: s
               "nbytes": piece.nbytes, "crc32c": crc, "blocks": blocks}
     if digests is not None:
         record["digests"] = digests
+    if reference is not None:
+        record["from"] = list(reference)
     return record
 
 
@@ -211,11 +216,16 @@ def merge_parts(parts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 def build_manifest(step: int, tensors: list[dict[str, Any]], values: list[tuple[tuple[str, ...], Any]], kind: str,
                    training_state: Any, shards: list[str], *, world_size: int = 1, generation: int = 0,
                    block_bytes: int = manifest_codec.BLOCK_BYTES,
-                   files: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The step's manifest (version 3). `shards[r]` is rank r's file; `files`: {shard name: {"size",
-    "digest"}}, what a signature over the manifest vouches for (docs/FORMAT.md, "Multi-file checkpoints")."""
+                   files: dict[str, dict[str, Any]] | None = None, chain: int = 0) -> dict[str, Any]:
+    """The step's manifest (version 3; version 4 with `uses` when a chunk references an earlier step's file).
+    `shards[r]` is rank r's file; `files`: {shard name: {"size", "digest"}}, what a signature over the manifest
+    vouches for (docs/FORMAT.md, "Multi-file checkpoints"); `chain`: saves since the last full one (the most of
+    any rank), written with the references."""
+    uses = sorted({c["from"][0] for t in tensors for c in t["chunks"] if "from" in c})
+    version = manifest_codec.INCREMENTAL_VERSION if uses else manifest_codec.MANIFEST_VERSION
     return {
-        "format": manifest_codec.MANIFEST_FORMAT, "version": manifest_codec.MANIFEST_VERSION, "step": step,
+        "format": manifest_codec.MANIFEST_FORMAT, "version": version, "step": step,
+        **({"uses": uses, "chain": max(chain, 1)} if uses else {}),
         "created": datetime.datetime.now(datetime.UTC).isoformat(),
         "world_size": world_size, "generation": generation, "block_bytes": block_bytes,
         "kind": kind, "shards": shards, "tensors": tensors,

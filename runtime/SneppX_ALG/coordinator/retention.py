@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 
 
 def is_save_step(step: int, every: int | None, last_saved: int | None) -> bool:
@@ -25,6 +26,21 @@ def steps_to_delete(committed: list[int], *, new_step: int, max_to_keep: int | N
     return [s for s in ordered if s not in keep and s < new_step]
 
 
+def referenced(kept: Iterable[int], uses_of: Callable[[int], list[int]]) -> set[int]:
+    """Every step that a kept step references (an incremental step's `uses`), and what those reference in turn:
+    none of them may be deleted while the steps that reference them are kept. (A step's references point at
+    the steps that hold the bytes, so one level is enough for the kept steps themselves; the closure keeps a
+    referenced step whole too, so it stays a valid step, not a visible one that fails.)"""
+    found: set[int] = set()
+    todo = list(kept)
+    while todo:
+        for used in uses_of(todo.pop()):
+            if used not in found:
+                found.add(used)
+                todo.append(used)
+    return found
+
+
 def set_aside_to_delete(set_aside: list[tuple[int, str]], *, max_to_keep: int | None) -> list[str]:
     """Names of set-aside steps (`.invalid-*`, `.abandoned-*`, as (step, name)) beyond the newest max_to_keep
     by step number: kept for inspection, bounded like the committed steps. max_to_keep None or 0 keeps all."""
@@ -37,11 +53,12 @@ def set_aside_to_delete(set_aside: list[tuple[int, str]], *, max_to_keep: int | 
 class Plan:
     """What retention decided for a root: the committed steps to `keep` and to `delete` (oldest first),
     set-aside steps to remove, the step kept because it is the newest that validates (`protected`: None when
-    no deletion needed it read, or when none validates) and the problems of the steps read and found invalid
-    on the way to it."""
+    no deletion needed it read, or when none validates), the problems of the steps read and found invalid
+    on the way to it, and the steps kept only because a kept step references them (`pinned`)."""
 
     keep: list[int]
     delete: list[int]
     remove_set_aside: list[str]
     protected: int | None
     invalid: dict[int, list[str]]
+    pinned: list[int] = dataclasses.field(default_factory=list)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from SneppX_ALG import errors, storage
+from SneppX_ALG.checkpoint import manifest as manifest_codec
 from SneppX_ALG.checkpoint import reshard, validate
 from SneppX_ALG.coordinator import timeline
 
@@ -38,6 +39,7 @@ class Steps:
         self._lock = threading.Lock()
         self._known_valid: int | None = None
         self._pending: timeline.Fence | None = None
+        self._uses: dict[int, list[int]] = {}  # a committed step's manifest never changes: read once
 
     # -- the timeline --
 
@@ -78,6 +80,8 @@ class Steps:
                 self._pending = None
             if self._known_valid in fence.abandoned:
                 self._known_valid = None
+            for step in fence.abandoned:
+                self._uses.pop(step, None)
 
     # -- validity --
 
@@ -88,9 +92,36 @@ class Steps:
             return self._known_valid
 
     def forget(self, steps: list[int]) -> None:
+        """Steps deleted or moved aside (their numbers may be saved again)."""
         with self._lock:
             if self._known_valid in steps:
                 self._known_valid = None
+            for step in steps:
+                self._uses.pop(step, None)
+
+    def uses(self, step: int) -> list[int]:
+        """The earlier steps a committed step references (its manifest's `uses`; [] for a full step, a step that
+        is gone, or one whose manifest is invalid: it references nothing that works). CheckpointUnreadableError
+        when its manifest can't be read now: retention then deletes nothing."""
+        with self._lock:
+            if step in self._uses:
+                return self._uses[step]
+
+        def attempt() -> bytes | None:
+            with self.store.read_step(step) as reader:
+                return reader.read_file(storage.MANIFEST)
+
+        try:
+            raw = self._retrying(step, attempt)
+        except errors.CheckpointNotFoundError:
+            return []
+        try:
+            found = manifest_codec.uses(manifest_codec.decode_manifest(raw or b"", step=step, where=str(step)))
+        except errors.ManifestError:
+            found = []
+        with self._lock:
+            self._uses[step] = found
+        return found
 
     def check(self, step: int) -> tuple[dict[str, Any] | None, list[str]]:
         """(manifest, problems) of a committed step, as validate.check_step says. CheckpointNotFoundError
@@ -110,7 +141,7 @@ class Steps:
         Errors as check()'s; ShardingMismatchError when a need does not fit the step."""
         def attempt() -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
             with self.store.read_step(step) as reader:
-                return reshard.load(reader, step, needs, self.trusted_keys, stats)
+                return reshard.load(reader, step, needs, self.trusted_keys, stats, self.store.read_step)
 
         manifest, problems, arrays = self._retrying(step, attempt)
         if manifest is not None and manifest["version"] < 3 and not problems:

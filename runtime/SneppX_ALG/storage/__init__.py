@@ -80,6 +80,7 @@ from SneppX_ALG.storage.base import (
     commit_record,
     fetched_marker_path,
     is_plain_name,
+    manifest_references,
     marker_problem,
     open_checked,
     parse_set_aside_name,
@@ -89,7 +90,7 @@ from SneppX_ALG.storage.base import (
     unlink_quietly,
     write_durable,
 )
-from SneppX_ALG.storage.local import LocalRecordStore, LocalStorage
+from SneppX_ALG.storage.local import LocalRecordStore, LocalStepReader, LocalStorage
 from SneppX_ALG.storage.record import Record, RecordStore
 from SneppX_ALG.storage.s3 import S3RecordStore, S3Storage, make_s3_client, parse_s3_uri
 
@@ -100,6 +101,7 @@ __all__ = [
     "SIGNATURE",
     "Entry",
     "LocalRecordStore",
+    "LocalStepReader",
     "LocalStorage",
     "Parts",
     "PendingStep",
@@ -115,6 +117,7 @@ __all__ = [
     "fetched_marker_path",
     "is_plain_name",
     "make_s3_client",
+    "manifest_references",
     "marker_problem",
     "open_checked",
     "open_record_store",

@@ -243,6 +243,25 @@ def manifest_shards(manifest: bytes) -> list[str]:
                                                                                        COMMITTED)]
 
 
+def manifest_references(manifest: bytes) -> list[tuple[int, str]]:
+    """(step, plain file name) of every earlier step's file an incremental manifest's chunks reference ([] when
+    it is unreadable or has none): what fetching a step for validation must fetch beside it."""
+    try:
+        doc = json.loads(manifest[:MAX_MANIFEST_BYTES + 1])
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return []
+    found: set[tuple[int, str]] = set()
+    tensors = doc.get("tensors") if isinstance(doc, dict) else None
+    for tensor in tensors if isinstance(tensors, list) else []:
+        for chunk in (tensor.get("chunks") or []) if isinstance(tensor, dict) else []:
+            ref = chunk.get("from") if isinstance(chunk, dict) else None
+            if (isinstance(ref, list) and len(ref) == 2 and type(ref[0]) is int and ref[0] >= 0
+                    and isinstance(ref[1], str) and is_plain_name(ref[1])
+                    and ref[1] not in (MANIFEST, SIGNATURE, COMMITTED)):
+                found.add((ref[0], ref[1]))
+    return sorted(found)
+
+
 def fetched_marker_path(step_dir: str) -> str:
     """Where `open_step()` of a backend with commit markers (S3) puts the step's marker: next to the step's
     local directory, not in it (the directory holds exactly the files the manifest names)."""

@@ -441,9 +441,27 @@ class S3Storage:
             for leaf in base.manifest_shards(manifest):
                 if leaf in present:  # a missing shard is for validation to report
                     self._download(self.key(name, leaf), os.path.join(local, leaf))
+            self._fetch_references(fetched, manifest)
             yield local
         finally:
             base.remove_tree(fetched)
+
+    def _fetch_references(self, fetched: str, manifest: bytes) -> None:
+        """The earlier steps' files an incremental step references, into `fetched/<step name>/`, beside the step,
+        where validation looks for them: only from steps whose marker is there (a step without one is not
+        committed; its file missing here makes the step invalid)."""
+        by_step: dict[int, list[str]] = {}
+        for step, leaf in base.manifest_references(manifest):
+            by_step.setdefault(step, []).append(leaf)
+        for step, leaves in by_step.items():
+            name = base.step_name(step)
+            if self._get(self.key(name, base.COMMITTED)) is None:
+                continue
+            os.makedirs(os.path.join(fetched, name), exist_ok=True)
+            present = {obj["Key"][len(self.key(name)) + 1:] for obj in self._list(self.key(name) + "/")}
+            for leaf in leaves:
+                if leaf in present:
+                    self._download(self.key(name, leaf), os.path.join(fetched, name, leaf))
 
     @contextlib.contextmanager
     def read_step(self, step: int) -> Iterator[base.StepReader]:
