@@ -240,6 +240,7 @@ def _read_file(reader: storage.StepReader, manifest: dict[str, Any], name: str, 
     entries = {entry.name: entry for entry in layout.decoded.tensors}
     block_bytes = manifest["block_bytes"]
     tensors = {tuple(t["path"]): t for t in manifest["tensors"]}
+    reads: list[_Read] = []
     for item in sorted(items, key=lambda w: entries[w.chunk["entry"]].offset if w.chunk["entry"] in entries else 0):
         chunk = item.chunk
         tensor = tensors[needs[item.need].path]
@@ -248,37 +249,112 @@ def _read_file(reader: storage.StepReader, manifest: dict[str, Any], name: str, 
             raise errors.CorruptTableError(f"has no entry {chunk['entry']!r}, which the manifest names", path=path)
         if not manifest_codec.entry_matches(entry, chunk, tensor):
             raise errors.CorruptTableError(f"entry {chunk['entry']!r} does not match the manifest", path=path)
-        crcs = manifest_codec.block_crcs(chunk)
-        digests = manifest_codec.block_digests(chunk) if signed or not own else None
-        base = int(item.blocks[0, 0]) * block_bytes if len(item.blocks) else 0
-        end = min(int(item.blocks[-1, 1]) * block_bytes, chunk["nbytes"]) if len(item.blocks) else 0
         out = outs[item.need] if outs is not None else None
-        direct = _direct_target(item, needs[item.need], out) if out is not None else None
-        scratch = direct if direct is not None else np.empty(end - base, np.uint8)
-        for first, stop in item.blocks.tolist():
-            lo, hi = first * block_bytes, min(stop * block_bytes, chunk["nbytes"])
-            view = memoryview(scratch[lo - base:hi - base])
-            got = reader.read_blocks(name, view, entry.offset + lo, block_bytes)
-            stats.data += hi - lo
-            stats.reads += 1
-            for block, crc in enumerate(got, start=first):
-                if crc != crcs[block]:
-                    raise errors.ChecksumMismatchError(
-                        f"block {block} of {chunk['entry']!r} fails its CRC32C (stored {crcs[block]:#010x}, read "
-                        f"{crc:#010x})", path=path)
-                if digests is not None:
-                    piece = view[(block - first) * block_bytes:(block - first + 1) * block_bytes]
-                    if bytes.fromhex(signing.block_digest(piece)) != digests[block]:
-                        raise errors.DigestMismatchError(
-                            f"block {block} of {chunk['entry']!r} does not match its BLAKE3 in the "
-                            f"{'signed ' if own else ''}manifest", path=path)
-        if direct is None and out is not None:
-            _copy_out(scratch, base, chunk, item.part, needs[item.need], out)
+        place = _direct_place(item, needs[item.need], out) if out is not None else None
+        reads.append(_Read(item, entry.offset, *(place or (None, 0))))
+    digests_too = signed or not own
+    word = "signed " if own else ""
+    index = 0
+    while index < len(reads):  # chunks read whole, adjacent in the file and in their target: one read
+        run = [reads[index]]
+        while (index + len(run) < len(reads) and run[-1].joins(reads[index + len(run)], block_bytes)
+               and sum(r.item.chunk["nbytes"] for r in run) < _RUN_BYTES):
+            run.append(reads[index + len(run)])
+        if len(run) > 1:
+            _read_run(reader, name, path, run, block_bytes, digests_too, word, stats)
+        else:
+            _read_one(reader, name, path, run[0], needs, outs, block_bytes, digests_too, word, stats)
+        index += len(run)
 
 
-def _direct_target(item: _Work, need: Need, out: np.ndarray) -> np.ndarray | None:
+_RUN_BYTES = 64 << 20  # the most one coalesced read takes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """One chunk's part to read: where its entry starts in the file, and, when it lands whole in one byte range of
+    its target, that target's bytes (`flat`) and where in them (`start`)."""
+
+    item: _Work
+    offset: int
+    flat: np.ndarray | None
+    start: int
+
+    @property
+    def direct(self) -> np.ndarray | None:
+        return None if self.flat is None else self.flat[self.start:self.start + self.item.chunk["nbytes"]]
+
+    def joins(self, after: _Read, block_bytes: int) -> bool:
+        """Whether `after` continues this read in the file and in the same target (this one a whole number of
+        blocks, so the blocks of the joined read are each chunk's own)."""
+        nbytes = self.item.chunk["nbytes"]
+        return (self.flat is not None and after.flat is not None and after.item.need == self.item.need
+                and after.start == self.start + nbytes and after.offset == self.offset + nbytes
+                and nbytes % block_bytes == 0)
+
+
+def _check_blocks(view: memoryview, got: list[int], chunk: dict[str, Any], first: int, block_bytes: int,
+                  digests: list[bytes] | None, path: str, signed_word: str) -> None:
+    """The CRC32C (and BLAKE3) of blocks first, first + 1, ... of a chunk, read into `view`, against the manifest."""
+    crcs = manifest_codec.block_crcs(chunk)
+    for block, crc in enumerate(got, start=first):
+        if crc != crcs[block]:
+            raise errors.ChecksumMismatchError(
+                f"block {block} of {chunk['entry']!r} fails its CRC32C (stored {crcs[block]:#010x}, read "
+                f"{crc:#010x})", path=path)
+        if digests is not None:
+            piece = view[(block - first) * block_bytes:(block - first + 1) * block_bytes]
+            if bytes.fromhex(signing.block_digest(piece)) != digests[block]:
+                raise errors.DigestMismatchError(
+                    f"block {block} of {chunk['entry']!r} does not match its BLAKE3 in the {signed_word}manifest",
+                    path=path)
+
+
+def _read_run(reader: storage.StepReader, name: str, path: str, run: list[_Read], block_bytes: int,
+              digests_too: bool, word: str, stats: ReadStats) -> None:
+    """Whole chunks that lie one after the other in the file and in their target: one read, then each checked."""
+    assert run[0].flat is not None
+    total = sum(r.item.chunk["nbytes"] for r in run)
+    target = run[0].flat[run[0].start:run[0].start + total]
+    got = reader.read_blocks(name, memoryview(target), run[0].offset, block_bytes)
+    stats.data += total
+    stats.reads += 1
+    position, block = 0, 0
+    for r in run:
+        chunk = r.item.chunk
+        count = manifest_codec.block_count(chunk["nbytes"], block_bytes)
+        digests = manifest_codec.block_digests(chunk) if digests_too else None
+        _check_blocks(memoryview(target[position:position + chunk["nbytes"]]), got[block:block + count], chunk, 0,
+                      block_bytes, digests, path, word)
+        position += chunk["nbytes"]
+        block += count
+
+
+def _read_one(reader: storage.StepReader, name: str, path: str, read: _Read, needs: list[Need],
+              outs: list[np.ndarray] | None, block_bytes: int, digests_too: bool, word: str,
+              stats: ReadStats) -> None:
+    """One chunk's blocks (what the need takes of it), each checked, into its target or a scratch buffer."""
+    item = read.item
+    chunk = item.chunk
+    digests = manifest_codec.block_digests(chunk) if digests_too else None
+    base = int(item.blocks[0, 0]) * block_bytes if len(item.blocks) else 0
+    end = min(int(item.blocks[-1, 1]) * block_bytes, chunk["nbytes"]) if len(item.blocks) else 0
+    scratch = read.direct if read.direct is not None else np.empty(end - base, np.uint8)
+    for first, stop in item.blocks.tolist():
+        lo, hi = first * block_bytes, min(stop * block_bytes, chunk["nbytes"])
+        view = memoryview(scratch[lo - base:hi - base])
+        got = reader.read_blocks(name, view, read.offset + lo, block_bytes)
+        stats.data += hi - lo
+        stats.reads += 1
+        _check_blocks(view, got, chunk, first, block_bytes, digests, path, word)
+    if read.direct is None and outs is not None:
+        _copy_out(scratch, base, chunk, item.part, needs[item.need], outs[item.need])
+
+
+def _direct_place(item: _Work, need: Need, out: np.ndarray) -> tuple[np.ndarray, int] | None:
     """Where a chunk needed whole lands in `out` when that is one byte range of it (the common case: a whole
-    tensor, a row block, a range of a 1-D tensor): its blocks are read and checked right there, no copy."""
+    tensor, a row block, a range of a 1-D tensor): (out's bytes, the range's start); its blocks are read and checked
+    right there, no copy."""
     box = chunks.Box(tuple(item.chunk["offset"]), tuple(item.chunk["shape"]))
     if item.part != box or box.volume == 0:
         return None
@@ -287,7 +363,7 @@ def _direct_target(item: _Work, need: Need, out: np.ndarray) -> np.ndarray | Non
     if not chunks.is_contiguous(out.shape, local):
         return None
     start = int(np.ravel_multi_index(local.offset, out.shape)) * out.itemsize if out.ndim else 0
-    return out.reshape(-1).view(np.uint8)[start:start + item.chunk["nbytes"]]
+    return out.reshape(-1).view(np.uint8), start
 
 
 def _copy_out(scratch: np.ndarray, base: int, chunk: dict[str, Any], part: chunks.Box, need: Need,
