@@ -7,7 +7,7 @@ import importlib
 import sys
 
 AREAS = ["crc", "format", "model", "async_save", "signing", "restore", "heartbeat", "comm", "rendezvous",
-         "sharded", "operator", "elastic"]
+         "sharded", "operator", "elastic", "incremental"]
 
 
 def run(argv: list[str]) -> None:
