@@ -57,6 +57,14 @@ def snpx_files(work: pathlib.Path) -> dict[str, bytes]:
     return {"plain": plain.read_bytes(), "signed": signed.read_bytes()}
 
 
+def incremental_manifest(root: pathlib.Path) -> bytes:
+    """Step 7 of a chain (manifest version 4): "w" unchanged since step 6, referenced there."""
+    with CheckpointCoordinator(str(root), async_save=False, incremental=True) as coordinator:
+        for step in (6, 7):
+            coordinator.save({"w": np.arange(6, dtype=np.float32).reshape(2, 3), "t": np.full(3, step)}, step)
+    return (root / storage.step_name(7) / storage.MANIFEST).read_bytes()
+
+
 def main() -> None:
     shutil.rmtree(CORPUS, ignore_errors=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,6 +94,7 @@ def main() -> None:
         put("step_manifest", "step", b"\x01" + manifest)
         marker = storage.commit_record(7, "writer-1", manifest)
         put("commit_marker", "record", len(marker).to_bytes(2, "little") + marker + manifest)
+        put("step_manifest", "incremental", b"\x01" + incremental_manifest(work / "chain"))
 
         # heartbeat datagrams, MAC fixed by the harness; the C target's monitors (native/fuzz_heartbeat.c) know
         # members 127.0.0.1:9, :13 and :17, and bit 1 of the mode byte picks its gossip-mode monitor
