@@ -4,7 +4,8 @@ steps").
 
 Each rule has a test here that fails when the rule is broken: a chain longer than full_every (the manifests'
 versions and `chain`), a retention that ignores references (the kept steps stop validating), a reference to a
-block that was rewritten behind its CRC32C (BLAKE3 catches it) or is gone (the step is invalid, never wrong).
+block that changed (its CRC32C; in a signed step, changed behind its CRC32C: its BLAKE3) or is gone (the step is
+invalid, never wrong).
 """
 
 from __future__ import annotations
@@ -145,21 +146,24 @@ def forge_behind_the_crc(path: pathlib.Path, entry_name: str, block_bytes: int) 
     path.write_bytes(bytes(blob))
 
 
-def test_a_referenced_block_changed_behind_its_crc_makes_the_step_invalid_never_wrong(
-        tmp_path: pathlib.Path) -> None:
+def test_a_referenced_block_that_changed_makes_the_step_invalid_never_wrong(tmp_path: pathlib.Path) -> None:
     root = tmp_path / "root"
     save_steps(str(root), [1, 2], checksum_block_bytes=64 << 10)
     reference = next(c["from"] for t in manifest_of(root, 2)["tensors"] for c in t["chunks"]
                      if c["entry"].startswith("frozen"))
     assert reference == [1, "shard-00000.snpx"]
-    forge_behind_the_crc(step_dir(root, 1) / "shard-00000.snpx", "frozen@0", 64 << 10)
-    assert validate_checkpoint(step_dir(root, 1)) == (True, [])  # unsigned: CRC32C is all step 1 has
+    shard = step_dir(root, 1) / "shard-00000.snpx"
+    with file.CheckpointReader(str(shard), verify=False) as reader:
+        at = reader.entry("frozen@1").offset + 70000  # in the second block of a piece step 2 references
+    blob = bytearray(shard.read_bytes())
+    blob[at] ^= 0x01
+    shard.write_bytes(bytes(blob))
     ok, problems = validate_checkpoint(step_dir(root, 2))
-    assert not ok and "BLAKE3" in problems[0] and "references shard-00000.snpx of step 1" in problems[0], problems
+    assert not ok and "references shard-00000.snpx of step 1" in problems[0] and "CRC32C" in problems[0], problems
     got_step, _, skipped = restored(str(root))
-    assert got_step == 1 and [s.step for s in skipped] == [2]  # rolled back past it: never step 2's bytes mixed
+    assert got_step is None and [s.step for s in skipped] == [2, 1]  # never step 2 with step 1's changed bytes
     resharded: dict[str, Any] = {"frozen": Shard(np.zeros((FROZEN_ROWS // 2, 256), np.float32), (FROZEN_ROWS, 256),
-                                                 (0, 0))}
+                                                 (FROZEN_ROWS // 2, 0))}
     with (CheckpointCoordinator(str(root), read_only=True, device="cpu") as c,  # the ranged reader says the same
           pytest.raises(errors.ManifestError, match="not valid")):
         c.restore(resharded, 2)

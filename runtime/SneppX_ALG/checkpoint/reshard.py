@@ -15,8 +15,9 @@ Steps saved before manifest version 3 have no block checksums; `load` leaves the
 (coordinator/steps.py reads them the old way and cuts the boxes out).
 
 A chunk of an incremental step (manifest version 4) may live in an earlier step's file (`from`): it is read from
-there through `open_step`, and its every block is checked against the BLAKE3 in this step's manifest as well as
-its CRC32C, so a reference to bytes that are gone or were changed makes this step invalid, never wrong.
+there through `open_step`, and checked like any chunk of the step (each block's CRC32C; with trusted keys its
+BLAKE3 in the signed manifest), so a reference to bytes that are gone or were changed makes this step invalid,
+never wrong.
 """
 
 from __future__ import annotations
@@ -134,9 +135,10 @@ def load(reader: storage.StepReader, step: int, needs: list[Need], trusted_keys:
 
 
 def read_references(open_step: OpenStep, manifest: dict[str, Any], outs: list[np.ndarray] | None,
-                    stats: ReadStats | None = None) -> list[str]:
+                    signed: bool = False, stats: ReadStats | None = None) -> list[str]:
     """Reads every chunk a version 4 manifest references in earlier steps, whole, checking each block's CRC32C
-    and BLAKE3, into `outs` (one array per manifest tensor, in order; None: check only). Returns the problems."""
+    (and, `signed`: the manifest's signature was checked, its BLAKE3), into `outs` (one array per manifest tensor,
+    in order; None: check only). Returns the problems."""
     needs = [Need(tuple(t["path"])) for t in manifest["tensors"]]
     work = []
     for index, tensor in enumerate(manifest["tensors"]):
@@ -145,7 +147,7 @@ def read_references(open_step: OpenStep, manifest: dict[str, Any], outs: list[np
                 box = chunks.Box(tuple(chunk["offset"]), tuple(chunk["shape"]))
                 count = manifest_codec.block_count(chunk["nbytes"], manifest["block_bytes"])
                 work.append(_Work(index, chunk, box, np.array([[0, count]] if count else [], np.int64).reshape(-1, 2)))
-    return _read_work(None, manifest, work, needs, outs, False, stats or ReadStats(), open_step)
+    return _read_work(None, manifest, work, needs, outs, signed, stats or ReadStats(), open_step)
 
 
 def _read_work(reader: storage.StepReader | None, manifest: dict[str, Any], work: list[_Work], needs: list[Need],
@@ -220,8 +222,7 @@ def _unsigned(manifest: dict[str, Any], work: list[_Work]) -> str | None:
 def _read_file(reader: storage.StepReader, manifest: dict[str, Any], name: str, items: list[_Work],
                needs: list[Need], outs: list[np.ndarray] | None, signed: bool, stats: ReadStats, *, own: bool) -> None:
     """Reads what `items` need of one shard file (this step's, `own`, or an earlier step's that this step
-    references): its header and table, then the blocks, each checked (a referenced block against its BLAKE3
-    too)."""
+    references): its header and table, then the blocks, each checked."""
     path = f"{reader.location}/{name}"
     size = reader.size(name)
     listed = (manifest.get("files") or {}).get(name) if own else None
@@ -252,8 +253,7 @@ def _read_file(reader: storage.StepReader, manifest: dict[str, Any], name: str, 
         out = outs[item.need] if outs is not None else None
         place = _direct_place(item, needs[item.need], out) if out is not None else None
         reads.append(_Read(item, entry.offset, *(place or (None, 0))))
-    digests_too = signed or not own
-    word = "signed " if own else ""
+    digests_too = signed
     index = 0
     while index < len(reads):  # chunks read whole, adjacent in the file and in their target: one read
         run = [reads[index]]
@@ -261,9 +261,9 @@ def _read_file(reader: storage.StepReader, manifest: dict[str, Any], name: str, 
                and sum(r.item.chunk["nbytes"] for r in run) < _RUN_BYTES):
             run.append(reads[index + len(run)])
         if len(run) > 1:
-            _read_run(reader, name, path, run, block_bytes, digests_too, word, stats)
+            _read_run(reader, name, path, run, block_bytes, digests_too, stats)
         else:
-            _read_one(reader, name, path, run[0], needs, outs, block_bytes, digests_too, word, stats)
+            _read_one(reader, name, path, run[0], needs, outs, block_bytes, digests_too, stats)
         index += len(run)
 
 
@@ -294,7 +294,7 @@ class _Read:
 
 
 def _check_blocks(view: memoryview, got: list[int], chunk: dict[str, Any], first: int, block_bytes: int,
-                  digests: list[bytes] | None, path: str, signed_word: str) -> None:
+                  digests: list[bytes] | None, path: str) -> None:
     """The CRC32C (and BLAKE3) of blocks first, first + 1, ... of a chunk, read into `view`, against the manifest."""
     crcs = manifest_codec.block_crcs(chunk)
     for block, crc in enumerate(got, start=first):
@@ -306,12 +306,12 @@ def _check_blocks(view: memoryview, got: list[int], chunk: dict[str, Any], first
             piece = view[(block - first) * block_bytes:(block - first + 1) * block_bytes]
             if bytes.fromhex(signing.block_digest(piece)) != digests[block]:
                 raise errors.DigestMismatchError(
-                    f"block {block} of {chunk['entry']!r} does not match its BLAKE3 in the {signed_word}manifest",
+                    f"block {block} of {chunk['entry']!r} does not match its BLAKE3 in the signed manifest",
                     path=path)
 
 
 def _read_run(reader: storage.StepReader, name: str, path: str, run: list[_Read], block_bytes: int,
-              digests_too: bool, word: str, stats: ReadStats) -> None:
+              digests_too: bool, stats: ReadStats) -> None:
     """Whole chunks that lie one after the other in the file and in their target: one read, then each checked."""
     assert run[0].flat is not None
     total = sum(r.item.chunk["nbytes"] for r in run)
@@ -325,14 +325,13 @@ def _read_run(reader: storage.StepReader, name: str, path: str, run: list[_Read]
         count = manifest_codec.block_count(chunk["nbytes"], block_bytes)
         digests = manifest_codec.block_digests(chunk) if digests_too else None
         _check_blocks(memoryview(target[position:position + chunk["nbytes"]]), got[block:block + count], chunk, 0,
-                      block_bytes, digests, path, word)
+                      block_bytes, digests, path)
         position += chunk["nbytes"]
         block += count
 
 
 def _read_one(reader: storage.StepReader, name: str, path: str, read: _Read, needs: list[Need],
-              outs: list[np.ndarray] | None, block_bytes: int, digests_too: bool, word: str,
-              stats: ReadStats) -> None:
+              outs: list[np.ndarray] | None, block_bytes: int, digests_too: bool, stats: ReadStats) -> None:
     """One chunk's blocks (what the need takes of it), each checked, into its target or a scratch buffer."""
     item = read.item
     chunk = item.chunk
@@ -346,7 +345,7 @@ def _read_one(reader: storage.StepReader, name: str, path: str, read: _Read, nee
         got = reader.read_blocks(name, view, read.offset + lo, block_bytes)
         stats.data += hi - lo
         stats.reads += 1
-        _check_blocks(view, got, chunk, first, block_bytes, digests, path, word)
+        _check_blocks(view, got, chunk, first, block_bytes, digests, path)
     if read.direct is None and outs is not None:
         _copy_out(scratch, base, chunk, item.part, needs[item.need], outs[item.need])
 

@@ -181,7 +181,8 @@ def _scan_step_files(local: str, step: int, trusted_keys: dict[bytes, Any] | Non
     if problems:
         return manifest, problems, None
     if manifest_codec.uses(manifest):  # an incremental step: its chunks in earlier steps' files, beside it
-        problems = reshard.read_references(_sibling_steps(local), manifest, arrays if keep else None)
+        problems = reshard.read_references(_sibling_steps(local), manifest, arrays if keep else None,
+                                           signed=trusted_keys is not None)
         if problems:
             return manifest, problems, None
     for views in targets.values():  # an entry that two pieces name (legal, unusual) was read into the first
