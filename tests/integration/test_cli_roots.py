@@ -165,6 +165,10 @@ def test_gc_keeps_every_step_a_kept_incremental_step_references_and_ls_shows_the
     assert sorted(p.name for p in root.glob("step-*")) == ["step-000000100", "step-000000400", "step-000000500"]
     code, listing = ls(str(root), "--full")
     assert code == 0 and all(r["valid"] for r in listing["steps"]), listing
+    shutil.rmtree(root / "step-000000100")  # what a deletion that ignored references would leave
+    code, listing = ls(str(root), "--quick")
+    assert code == 1 and "references step(s) [100], which are not committed" in rows(listing)["step-000000500"][
+        "problems"][0], listing
 
 
 def test_gc_is_a_dry_run_until_apply(tmp_path: pathlib.Path) -> None:

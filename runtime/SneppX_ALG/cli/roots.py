@@ -91,7 +91,8 @@ def list_root(coord: CheckpointCoordinator, *, full: bool = False, quick: bool =
     entries = store.inventory()
     visible = set(coord.committed_steps())
     fence = _stored_fence(store)
-    rows = {e.name: _row(store, e, visible, fence) for e in entries}
+    present = {e.step for e in entries if e.state == "committed"}
+    rows = {e.name: _row(store, e, visible, fence, present) for e in entries}
     committed = sorted((r for r in rows.values() if r["state"] == "committed"), key=lambda r: -r["step"])
     to_read = [] if quick else committed if full else None
     total = sum(r["bytes"] for r in (to_read if to_read is not None else committed[:1]))
@@ -132,8 +133,9 @@ def _stored_fence(store: storage.Storage) -> timeline.Fence | None:
 
 
 def _row(store: storage.Storage, entry: storage.Entry, visible: set[int], fence: timeline.Fence | None,
-         ) -> dict[str, Any]:
-    """One entry, from its listing and small files (manifest, signature, marker): nothing else is read."""
+         present: set[int]) -> dict[str, Any]:
+    """One entry, from its listing and small files (manifest, signature, marker): nothing else is read. An
+    incremental step whose referenced steps are not all `present` (committed) is already known to be invalid."""
     state, note = entry.state, _NOTES.get(entry.state, "")
     manifest_raw = signature = marker = None
     if state in ("committed", "set-aside"):
@@ -147,6 +149,9 @@ def _row(store: storage.Storage, entry: storage.Entry, visible: set[int], fence:
             note = f"fenced off by a restore{restored}: latest() never returns it; set aside before the next save"
     manifest, quick_problems = validate.quick_check_step(entry.step, manifest_raw, entry.files, marker) \
         if manifest_raw is not None or state == "committed" else (None, [])
+    gone = [used for used in (manifest or {}).get("uses") or [] if used not in present]
+    if gone and state == "committed":
+        quick_problems = [*quick_problems, f"step {entry.step} references step(s) {gone}, which are not committed"]
     signers = _signers(signature)
     # An incremental step's files hold only what changed: `bytes` is what it stores, `logical_bytes` its tensors',
     # and `uses` the earlier steps holding the rest (kept while it is).
