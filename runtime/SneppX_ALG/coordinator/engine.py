@@ -202,7 +202,7 @@ class Engine:
         self.commit_fence = commit_fence
         self.incremental = incremental
         self.full_every = full_every
-        self.chain: Chain | None = None  # set by each committed save of this rank, cleared by a restore
+        self.chain: Chain | None = None  # set by each committed save of this rank, and by a restore
         self._stored_fence_checked = False  # a fence record left by an interrupted process is finished once
         self.queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.error: BaseException | None = None
