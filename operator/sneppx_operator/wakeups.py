@@ -60,7 +60,11 @@ class JobLoops:
         self._events.pop(key, None)
 
     async def stop_all(self) -> None:
-        tasks = list(self._tasks.values())
+        """Ends every job's loop. Loops of another event loop (an operator of this process that stopped without
+        its cleanup: kopf's test runner starts one per test module) are dropped: they can't be awaited here, and
+        their loop runs no more."""
+        current = asyncio.get_running_loop()
+        tasks = [t for t in self._tasks.values() if t.get_loop() is current]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
