@@ -122,7 +122,7 @@ def decode_manifest(raw: bytes, *, step: int, where: str) -> dict[str, Any]:
         if covered != nbytes:
             raise bad(f"tensor {'/'.join(path)}: pieces cover {covered} of {nbytes} bytes")
     if m["version"] >= INCREMENTAL_VERSION:
-        referenced = sorted({c["from"][0] for t in m["tensors"] for c in t["chunks"] if "from" in c})
+        referenced = sorted({step for step, _ in references(m["tensors"])})
         if referenced != m["uses"]:
             raise bad(f"manifest 'uses' says {m['uses'][:20]}, its chunks reference {referenced[:20]}")
     elif m["version"] <= MANIFEST_VERSION and ("uses" in m or "chain" in m):
@@ -202,6 +202,11 @@ def reference(chunk: dict[str, Any]) -> tuple[int, str] | None:
     the chunk is in its own step's shard."""
     ref = chunk.get("from")
     return None if ref is None else (ref[0], ref[1])
+
+
+def references(tensors: list[dict[str, Any]]) -> set[tuple[int, str]]:
+    """(step, file) of every earlier step's file the chunks of decoded (or about to be written) tensors reference."""
+    return {(c["from"][0], c["from"][1]) for t in tensors for c in t.get("chunks", ()) if "from" in c}
 
 
 def uses(manifest: dict[str, Any]) -> list[int]:

@@ -145,7 +145,7 @@ class StepTensors(TensorSet):
             for shard in self.manifest["shards"]:
                 self.readers.append(file.CheckpointReader(os.path.join(path, shard)))
             root = os.path.dirname(os.path.normpath(path))
-            for ref in storage.manifest_references(raw):
+            for ref in sorted(manifest_codec.references(self.manifest["tensors"])):
                 self._referenced[ref] = file.CheckpointReader(os.path.join(root, storage.step_name(ref[0]), ref[1]))
             self._tensors = {"/".join(t["path"]): t for t in self.manifest["tensors"]}
             for name, tensor in self._tensors.items():

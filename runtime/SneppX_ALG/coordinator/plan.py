@@ -221,7 +221,7 @@ def build_manifest(step: int, tensors: list[dict[str, Any]], values: list[tuple[
     `shards[r]` is rank r's file; `files`: {shard name: {"size", "digest"}}, what a signature over the manifest
     vouches for (docs/FORMAT.md, "Multi-file checkpoints"); `chain`: saves since the last full one (the most of
     any rank), written with the references."""
-    uses = sorted({c["from"][0] for t in tensors for c in t["chunks"] if "from" in c})
+    uses = sorted({step for step, _ in manifest_codec.references(tensors)})
     version = manifest_codec.INCREMENTAL_VERSION if uses else manifest_codec.MANIFEST_VERSION
     return {
         "format": manifest_codec.MANIFEST_FORMAT, "version": version, "step": step,
