@@ -477,6 +477,10 @@ int sx_nccl_allgather(sx_nccl *n, void *buf, size_t count, int dtype, double tim
  * if non-NULL, is continued with the bytes, each piece hashed right after it lands (in cache).
  * SX_EEOF when the file ends first. */
 int sx_read_at(int fd, void *buf, size_t len, uint64_t offset, uint32_t *crc);
+/* As sx_read_at, with one CRC32C per block_bytes block of the range (the last may be shorter) into crcs
+ * (ceil(len / block_bytes) of them), each taken as the block lands: what a ranged read of checked chunks
+ * needs, in one pass over the bytes. */
+int sx_read_blocks_at(int fd, void *buf, size_t len, uint64_t offset, size_t block_bytes, uint32_t *crcs);
 /* As sx_fault_arm, but `times` consecutive matching calls from the countdown-th on fail (a persistent
  * fault; times 1 is sx_fault_arm). */
 void sx_fault_arm_times(unsigned site_mask, long countdown, long times, int action);

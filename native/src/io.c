@@ -580,6 +580,8 @@ struct read_job {
     uint64_t off;
     int want_crc;
     uint32_t crc;
+    size_t block;    /* > 0: one CRC per block of the slice (which starts on a block boundary) into crcs */
+    uint32_t *crcs;
     int rc, err; /* status and errno of the first failure */
 };
 
@@ -589,6 +591,7 @@ static void read_slice(struct read_job *j) {
     j->rc = SX_OK;
     while (done < j->len) {
         size_t want = j->len - done < READ_PIECE ? j->len - done : READ_PIECE;
+        if (j->block && want > j->block - done % j->block) want = j->block - done % j->block;
         int inj = fault_point(SX_SITE_READ);
         ssize_t n = inj ? (errno = inj, -1) : pread(j->fd, j->p + done, want, (off_t)(j->off + done));
         if (n < 0) {
@@ -600,6 +603,10 @@ static void read_slice(struct read_job *j) {
         if (n == 0) { j->err = 0; j->rc = SX_EEOF; return; }
         if (j->want_crc) c = sx_crc32c(c, j->p + done, (size_t)n);
         done += (size_t)n;
+        if (j->block && (done % j->block == 0 || done == j->len)) {
+            j->crcs[(done - 1) / j->block] = c;
+            c = 0;
+        }
     }
     j->crc = c;
 }
@@ -609,6 +616,26 @@ static void *read_main(void *arg) {
     return NULL;
 }
 
+/* Runs n read jobs, job 0 on the calling thread; the first failure's status (its errno kept). */
+static int run_reads(struct read_job *jobs, size_t n) {
+    pthread_t threads[READ_MAX_THREADS];
+    int started[READ_MAX_THREADS] = {0};
+    /* a failed thread start runs its slice here too */
+    for (size_t i = 1; i < n; i++) started[i] = pthread_create(&threads[i], NULL, read_main, &jobs[i]) == 0;
+    read_slice(&jobs[0]);
+    for (size_t i = 1; i < n; i++) {
+        if (started[i]) pthread_join(threads[i], NULL);
+        else read_slice(&jobs[i]);
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (jobs[i].rc != SX_OK) {
+            last_errno = jobs[i].err;
+            return jobs[i].rc;
+        }
+    }
+    return SX_OK;
+}
+
 /* Large reads are split over threads, as the parallel CRC is: each slice is read and hashed by its own
  * thread (from the page cache a read is a memory copy, and one core copies and hashes at about half the
  * speed two do); the CRCs are combined in order. */
@@ -616,28 +643,31 @@ int sx_read_at(int fd, void *buf, size_t len, uint64_t offset, uint32_t *crc) {
     if (fd < 0 || (len && !buf)) return SX_EINVAL;
     size_t n = split_count(len, split_online_cpus(), READ_MAX_THREADS);
     struct read_job jobs[READ_MAX_THREADS];
-    pthread_t threads[READ_MAX_THREADS];
-    int started[READ_MAX_THREADS] = {0};
     for (size_t i = 0; i < n; i++) {
         struct split_slice sl = split_slice(len, n, i);
-        jobs[i] = (struct read_job){fd, (unsigned char *)buf + sl.off, sl.len, offset + sl.off, crc != NULL, 0,
-                                    SX_OK, 0};
+        jobs[i] = (struct read_job){fd, (unsigned char *)buf + sl.off, sl.len, offset + sl.off, crc != NULL, 0, 0,
+                                    NULL, SX_OK, 0};
     }
-    /* slice 0 runs on the calling thread; a failed thread start runs its slice here too */
-    for (size_t i = 1; i < n; i++) started[i] = pthread_create(&threads[i], NULL, read_main, &jobs[i]) == 0;
-    read_slice(&jobs[0]);
-    for (size_t i = 1; i < n; i++) {
-        if (started[i]) pthread_join(threads[i], NULL);
-        else read_slice(&jobs[i]);
-    }
+    int rc = run_reads(jobs, n);
+    if (rc != SX_OK) return rc;
     uint32_t total = crc ? *crc : 0;
-    for (size_t i = 0; i < n; i++) {
-        if (jobs[i].rc != SX_OK) {
-            last_errno = jobs[i].err;
-            return jobs[i].rc;
-        }
-        total = sx_crc32c_combine(total, jobs[i].crc, jobs[i].len);
-    }
+    for (size_t i = 0; i < n; i++) total = sx_crc32c_combine(total, jobs[i].crc, jobs[i].len);
     if (crc) *crc = total;
     return SX_OK;
+}
+
+/* The threads' slices are whole blocks, so each block's CRC is one thread's. */
+int sx_read_blocks_at(int fd, void *buf, size_t len, uint64_t offset, size_t block_bytes, uint32_t *crcs) {
+    if (fd < 0 || (len && (!buf || !crcs)) || block_bytes == 0) return SX_EINVAL;
+    size_t blocks = len / block_bytes + (len % block_bytes != 0);
+    size_t n = split_count(len, split_online_cpus(), READ_MAX_THREADS);
+    if (n > blocks) n = blocks ? blocks : 1;
+    struct read_job jobs[READ_MAX_THREADS];
+    for (size_t i = 0; i < n; i++) {
+        size_t first = blocks * i / n, last = blocks * (i + 1) / n;
+        size_t start = first * block_bytes, end = last * block_bytes < len ? last * block_bytes : len;
+        jobs[i] = (struct read_job){fd, (unsigned char *)buf + start, end - start, offset + start, 1, 0, block_bytes,
+                                    crcs ? crcs + first : NULL, SX_OK, 0};
+    }
+    return run_reads(jobs, n);
 }

@@ -762,6 +762,21 @@ def read_at(fd: int, buffer: Any, offset: int, crc: int = 0, *, path: str | None
     return int(out[0])
 
 
+def read_blocks_at(fd: int, buffer: Any, offset: int, block_bytes: int, *, path: str | None = None) -> list[int]:
+    """As read_at, returning the CRC32C of each block_bytes block of what was read (the last may be shorter),
+    each taken as the block landed."""
+    if offset < 0 or block_bytes <= 0:
+        raise ValueError(f"offset must be >= 0 and block_bytes > 0, not {offset} and {block_bytes}")
+    try:
+        buf = ffi.from_buffer("char[]", buffer, require_writable=True)
+    except (TypeError, ValueError, BufferError) as e:
+        raise errors.UnsupportedTensorError(f"{type(buffer).__name__} is not a writable contiguous buffer "
+                                            f"({e})") from None
+    crcs = ffi.new("uint32_t[]", max(1, -(-len(buf) // block_bytes)))
+    raise_for(lib.sx_read_blocks_at(fd, buf, len(buf), offset, block_bytes, crcs), "read", path)
+    return list(crcs)[:-(-len(buf) // block_bytes)]
+
+
 def cuda_stream_create(device: int) -> int:
     """A new non-blocking CUDA stream (tests, benchmarks); returns its handle."""
     out = ffi.new("uintptr_t *")

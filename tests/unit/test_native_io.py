@@ -244,6 +244,24 @@ def test_a_read_lands_every_byte_and_its_crc32c_over_any_split(tmp_path: pathlib
         os.close(fd)
 
 
+@pytest.mark.parametrize("size,block", [(0, 4096), (1, 4096), (4096, 4096), ((256 << 10) * 3 + 5, 256 << 10),
+                                        ((19 << 20) + 5, 256 << 10), ((16 << 20), 1 << 20), ((9 << 20) + 1, 3000)])
+def test_a_blocked_read_lands_every_byte_and_each_block_s_crc32c_over_any_split(tmp_path: pathlib.Path, size: int,
+                                                                               block: int) -> None:
+    data = os.urandom(size + 100)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        buffer = bytearray(size)
+        crcs = _native.read_blocks_at(fd, buffer, 100, block)
+        assert bytes(buffer) == data[100:]
+        assert crcs == [_native.crc32c(data[100 + i:100 + min(i + block, size)]) for i in range(0, size, block)]
+        with pytest.raises(errors.TruncatedCheckpointError):
+            _native.read_blocks_at(fd, bytearray(size + 1), 100, block)
+    finally:
+        os.close(fd)
+
+
 def test_a_read_past_the_end_is_a_truncation_not_garbage(tmp_path: pathlib.Path) -> None:
     (tmp_path / "f").write_bytes(b"abc")
     fd = os.open(tmp_path / "f", os.O_RDONLY)

@@ -334,11 +334,12 @@ class LocalStepReader:
         return self._open(name)[1]
 
     def read_blocks(self, name: str, buffer: memoryview, offset: int, block_bytes: int) -> list[int]:
-        # One read for the whole range (the native reader spreads a large one over threads, and takes its CRC
-        # as it lands: that is the block's when there is one), then a CRC pass per block over the bytes read.
-        crc = _native.read_at(self._open(name)[0], buffer, offset, path=os.path.join(self.location, name))
+        # One read for the whole range: the native reader spreads a large one over threads, and takes each
+        # block's CRC as the block lands.
+        crcs = _native.read_blocks_at(self._open(name)[0], buffer, offset, block_bytes,
+                                      path=os.path.join(self.location, name))
         self.bytes_read += len(buffer)
-        return [crc] if len(buffer) <= block_bytes else base.block_crcs(buffer, block_bytes)
+        return crcs
 
     def close(self) -> None:
         for fd, _ in self._files.values():
