@@ -10,11 +10,11 @@ In one run, for a state of --mib MiB (16 float32 tensors):
   state, then fsync); median of --rounds rounds;
 - a sparse embedding update on a --mib table of 1 KiB rows, 1% of the rows touched: spread at random (what
   block-level reuse can't help: most 1 MiB pieces hold a touched row) and clustered (the newest 1% of rows);
-- restore time of the 10th step of a chain (each save 90% unchanged) vs a full step of the same state;
+- restore time of the 10th step of a chain (each save 90% unchanged, a different 10% each time) vs a full step of
+  the same state: cold (the roots' files dropped from the page cache first, with posix_fadvise: what a restart
+  after a failure reads) and warm (from the page cache: the work SneppX does, without the disk);
 - on S3 (the Versity S3 Gateway on 127.0.0.1, writing to the local disk), the second save of an --s3-mib state
-  90% unchanged, incremental vs full: where storage, not the snapshot copy, is the bottleneck.
-The page cache is not dropped between the save and the restore (no root access to do it here): both restores
-read warm data, so the ratio compares the work SneppX does, not the disk.
+  90% unchanged, incremental vs full: where storage is the bottleneck.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import cpu_model, fsync_path
+from bench.common import cpu_model, evict, fsync_path
 from SneppX_ALG import CheckpointCoordinator, storage
 from tests import s3_servers
 
@@ -145,9 +145,10 @@ def sparse_table(workdir: pathlib.Path, total: int, clustered: bool) -> tuple[in
         shutil.rmtree(root)
 
 
-def chain_restore(workdir: pathlib.Path, total: int) -> tuple[float, float, int]:
-    """(seconds to restore the 10th step of a chain, seconds for a full step of the same state, bytes the chain's
-    ten steps store)."""
+def chain_restore(workdir: pathlib.Path, total: int, rounds: int) -> tuple[dict[str, dict[str, float]], int]:
+    """Seconds to restore the 10th step of a chain and a full step of the same state ({"cold" | "warm": {"chain" |
+    "full": median}}: cold after the roots' files were dropped from the page cache), and the bytes the chain's ten
+    steps store."""
     chain_root, full_root = (pathlib.Path(tempfile.mkdtemp(dir=workdir)) for _ in range(2))
     state = make_state(total)
     try:
@@ -164,19 +165,22 @@ def chain_restore(workdir: pathlib.Path, total: int) -> tuple[float, float, int]
         with CheckpointCoordinator(str(full_root), max_to_keep=None, device="cpu", incremental=False) as coord:
             coord.save(state, step=10)
             coord.wait()
-        times = {}
-        for name, root in (("chain", chain_root), ("full", full_root)):
-            samples = []
-            for _ in range(3):
-                with CheckpointCoordinator(str(root), read_only=True, device="cpu") as coord:
-                    got: dict[str, Any] = {}
-                    started = time.perf_counter()
-                    info = coord.restore(got, 10)
-                    samples.append(time.perf_counter() - started)
-                assert info is not None and all(np.array_equal(got[k], state[k]) for k in state)
-            times[name] = statistics.median(samples)
-        chain_bytes = sum(stored(chain_root, s) for s in range(1, 11))
-        return times["chain"], times["full"], chain_bytes
+        samples: dict[tuple[str, str], list[float]] = {}
+        for _ in range(rounds):  # interleaved, cold then warm
+            for name, root in (("chain", chain_root), ("full", full_root)):
+                for cache in ("cold", "warm"):
+                    if cache == "cold":
+                        evict(root)
+                    with CheckpointCoordinator(str(root), read_only=True, device="cpu") as coord:
+                        got: dict[str, Any] = {}
+                        started = time.perf_counter()
+                        info = coord.restore(got, 10)
+                        samples.setdefault((cache, name), []).append(time.perf_counter() - started)
+                    assert info is not None and all(np.array_equal(got[k], state[k]) for k in state)
+        times: dict[str, dict[str, float]] = {}
+        for (cache, name), got_s in samples.items():
+            times.setdefault(cache, {})[name] = statistics.median(got_s)
+        return times, sum(stored(chain_root, s) for s in range(1, 11))
     finally:
         shutil.rmtree(chain_root)
         shutil.rmtree(full_root)
@@ -219,10 +223,12 @@ def main(argv: list[str]) -> None:
             got, size = sparse_table(workdir, total, clustered)
             print(f"| {'clustered (the newest rows)' if clustered else 'random rows'} | {got / MiB:.1f} MiB "
                   f"| {got / size:.1%} |", flush=True)
-        chain_s, full_s, chain_bytes = chain_restore(workdir, total)
+        restores, chain_bytes = chain_restore(workdir, total, args.rounds)
         print(f"\nrestore of the 10th step of a chain (each save 90% unchanged; the chain's 10 steps store "
-              f"{chain_bytes / MiB:.0f} MiB, {chain_bytes / total:.2f}x the state): {chain_s:.2f} s; "
-              f"a full step of the same state: {full_s:.2f} s; ratio {chain_s / full_s:.2f}x")
+              f"{chain_bytes / MiB:.0f} MiB, {chain_bytes / total:.2f}x the state) vs a full step of the same state:")
+        for cache, got in restores.items():
+            print(f"- {cache} ({'files dropped from the page cache first' if cache == 'cold' else 'from the page cache'})"
+                  f": chain {got['chain']:.2f} s, full {got['full']:.2f} s, ratio {got['chain'] / got['full']:.2f}x")
         s3 = s3_second_saves(workdir, args.s3_mib * MiB, args.rounds)
         if isinstance(s3, str):
             print(f"\nS3: not measured ({s3})")

@@ -342,6 +342,10 @@ static int copy_d2h(sx_copier *c, void *dst, const void *src, size_t len, uint32
     return SX_OK;
 }
 
+int sx_bytes_equal(const void *a, const void *b, size_t len) {
+    return len == 0 || memcmp(a, b, len) == 0;
+}
+
 int sx_copier_copy(sx_copier *c, void *dst, const void *src, size_t len, int kind, uint32_t *crc) {
     if (!c || (len && (!dst || !src))) return SX_EINVAL;
     if (len == 0) return SX_OK;

@@ -67,6 +67,12 @@ def crc32c(data: Any, crc: int = 0) -> int:
     return int(lib.sx_crc32c(crc, buf, len(buf)))
 
 
+def bytes_equal(a: Any, b: Any) -> bool:
+    """Whether two buffers hold the same bytes (memcmp, without the GIL)."""
+    x, y = as_buffer(a), as_buffer(b)
+    return len(x) == len(y) and bool(lib.sx_bytes_equal(x, y, len(x)))
+
+
 def json_shape(data: Any, max_depth: int) -> tuple[int, int] | None:
     """(objects and arrays, deepest nesting) of a JSON document, found without parsing it; the depth stops at
     max_depth + 1. None when its brackets don't balance or match or a string never ends (sx_json_scan)."""

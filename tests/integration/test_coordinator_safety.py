@@ -173,12 +173,12 @@ def test_staging_memory_changed_before_the_write_fails_the_save_and_commits_noth
     between snapshot and write are never committed."""
     write_buffer = engine.Engine._write_buffer
 
-    def flip_then_write(self, job, buffer, pieces):
+    def flip_then_write(self, job, slot, pieces):
         if job.step == 2:
-            view = self.pool.copier.view(buffer, self.pool.size)
+            view = self.pool.copier.view(self.pool.buffer(slot), self.pool.size)
             view[pieces[0].offset] ^= 0x01
             del view
-        return write_buffer(self, job, buffer, pieces)
+        return write_buffer(self, job, slot, pieces)
 
     monkeypatch.setattr(engine.Engine, "_write_buffer", flip_then_write)
     with CheckpointCoordinator(tmp_path, max_to_keep=None) as coord:

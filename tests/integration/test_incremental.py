@@ -90,6 +90,69 @@ def test_a_chain_writes_what_changed_is_full_every_n_saves_and_every_step_restor
         assert_state(got, step)
 
 
+def test_a_piece_changed_by_one_bit_is_written_and_the_unchanged_ones_are_neither_copied_nor_hashed(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The snapshot compares each host piece with what the staging buffer still holds from the last save, byte
+    for byte: the last bit of a 1 MiB piece is enough to write it, and the pieces that are equal cost no hash."""
+    root = tmp_path / "root"
+    weights = np.random.default_rng(3).standard_normal((4, 1 << 18)).astype(np.float32)  # four 1 MiB pieces
+    hashed: list[int] = []
+    real_digest = signing.block_digest
+    monkeypatch.setattr(signing, "block_digest", lambda data: hashed.append(len(data)) or real_digest(data))
+    with CheckpointCoordinator(str(root), async_save=False, device="cpu", max_to_keep=None, incremental=True) as c:
+        c.save({"w": weights}, step=1)
+        assert sum(hashed) == weights.nbytes  # a full save hashes everything, for the saves after it
+        hashed.clear()
+        weights[2].view(np.uint8)[-1] ^= 0x01  # the last bit of the third piece
+        c.save({"w": weights}, step=2)
+        assert sum(hashed) == 1 << 20  # the changed piece alone
+    chunks = manifest_of(root, 2)["tensors"][0]["chunks"]
+    assert [c.get("from") for c in chunks] == [[1, "shard-00000.snpx"]] * 2 + [None] + [[1, "shard-00000.snpx"]]
+    got_step, got, _ = restored(str(root))
+    assert got_step == 2 and got["w"].tobytes() == weights.tobytes()
+
+
+def test_a_save_after_a_failed_one_never_references_what_the_failed_one_staged(tmp_path: pathlib.Path) -> None:
+    """A failed save overwrote the staging buffers with bytes no committed step holds: the next save can't take
+    them for the chain's (it hashes and compares with the chain's step instead)."""
+    root = tmp_path / "root"
+    weights = np.random.default_rng(4).standard_normal((4, 1 << 18)).astype(np.float32)
+    try:
+        with CheckpointCoordinator(str(root), device="cpu", max_to_keep=None, incremental=True) as c:
+            c.save({"w": weights}, step=1)
+            c.wait()
+            weights[1] += 1.0
+            _native.fault_arm("write", 1, "ENOSPC")
+            c.save({"w": weights}, step=2)
+            with pytest.raises(errors.DiskFullError):
+                c.wait()
+            c.save({"w": weights}, step=3)  # the same bytes the failed save staged
+            c.wait()
+    finally:
+        _native.fault_arm("write", 0, "kill")  # disarmed
+    assert [c.get("from") for c in manifest_of(root, 3)["tensors"][0]["chunks"]] == [
+        [1, "shard-00000.snpx"], None, [1, "shard-00000.snpx"], [1, "shard-00000.snpx"]]
+    got_step, got, _ = restored(str(root))
+    assert got_step == 3 and got["w"].tobytes() == weights.tobytes()
+
+
+def test_back_to_back_async_saves_each_restore_their_own_state(tmp_path: pathlib.Path) -> None:
+    """Saves that overlap (the next snapshot takes a staging buffer before the last save committed): each step
+    is the state it was saved with."""
+    root = tmp_path / "root"
+    weights = np.random.default_rng(5).standard_normal((8, 1 << 18)).astype(np.float32)
+    want = {}
+    with CheckpointCoordinator(str(root), device="cpu", max_to_keep=None, incremental=True, full_every=100,
+                               staging_bytes=8 << 20) as c:
+        for step in range(1, 13):
+            weights[step % 8] += step  # one piece changes per save, some twice in a row of overlapping saves
+            c.save({"w": weights}, step=step)
+            want[step] = weights.copy()
+    for step, state in want.items():
+        got_step, got, _ = restored(str(root), step)
+        assert got_step == step and got["w"].tobytes() == state.tobytes(), step
+
+
 def test_retention_keeps_every_step_a_kept_step_references_and_deletes_it_after(tmp_path: pathlib.Path) -> None:
     root = tmp_path / "root"
     with CheckpointCoordinator(str(root), async_save=False, device="cpu", max_to_keep=1, incremental=True,

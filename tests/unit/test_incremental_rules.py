@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from SneppX_ALG import CheckpointCoordinator, errors, storage
+from SneppX_ALG import CheckpointCoordinator, _native, errors, storage
 from SneppX_ALG.checkpoint import manifest as manifest_codec
 from SneppX_ALG.coordinator import engine, plan, retention
 
@@ -88,13 +88,42 @@ def test_a_piece_is_referenced_only_when_every_checksum_and_its_place_match() ->
     record = {"shard": 0, "entry": "w@1", "offset": [256, 0], "shape": [256, 256], "nbytes": 262144,
               "crc32c": 7, "blocks": "00000007", "digests": "ab" * 32}
     base = engine.Chain(4, "shard-00001.snpx", 1, {"w@1": ("float32", (1024, 256), dict(record))})
-    assert engine.reusable(base, "w@1", "float32", (1024, 256), record) == (4, "shard-00001.snpx")
+    assert engine.reusable(base, "w@1", "float32", (1024, 256), record) == {**record, "from": [4, "shard-00001.snpx"]}
     origin = engine.Chain(4, "shard-00001.snpx", 1, {"w@1": ("float32", (1024, 256),
                                                              {**record, "from": [2, "shard-00000.snpx"]})})
-    assert engine.reusable(origin, "w@1", "float32", (1024, 256), record) == (2, "shard-00000.snpx")
+    assert engine.reusable(origin, "w@1", "float32", (1024, 256), record)["from"] == [2, "shard-00000.snpx"]
+    # found equal byte for byte to what the base saved (the snapshot's compare): its box and CRC32C must match, and
+    # the chunk takes the base's block checksums
+    placed = {k: record[k] for k in ("shard", "offset", "shape", "nbytes", "crc32c")}
+    assert engine.reusable(base, "w@1", "float32", (1024, 256), placed, ("crc32c",)) == {
+        **record, "from": [4, "shard-00001.snpx"]}
+    assert engine.reusable(base, "w@1", "float32", (1024, 256), {**placed, "crc32c": 8}, ("crc32c",)) is None
+    assert engine.reusable(base, "w@1", "float32", (1024, 256), {**placed, "nbytes": 4}, ("crc32c",)) is None
     for key, value in (("crc32c", 8), ("digests", "cd" * 32), ("offset", [0, 0]), ("blocks", "00000008")):
         assert engine.reusable(base, "w@1", "float32", (1024, 256), {**record, key: value}) is None, key
     assert engine.reusable(base, "w@1", "int32", (1024, 256), record) is None  # same bytes, another dtype
     assert engine.reusable(base, "w@1", "float32", (2048, 256), record) is None  # another global tensor
     assert engine.reusable(base, "w@0", "float32", (1024, 256), record) is None
     assert engine.reusable(base, "w@1", "float32", (1024, 256), {**record, "digests": None}) is None
+
+
+def test_a_staging_slot_holds_what_a_committed_save_staged_only_until_another_save_takes_it() -> None:
+    pool = engine.StagingPool(_native.Copier(-1), 4096, 2)
+    first, second, third = object(), object(), object()
+    staged = engine.Held(1, {"w": (0, 64, 7)})
+    assert pool.acquire(first, slot=0) == (0, None)
+    pool.release(0)
+    pool.settle(0, first, staged)  # the first save committed after the writer gave its buffer back
+    assert pool.acquire(second, slot=0) == (0, staged)  # what the second save compares with, then overwrites
+    pool.release(0)
+    pool.settle(0, first, engine.Held(9, {"w": (0, 64, 7)}))  # late news of an older save: the slot is not its
+    assert pool.acquire(third, slot=0) == (0, None)  # nothing known: the second save never committed
+    pool.release(0)
+    pool.settle(0, third, staged)
+    pool.forget()  # a restore: another chain
+    assert pool.acquire(first, slot=0) == (0, None)
+    assert pool.acquire(first) == (1, None)  # any slot: the one left
+    pool.release(0)
+    pool.release(1)
+    pool.clear()
+    assert pool.allocated_bytes == 0

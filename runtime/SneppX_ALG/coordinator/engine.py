@@ -53,46 +53,87 @@ def host_piece(leaf: np.ndarray, piece: plan.Piece) -> np.ndarray:
 # ---- the staging pool -----------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """What a staging buffer still holds after the save that filled it committed: step `step`'s bytes of these
+    pieces, by entry name: (offset in the buffer, length, CRC32C). An incremental save compares a host piece
+    with them byte for byte, instead of hashing it, to learn that it did not change."""
+
+    step: int
+    pieces: dict[str, tuple[int, int, int]]
+
+
 class StagingPool:
-    """At most `limit` buffers of `size` bytes, allocated on first use and reused (pinned on a GPU copier)."""
+    """At most `limit` buffers of `size` bytes, allocated on first use and reused (pinned on a GPU copier).
+
+    Each buffer has a slot number. An incremental save whose state fits the pool takes slot i for its i-th
+    buffer every time, so each buffer still holds, at the next save, what the last one staged there: `held`,
+    recorded once that save committed, and only while no later save has taken the slot since."""
 
     def __init__(self, copier: _native.Copier, size: int, limit: int):
         self.copier, self.size, self.limit = copier, size, max(2, limit)
-        self._free: list[Any] = []
-        self._count = 0
+        self._buffers: list[Any] = [None] * self.limit  # by slot; None until first used
+        self._free = set(range(self.limit))
+        self._owner: dict[int, object] = {}  # the save that last took each slot
+        self._held: dict[int, Held] = {}
         self._cond = threading.Condition()
 
-    def acquire(self, on_wait: Any = None) -> Any:
-        """A free buffer; blocks while all `limit` are in use (calling on_wait() first)."""
+    def acquire(self, owner: object, on_wait: Any = None, slot: int | None = None) -> tuple[int, Held | None]:
+        """A free slot (`slot`: that one; None: any, an allocated one first) for `owner`, and what its buffer held
+        (None: nothing known), which the owner now overwrites; blocks while it is taken (calling on_wait() first)."""
         with self._cond:
-            if not self._free and self._count >= self.limit and on_wait is not None:
-                on_wait()
-            while not self._free and self._count >= self.limit:
-                self._cond.wait()
-            if self._free:
-                return self._free.pop()
-            self._count += 1
-        try:
-            return self.copier.alloc(self.size)
-        except BaseException:
-            with self._cond:
-                self._count -= 1
-                self._cond.notify()
-            raise
+            def ready() -> bool:
+                return slot in self._free if slot is not None else bool(self._free)
 
-    def release(self, buffer: Any) -> None:
+            if not ready() and on_wait is not None:
+                on_wait()
+            while not ready():
+                self._cond.wait()
+            if slot is None:
+                allocated = [s for s in self._free if self._buffers[s] is not None]
+                slot = max(allocated) if allocated else min(self._free)
+            self._free.remove(slot)
+            self._owner[slot] = owner
+            held = self._held.pop(slot, None)
+            if self._buffers[slot] is not None:
+                return slot, held
+        try:
+            buffer = self.copier.alloc(self.size)
+        except BaseException:
+            self.release(slot)
+            raise
+        self._buffers[slot] = buffer  # only the slot's holder touches its entry
+        return slot, None
+
+    def buffer(self, slot: int) -> Any:
+        return self._buffers[slot]
+
+    def release(self, slot: int) -> None:
         with self._cond:
-            self._free.append(buffer)
-            self._cond.notify()
+            self._free.add(slot)
+            self._cond.notify_all()
+
+    def settle(self, slot: int, owner: object, held: Held) -> None:
+        """`owner`'s save committed: its slot holds `held`, unless a later save has taken the slot since."""
+        with self._cond:
+            if self._owner.get(slot) is owner:
+                self._held[slot] = held
+
+    def forget(self) -> None:
+        """Nothing held is to be compared with any more (a restore starts another chain)."""
+        with self._cond:
+            self._held.clear()
 
     @property
     def allocated_bytes(self) -> int:
-        return self._count * self.size
+        return sum(b is not None for b in self._buffers) * self.size
 
     def clear(self) -> None:
+        """Frees the buffers not in use."""
         with self._cond:
-            self._count -= len(self._free)
-            self._free.clear()
+            for slot in self._free:
+                self._buffers[slot] = None
+                self._held.pop(slot, None)
 
 
 # ---- incremental saves ---------------------------------------------------------------------------------------
@@ -121,16 +162,18 @@ class Chain:
 
 
 def reusable(base: Chain, entry: str, dtype: str, global_shape: tuple[int, ...], record: dict[str, Any],
-             ) -> tuple[int, str] | None:
-    """Where the bytes of a piece just hashed already are (the step and file to reference), or None: the base has
-    the same entry with the same dtype, global shape, box, length, block CRC32Cs and block BLAKE3s."""
+             keys: tuple[str, ...] = ("crc32c", "blocks", "digests")) -> dict[str, Any] | None:
+    """The base's chunk that holds the bytes of a piece (`record`: its box, length and checksums), as this save's
+    chunk referencing it, or None: the base has the same entry with the same dtype, global shape, box and length,
+    and the same `keys` (a piece just hashed: its block CRC32Cs and BLAKE3s; a piece found equal byte for byte
+    to what the base saved: its CRC32C)."""
     known = base.records.get(entry)
-    if known is None or known[0] != dtype or known[1] != global_shape or record.get("digests") is None:
+    if known is None or known[0] != dtype or known[1] != global_shape or known[2].get("digests") is None:
         return None
     old = known[2]
-    if any(old.get(k) != record[k] for k in ("offset", "shape", "nbytes", "crc32c", "blocks", "digests")):
+    if any(old.get(k) != record.get(k) for k in ("offset", "shape", "nbytes", *keys)):
         return None
-    return manifest_codec.reference(old) or (base.step, base.shard)
+    return {**old, "shard": record["shard"], "from": list(manifest_codec.reference(old) or (base.step, base.shard))}
 
 
 # ---- the background writer ---------------------------------------------------------------------------------
@@ -170,6 +213,11 @@ class Job:
     hashing: bool = False
     reused_bytes: int = 0
     state_bytes: int = 0
+    # The staging slots this save filled, with their pieces (what they hold once it commits), and the pieces the
+    # snapshot found equal, byte for byte, to what a slot held since committed step S (entry -> S): not copied.
+    slots: list[tuple[int, list[plan.Piece]]] = dataclasses.field(default_factory=list)
+    same: dict[str, int] = dataclasses.field(default_factory=dict)
+    token: object = dataclasses.field(default_factory=object)  # this save, as the owner of staging slots
 
     def fail(self, error: BaseException) -> None:
         """This rank's part of the step failed: kept, the writer dropped; the step's end still runs."""
@@ -228,6 +276,8 @@ class Engine:
         references there (those with block digests). A restore of an older step sets aside only newer steps, so
         nothing this chain points at is fenced away. Another world size, or a step without digests: a full save."""
         self.chain = None
+        if self.pool is not None:
+            self.pool.forget()
         if (not self.incremental or manifest.get("version", 0) < manifest_codec.MANIFEST_VERSION
                 or manifest.get("world_size") != self.group.world_size):
             return
@@ -378,11 +428,24 @@ class Engine:
         sink = self.store.shard_sink(pending, shard) if self.signing_key is None else None
         return file.CheckpointWriter(os.path.join(pending.local_dir, shard), metadata=metadata, sink=sink)
 
-    def _write_buffer(self, job: Job, buffer: Any, pieces: list[plan.Piece]) -> None:
+    def _write_buffer(self, job: Job, slot: int, pieces: list[plan.Piece]) -> None:
         assert job.writer is not None and self.pool is not None
-        view = self.pool.copier.view(buffer, self.pool.size)
+        view = self.pool.copier.view(self.pool.buffer(slot), self.pool.size)
+        data = None
         for piece in pieces:
             spec = job.specs[piece.tensor]
+            same = job.same.get(piece.entry)
+            if same is not None and job.base is not None and same == job.base.step:
+                # the snapshot found it equal to the base's bytes: referenced with the base's checksums, unhashed
+                box = piece.global_box(spec)
+                record = reusable(job.base, piece.entry, spec.dtype, spec.full_shape,
+                                  {"shard": self.group.rank, "offset": list(box.offset), "shape": list(box.shape),
+                                   "nbytes": piece.nbytes, "crc32c": job.snapshot_crcs[piece.entry]}, ("crc32c",))
+                if record is not None:
+                    job.records[piece.entry] = record
+                    job.state_bytes += piece.nbytes
+                    job.reused_bytes += piece.nbytes
+                    continue
             dtype = format.numpy_dtype(spec.dtype)
             count = piece.nbytes // spec.itemsize
             data = view[piece.offset:piece.offset + piece.nbytes]
@@ -407,7 +470,7 @@ class Engine:
             reference = reusable(job.base, piece.entry, spec.dtype, spec.full_shape, record) if job.base else None
             if reference is not None:  # unchanged since the chain's step: referenced, not written
                 written = expected
-                record["from"] = list(reference)
+                record = reference
                 job.reused_bytes += piece.nbytes
             else:
                 written = job.writer.write(piece.entry, array, **extra).crc32c
@@ -498,6 +561,10 @@ class Engine:
         self.chain = Chain(job.step, self.shard_name, length,
                            {name: (specs[name].dtype, specs[name].full_shape, record)
                             for name, record in job.records.items()}, comparing)
+        if self.pool is not None:
+            for slot, pieces in job.slots:
+                self.pool.settle(slot, job.token, Held(job.step, {
+                    p.entry: (p.offset, p.nbytes, job.records[p.entry]["crc32c"]) for p in pieces}))
 
     def _finish_part(self, job: Job) -> dict[str, Any]:
         """This rank's file durable and on the server; its report for rank 0."""

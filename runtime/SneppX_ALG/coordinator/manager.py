@@ -310,19 +310,25 @@ class CheckpointCoordinator:
         buffers = plan.plan_pieces(job.specs, worker.pool.size, worker.unit_bytes)
         state.check_entry_names(p for b in buffers for p in b)
         job.pieces = [p for b in buffers for p in b]
-        for pieces in buffers:
-            buffer = worker.pool.acquire(on_wait=job.may_write.set)
+        # An incremental save whose state fits the staging area puts its i-th buffer in slot i every time, so the
+        # slot still holds what the last save staged there: a host piece equal to that is not copied (engine.Held).
+        slotted = worker.unit_bytes is not None and len(buffers) <= worker.pool.limit
+        for index, pieces in enumerate(buffers):
+            slot, held = worker.pool.acquire(job.token, on_wait=job.may_write.set, slot=index if slotted else None)
             try:
-                self._snapshot(job, leaves, buffer, pieces)
+                self._snapshot(job, leaves, slot, pieces, held)
             except BaseException:
-                worker.pool.release(buffer)
+                worker.pool.release(slot)
                 raise
-            worker.submit("data", job, buffer, pieces)
+            if slotted:
+                job.slots.append((slot, pieces))
+            worker.submit("data", job, slot, pieces)
 
-    def _snapshot(self, job: engine.Job, leaves: list[state.Leaf], buffer: Any, pieces: list[plan.Piece]) -> None:
+    def _snapshot(self, job: engine.Job, leaves: list[state.Leaf], slot: int, pieces: list[plan.Piece],
+                  held: engine.Held | None) -> None:
         pool = self._engine.pool
         assert pool is not None
-        view = self._copier.view(buffer, pool.size)
+        view = self._copier.view(pool.buffer(slot), pool.size)
         for piece in pieces:
             leaf = leaves[piece.tensor][1]
             dst = view[piece.offset:piece.offset + piece.nbytes]
@@ -337,7 +343,15 @@ class CheckpointCoordinator:
                     job.ordered_streams.add(leaf.stream)
                 crc = self._copier.copy(dst, leaf.pointer + piece.start, piece.nbytes, kind=_native.COPY_D2H)
             else:
-                crc = self._copier.copy(dst, engine.host_piece(leaf, piece))
+                source = engine.host_piece(leaf, piece)
+                known = held.pieces.get(piece.entry) if held is not None else None
+                if (known is not None and known[:2] == (piece.offset, piece.nbytes)
+                        and _native.bytes_equal(dst, source)):  # unchanged since step held.step: staged already
+                    assert held is not None
+                    job.same[piece.entry] = held.step
+                    crc = known[2]
+                else:
+                    crc = self._copier.copy(dst, source)
             job.snapshot_crcs[piece.entry] = int(crc or 0)
         del view
 
