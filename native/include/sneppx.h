@@ -154,10 +154,12 @@ void sx_copier_free(sx_copier *c, void *p);
  * combined with sx_crc32c_combine); with crc NULL the D2H path is the bare
  * cudaMemcpyAsync loop. Returns only when every byte has landed. */
 int sx_copier_copy(sx_copier *c, void *dst, const void *src, size_t len, int kind, uint32_t *crc);
-/* 1 when the len bytes at a and b are the same, else 0 (memcmp: it stops at the first difference). An
- * incremental save's test that a host piece did not change since the save whose bytes a staging buffer still
- * holds: exact, and cheaper than hashing the piece. */
-int sx_bytes_equal(const void *a, const void *b, size_t len);
+/* equal[i] = 1 when the lens[i] bytes at a[i] and b[i] are the same, else 0, for n pairs at once, the pairs
+ * split over up to nthreads threads (0 = online CPUs); memcmp, which stops at the first difference. An
+ * incremental save's test that host pieces did not change since the save whose bytes a staging buffer still
+ * holds: exact, and cheaper than hashing them. SX_EINVAL. */
+int sx_equal_ranges(size_t n, const void *const *a, const void *const *b, const uint64_t *lens, uint8_t *equal,
+                    int nthreads);
 
 /* ---- keyed BLAKE2s (RFC 7693; blake2s.c) ------------------------------- */
 /* outlen 1..32 bytes, keylen 0..32 bytes. The heartbeat MAC is outlen 16 with

@@ -342,8 +342,41 @@ static int copy_d2h(sx_copier *c, void *dst, const void *src, size_t len, uint32
     return SX_OK;
 }
 
-int sx_bytes_equal(const void *a, const void *b, size_t len) {
-    return len == 0 || memcmp(a, b, len) == 0;
+struct equal_job {
+    const void *const *a, *const *b;
+    const uint64_t *lens;
+    uint8_t *equal;
+    size_t from, to; /* the pairs of one thread */
+};
+
+static void *equal_run(void *arg) {
+    struct equal_job *j = arg;
+    for (size_t i = j->from; i < j->to; i++) j->equal[i] = j->lens[i] == 0 || memcmp(j->a[i], j->b[i], j->lens[i]) == 0;
+    return NULL;
+}
+
+int sx_equal_ranges(size_t n, const void *const *a, const void *const *b, const uint64_t *lens, uint8_t *equal,
+                    int nthreads) {
+    if (n && (!a || !b || !lens || !equal)) return SX_EINVAL;
+    uint64_t total = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (lens[i] && (!a[i] || !b[i])) return SX_EINVAL;
+        total += lens[i];
+    }
+    size_t threads = split_count(total, nthreads > 0 ? (size_t)nthreads : split_online_cpus(), 16);
+    if (threads > n) threads = n ? n : 1;
+    struct equal_job jobs[16];
+    pthread_t ids[16];
+    int started[16] = {0};
+    for (size_t t = 0; t < threads; t++) jobs[t] = (struct equal_job){a, b, lens, equal, n * t / threads, n * (t + 1) / threads};
+    /* job 0 runs here; a failed thread start runs its job here too */
+    for (size_t t = 1; t < threads; t++) started[t] = pthread_create(&ids[t], NULL, equal_run, &jobs[t]) == 0;
+    equal_run(&jobs[0]);
+    for (size_t t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else equal_run(&jobs[t]);
+    }
+    return SX_OK;
 }
 
 int sx_copier_copy(sx_copier *c, void *dst, const void *src, size_t len, int kind, uint32_t *crc) {

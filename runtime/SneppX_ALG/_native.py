@@ -67,10 +67,17 @@ def crc32c(data: Any, crc: int = 0) -> int:
     return int(lib.sx_crc32c(crc, buf, len(buf)))
 
 
-def bytes_equal(a: Any, b: Any) -> bool:
-    """Whether two buffers hold the same bytes (memcmp, without the GIL)."""
-    x, y = as_buffer(a), as_buffer(b)
-    return len(x) == len(y) and bool(lib.sx_bytes_equal(x, y, len(x)))
+def equal_pairs(pairs: list[tuple[Any, Any]], threads: int = 0) -> list[bool]:
+    """For each pair of buffers, whether they hold the same bytes (memcmp, the pairs spread over `threads`
+    threads, 0: every core, without the GIL)."""
+    views = [(as_buffer(a), as_buffer(b)) for a, b in pairs]
+    n = len(views)
+    lens = ffi.new("uint64_t[]", [min(len(x), len(y)) for x, y in views] or [0])
+    firsts = ffi.new("void *[]", [ffi.cast("void *", x) for x, _ in views] or [ffi.NULL])
+    seconds = ffi.new("void *[]", [ffi.cast("void *", y) for _, y in views] or [ffi.NULL])
+    equal = ffi.new("uint8_t[]", max(1, n))
+    raise_for(lib.sx_equal_ranges(n, firsts, seconds, lens, equal, threads), "compare")
+    return [len(x) == len(y) and bool(equal[i]) for i, (x, y) in enumerate(views)]
 
 
 def json_shape(data: Any, max_depth: int) -> tuple[int, int] | None:

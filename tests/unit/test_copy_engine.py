@@ -251,3 +251,16 @@ def test_a_coordinator_snapshot_waits_for_the_producer_and_keeps_fresh_tensors_a
     finally:
         _native.cuda_free(0, busy)
         _native.cuda_stream_destroy(0, stream)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 0])
+def test_equal_pairs_finds_a_difference_in_any_byte_of_any_pair_over_any_thread_split(threads: int) -> None:
+    rng = np.random.default_rng(7)
+    firsts = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 4095, 1 << 20, 3 << 20, 5 << 20, 1 << 20)]
+    seconds = [a.copy() for a in firsts]
+    for index in (2, 4, 6):  # the last byte, the first, one in the middle
+        at = {2: -1, 4: 0, 6: 1 << 19}[index]
+        seconds[index][at] ^= 0x80
+    got = _native.equal_pairs(list(zip(firsts, seconds, strict=True)), threads=threads)
+    assert got == [True, True, False, True, False, True, False]
+    assert _native.equal_pairs([(firsts[3], firsts[3][:-1]), (b"", b"")], threads=threads) == [False, True]

@@ -329,10 +329,15 @@ class CheckpointCoordinator:
         pool = self._engine.pool
         assert pool is not None
         view = self._copier.view(pool.buffer(slot), pool.size)
+        staged = self._unchanged(view, leaves, pieces, held) if held is not None else {}
         for piece in pieces:
             leaf = leaves[piece.tensor][1]
             dst = view[piece.offset:piece.offset + piece.nbytes]
-            if isinstance(leaf, state.DeviceArray):
+            if piece.entry in staged:  # unchanged since step held.step: staged already
+                assert held is not None
+                job.same[piece.entry] = held.step
+                crc = staged[piece.entry]
+            elif isinstance(leaf, state.DeviceArray):
                 if not self.uses_gpu:
                     raise errors.AcceleratorUnavailableError(
                         "the state holds CUDA tensors but this coordinator has no CUDA device (device='cpu' "
@@ -343,17 +348,21 @@ class CheckpointCoordinator:
                     job.ordered_streams.add(leaf.stream)
                 crc = self._copier.copy(dst, leaf.pointer + piece.start, piece.nbytes, kind=_native.COPY_D2H)
             else:
-                source = engine.host_piece(leaf, piece)
-                known = held.pieces.get(piece.entry) if held is not None else None
-                if (known is not None and known[:2] == (piece.offset, piece.nbytes)
-                        and _native.bytes_equal(dst, source)):  # unchanged since step held.step: staged already
-                    assert held is not None
-                    job.same[piece.entry] = held.step
-                    crc = known[2]
-                else:
-                    crc = self._copier.copy(dst, source)
+                crc = self._copier.copy(dst, engine.host_piece(leaf, piece))
             job.snapshot_crcs[piece.entry] = int(crc or 0)
         del view
+
+    @staticmethod
+    def _unchanged(view: memoryview, leaves: list[state.Leaf], pieces: list[plan.Piece], held: engine.Held,
+                   ) -> dict[str, int]:
+        """The host pieces whose bytes equal what the staging buffer (`view`) holds of them (`held`), with the CRC32C
+        recorded for those bytes: compared in one call over every core."""
+        known = [(p, held.pieces[p.entry]) for p in pieces
+                 if p.entry in held.pieces and held.pieces[p.entry][:2] == (p.offset, p.nbytes)
+                 and not isinstance(leaves[p.tensor][1], state.DeviceArray)]
+        same = _native.equal_pairs([(view[p.offset:p.offset + p.nbytes], engine.host_piece(leaves[p.tensor][1], p))
+                                    for p, _ in known])
+        return {p.entry: crc for (p, (_, _, crc)), equal in zip(known, same, strict=True) if equal}
 
     def wait(self) -> None:
         """Blocks until every save so far is committed (or failed); raises a background error."""
