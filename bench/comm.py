@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from bench import common
+from SneppX_ALG.contract.env import ENV_HOST_KEY
 
 KEY = b"bench-comm-job-key-0123456789abc"
 DEFAULT_SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
@@ -199,7 +200,7 @@ def netns_rank(report: str, store_dir: str, rank: int, world: int, backend: str,
     """One rank inside a network namespace (started by `ip netns exec`): the allreduce loop; its times as JSON."""
     from SneppX_ALG.elastic import collectives, store
 
-    os.environ[collectives.ENV_HOST_KEY] = host_key
+    os.environ[ENV_HOST_KEY] = host_key
     group = collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, key=KEY, timeout=300,
                                      backend=backend, host=address)  # type: ignore[arg-type]
     times = time_allreduces(group, sizes, iterations)

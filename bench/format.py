@@ -30,6 +30,7 @@ import numpy as np
 from bench import common
 from SneppX_ALG import _native, checkpoint
 from SneppX_ALG.checkpoint import write_mode
+from SneppX_ALG.contract.env import ENV_WRITE_MODE
 
 TENSORS = 16
 
@@ -89,7 +90,7 @@ def chosen_mode(directory: str) -> str:
     """What a default CheckpointWriter uses in `directory`, and why (probing now if it never has)."""
     env = write_mode.mode_from_env()
     if env != "auto":
-        return f"{env} ({write_mode.ENV_MODE})"
+        return f"{env} ({ENV_WRITE_MODE})"
     direct = write_mode.use_direct(directory)
     entry = write_mode.cached_entry(directory) or {}
     measured = (f": probe O_DIRECT {entry['direct_gbps']} GB/s, buffered {entry['buffered_gbps']} GB/s, "

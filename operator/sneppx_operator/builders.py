@@ -41,6 +41,27 @@ from collections.abc import Mapping
 from typing import Any
 
 from SneppX_ALG import errors
+from SneppX_ALG.contract.env import (
+    ENV_CHECKPOINT_URI,
+    ENV_GENERATION,
+    ENV_HANG_TIMEOUT,
+    ENV_HEARTBEAT_KEY_FILE,
+    ENV_HOST,
+    ENV_JOB,
+    ENV_MAX_NODES,
+    ENV_MAX_TO_KEEP,
+    ENV_MIN_NODES,
+    ENV_NAMESPACE,
+    ENV_NODE_NAME,
+    ENV_OBJECT,
+    ENV_POD_NAME,
+    ENV_PROCS_PER_NODE,
+    ENV_ROLLBACK_DEPTH,
+    ENV_SAVE_EVERY,
+    ENV_SNAPSHOT_EVERY,
+    ENV_SNAPSHOT_REPLICAS,
+    ENV_VALIDATION,
+)
 from SneppX_ALG.storage import job_object
 from sneppx_operator import restricted
 
@@ -294,30 +315,30 @@ def rank_env(
     elastic, checkpoint = spec["elastic"], spec["checkpoint"]
     policy = spec.get("failurePolicy") or {}
     env = [
-        _env("SNEPPX_JOB", job_name),
-        _env(job_object.ENV_NAMESPACE, namespace),
-        _env(job_object.ENV_POD_NAME, pod_name(job_name, rank)),
-        {"name": job_object.ENV_HOST, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        _env(ENV_JOB, job_name),
+        _env(ENV_NAMESPACE, namespace),
+        _env(ENV_POD_NAME, pod_name(job_name, rank)),
+        {"name": ENV_HOST, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         _env("RANK", rank),
         _env("NODE_RANK", rank),
         _env("WORLD_SIZE", world_size),
-        _env("SNEPPX_PROCS_PER_NODE", elastic.get("procsPerNode", 1)),
-        _env("SNEPPX_GENERATION", generation),
+        _env(ENV_PROCS_PER_NODE, elastic.get("procsPerNode", 1)),
+        _env(ENV_GENERATION, generation),
         _env("MASTER_ADDR", master_addr(job_name, namespace)),
         _env("MASTER_PORT", elastic.get("port", 29500)),
-        _env("SNEPPX_HEARTBEAT_KEY_FILE", f"{HEARTBEAT_DIR}/{HEARTBEAT_KEY}"),
-        _env("SNEPPX_CHECKPOINT_URI", checkpoint_uri(job_name, namespace, spec)),
-        _env("SNEPPX_SAVE_EVERY_N_STEPS", checkpoint.get("saveEveryNSteps", 1000)),
-        _env("SNEPPX_MAX_TO_KEEP", checkpoint.get("maxToKeep", 3)),
-        _env("SNEPPX_CHECKPOINT_VALIDATION", checkpoint.get("validation", "Full")),
-        _env("SNEPPX_ROLLBACK_DEPTH", checkpoint.get("rollbackDepth", 2)),
-        _env(job_object.ENV_SNAPSHOT_EVERY, checkpoint.get("snapshotEveryNSteps", 0)),
-        _env(job_object.ENV_SNAPSHOT_REPLICAS, checkpoint.get("snapshotReplicas", 1)),
-        {"name": job_object.ENV_NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-        _env(job_object.ENV_OBJECT, job_object.object_name(job_name)),
-        _env(job_object.ENV_MIN_NODES, elastic["minNodes"]),
-        _env(job_object.ENV_MAX_NODES, elastic["maxNodes"]),
-        _env(job_object.ENV_HANG_TIMEOUT, policy.get("hangTimeoutSeconds", 1800)),
+        _env(ENV_HEARTBEAT_KEY_FILE, f"{HEARTBEAT_DIR}/{HEARTBEAT_KEY}"),
+        _env(ENV_CHECKPOINT_URI, checkpoint_uri(job_name, namespace, spec)),
+        _env(ENV_SAVE_EVERY, checkpoint.get("saveEveryNSteps", 1000)),
+        _env(ENV_MAX_TO_KEEP, checkpoint.get("maxToKeep", 3)),
+        _env(ENV_VALIDATION, checkpoint.get("validation", "Full")),
+        _env(ENV_ROLLBACK_DEPTH, checkpoint.get("rollbackDepth", 2)),
+        _env(ENV_SNAPSHOT_EVERY, checkpoint.get("snapshotEveryNSteps", 0)),
+        _env(ENV_SNAPSHOT_REPLICAS, checkpoint.get("snapshotReplicas", 1)),
+        {"name": ENV_NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        _env(ENV_OBJECT, job_object.object_name(job_name)),
+        _env(ENV_MIN_NODES, elastic["minNodes"]),
+        _env(ENV_MAX_NODES, elastic["maxNodes"]),
+        _env(ENV_HANG_TIMEOUT, policy.get("hangTimeoutSeconds", 1800)),
     ]
     s3 = checkpoint["storage"].get("s3")
     if s3 is not None:

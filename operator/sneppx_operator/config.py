@@ -19,24 +19,24 @@ from collections.abc import Mapping
 import kopf
 
 from SneppX_ALG import errors
+from SneppX_ALG.contract.env import ENV_RESYNC_SECONDS
 
 ANNOTATION_PREFIX = "sneppx.io"
-RESYNC_ENV = "SNEPPX_RESYNC_SECONDS"
 DEFAULT_RESYNC_SECONDS = 10.0
 MAX_RETRY_DELAY_SECONDS = 300.0
 
 
 def resync_seconds(environ: Mapping[str, str] = os.environ) -> float:
     """How often each job is reconciled even without a change (pods becoming ready, lost events)."""
-    raw = environ.get(RESYNC_ENV, "")
+    raw = environ.get(ENV_RESYNC_SECONDS, "")
     if not raw:
         return DEFAULT_RESYNC_SECONDS
     try:
         value = float(raw)
     except ValueError:
-        raise errors.OperatorConfigError(f"{RESYNC_ENV}={raw!r} is not a number of seconds") from None
+        raise errors.OperatorConfigError(f"{ENV_RESYNC_SECONDS}={raw!r} is not a number of seconds") from None
     if not 0.1 <= value <= 3600:
-        raise errors.OperatorConfigError(f"{RESYNC_ENV}={raw!r} must be between 0.1 and 3600 seconds")
+        raise errors.OperatorConfigError(f"{ENV_RESYNC_SECONDS}={raw!r} must be between 0.1 and 3600 seconds")
     return value
 
 

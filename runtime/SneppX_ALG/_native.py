@@ -15,6 +15,7 @@ from typing import Any
 
 from SneppX_ALG import errors
 from SneppX_ALG._sneppx_native import ffi, lib
+from SneppX_ALG.contract.env import ENV_CUDART, ENV_NCCL
 
 KERNELS = {
     "portable": lib.SX_CRC_PORTABLE,
@@ -222,7 +223,7 @@ def wheel_library_candidates(in_wheel: str, soname: str, override: str, sys_path
 
 def cudart_candidates(sys_path: list[str], env: dict[str, str]) -> list[str]:
     """Where to look for libcudart: $SNEPPX_CUDART, the nvidia-cuda-runtime-cu12 wheel, the soname."""
-    return wheel_library_candidates(_CUDART_IN_WHEEL, CUDART_SONAME, "SNEPPX_CUDART", sys_path, env)
+    return wheel_library_candidates(_CUDART_IN_WHEEL, CUDART_SONAME, ENV_CUDART, sys_path, env)
 
 
 def _raise_cuda(code: int, what: str) -> None:
@@ -690,7 +691,7 @@ class ShmComm(_HostCollectives):
 
 def nccl_candidates(sys_path: list[str], env: dict[str, str]) -> list[str]:
     """Where to look for libnccl: $SNEPPX_NCCL, the nvidia-nccl-cu12 wheel, the soname."""
-    return wheel_library_candidates(_NCCL_IN_WHEEL, NCCL_SONAME, "SNEPPX_NCCL", sys_path, env)
+    return wheel_library_candidates(_NCCL_IN_WHEEL, NCCL_SONAME, ENV_NCCL, sys_path, env)
 
 
 def nccl_load() -> str:

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from SneppX_ALG import coordinator, errors
+from SneppX_ALG.contract.env import ENV_AGENT_ID, ENV_LOCAL_RANK, ENV_ROLE, ENV_RUN_ID
 from SneppX_ALG.elastic import trainer as elastic_trainer
 from SneppX_ALG.elastic import worker
 from SneppX_ALG.model import data, data_parallel, training
@@ -386,10 +387,10 @@ def run_processes(run_id: str) -> list[tuple[int, str, str, str]]:
         except OSError:
             continue  # gone, or not ours
         env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-        if env.get(b"SNEPPX_RUN_ID") != run_id.encode() or b"SNEPPX_ELASTIC_ROLE" not in env or state == b"Z":
+        if env.get(ENV_RUN_ID.encode()) != run_id.encode() or ENV_ROLE.encode() not in env or state == b"Z":
             continue
-        found.append((int(entry), env[b"SNEPPX_ELASTIC_ROLE"].decode(), env.get(b"SNEPPX_AGENT_ID", b"").decode(),
-                      env.get(b"SNEPPX_LOCAL_RANK", b"").decode()))
+        found.append((int(entry), env[ENV_ROLE.encode()].decode(), env.get(ENV_AGENT_ID.encode(), b"").decode(),
+                      env.get(ENV_LOCAL_RANK.encode(), b"").decode()))
     return sorted(found)
 
 

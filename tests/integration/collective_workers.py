@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from SneppX_ALG import _native, errors
+from SneppX_ALG.contract.env import ENV_HOST_KEY
 from SneppX_ALG.elastic import collectives, store
 
 KEY = b"collectives-test-job-key-32bytes"
@@ -38,7 +39,7 @@ def battery(store_dir: str, rank: int, world: int, rounds: int, results: Any, ba
     """Every collective against numpy: the fixed sizes 0, 1, odd, world +- 1 and large, then `rounds` rounds of
     random sizes, dtypes and ops (the same draws on every rank). Puts (rank, [failure, ...])."""
     failures: list[str] = []
-    os.environ[collectives.ENV_HOST_KEY] = host_key  # ranks with different keys are on different "hosts"
+    os.environ[ENV_HOST_KEY] = host_key  # ranks with different keys are on different "hosts"
     try:
         group = connect(store_dir, rank, world, chunk_bytes=1 << 16, backend=backend, host=address)
         if host_key and type(group._comm).__name__ != "_Hierarchical":
@@ -80,7 +81,7 @@ def collective_forever(store_dir: str, rank: int, world: int, op_timeout: float,
                        backend: str = "tcp", op: str = "allreduce", host_key: str = "") -> None:
     """Connects, reports ("ready", rank), then runs `op` on 4 MiB until a collective fails; reports
     ("failed", rank, error class name, blamed peer)."""
-    os.environ[collectives.ENV_HOST_KEY] = host_key
+    os.environ[ENV_HOST_KEY] = host_key
     group = connect(store_dir, rank, world, timeout=op_timeout, backend=backend)
     data = np.ones(1 << 20, np.float32)
     calls = {"allreduce": group.allreduce, "reduce_scatter": group.reduce_scatter, "allgather": group.allgather,

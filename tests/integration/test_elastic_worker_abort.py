@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from SneppX_ALG import storage
-from SneppX_ALG.elastic import collectives, control, rendezvous, worker
+from SneppX_ALG.contract.env import ENV_CONTROL_FD
+from SneppX_ALG.elastic import collectives, control, rendezvous
 from SneppX_ALG.elastic import store as store_lib
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,7 +38,7 @@ class Agent:
     def __init__(self, tmp_path: Path):
         self.elastic_root = str(tmp_path / "records")
         mine, theirs = socket.socketpair()
-        env = {**os.environ, worker.ENV_CONTROL_FD: str(theirs.fileno()), "SNEPPX_HEARTBEAT_KEY": secrets.token_hex(32)}
+        env = {**os.environ, ENV_CONTROL_FD: str(theirs.fileno()), "SNEPPX_HEARTBEAT_KEY": secrets.token_hex(32)}
         self.proc = subprocess.Popen([sys.executable, str(HOST), str(tmp_path / "ckpts"), self.elastic_root, RUN],
                                      pass_fds=(theirs.fileno(),), env=env)
         theirs.close()

@@ -14,6 +14,7 @@ import pytest
 from ranks_on_threads import NUMPY_OPS, inputs, run_ranks
 
 from SneppX_ALG import _native, errors
+from SneppX_ALG.contract.env import ENV_HOST_KEY
 
 TOLERANCE = {"float32": 1e-5, "float64": 1e-12, "int32": 0, "int64": 0}  # sums in another order; integers exact
 
@@ -137,7 +138,7 @@ def test_a_host_key_keeps_ranks_of_one_machine_apart(monkeypatch: pytest.MonkeyP
     from SneppX_ALG.elastic import collectives
 
     here = collectives.host_identity()
-    monkeypatch.setenv(collectives.ENV_HOST_KEY, "numa-1")
+    monkeypatch.setenv(ENV_HOST_KEY, "numa-1")
     assert collectives.host_identity() != here and collectives.host_identity().startswith(here)
 
 

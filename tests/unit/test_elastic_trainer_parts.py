@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from SneppX_ALG import CheckpointCoordinator, ElasticTrainer, errors, storage
-from SneppX_ALG.elastic import control, pod, rendezvous, trainer
+from SneppX_ALG.contract.env import ENV_ROLE
+from SneppX_ALG.elastic import control, pod, rendezvous
 from SneppX_ALG.elastic.store import RecordKeyStore
 from SneppX_ALG.storage import job_object
 
@@ -94,10 +95,10 @@ def test_run_refuses_what_it_cannot_do(tmp_path: Path, monkeypatch: pytest.Monke
         ElasticTrainer(train_fn=train, checkpoint_dir=str(tmp_path)).run(num_nodes=0)
     with pytest.raises(TypeError):
         ElasticTrainer(train_fn="not a function", checkpoint_dir=str(tmp_path))  # type: ignore[arg-type]
-    monkeypatch.setenv(trainer.ENV_ROLE, "sealer")
+    monkeypatch.setenv(ENV_ROLE, "sealer")
     with pytest.raises(errors.ElasticLaunchError, match="not a role"):
         ElasticTrainer(train_fn=train, checkpoint_dir=str(tmp_path)).run()
-    monkeypatch.delenv(trainer.ENV_ROLE)
+    monkeypatch.delenv(ENV_ROLE)
     with pytest.raises(errors.ElasticLaunchError, match="job key"):  # nodes on other machines need the key
         ElasticTrainer(train_fn=train, checkpoint_dir=str(tmp_path)).run(num_nodes=2, local_nodes=1)
     monkeypatch.setattr(sys, "orig_argv", [sys.executable])  # an interactive session: no script to re-run

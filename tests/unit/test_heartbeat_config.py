@@ -8,6 +8,7 @@ import pathlib
 import pytest
 
 from SneppX_ALG import HeartbeatMonitor, errors
+from SneppX_ALG.contract.env import ENV_HEARTBEAT_BIND, ENV_HEARTBEAT_KEY, ENV_HEARTBEAT_KEY_FILE
 from SneppX_ALG.elastic import heartbeat
 
 KEY = bytes(range(32))
@@ -22,11 +23,11 @@ def test_no_key_anywhere_names_both_variables() -> None:
 def test_key_sources_in_order(tmp_path: pathlib.Path) -> None:
     key_file = tmp_path / "heartbeat-key"
     key_file.write_bytes(b"\x01" * 32)  # raw bytes, as the operator mounts the Secret
-    env = {heartbeat.ENV_KEY_FILE: str(key_file), heartbeat.ENV_KEY: "02" * 32}
+    env = {ENV_HEARTBEAT_KEY_FILE: str(key_file), ENV_HEARTBEAT_KEY: "02" * 32}
     assert heartbeat.load_key(b"\x03" * 32, env) == b"\x03" * 32
     assert heartbeat.load_key("04" * 32, env) == b"\x04" * 32
     assert heartbeat.load_key(None, env) == b"\x01" * 32
-    assert heartbeat.load_key(None, {heartbeat.ENV_KEY: "02" * 32}) == b"\x02" * 32
+    assert heartbeat.load_key(None, {ENV_HEARTBEAT_KEY: "02" * 32}) == b"\x02" * 32
 
 
 def test_keys_other_than_32_bytes_are_hashed_and_short_ones_refused(tmp_path: pathlib.Path) -> None:
@@ -37,14 +38,14 @@ def test_keys_other_than_32_bytes_are_hashed_and_short_ones_refused(tmp_path: pa
     short = tmp_path / "short"
     short.write_bytes(b"tiny")
     with pytest.raises(errors.HeartbeatKeyError, match="SNEPPX_HEARTBEAT_KEY_FILE"):
-        heartbeat.load_key(None, {heartbeat.ENV_KEY_FILE: str(short)})
+        heartbeat.load_key(None, {ENV_HEARTBEAT_KEY_FILE: str(short)})
 
 
 def test_unreadable_key_file_and_bad_hex_are_typed_errors(tmp_path: pathlib.Path) -> None:
     with pytest.raises(errors.HeartbeatKeyError, match="can't read"):
-        heartbeat.load_key(None, {heartbeat.ENV_KEY_FILE: str(tmp_path / "missing")})
+        heartbeat.load_key(None, {ENV_HEARTBEAT_KEY_FILE: str(tmp_path / "missing")})
     with pytest.raises(errors.HeartbeatKeyError, match="SNEPPX_HEARTBEAT_KEY is not a hex"):
-        heartbeat.load_key(None, {heartbeat.ENV_KEY: "not hex"})
+        heartbeat.load_key(None, {ENV_HEARTBEAT_KEY: "not hex"})
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -65,7 +66,7 @@ def test_binds_loopback_when_every_peer_is_loopback() -> None:
     """Recipe 2's default: the peer list's port (29500); on 127.0.0.1 when all peers are loopback. Port 0 here
     (SNEPPX_HEARTBEAT_BIND=:0) so the test never collides with a real 29500."""
     with HeartbeatMonitor(peers=["127.0.0.2:29501", "127.0.0.3:29502"], key=KEY,
-                          environ={heartbeat.ENV_BIND: ":0"}) as hb:
+                          environ={ENV_HEARTBEAT_BIND: ":0"}) as hb:
         assert hb.address.startswith("127.0.0.1:")
         assert hb.peers == ["127.0.0.2:29501", "127.0.0.3:29502"]
         assert hb.mode == "direct"

@@ -9,6 +9,7 @@ import kopf
 import pytest
 
 from SneppX_ALG import errors
+from SneppX_ALG.contract.env import ENV_RESYNC_SECONDS
 from sneppx_operator import __main__ as entry
 from sneppx_operator import config
 
@@ -34,17 +35,17 @@ def test_settings_add_no_finalizer_post_no_events_and_run_standalone() -> None:
 
 @pytest.mark.parametrize(("raw", "expected"), [("", 10.0), ("2.5", 2.5), ("0.1", 0.1), ("3600", 3600.0)])
 def test_resync_interval_from_environment(raw: str, expected: float) -> None:
-    assert config.resync_seconds({config.RESYNC_ENV: raw} if raw else {}) == expected
+    assert config.resync_seconds({ENV_RESYNC_SECONDS: raw} if raw else {}) == expected
 
 
 @pytest.mark.parametrize("raw", ["abc", "0", "-1", "7200", "nan"])
 def test_bad_resync_interval_is_a_typed_error(raw: str) -> None:
     with pytest.raises(errors.OperatorConfigError, match="SNEPPX_RESYNC_SECONDS"):
-        config.resync_seconds({config.RESYNC_ENV: raw})
+        config.resync_seconds({ENV_RESYNC_SECONDS: raw})
 
 
 def test_retry_delay_doubles_from_the_resync_interval_and_is_capped() -> None:
-    environ = {config.RESYNC_ENV: "10"}
+    environ = {ENV_RESYNC_SECONDS: "10"}
     assert [config.retry_delay(retry, environ) for retry in range(7)] == [10, 20, 40, 80, 160, 300, 300]
     assert config.retry_delay(10_000, environ) == config.MAX_RETRY_DELAY_SECONDS
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from SneppX_ALG import errors
-from SneppX_ALG.elastic import collectives, heartbeat, store
+from SneppX_ALG.contract.env import ENV_HEARTBEAT_KEY, ENV_HEARTBEAT_KEY_FILE
+from SneppX_ALG.elastic import collectives, store
 
 
 def test_set_then_get_across_store_objects(tmp_path: os.PathLike[str]) -> None:
@@ -84,11 +85,11 @@ def test_generation_keys_are_namespaced() -> None:
 
 def test_a_tcp_group_refuses_to_start_without_a_key(tmp_path: os.PathLike[str],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(heartbeat.ENV_KEY_FILE, raising=False)
-    monkeypatch.delenv(heartbeat.ENV_KEY, raising=False)
+    monkeypatch.delenv(ENV_HEARTBEAT_KEY_FILE, raising=False)
+    monkeypatch.delenv(ENV_HEARTBEAT_KEY, raising=False)
     with pytest.raises(errors.HeartbeatKeyError) as raised:
         collectives.ProcessGroup(store.DirectoryStore(tmp_path), 0, 2)
-    assert heartbeat.ENV_KEY_FILE in str(raised.value) and heartbeat.ENV_KEY in str(raised.value)
+    assert ENV_HEARTBEAT_KEY_FILE in str(raised.value) and ENV_HEARTBEAT_KEY in str(raised.value)
 
 
 def test_a_group_reads_the_key_file_the_operator_mounts(tmp_path: os.PathLike[str],
@@ -96,7 +97,7 @@ def test_a_group_reads_the_key_file_the_operator_mounts(tmp_path: os.PathLike[st
     key_file = os.path.join(tmp_path, "heartbeat-key")
     with open(key_file, "wb") as f:
         f.write(bytes(range(32)))  # raw bytes, as the job's Secret holds them
-    monkeypatch.setenv(heartbeat.ENV_KEY_FILE, key_file)
+    monkeypatch.setenv(ENV_HEARTBEAT_KEY_FILE, key_file)
     rendezvous = store.DirectoryStore(os.path.join(tmp_path, "rdzv"))
     sums: list[float] = []
 

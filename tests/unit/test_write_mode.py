@@ -15,12 +15,13 @@ import pytest
 
 from SneppX_ALG import _native, checkpoint
 from SneppX_ALG.checkpoint import write_mode
+from SneppX_ALG.contract.env import ENV_WRITE_MODE
 
 
 @pytest.fixture
 def auto(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> Iterator[list[str]]:
     """Auto mode with a cache under tmp_path and a 1 MiB probe; yields the directories probed."""
-    monkeypatch.setenv(write_mode.ENV_MODE, "auto")
+    monkeypatch.setenv(ENV_WRITE_MODE, "auto")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(write_mode, "PROBE_BYTES", 1 << 20)
     probed: list[str] = []
@@ -85,14 +86,14 @@ def test_the_argument_beats_the_environment_which_beats_the_probe(monkeypatch: p
     monkeypatch.setattr(write_mode, "probe", no_probe)
     write_mode.forget()
     for env, expected in (("direct", True), ("buffered", False), (" Buffered ", False)):
-        monkeypatch.setenv(write_mode.ENV_MODE, env)
+        monkeypatch.setenv(ENV_WRITE_MODE, env)
         assert write_mode.use_direct(str(tmp_path)) is expected
         assert write_mode.use_direct(str(tmp_path), direct=not expected) is (not expected)
 
 
 def test_an_unknown_mode_in_the_environment_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
                                                              tmp_path: pathlib.Path) -> None:
-    monkeypatch.setenv(write_mode.ENV_MODE, "fast")
+    monkeypatch.setenv(ENV_WRITE_MODE, "fast")
     with pytest.raises(ValueError, match="SNEPPX_WRITE_MODE='fast': choose one of direct, buffered, auto"):
         checkpoint.CheckpointWriter(tmp_path / "x.snpx").open()
     assert list(tmp_path.iterdir()) == []

@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 
 from SneppX_ALG import _native, errors
+from SneppX_ALG.contract.env import ENV_WRITE_MODE
 
 log = logging.getLogger(__name__)
 
-ENV_MODE = "SNEPPX_WRITE_MODE"
 MODES = ("direct", "buffered", "auto")
 PROBE_BYTES = 64 << 20  # per probe file: well past the writer's start-up and any small-file effect
 PROBE_ROUNDS = 2  # each mode is timed this many times, interleaved, and its fastest counts
@@ -57,9 +57,9 @@ class Probe:
 
 def mode_from_env(env: dict[str, str] | None = None) -> str:
     """The mode SNEPPX_WRITE_MODE asks for ("auto" when unset); ValueError for anything else."""
-    value = (os.environ if env is None else env).get(ENV_MODE, "auto").strip().lower() or "auto"
+    value = (os.environ if env is None else env).get(ENV_WRITE_MODE, "auto").strip().lower() or "auto"
     if value not in MODES:
-        raise ValueError(f"{ENV_MODE}={value!r}: choose one of {', '.join(MODES)}")
+        raise ValueError(f"{ENV_WRITE_MODE}={value!r}: choose one of {', '.join(MODES)}")
     return value
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from SneppX_ALG import errors
 from SneppX_ALG.checkpoint import signing, verify
+from SneppX_ALG.contract.env import ENV_KEY_PASSWORD
 
 
 def add_cli_commands(subparsers: Any) -> None:
@@ -30,7 +31,7 @@ def add_cli_commands(subparsers: Any) -> None:
 
 def key_password() -> bytes | None:
     """The private key's password from SNEPPX_KEY_PASSWORD (None: an unencrypted key)."""
-    value = os.environ.get("SNEPPX_KEY_PASSWORD")
+    value = os.environ.get(ENV_KEY_PASSWORD)
     return value.encode() if value else None
 
 

@@ -47,9 +47,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from SneppX_ALG import errors, storage
+from SneppX_ALG.contract.env import ENV_CONTROL_FD, ENV_LOCAL_RANK
 from SneppX_ALG.elastic import control, heartbeat, pod, rendezvous
 from SneppX_ALG.elastic.fault_tolerance import FaultToleranceManager
-from SneppX_ALG.elastic.worker import ENV_CONTROL_FD, ENV_LOCAL_RANK
 from SneppX_ALG.storage import job_object
 
 log = logging.getLogger(__name__)

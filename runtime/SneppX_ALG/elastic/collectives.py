@@ -37,6 +37,7 @@ from typing import Any, Literal, Self
 import numpy as np
 
 from SneppX_ALG import _native, errors
+from SneppX_ALG.contract.env import ENV_HOST_KEY
 from SneppX_ALG.elastic import heartbeat
 from SneppX_ALG.elastic import store as store_lib
 
@@ -73,7 +74,6 @@ def shm_key(generation: int, what: str) -> str:
     return store_lib.generation_key(generation, f"comm/shm/{what}")
 
 
-ENV_HOST_KEY = "SNEPPX_HOST_KEY"
 
 
 def host_identity() -> str:

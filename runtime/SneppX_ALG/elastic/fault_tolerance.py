@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from SneppX_ALG import coordinator, errors
+from SneppX_ALG.contract.env import ENV_ROLLBACK_DEPTH
 from SneppX_ALG.elastic import heartbeat as heartbeat_module
 
 log = logging.getLogger(__name__)
 
-ENV_ROLLBACK_DEPTH = "SNEPPX_ROLLBACK_DEPTH"
 DEFAULT_ROLLBACK_DEPTH = 2
 # Quorum checks also poll this often, in case an event was missed (the event ring holds the last 4096).
 _QUORUM_POLL = 1.0

@@ -40,16 +40,18 @@ from types import TracebackType
 from typing import Self
 
 from SneppX_ALG import _native, errors
+from SneppX_ALG.contract.env import (
+    ENV_GENERATION,
+    ENV_HEARTBEAT_BIND,
+    ENV_HEARTBEAT_KEY,
+    ENV_HEARTBEAT_KEY_FILE,
+    ENV_JOB,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 29500
 DEFAULT_JOB = "sneppx"
-ENV_KEY_FILE = "SNEPPX_HEARTBEAT_KEY_FILE"
-ENV_KEY = "SNEPPX_HEARTBEAT_KEY"
-ENV_BIND = "SNEPPX_HEARTBEAT_BIND"
-ENV_JOB = "SNEPPX_JOB"
-ENV_GENERATION = "SNEPPX_GENERATION"
 MIN_KEY_BYTES = 16
 KEY_BYTES = _native.HB_KEY_BYTES
 DEFAULT_INTERVAL = 0.1
@@ -65,22 +67,22 @@ def load_key(key: bytes | str | None, environ: Mapping[str, str]) -> bytes:
     if key is not None:
         source = "key="
         raw = _from_hex(key, source) if isinstance(key, str) else bytes(key)
-    elif environ.get(ENV_KEY_FILE):
-        path = environ[ENV_KEY_FILE]
-        source = f"{ENV_KEY_FILE}={path}"
+    elif environ.get(ENV_HEARTBEAT_KEY_FILE):
+        path = environ[ENV_HEARTBEAT_KEY_FILE]
+        source = f"{ENV_HEARTBEAT_KEY_FILE}={path}"
         try:
             with open(path, "rb") as f:
                 raw = f.read(4096)
         except OSError as e:
             raise errors.HeartbeatKeyError(f"{source}: can't read the heartbeat key ({e.strerror})") from None
-    elif environ.get(ENV_KEY):
-        source = ENV_KEY
-        raw = _from_hex(environ[ENV_KEY], source)
+    elif environ.get(ENV_HEARTBEAT_KEY):
+        source = ENV_HEARTBEAT_KEY
+        raw = _from_hex(environ[ENV_HEARTBEAT_KEY], source)
     else:
         raise errors.HeartbeatKeyError(
-            f"no heartbeat key: set {ENV_KEY_FILE} to a file of raw key bytes (the operator mounts one from the "
-            f"job's Secret) or {ENV_KEY} to the key in hex, or pass key=; every member of a job needs the same "
-            "key (make one with: python -c 'import secrets; print(secrets.token_hex(32))')")
+            f"no heartbeat key: set {ENV_HEARTBEAT_KEY_FILE} to a file of raw key bytes (the operator mounts one from "
+            f"the job's Secret) or {ENV_HEARTBEAT_KEY} to the key in hex, or pass key=; every member of a job needs "
+            "the same key (make one with: python -c 'import secrets; print(secrets.token_hex(32))')")
     if len(raw) < MIN_KEY_BYTES:
         raise errors.HeartbeatKeyError(f"the heartbeat key from {source} has {len(raw)} bytes; at least "
                                        f"{MIN_KEY_BYTES} are needed (32 random bytes are best)")
@@ -303,7 +305,7 @@ class HeartbeatMonitor:
                     raise errors.HeartbeatConfigError(f"bind={bind!r} disagrees with sock, bound to "
                                                       f"{bind_host}:{bind_port}")
         else:
-            bind_host, bind_port = split_address(bind if bind is not None else env.get(ENV_BIND, ""))
+            bind_host, bind_port = split_address(bind if bind is not None else env.get(ENV_HEARTBEAT_BIND, ""))
             if not bind_host:
                 all_loopback = bool(resolved) and all(addr >> 24 == 127 for _, addr, _ in resolved)
                 bind_host = "127.0.0.1" if all_loopback else "0.0.0.0"

@@ -30,6 +30,21 @@ from collections.abc import Iterable, Mapping
 
 from SneppX_ALG import coordinator as coordinator_lib
 from SneppX_ALG import errors, storage
+from SneppX_ALG.contract.env import (
+    ENV_CHECKPOINT_URI,
+    ENV_HANG_TIMEOUT,
+    ENV_HOST,
+    ENV_JOB,
+    ENV_MAX_NODES,
+    ENV_MAX_TO_KEEP,
+    ENV_MIN_NODES,
+    ENV_OBJECT,
+    ENV_POD_NAME,
+    ENV_PROCS_PER_NODE,
+    ENV_ROLLBACK_DEPTH,
+    ENV_SNAPSHOT_EVERY,
+    ENV_SNAPSHOT_REPLICAS,
+)
 from SneppX_ALG.elastic import rendezvous
 from SneppX_ALG.storage import job_object, kube, record
 
@@ -64,13 +79,13 @@ class PodEnvironment:
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> PodEnvironment | None:
         """None unless SNEPPX_RENDEZVOUS_OBJECT is set; ElasticLaunchError naming a variable that is missing or
         not what the operator writes."""
-        if not environ.get(job_object.ENV_OBJECT):
+        if not environ.get(ENV_OBJECT):
             return None
 
         def text(name: str) -> str:
             value = environ.get(name, "")
             if not value:
-                raise errors.ElasticLaunchError(f"{job_object.ENV_OBJECT} is set (operator mode) but {name} is not: "
+                raise errors.ElasticLaunchError(f"{ENV_OBJECT} is set (operator mode) but {name} is not: "
                                                 "the operator sets both in every rank's pod")
             return value
 
@@ -83,27 +98,27 @@ class PodEnvironment:
                 raise errors.ElasticLaunchError(f"{name}={value} is below {low}")
             return value
 
-        job, pod = text(job_object.ENV_JOB), text(job_object.ENV_POD_NAME)
-        for name, value in ((job_object.ENV_JOB, job), (job_object.ENV_POD_NAME, pod)):
+        job, pod = text(ENV_JOB), text(ENV_POD_NAME)
+        for name, value in ((ENV_JOB, job), (ENV_POD_NAME, pod)):
             if not record.is_segment(value):
                 raise errors.ElasticLaunchError(f"{name}={value!r} is not a Kubernetes name")
-        hang = number(job_object.ENV_HANG_TIMEOUT, 0)
-        keep = number(job_object.ENV_MAX_TO_KEEP, 0) if environ.get(job_object.ENV_MAX_TO_KEEP) else 5
+        hang = number(ENV_HANG_TIMEOUT, 0)
+        keep = number(ENV_MAX_TO_KEEP, 0) if environ.get(ENV_MAX_TO_KEEP) else 5
         return cls(
-            job=job, pod_name=pod, host=environ.get(job_object.ENV_HOST) or socket.gethostbyname(socket.gethostname()),
-            procs_per_node=number(job_object.ENV_PROCS_PER_NODE, 1), min_nodes=number(job_object.ENV_MIN_NODES, 1),
-            max_nodes=number(job_object.ENV_MAX_NODES, 1), step_timeout=float(hang) if hang else None,
-            checkpoint_uri=text(job_object.ENV_CHECKPOINT_URI), max_to_keep=keep or None,
-            rollback_depth=number(job_object.ENV_ROLLBACK_DEPTH, 0) if environ.get(job_object.ENV_ROLLBACK_DEPTH)
+            job=job, pod_name=pod, host=environ.get(ENV_HOST) or socket.gethostbyname(socket.gethostname()),
+            procs_per_node=number(ENV_PROCS_PER_NODE, 1), min_nodes=number(ENV_MIN_NODES, 1),
+            max_nodes=number(ENV_MAX_NODES, 1), step_timeout=float(hang) if hang else None,
+            checkpoint_uri=text(ENV_CHECKPOINT_URI), max_to_keep=keep or None,
+            rollback_depth=number(ENV_ROLLBACK_DEPTH, 0) if environ.get(ENV_ROLLBACK_DEPTH)
             else 2,
-            snapshot_every=number(job_object.ENV_SNAPSHOT_EVERY, 0) if environ.get(job_object.ENV_SNAPSHOT_EVERY) else 0,
-            snapshot_replicas=number(job_object.ENV_SNAPSHOT_REPLICAS, 1)
-            if environ.get(job_object.ENV_SNAPSHOT_REPLICAS) else 1)
+            snapshot_every=number(ENV_SNAPSHOT_EVERY, 0) if environ.get(ENV_SNAPSHOT_EVERY) else 0,
+            snapshot_replicas=number(ENV_SNAPSHOT_REPLICAS, 1)
+            if environ.get(ENV_SNAPSHOT_REPLICAS) else 1)
 
 
 def rendezvous_store(elastic_root: str, environ: Mapping[str, str] = os.environ) -> record.RecordStore:
     """Where the rendezvous records are: the job's ConfigMap in a pod, else beside the checkpoints."""
-    if environ.get(job_object.ENV_OBJECT):
+    if environ.get(ENV_OBJECT):
         return kube.KubernetesRecordStore.from_environment(environ)
     return storage.open_record_store(elastic_root)
 

@@ -42,19 +42,22 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from SneppX_ALG import errors, storage
+from SneppX_ALG.contract.env import (
+    ENV_AGENT_ID,
+    ENV_EVENTS,
+    ENV_HEARTBEAT_KEY,
+    ENV_HEARTBEAT_KEY_FILE,
+    ENV_HOST,
+    ENV_LAUNCHER_PID,
+    ENV_RESULT,
+    ENV_ROLE,
+    ENV_RUN_ID,
+)
 from SneppX_ALG.elastic import agent, pod, rendezvous, worker
 from SneppX_ALG.elastic.collectives import Backend
-from SneppX_ALG.elastic.heartbeat import ENV_KEY, ENV_KEY_FILE
 
 log = logging.getLogger(__name__)
 
-ENV_ROLE = "SNEPPX_ELASTIC_ROLE"  # "agent" or "worker"; unset in the process you start
-ENV_RUN_ID = "SNEPPX_RUN_ID"
-ENV_AGENT_ID = "SNEPPX_AGENT_ID"
-ENV_HOST = "SNEPPX_HOST"
-ENV_EVENTS = "SNEPPX_EVENTS_FILE"
-ENV_RESULT = "SNEPPX_RESULT_FILE"
-ENV_LAUNCHER_PID = "SNEPPX_LAUNCHER_PID"  # an agent stops when this process (its launcher) is gone
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 ELASTIC_DIR = "_elastic"  # under checkpoint_dir: the run's records (rendezvous, process-group addresses)
 
@@ -201,9 +204,9 @@ class ElasticTrainer:
 
     def _pod_agent_settings(self, p: pod.PodEnvironment) -> agent.AgentSettings:
         """This pod's node agent: the run is the job, the agent the pod; its workers run this script again."""
-        if not (os.environ.get(ENV_KEY_FILE) or os.environ.get(ENV_KEY)):
-            raise errors.ElasticLaunchError(f"operator mode needs the job's key in {ENV_KEY_FILE} (the operator "
-                                            "mounts it from the job's Secret)")
+        if not (os.environ.get(ENV_HEARTBEAT_KEY_FILE) or os.environ.get(ENV_HEARTBEAT_KEY)):
+            raise errors.ElasticLaunchError(f"operator mode needs the job's key in {ENV_HEARTBEAT_KEY_FILE} (the "
+                                            "operator mounts it from the job's Secret)")
         env = {**os.environ, ENV_ROLE: "worker", ENV_RUN_ID: p.job, ENV_AGENT_ID: p.pod_name}
         return agent.AgentSettings(
             run_id=p.job, agent_id=p.pod_name, host=p.host, workers=p.procs_per_node,
@@ -233,11 +236,12 @@ class ElasticTrainer:
         command = script_command()
         run_id = self.run_id or os.environ.get(ENV_RUN_ID) or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
         env = {**os.environ, ENV_ROLE: "agent", ENV_RUN_ID: run_id, ENV_LAUNCHER_PID: str(os.getpid())}
-        if not (env.get(ENV_KEY_FILE) or env.get(ENV_KEY)):
+        if not (env.get(ENV_HEARTBEAT_KEY_FILE) or env.get(ENV_HEARTBEAT_KEY)):
             if local_nodes != num_nodes:
                 raise errors.ElasticLaunchError(
-                    f"nodes on several machines share the job key: set {ENV_KEY_FILE} (or {ENV_KEY}) on each")
-            env[ENV_KEY] = secrets.token_hex(32)  # the job's key: heartbeats and collectives are authenticated
+                    f"nodes on several machines share the job key: set {ENV_HEARTBEAT_KEY_FILE} (or "
+                    f"{ENV_HEARTBEAT_KEY}) on each")
+            env[ENV_HEARTBEAT_KEY] = secrets.token_hex(32)  # the job's key: heartbeats and collectives authenticate
         records = storage.open_record_store(self.elastic_root)  # a bad checkpoint_dir fails here, not in every agent
         verdict = rendezvous.reopen_run(records, run_id)  # a new launch of a finished run is a new run
         if verdict is not None:

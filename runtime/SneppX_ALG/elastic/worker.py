@@ -27,14 +27,12 @@ import numpy as np
 
 from SneppX_ALG import coordinator as coordinator_lib
 from SneppX_ALG import errors, storage
+from SneppX_ALG.contract.env import ENV_CONTROL_FD, ENV_GENERATION, ENV_NODE_NAME
 from SneppX_ALG.elastic import collectives, control, fault_tolerance, pod, rendezvous, snapshot
 from SneppX_ALG.elastic import store as store_lib
-from SneppX_ALG.storage import job_object
 
 log = logging.getLogger(__name__)
 
-ENV_CONTROL_FD = "SNEPPX_CONTROL_FD"
-ENV_LOCAL_RANK = "SNEPPX_LOCAL_RANK"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +173,7 @@ class TrainContext:
         if keeper is None or self._snapshot_group is None or step % every or step == self._snapshot_step:
             return
         a = self._assignment
-        place = os.environ.get(job_object.ENV_NODE_NAME) or a.agent_id  # a pod's Kubernetes node, else its agent
+        place = os.environ.get(ENV_NODE_NAME) or a.agent_id  # a pod's Kubernetes node, else its agent
         keeper.take(obj, step, self._snapshot_group, instance=a.membership.instance, generation=a.generation,
                     place=place, rank=a.rank, training_state=training_state)
         self._snapshot_step = step
@@ -401,7 +399,7 @@ def set_torchrun_environment(a: Assignment, s: WorkerSettings) -> None:
         "NODE_RANK": str(a.node_rank), "ROLE_RANK": str(a.rank), "ROLE_WORLD_SIZE": str(a.membership.world_size),
         "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "TORCHELASTIC_RUN_ID": s.run_id,
         "TORCHELASTIC_RESTART_COUNT": str(a.restarts), "TORCHELASTIC_MAX_RESTARTS": str(s.max_restarts),
-        "SNEPPX_GENERATION": str(a.generation),
+        ENV_GENERATION: str(a.generation),
     })
 
 

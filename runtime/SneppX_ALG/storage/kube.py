@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from SneppX_ALG import errors
+from SneppX_ALG.contract.env import ENV_NAMESPACE, ENV_OBJECT
 from SneppX_ALG.storage import job_object, record
 
 MAX_OBJECT_BYTES = 1 << 20  # what the API server accepts for a ConfigMap's data
@@ -74,10 +75,10 @@ class KubernetesRecordStore:
         """The store of the job this pod belongs to: the object named in SNEPPX_RENDEZVOUS_OBJECT in
         SNEPPX_NAMESPACE (both set by the operator), with the pod's credentials (its ServiceAccount token in a
         cluster; KUBECONFIG elsewhere)."""
-        namespace, name = environ.get(job_object.ENV_NAMESPACE), environ.get(job_object.ENV_OBJECT)
+        namespace, name = environ.get(ENV_NAMESPACE), environ.get(ENV_OBJECT)
         if not namespace or not name:
             raise errors.RecordStoreError(
-                f"{job_object.ENV_NAMESPACE} and {job_object.ENV_OBJECT} must name the job's rendezvous object "
+                f"{ENV_NAMESPACE} and {ENV_OBJECT} must name the job's rendezvous object "
                 "(the operator sets both in every rank's pod)"
             )
         return cls(namespace, name)
