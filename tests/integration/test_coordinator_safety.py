@@ -403,6 +403,52 @@ def test_a_shard_that_is_a_fifo_is_refused_not_waited_on(tmp_path) -> None:
     assert out.stdout.startswith("1 ") and "FIFO" in out.stdout, out.stdout
 
 
+@pytest.mark.parametrize("leaf", [storage.MANIFEST, storage.SIGNATURE])
+def test_a_manifest_or_signature_that_is_a_fifo_or_a_link_is_refused_not_waited_on_or_followed(tmp_path,
+                                                                                               leaf) -> None:
+    """A named pipe (or a symbolic link) where a step's manifest or signature should be: every reader of a step's
+    small files (latest(), validate_checkpoint, sneppx ls / verify) says the step is invalid. Checked in a child
+    process, so a regression fails by its timeout instead of hanging the suite."""
+    key, public = signing.generate_keypair()
+    save_steps(str(tmp_path), [1, 2, 3], signing_key=key)
+    fifo, link = (tmp_path / storage.step_name(step) / leaf for step in (2, 3))
+    fifo.unlink()
+    os.mkfifo(fifo)
+    outside = tmp_path / "outside.json"
+    outside.write_bytes(link.read_bytes())
+    link.unlink()
+    link.symlink_to(outside)
+    public_pem = tmp_path / "public.pem"
+    signing.save_public_key(public_pem, public)
+    script = textwrap.dedent(f"""
+        import json, subprocess, sys
+        from SneppX_ALG import CheckpointCoordinator, validate_checkpoint, errors
+        from SneppX_ALG.checkpoint import signing, verify
+        trusted = [signing.load_public_key({str(public_pem)!r})]
+        coord = CheckpointCoordinator({str(tmp_path)!r}, read_only=True, trusted_keys=trusted)
+        print("latest", coord.latest().step, [s.step for s in coord.skipped])
+        for step in (2, 3):
+            ok, problems = validate_checkpoint({str(tmp_path)!r} + f"/step-{{step:09d}}", trusted)
+            print("validate", step, ok, problems[0])
+            try:
+                verify.check_manifest({str(tmp_path)!r} + f"/step-{{step:09d}}", trusted)
+                print("verify", step, "passed")
+            except errors.SneppXError as e:
+                print("verify", step, type(e).__name__)
+        listing = subprocess.run([sys.executable, "-m", "SneppX_ALG.cli", "ls", {str(tmp_path)!r}, "--json",
+                                  "--trusted-key", {str(public_pem)!r}],
+                                 capture_output=True, text=True, timeout=60)
+        print("ls", listing.returncode, sorted(r["step"] for r in json.loads(listing.stdout)["steps"] if r["valid"]))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
+                         timeout=120).stdout
+    assert "latest 1 [3, 2]" in out, out
+    assert "validate 2 False CheckpointFormatError" in out and "FIFO" in out, out
+    assert "validate 3 False CheckpointFormatError" in out and "symbolic link" in out, out
+    assert "verify 2 CheckpointFormatError" in out and "verify 3 CheckpointFormatError" in out, out
+    assert "ls 0 [1]" in out or "ls 1 [1]" in out, out
+
+
 @pytest.fixture
 def fast_retries(monkeypatch):
     monkeypatch.setattr(steps, "READ_BACKOFF_S", 0.001)

@@ -101,13 +101,15 @@ def load(reader: storage.StepReader, step: int, needs: list[Need], trusted_keys:
     outside the tensor): that is not the step's fault. I/O errors propagate (StorageError, OSError): they are
     not a verdict either, and the caller retries."""
     stats = stats if stats is not None else ReadStats()
-    raw = reader.read_file(storage.MANIFEST)
+    try:
+        raw = reader.read_file(storage.MANIFEST)
+        signature = (reader.read_file(storage.SIGNATURE) or b"") if trusted_keys is not None else b""
+    except errors.CheckpointFormatError as e:  # a FIFO, a link, a directory where a small file should be
+        return None, [f"{type(e).__name__}: {e}"], None
     if raw is None:
         return None, [f"{reader.location}: manifest.json is missing"], None
-    stats.metadata += len(raw)
+    stats.metadata += len(raw) + len(signature)
     if trusted_keys is not None:  # before parsing: a forged manifest costs nothing more than this
-        signature = reader.read_file(storage.SIGNATURE) or b""
-        stats.metadata += len(signature)
         try:
             signing.check_manifest_signature(raw, signature, trusted_keys, path=reader.location)
         except errors.SneppXError as e:

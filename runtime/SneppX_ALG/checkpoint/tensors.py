@@ -133,11 +133,9 @@ class StepTensors(TensorSet):
         super().__init__(path)
         self.step = step
         where = os.path.join(path, storage.MANIFEST)
-        try:
-            with open(where, "rb") as f:
-                raw = f.read(storage.MAX_MANIFEST_BYTES + 1)
-        except FileNotFoundError:
-            raise errors.ManifestError("manifest.json is missing: not a committed step", path=path) from None
+        raw = storage.read_small(where)
+        if raw is None:
+            raise errors.ManifestError("manifest.json is missing: not a committed step", path=path)
         self.manifest = manifest_codec.decode_manifest(raw, step=step, where=where)
         self.readers: list[file.CheckpointReader] = []
         self._referenced: dict[tuple[int, str], file.CheckpointReader] = {}  # earlier steps' files (incremental)

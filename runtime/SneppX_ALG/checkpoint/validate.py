@@ -103,20 +103,20 @@ def _scan_step_files(local: str, step: int, trusted_keys: dict[bytes, Any] | Non
                      ) -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
     path = os.path.join(local, storage.MANIFEST)
     try:
-        with open(path, "rb") as f:
-            raw = f.read(storage.MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
+        raw = storage.read_small(path)
+        signature = (storage.read_small(os.path.join(local, storage.SIGNATURE), format.MAX_SIGNATURE_BYTES)
+                     if trusted_keys is not None else None)
+        marker = storage.read_small(storage.fetched_marker_path(local))  # S3 steps: the marker, next to them
+    except errors.CheckpointFormatError as e:  # a FIFO, a link, a directory where a small file should be
+        return None, [f"{type(e).__name__}: {e}"], None
+    if raw is None:
         return None, [f"{path}: manifest.json is missing"], None
     if trusted_keys is not None:  # before parsing: a forged manifest costs nothing more than this
         try:
-            signing.check_manifest_signature(raw, _read_signature(local), trusted_keys, path=local)
+            signing.check_manifest_signature(raw, signature or b"", trusted_keys, path=local)
         except errors.SneppXError as e:
             return None, [f"{type(e).__name__}: {e}"], None
-    try:
-        with open(storage.fetched_marker_path(local), "rb") as f:  # S3 steps: the marker, next to them
-            problem = storage.marker_problem(f.read(storage.MAX_MANIFEST_BYTES + 1), raw, step)
-    except FileNotFoundError:
-        problem = None
+    problem = storage.marker_problem(marker, raw, step) if marker is not None else None
     if problem is not None:
         return None, [problem], None
     try:
@@ -210,14 +210,6 @@ def _sibling_steps(local: str) -> reshard.OpenStep:
             reader.close()
 
     return open_step
-
-
-def _read_signature(local: str) -> bytes:
-    try:
-        with open(os.path.join(local, storage.SIGNATURE), "rb") as f:
-            return f.read(format.MAX_SIGNATURE_BYTES + 1)
-    except FileNotFoundError:
-        return b""
 
 
 def _digest_name(expected: dict[str, Any] | None) -> str | None:

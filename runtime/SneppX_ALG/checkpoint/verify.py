@@ -102,12 +102,8 @@ def sign_checkpoint(path: str | os.PathLike[str], private_key: ed25519.Ed25519Pr
 
 
 def _read_bounded(path: str, limit: int) -> bytes | None:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
-    except FileNotFoundError:
-        return None
-    if len(data) > limit:
+    data = storage.read_small(path, limit)
+    if data is not None and len(data) > limit:
         raise errors.LimitExceededError(f"{os.path.basename(path)} is larger than {limit} bytes", path=path)
     return data
 

@@ -138,17 +138,26 @@ def _row(store: storage.Storage, entry: storage.Entry, visible: set[int], fence:
     incremental step whose referenced steps are not all `present` (committed) is already known to be invalid."""
     state, note = entry.state, _NOTES.get(entry.state, "")
     manifest_raw = signature = marker = None
+    unreadable: list[str] = []
+
+    def small(leaf: str) -> bytes | None:
+        try:
+            return store.read_entry_file(entry.name, leaf)
+        except errors.CheckpointFormatError as e:  # a FIFO, a link, a directory where the file should be
+            unreadable.append(f"{leaf}: {e}")
+            return None
+
     if state in ("committed", "set-aside"):
-        manifest_raw = store.read_entry_file(entry.name, storage.MANIFEST)
-        signature = store.read_entry_file(entry.name, storage.SIGNATURE)
+        manifest_raw, signature = small(storage.MANIFEST), small(storage.SIGNATURE)
     if state == "committed":
-        marker = store.read_entry_file(entry.name, storage.COMMITTED)
+        marker = small(storage.COMMITTED)
         if entry.step not in visible:
             state = "abandoned"
             restored = f" to step {fence.restored}" if fence is not None else ""
             note = f"fenced off by a restore{restored}: latest() never returns it; set aside before the next save"
     manifest, quick_problems = validate.quick_check_step(entry.step, manifest_raw, entry.files, marker) \
         if manifest_raw is not None or state == "committed" else (None, [])
+    quick_problems = [*unreadable, *quick_problems]
     gone = [used for used in (manifest or {}).get("uses") or [] if used not in present]
     if gone and state == "committed":
         quick_problems = [*quick_problems, f"step {entry.step} references step(s) {gone}, which are not committed"]

@@ -113,7 +113,7 @@ class Steps:
 
         try:
             raw = self._retrying(step, attempt)
-        except errors.CheckpointNotFoundError:
+        except (errors.CheckpointNotFoundError, errors.CheckpointFormatError):  # gone, or no manifest file to read
             return []
         try:
             found = manifest_codec.uses(manifest_codec.decode_manifest(raw or b"", step=step, where=str(step)))

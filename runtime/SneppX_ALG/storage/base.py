@@ -208,6 +208,19 @@ def open_checked(path: str, *, follow_symlinks: bool = True) -> tuple[int, int]:
     return fd, st.st_size
 
 
+def read_small(path: str, limit: int = MAX_MANIFEST_BYTES) -> bytes | None:
+    """A step's or a root's small file (a manifest, a signature, a marker, a record): at most limit + 1 bytes (so
+    its reader can refuse a larger one), or None when there is none. Opened as open_checked opens a shard, without
+    following a symbolic link: a FIFO named manifest.json is a CheckpointFormatError, never an open that waits
+    for a writer forever, and a link never reads a file outside the step."""
+    try:
+        fd, _ = open_checked(path, follow_symlinks=False)
+    except (errors.CheckpointNotFoundError, NotADirectoryError):
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read(limit + 1)
+
+
 _FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket",
                stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
 

@@ -212,11 +212,7 @@ class LocalStorage:
         base.remove_tree(os.path.join(self.root, name))
 
     def read_record(self, name: str) -> bytes | None:
-        try:
-            with open(os.path.join(self.root, name), "rb") as f:
-                return f.read(base.MAX_MANIFEST_BYTES + 1)
-        except FileNotFoundError:
-            return None
+        return base.read_small(os.path.join(self.root, name))
 
     def write_record(self, name: str, data: bytes) -> None:
         base.write_durable(os.path.join(self.root, name), data)
@@ -263,11 +259,7 @@ class LocalStorage:
         """A small file (manifest, signature) of an inventory entry, or None when it has none."""
         if base.classify_entry(name) is None or not base.is_plain_name(leaf):
             raise ValueError(f"{name}/{leaf} is not a file of a step")
-        try:
-            with open(os.path.join(self.root, name, leaf), "rb") as f:
-                return f.read(base.MAX_MANIFEST_BYTES + 1)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
+        return base.read_small(os.path.join(self.root, name, leaf))
 
 
 def _make_durable_dirs(path: str) -> None:
@@ -324,11 +316,7 @@ class LocalStepReader:
         return self._files[name]
 
     def read_file(self, name: str) -> bytes | None:
-        try:
-            with open(os.path.join(self.location, name), "rb") as f:
-                return f.read(base.MAX_MANIFEST_BYTES + 1)
-        except FileNotFoundError:
-            return None
+        return base.read_small(os.path.join(self.location, name))
 
     def size(self, name: str) -> int:
         return self._open(name)[1]
