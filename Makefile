@@ -18,8 +18,12 @@ demo: $(INSTALLED)
 k8s-tools:
 	bash tests/tools/build.sh >/dev/null
 
-test: $(INSTALLED) k8s-tools
+# The linters: ruff (exceptions in pyproject.toml, each with its reason) and the import layers (.importlinter).
+lint: $(INSTALLED)
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+
+test: lint k8s-tools
 	$(PY) -m pytest
 
 bench: $(INSTALLED)

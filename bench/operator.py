@@ -240,16 +240,17 @@ def _takeovers(runner: pod_runner.PodRunner, api: Any, namespace: str, kubeconfi
             started = time.monotonic()
             replicas[leader].kill()
             runner.kill("ha-1", signal.SIGKILL)
-            k8s_helpers.wait_for(lambda: _holder(api, namespace) == follower, "the takeover", 120)
+            k8s_helpers.wait_for(lambda follower=follower: _holder(api, namespace) == follower, "the takeover", 120)
             leases.append(time.monotonic() - started)
-            k8s_helpers.wait_for(lambda: _recovered(core, custom, namespace, "ha", old_uid), "the replacement", 120)
+            k8s_helpers.wait_for(lambda old_uid=old_uid: _recovered(core, custom, namespace, "ha", old_uid),
+                                 "the replacement", 120)
             recoveries.append(time.monotonic() - started)
             replicas[leader].wait()
             replicas[leader] = _operator(namespace, leader, kubeconfig, workdir / f"{leader}.log")
             time.sleep(2 * RETRY_S)
             started = time.monotonic()
             replicas[follower].terminate()  # now the leader: a rolling update stops it
-            k8s_helpers.wait_for(lambda: _holder(api, namespace) == leader, "the handover", 120)
+            k8s_helpers.wait_for(lambda leader=leader: _holder(api, namespace) == leader, "the handover", 120)
             handovers.append(time.monotonic() - started)
             replicas[follower].wait()
             print(f"  takeover {leases[-1]:.1f} s, rank replaced {recoveries[-1]:.1f} s, handover "

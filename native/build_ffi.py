@@ -16,7 +16,7 @@ HEADER = NATIVE / "include" / "sneppx.h"
 
 
 def cdef_from_header(text: str) -> str:
-    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.DOTALL)
     lines = []
     for line in text.splitlines():
         define = re.match(r"#define\s+(SX_\w+)\s+\S+", line)

@@ -54,8 +54,8 @@ def build(tensors, *, metadata=None, config=None, table_raw=None, data_end=None,
     table_offset = format.align_up(data_end)
     body = bytearray(table_offset)
     body[4096:4096 + len(data)] = data
-    fields = dict(file_size=table_offset + len(table), table_offset=table_offset, table_length=len(table),
-                  table_crc=_native.crc32c(table))
+    fields = {"file_size": table_offset + len(table), "table_offset": table_offset, "table_length": len(table),
+              "table_crc": _native.crc32c(table)}
     fields.update(header_overrides)
     body[:64] = header(**fields)
     out = bytes(body) + table + trailing

@@ -84,7 +84,7 @@ def reassemble(path: pathlib.Path, data: bytes, table_bytes: bytes, block: bytes
 
 
 def edit_table(path: pathlib.Path, out: pathlib.Path, change) -> None:
-    header, table, data, _, block = parts(path)
+    _, table, data, _, block = parts(path)
     doc = {"tensors": [t.to_json() for t in table.tensors], "metadata": dict(table.metadata),
            "config": table.config}
     change(doc)
@@ -122,7 +122,7 @@ def forge_crc32c(buf: bytearray, window: int, target: int) -> None:
 
 def change_data_keeping_crc(path: pathlib.Path, out: pathlib.Path) -> None:
     """Changes a weight of tensor 0 and 4 more of its bytes so that its CRC32C still matches."""
-    header, table, data, table_bytes, block = parts(path)
+    _, table, data, table_bytes, block = parts(path)
     entry = table.tensors[0]
     original = data[entry.offset:entry.offset + entry.length]
     tensor = bytearray(original)
@@ -219,7 +219,7 @@ def test_changed_config_breaks_the_signature(tmp_path: pathlib.Path, trusted, ma
 def test_changed_weights_with_recomputed_crc_and_digest_break_the_signature(tmp_path: pathlib.Path, trusted,
                                                                             manager) -> None:
     path = make_update(tmp_path / "v2.snpx", trusted[0])
-    header, table, data, _, block = parts(path)
+    _, table, data, _, block = parts(path)
     entry = table.tensors[1]
     new = bytearray(data[entry.offset:entry.offset + entry.length])
     new[3] ^= 0xFF

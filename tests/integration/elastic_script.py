@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-MODEL = dict(vocab_size=64, dim=16, num_heads=2, num_layers=1, max_seq_len=16, seed=0)
-DATA = dict(vocab_size=64, seq_len=16, num_sequences=256, seed=1)
+MODEL = {"vocab_size": 64, "dim": 16, "num_heads": 2, "num_layers": 1, "max_seq_len": 16, "seed": 0}
+DATA = {"vocab_size": 64, "seq_len": 16, "num_sequences": 256, "seed": 1}
 BATCH = 8
 
 
@@ -118,7 +118,7 @@ class Run:
         self.run_id = run_id or f"test-{secrets.token_hex(6)}"  # the launcher's run id: how its processes are found
         env = {**os.environ, **{f"{self.KNOB_PREFIX}{k.upper()}": str(v) for k, v in knobs.items()},
                "SNEPPX_RUN_ID": self.run_id}
-        self.log = open(out / "log.txt", "wb")
+        self.log = open(out / "log.txt", "wb")  # noqa: SIM115 - the child writes to it until stop() closes it
         self.proc = subprocess.Popen([sys.executable, self.SCRIPT, str(out), checkpoint_dir], env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 

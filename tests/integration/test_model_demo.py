@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -56,9 +57,9 @@ def test_demo_resumes_past_a_damaged_latest_checkpoint(tmp_path):
             trainer.train(4)
             checkpoints.save(trainer.model, step=step)
     shard = os.path.join(checkpoints.storage.step_path(8), "shard-00000.snpx")
-    blob = bytearray(open(shard, "rb").read())
+    blob = bytearray(pathlib.Path(shard).read_bytes())
     blob[5000] ^= 0x40
-    open(shard, "wb").write(blob)
+    pathlib.Path(shard).write_bytes(blob)
     checkpoints = demo.open_checkpoints(args)
     assert checkpoints.latest().step == 4
     assert [s.step for s in checkpoints.skipped] == [8] and "CRC32C" in checkpoints.skipped[0].problems[0]

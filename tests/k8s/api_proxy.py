@@ -40,7 +40,7 @@ import time
 import urllib.parse
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import yaml
 
@@ -214,7 +214,7 @@ class ApiProxy:
 
     # ---- lifecycle --------------------------------------------------------------------------------------
 
-    def start(self) -> ApiProxy:
+    def start(self) -> Self:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="api-proxy", daemon=True)
         self._thread.start()
@@ -245,7 +245,7 @@ class ApiProxy:
             if not self._thread.is_alive():
                 loop.close()
 
-    def __enter__(self) -> ApiProxy:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -421,7 +421,7 @@ class ApiProxy:
                 ),
                 CONNECT_TIMEOUT_S,
             )
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             self._error(conn, exc)
             return False
         if conn.closed:  # aborted while connecting, before there was an upstream side to abort
@@ -441,10 +441,9 @@ class ApiProxy:
                 raw, request, upgrade = parsed
                 request.conn = conn.id
                 self._record(request)
-                if conn.upstream_writer is None:
-                    if not (await self._gate(conn) and await self._connect(conn)):
-                        self._set_outcome(request, "dropped")
-                        return None
+                if conn.upstream_writer is None and not (await self._gate(conn) and await self._connect(conn)):
+                    self._set_outcome(request, "dropped")
+                    return None
                 if not await self._gate(conn):
                     self._set_outcome(request, "dropped")
                     return None

@@ -161,7 +161,7 @@ def test_the_object_stays_small_over_many_generations(
     membership = None
     for _ in range(12):
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            joined = list(pool.map(lambda a: a.join(previous=membership), agents))
+            joined = list(pool.map(lambda a, previous=membership: a.join(previous=previous), agents))
         membership = joined[0]
         for a in agents:
             a.poll(membership)

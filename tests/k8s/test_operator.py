@@ -252,9 +252,10 @@ def test_a_deleted_jobs_objects_are_garbage_collected(
         ("RoleBinding", rbac.read_namespaced_role_binding, "gone-agent"),
     ):
         if name is None:
-            k8s_helpers.wait_for(lambda: read() == [], f"the {what} collected")
+            k8s_helpers.wait_for(lambda read=read: read() == [], f"the {what} collected")
         else:
-            k8s_helpers.wait_for(lambda: not k8s_helpers.exists(read, name, namespace), f"the {what} collected")
+            k8s_helpers.wait_for(lambda read=read, name=name: not k8s_helpers.exists(read, name, namespace),
+                                 f"the {what} collected")
 
 
 def test_a_finalizer_an_older_operator_left_is_taken_off_and_no_other(

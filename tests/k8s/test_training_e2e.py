@@ -30,7 +30,7 @@ from SneppX_ALG.storage import job_object
 from sneppx_operator import builders
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "integration"))
-from elastic_script import assert_params_match  # noqa: E402  (the script and its checks live there)
+from elastic_script import assert_params_match
 
 pytestmark = pytest.mark.k8s
 

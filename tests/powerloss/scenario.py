@@ -39,7 +39,7 @@ def training_state_for(step: int) -> dict[str, Any]:
 
 def save(root: pathlib.Path, steps: list[int], signing_key: Any = None, *, resume: bool = False) -> None:
     coord = CheckpointCoordinator(root, max_to_keep=MAX_TO_KEEP, staging_bytes=STAGING_BYTES, device="cpu",
-                                  signing_key=signing_key, incremental=True if resume else False)
+                                  signing_key=signing_key, incremental=resume)
     with coord:
         if resume:
             coord.restore({})

@@ -9,6 +9,7 @@ the folding loop fused with crc32 streams (from 4 KiB) and the tails.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 
@@ -127,7 +128,7 @@ def test_crc_continued_across_any_splits_equals_one_pass(length: int, cuts: list
     bounds = [0, *sorted(c for c in cuts if c <= length), length]
     for kernel in AVAILABLE:
         crc = 0
-        for lo, hi in zip(bounds, bounds[1:]):
+        for lo, hi in itertools.pairwise(bounds):
             crc = _native.crc32c_with(kernel, data[lo:hi], crc)
         assert crc == portable(data), (kernel, bounds)
 

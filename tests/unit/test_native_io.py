@@ -138,7 +138,7 @@ def write_under_shim(library: pathlib.Path, mode: str, path: pathlib.Path, paylo
         print(opened_direct, after_first_write)
     """)
     env = {**os.environ, "LD_PRELOAD": str(library), "SHIM_REFUSE_DIRECT": mode}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False, timeout=120)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 

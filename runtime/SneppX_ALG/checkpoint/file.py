@@ -15,9 +15,10 @@ import math
 import mmap
 import os
 import secrets
+import types
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import numpy as np
 
@@ -105,11 +106,12 @@ class CheckpointWriter:
         self.committed = False
         self._finished = ""  # why the writer is done ("committed", "aborted", ...): it never writes again
 
-    def __enter__(self) -> CheckpointWriter:
+    def __enter__(self) -> Self:
         self.open()
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: types.TracebackType | None) -> None:
         if self._finished:
             return  # an explicit commit() or abort() inside the block already decided
         if exc_type is None:
@@ -340,7 +342,7 @@ class CheckpointReader:
         self._entries = {t.name: t for t in self.table.tensors}
         self._verified: set[str] = set()
 
-    def __enter__(self) -> CheckpointReader:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

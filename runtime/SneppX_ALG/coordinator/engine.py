@@ -756,7 +756,7 @@ def _drain_at_exit() -> None:
         log.error("pending checkpoint saves were not finished at exit: %s: %s", type(e).__name__, e)
 
 
-threading._register_atexit(_drain_at_exit)  # noqa: SLF001 - the hook concurrent.futures uses for its pools
+threading._register_atexit(_drain_at_exit)
 
 
 def _describe(error: BaseException | None) -> str | None:

@@ -345,7 +345,7 @@ class Worker:
             self.report("boundary", generation=a.generation, step=e.step)
         except (errors.RollbackLimitError, errors.SnapshotMemoryError) as e:
             self.report("fatal", generation=a.generation, error=f"{type(e).__name__}: {e}")
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - every failure of a generation is reported to the agent, by kind
             if self.aborted.is_set() or isinstance(e, errors.CollectiveError | errors.StoreError |
                                                    errors.ShardedCheckpointError | errors.SnapshotError):
                 self.report("failed", generation=a.generation, error=f"{type(e).__name__}: {e}")

@@ -87,7 +87,7 @@ class LocalStorage:
 
     def shard_sink(self, pending: base.PendingStep, name: str) -> None:
         """None: shards are files in the step's temp directory, renamed into place by finalize()."""
-        return None
+        return
 
     def _end(self, step: int) -> None:
         self._in_flight.pop(step, None)
