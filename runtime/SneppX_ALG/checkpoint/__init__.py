@@ -1,16 +1,18 @@
 """The checkpoint layer: what one checkpoint is (a SNPX file, or a step directory of shards plus a manifest),
 how to write, read, sign, verify and validate it, and signed updates.
 
-Modules, lowest first (each imports only those before it):
+Modules, lowest first (each imports only those before it; .importlinter checks it):
 
     format     the SNPX file format, pure (spec: docs/FORMAT.md)
-    signing    keys, digests, signature blocks: the pure cryptography
+    chunks     boxes of a tensor: intersections, byte runs, checksum blocks; pure
+    signing    keys, digests, signature blocks, and the read-back that hashes a finished file
     arrays     tensors in and out through DLPack and the array interface (bfloat16 included)
     write_mode O_DIRECT or buffered write-behind, measured once per filesystem
     file       CheckpointWriter / CheckpointReader
     verify     signatures and digests checked against files on disk; signing existing files
     manifest   the step manifest codec (manifest.json), pure
     scan       one pass over a shard file: every byte read once, checked as it lands (validation and restore)
+    reshard    what one rank needs of a step saved at any world size, and what an incremental step references
     validate   validate_checkpoint (a file or a step directory), check_step and load_step
     tensors    named tensors of any checkpoint a tool is pointed at: SNPX file, step directory, safetensors
     updates    SignedUpdateManager: verified, monotonic, atomic installs

@@ -1,7 +1,8 @@
 """Lifecycle: the states one node of an elastic job goes through, and which events may move it.
 
-The rules live in C (native/src/elastic.c, one table) so that everything that reacts to membership agrees on
-them; this class is the Python face the ElasticTrainer uses. States: init, joining, running, reconfiguring,
+The rules live in C (native/src/elastic.c, one table) so that everything that reacts to membership can agree on
+them; this class is their Python face. Nothing in the runtime drives it yet: the agent tracks its workers' states
+itself (elastic/agent.py); wiring this machine into the agent is open work (issue 29). States: init, joining, running, reconfiguring,
 stopped, failed. Events: join, leave, peer_failed, timeout, reconfigured, budget_exhausted. Each
 `reconfigured` starts a new membership generation. An event the current state doesn't allow raises
 LifecycleError and changes nothing. The table, with the reason for each entry, is in docs/ELASTIC.md.
