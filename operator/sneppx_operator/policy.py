@@ -15,6 +15,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from SneppX_ALG.contract import backoff
+
 # Why a rank is being replaced (restartHistory[].reason; the restarts metric's `reason` label).
 POD_FAILED = "PodFailed"  # its training container exited non-zero
 EVICTED = "Evicted"  # the kubelet or the Eviction API took the pod away
@@ -88,8 +90,8 @@ def max_restarts(spec: Mapping[str, Any]) -> int:
 def restart_delay_seconds(spec: Mapping[str, Any], restart_number: int) -> float:
     """The wait before the replacements of the n-th restart in a row (1-based) come up:
     initialSeconds * multiplier^(n-1), capped at maxSeconds."""
-    delay = _restart_delay(spec)
-    return min(delay[0] * delay[1] ** min(max(restart_number, 1) - 1, 64), delay[2])
+    initial, multiplier, cap = _restart_delay(spec)
+    return backoff.restart_delay(restart_number, base=initial, factor=multiplier, cap=cap)
 
 
 def _restart_delay(spec: Mapping[str, Any]) -> tuple[float, float, float]:

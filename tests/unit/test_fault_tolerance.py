@@ -14,20 +14,21 @@ import numpy as np
 import pytest
 
 from SneppX_ALG import CheckpointCoordinator, FaultToleranceManager, errors, generate_keypair
+from SneppX_ALG.contract import backoff
 from SneppX_ALG.coordinator import SkippedCheckpoint
 from SneppX_ALG.elastic import fault_tolerance
 
 
 def test_backoff_doubles_up_to_the_cap_without_jitter() -> None:
     rng = random.Random(0)
-    delays = [fault_tolerance.restart_delay(n, base=1.0, factor=2.0, cap=10.0, jitter=0.0, rng=rng)
+    delays = [backoff.restart_delay(n, base=1.0, factor=2.0, cap=10.0, jitter=0.0, rng=rng)
               for n in range(1, 7)]
     assert delays == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
 
 
 def test_jitter_spreads_delays_within_bounds_and_never_past_the_cap() -> None:
     rng = random.Random(1)
-    delays = [fault_tolerance.restart_delay(3, base=1.0, factor=2.0, cap=5.0, jitter=0.25, rng=rng)
+    delays = [backoff.restart_delay(3, base=1.0, factor=2.0, cap=5.0, jitter=0.25, rng=rng)
               for _ in range(200)]
     assert all(3.0 <= d <= 4.0 for d in delays)
     assert len({round(d, 6) for d in delays}) > 100  # nodes that failed together come back apart
@@ -144,7 +145,7 @@ def test_rollback_depth_defaults_to_the_operators_variable(monkeypatch: pytest.M
 def test_delays_at_the_cap_are_still_spread() -> None:
     """A crash loop that reached the cap must not bring every node back at the same instant."""
     rng = random.Random(2)
-    delays = [fault_tolerance.restart_delay(12, base=1.0, factor=2.0, cap=5.0, jitter=0.2, rng=rng)
+    delays = [backoff.restart_delay(12, base=1.0, factor=2.0, cap=5.0, jitter=0.2, rng=rng)
               for _ in range(100)]
     assert all(4.0 <= d <= 5.0 for d in delays) and len(set(delays)) > 50
 
@@ -154,9 +155,9 @@ def test_backoff_stays_at_the_cap_however_many_failures() -> None:
     OverflowError out of record_failure."""
     rng = random.Random(3)
     for attempt in (1025, 10**6):
-        assert fault_tolerance.restart_delay(attempt, base=1.0, factor=2.0, cap=60.0, jitter=0.0, rng=rng) == 60.0
-        assert fault_tolerance.restart_delay(attempt, base=0.0, factor=2.0, cap=60.0, jitter=0.0, rng=rng) == 0.0
-        assert 54.0 <= fault_tolerance.restart_delay(attempt, base=1.0, factor=2.0, cap=60.0, jitter=0.1,
+        assert backoff.restart_delay(attempt, base=1.0, factor=2.0, cap=60.0, jitter=0.0, rng=rng) == 60.0
+        assert backoff.restart_delay(attempt, base=0.0, factor=2.0, cap=60.0, jitter=0.0, rng=rng) == 0.0
+        assert 54.0 <= backoff.restart_delay(attempt, base=1.0, factor=2.0, cap=60.0, jitter=0.1,
                                                      rng=rng) <= 60.0
     ft = FaultToleranceManager(max_restarts=2000, restart_delay=1.0, max_restart_delay=60.0, jitter=0.0)
     delays = [ft.record_failure(f"failure {n}") for n in range(1, 1026)]
@@ -174,3 +175,13 @@ def test_one_rollback_rule_for_the_manager_and_the_workers() -> None:
     assert [s.step for s in caught.value.skipped] == [3, 2]
     with pytest.raises(errors.RollbackLimitError, match="none is valid"):
         fault_tolerance.check_rollback(bad, None, rollback_depth=2)  # within the depth, but nothing to resume
+
+
+def test_one_backoff_rule_for_the_operator_and_the_launcher() -> None:
+    from sneppx_operator import policy
+
+    spec = {"failurePolicy": {"restartDelay": {"initialSeconds": 3, "multiplier": 2, "maxSeconds": 40}}}
+    assert [policy.restart_delay_seconds(spec, n) for n in (0, 1, 2, 3, 4, 5, 5000)] == [3, 3, 6, 12, 24, 40, 40]
+    assert [backoff.restart_delay(n, base=3, factor=2, cap=40) for n in (0, 1, 2, 5000)] == [3, 3, 6, 40]
+    with pytest.raises(ValueError, match="rng"):
+        backoff.restart_delay(2, base=1, factor=2, cap=10, jitter=0.1)

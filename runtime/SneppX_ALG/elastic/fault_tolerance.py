@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import math
 import os
 import random
 import threading
@@ -23,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from SneppX_ALG import coordinator, errors
+from SneppX_ALG.contract.backoff import restart_delay
 from SneppX_ALG.contract.env import ENV_ROLLBACK_DEPTH
 from SneppX_ALG.elastic import heartbeat as heartbeat_module
 
@@ -36,19 +36,6 @@ _QUORUM_POLL = 1.0
 def quorum_size(members: int) -> int:
     """Healthy members needed out of `members` (peers plus self): strictly more than half."""
     return members // 2 + 1
-
-
-def restart_delay(attempt: int, *, base: float, factor: float, cap: float, jitter: float,
-                  rng: random.Random) -> float:
-    """Seconds to wait before restart number `attempt` (1, 2, ...): base * factor**(attempt-1), capped, then
-    shortened by a random fraction up to `jitter`, so that nodes that failed together don't come back together
-    (spread downwards, so even delays at the cap stay spread and never exceed it)."""
-    try:
-        grown = base * factor ** (attempt - 1)
-    except OverflowError:  # factor**n past a float's range (n > 1023 with factor 2): far past any cap
-        grown = math.inf if base > 0 else 0.0
-    delay = min(cap, grown)
-    return delay * (1 - rng.uniform(0, jitter))
 
 
 def check_rollback(skipped: Sequence[coordinator.SkippedCheckpoint], resumed_step: int | None, *,
