@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
+
+import pytest
 
 RUNTIME = pathlib.Path(__file__).resolve().parents[2] / "runtime" / "SneppX_ALG"
 
@@ -30,3 +34,22 @@ def test_every_runtime_module_says_why_it_exists() -> None:
     missing = sorted(str(p.relative_to(RUNTIME)) for p in RUNTIME.rglob("*.py")
                      if ast.get_docstring(ast.parse(p.read_text())) is None)
     assert missing == []
+
+
+def test_the_operator_and_the_package_root_load_no_numpy() -> None:
+    """SneppX_ALG re-exports its API lazily (PEP 562): the operator, which needs the contract and the errors, and a
+    bare `import SneppX_ALG` load neither numpy nor the model."""
+    code = ("import sys, SneppX_ALG, sneppx_operator.__main__, sneppx_operator.handlers, sneppx_operator.reconcile; "
+            "print(sorted(m for m in ('numpy', 'SneppX_ALG.model', 'SneppX_ALG.coordinator') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_every_public_name_resolves_from_the_package_root() -> None:
+    import SneppX_ALG
+
+    assert sorted(SneppX_ALG._EXPORTS) == SneppX_ALG.__all__
+    for name in SneppX_ALG.__all__:
+        assert getattr(SneppX_ALG, name).__name__ == name
+    with pytest.raises(AttributeError):
+        SneppX_ALG.NotAName  # noqa: B018 - the lookup is the test
