@@ -254,7 +254,7 @@ class Engine:
         self._stored_fence_checked = False  # a fence record left by an interrupted process is finished once
         self.queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.error: BaseException | None = None
-        self.steps: set[int] = set()  # submitted or committed here (failed saves are taken out again)
+        self._steps: set[int] = set()  # submitted or committed here (failed saves are taken out again)
         self._outstanding = 0
         self._idle = threading.Condition()
         self.pool: StagingPool | None = None
@@ -298,6 +298,19 @@ class Engine:
             job.hashing = chain.comparing
         else:  # a full save: the start of the next chain, hashed so the saves after it can compare
             job.hashing = True
+
+    def claim_step(self, step: int) -> bool:
+        """Takes `step` for a save; False when this coordinator saved it (or is saving it) already."""
+        with self._idle:
+            if step in self._steps:
+                return False
+            self._steps.add(step)
+            return True
+
+    def release_steps(self, steps: Any) -> None:
+        """`steps` may be saved again: their save failed in save(), or a restore abandoned them."""
+        with self._idle:
+            self._steps.difference_update(steps)
 
     def submit(self, *item: Any) -> None:
         with self._idle:
@@ -352,7 +365,7 @@ class Engine:
                     if self.error is None:
                         self.error = e
                     if not job.committed:
-                        self.steps.discard(job.step)
+                        self._steps.discard(job.step)
                 log.warning("checkpoint of step %d failed: %s", job.step, e)
             finally:
                 if item[0] == "data":

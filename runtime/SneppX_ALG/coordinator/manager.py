@@ -266,11 +266,9 @@ class CheckpointCoordinator:
                     "would be unsigned and fail its own validation; pass signing_key to save")
             step = int(step)
             worker = self._engine
-            with worker._idle:
-                if step in worker.steps:
-                    raise errors.CheckpointExistsError(f"step {step} was already saved by this coordinator",
-                                                       path=self.checkpoint_root)
-                worker.steps.add(step)
+            if not worker.claim_step(step):
+                raise errors.CheckpointExistsError(f"step {step} was already saved by this coordinator",
+                                                   path=self.checkpoint_root)
             # From here on this rank takes part in the step's protocol whatever happens (coordinator/engine.py):
             # what fails below is reported to the group by the writer, at the step's end.
             job = engine.Job(step, training_state=training_state)
@@ -283,8 +281,7 @@ class CheckpointCoordinator:
                 job.error, job.failed, job.raised = e, True, True
                 job.may_write.set()
                 worker.submit("abort", job)
-                with worker._idle:
-                    worker.steps.discard(step)
+                worker.release_steps([step])
                 raise
             job.may_write.set()
             worker.submit("end", job)
@@ -486,8 +483,7 @@ class CheckpointCoordinator:
             self._steps.start_timeline(candidate, fence, verified=targets is None)
             self._engine.continue_chain(manifest)
             if fence is not None:
-                with self._engine._idle:  # their numbers may be saved again on the new timeline
-                    self._engine.steps -= set(fence.abandoned)
+                self._engine.release_steps(fence.abandoned)  # their numbers may be saved again on the new timeline
                 log.info("restored step %d: steps %s are abandoned and set aside before the next save commits",
                          candidate, list(fence.abandoned))
             return self._info(candidate, manifest, read)
