@@ -233,6 +233,15 @@ class Job:
             writer.abort()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Task:
+    """One thing the writer does for a save: `run(job)`, then give staging slot `slot` back (when it wrote one)."""
+
+    job: Job
+    run: Callable[[Job], None]
+    slot: int | None = None
+
+
 class Engine:
     """The worker thread and its queue; kept apart from the coordinator so that a finalizer can finish
     pending saves without holding the coordinator alive (and _drain_at_exit can finish them at exit)."""
@@ -252,7 +261,8 @@ class Engine:
         self.full_every = full_every
         self.chain: Chain | None = None  # set by each committed save of this rank, and by a restore
         self._stored_fence_checked = False  # a fence record left by an interrupted process is finished once
-        self.queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        # Tasks of saves, in submission order; None stops the thread, an Event is set once what came before is done.
+        self.queue: queue.Queue[_Task | threading.Event | None] = queue.Queue()
         self.error: BaseException | None = None
         self._steps: set[int] = set()  # submitted or committed here (failed saves are taken out again)
         self._outstanding = 0
@@ -312,10 +322,23 @@ class Engine:
         with self._idle:
             self._steps.difference_update(steps)
 
-    def submit(self, *item: Any) -> None:
+    def begin(self, job: Job) -> None:
+        """Queues the start of a save: its step claimed (rank 0) or joined, its shard file opened."""
+        self._submit(_Task(job, self._begin))
+
+    def write(self, job: Job, slot: int, pieces: list[plan.Piece]) -> None:
+        """Queues the write of one staged buffer; its slot goes back to the pool once written (or skipped)."""
+        self._submit(_Task(job, lambda job: self._write(job, slot, pieces), slot))
+
+    def end(self, job: Job) -> None:
+        """Queues the end of a save: the commit, or, after a save() that raised, the report of its failure to the
+        group (every rank takes part in every step it began)."""
+        self._submit(_Task(job, self._end))
+
+    def _submit(self, task: _Task) -> None:
         with self._idle:
             self._outstanding += 1
-        self.queue.put(item)
+        self.queue.put(task)
 
     def wait(self) -> None:
         with self._idle:
@@ -324,7 +347,7 @@ class Engine:
 
     def shutdown(self) -> None:
         if self.thread.is_alive():
-            self.queue.put(("stop",))
+            self.queue.put(None)
             self.thread.join()
 
     def drain(self) -> None:
@@ -333,7 +356,7 @@ class Engine:
         if not self.thread.is_alive():
             return
         done = threading.Event()
-        self.queue.put(("drained", done))
+        self.queue.put(done)
         while not done.wait(1.0) and self.thread.is_alive():  # stopped meanwhile (a finalizer): done too
             pass
         with self._idle:
@@ -349,16 +372,16 @@ class Engine:
 
     def _run(self) -> None:
         while True:
-            item = self.queue.get()
-            if item[0] == "stop":
+            task = self.queue.get()
+            if task is None:
                 return
-            if item[0] == "drained":
-                item[1].set()
+            if isinstance(task, threading.Event):
+                task.set()
                 continue
+            job = task.job
             try:
-                self._handle(item)
+                task.run(job)
             except BaseException as e:  # noqa: BLE001 - kept and raised by the next call; the thread goes on
-                job = item[1]
                 job.fail(e)
                 self._drop(job)
                 with self._idle:
@@ -368,26 +391,20 @@ class Engine:
                         self._steps.discard(job.step)
                 log.warning("checkpoint of step %d failed: %s", job.step, e)
             finally:
-                if item[0] == "data":
+                if task.slot is not None:
                     assert self.pool is not None
-                    self.pool.release(item[2])
+                    self.pool.release(task.slot)
                 with self._idle:
                     self._outstanding -= 1
                     self._idle.notify_all()
 
-    def _handle(self, item: tuple[Any, ...]) -> None:
-        kind, job = item[0], item[1]
-        if kind == "begin":
-            self._begin(job)
-        elif kind == "data":
-            job.may_write.wait()
-            if not job.failed:
-                try:
-                    self._write_buffer(job, item[2], item[3])
-                except Exception as e:  # noqa: BLE001 - this rank's failure; the step's end reports it
-                    job.fail(e)
-        elif kind in ("end", "abort"):  # abort: save() failed after begin; the end reports it to the group
-            self._end(job)
+    def _write(self, job: Job, slot: int, pieces: list[plan.Piece]) -> None:
+        job.may_write.wait()
+        if not job.failed:
+            try:
+                self._write_buffer(job, slot, pieces)
+            except Exception as e:  # noqa: BLE001 - this rank's failure; the step's end reports it
+                job.fail(e)
 
     def _begin(self, job: Job) -> None:
         """Rank 0 claims the step and tells the others where to write; this rank opens its shard file."""

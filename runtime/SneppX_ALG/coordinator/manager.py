@@ -274,17 +274,17 @@ class CheckpointCoordinator:
             job = engine.Job(step, training_state=training_state)
             if not self.async_save:  # save() waits for the commit anyway: the writer starts with the snapshot
                 job.may_write.set()
-            worker.submit("begin", job)
+            worker.begin(job)
             try:
                 self._stage(job, obj)
             except BaseException as e:
                 job.error, job.failed, job.raised = e, True, True
                 job.may_write.set()
-                worker.submit("abort", job)
+                worker.end(job)  # reports this rank's failure to the group
                 worker.release_steps([step])
                 raise
             job.may_write.set()
-            worker.submit("end", job)
+            worker.end(job)
             self.last_saved_step = step
         if not self.async_save:
             self.wait()
@@ -319,7 +319,7 @@ class CheckpointCoordinator:
                 raise
             if slotted:
                 job.slots.append((slot, pieces))
-            worker.submit("data", job, slot, pieces)
+            worker.write(job, slot, pieces)
 
     def _snapshot(self, job: engine.Job, leaves: list[state.Leaf], slot: int, pieces: list[plan.Piece],
                   held: engine.Held | None) -> None:
