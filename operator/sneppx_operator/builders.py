@@ -40,7 +40,6 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from SneppX_ALG import errors
 from SneppX_ALG.contract.env import (
     ENV_CHECKPOINT_URI,
     ENV_GENERATION,
@@ -64,6 +63,7 @@ from SneppX_ALG.contract.env import (
 )
 from SneppX_ALG.storage import job_object
 from sneppx_operator import restricted
+from sneppx_operator.errors import JobSpecError
 
 GROUP = "sneppx.io"
 VERSION = "v1alpha1"
@@ -184,7 +184,7 @@ def build_service(job_name: str, namespace: str, job_uid: str, spec: Mapping[str
 def build_secret(job_name: str, namespace: str, job_uid: str, heartbeat_key: bytes) -> dict[str, Any]:
     """The job's heartbeat HMAC key. The caller supplies the random bytes so this stays pure."""
     if len(heartbeat_key) < 32:
-        raise errors.JobSpecError(f"heartbeat key must be at least 32 bytes, got {len(heartbeat_key)}")
+        raise JobSpecError(f"heartbeat key must be at least 32 bytes, got {len(heartbeat_key)}")
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -382,24 +382,24 @@ def _check_template(pod_spec: Mapping[str, Any]) -> None:
     """Refuse templates that use the names and paths of the operator's own volumes."""
     taken = {volume.get("name") for volume in pod_spec.get("volumes") or []} & RESERVED_VOLUMES
     if taken:
-        raise errors.JobSpecError(
+        raise JobSpecError(
             f"spec.template.spec.volumes uses {sorted(taken)}: these names are reserved for the operator's own volumes"
         )
     account = pod_spec.get("serviceAccountName") or pod_spec.get("serviceAccount")
     if account:
-        raise errors.JobSpecError(
+        raise JobSpecError(
             f"spec.template.spec.serviceAccountName is {account!r}: ranks run as the job's own ServiceAccount, "
             "which may touch only the job's rendezvous object (leave it unset)"
         )
     if pod_spec.get("shareProcessNamespace"):
-        raise errors.JobSpecError(
+        raise JobSpecError(
             "spec.template.spec.shareProcessNamespace is true: a sidecar could then read the agent's API token "
             "through /proc (leave it unset)"
         )
     for volume in pod_spec.get("volumes") or []:
         sources = (volume.get("projected") or {}).get("sources") or []
         if any("serviceAccountToken" in (source or {}) for source in sources):
-            raise errors.JobSpecError(
+            raise JobSpecError(
                 f"volume {volume.get('name')!r} projects a service account token: only the agent gets one, from "
                 "the operator (sidecars must not act as the job's agent)"
             )
@@ -408,11 +408,11 @@ def _check_template(pod_spec: Mapping[str, Any]) -> None:
         mounts = container.get("volumeMounts") or []
         clash = {m.get("mountPath") for m in mounts} & reserved_paths
         if clash:
-            raise errors.JobSpecError(
+            raise JobSpecError(
                 f"container {container.get('name')!r} mounts {sorted(clash)}: the operator mounts its own volumes there"
             )
         if any(m.get("name") == VOLUME_TOKEN for m in mounts):
-            raise errors.JobSpecError(
+            raise JobSpecError(
                 f"container {container.get('name')!r} mounts {VOLUME_TOKEN!r}, the agent's API token: only the "
                 "first container gets it, from the operator (sidecars must not act as the job's agent)"
             )

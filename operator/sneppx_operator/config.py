@@ -18,8 +18,8 @@ from collections.abc import Mapping
 
 import kopf
 
-from SneppX_ALG import errors
 from SneppX_ALG.contract.env import ENV_RESYNC_SECONDS
+from sneppx_operator.errors import OperatorConfigError
 
 ANNOTATION_PREFIX = "sneppx.io"
 DEFAULT_RESYNC_SECONDS = 10.0
@@ -34,9 +34,9 @@ def resync_seconds(environ: Mapping[str, str] = os.environ) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise errors.OperatorConfigError(f"{ENV_RESYNC_SECONDS}={raw!r} is not a number of seconds") from None
+        raise OperatorConfigError(f"{ENV_RESYNC_SECONDS}={raw!r} is not a number of seconds") from None
     if not 0.1 <= value <= 3600:
-        raise errors.OperatorConfigError(f"{ENV_RESYNC_SECONDS}={raw!r} must be between 0.1 and 3600 seconds")
+        raise OperatorConfigError(f"{ENV_RESYNC_SECONDS}={raw!r} must be between 0.1 and 3600 seconds")
     return value
 
 

@@ -29,9 +29,9 @@ import datetime
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from SneppX_ALG import errors
 from SneppX_ALG.storage import job_object
 from sneppx_operator import builders, policy
+from sneppx_operator.errors import JobSpecError
 
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 ACTIVE_POD_PHASES = frozenset({"Pending", "Running", "Unknown"})
@@ -726,7 +726,7 @@ def plan(
                                           membership.generation))
                 for rank in creatable
             ]
-        except errors.JobSpecError as exc:
+        except JobSpecError as exc:
             invalid, new_pods = str(exc), []
         else:
             # Everything the pods need goes first: they mount the Secret, resolve rank 0 through the Service

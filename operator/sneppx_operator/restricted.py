@@ -21,7 +21,7 @@ import copy
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from SneppX_ALG import errors
+from sneppx_operator.errors import JobSpecError
 
 SECCOMP_RUNTIME_DEFAULT = {"type": "RuntimeDefault"}
 ALLOWED_SECCOMP_TYPES = frozenset({"RuntimeDefault", "Localhost"})
@@ -92,7 +92,7 @@ def check(pod_spec: Mapping[str, Any], annotations: Mapping[str, str] | None = N
     """Raise JobSpecError naming every setting of the finished pod that the restricted profile forbids."""
     found = violations(pod_spec, annotations)
     if found:
-        raise errors.JobSpecError(
+        raise JobSpecError(
             "the pod template breaks the restricted Pod Security profile that ranks run under: "
             + "; ".join(found)
         )

@@ -187,17 +187,6 @@ class CudaError(SneppXError):
         self.cuda_error = cuda_error
 
 
-# --- operator: job specs the CRD schema can't judge alone -----------------------
-
-
-class JobSpecError(SneppXError, ValueError):
-    """An ElasticTrainingJob asks for something the operator can't build (e.g. a reserved volume name)."""
-
-
-class OperatorConfigError(SneppXError, ValueError):
-    """The operator's own configuration (environment, command line) is invalid."""
-
-
 # --- file handles: a checkpoint reader or writer used after it is done ----------
 
 

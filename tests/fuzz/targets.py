@@ -29,6 +29,7 @@ from SneppX_ALG.checkpoint import convert, file, format, signing, updates, valid
 from SneppX_ALG.checkpoint import manifest as manifest_codec
 from SneppX_ALG.elastic import control, rendezvous, wire
 from SneppX_ALG.storage import job_object, record
+from sneppx_operator.errors import JobSpecError
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,7 @@ def configmap_view(data: bytes) -> None:
 # ---- the operator: a job's spec ----------------------------------------------------------------------------------
 
 
-@target(errors.JobSpecError, memory_factor=0, max_len=1024, memory_fixed=64 << 20)
+@target(JobSpecError, memory_factor=0, max_len=1024, memory_fixed=64 << 20)
 def job_spec(data: bytes) -> None:
     """A schema-shaped ElasticTrainingJob spec (every value the CRD's openAPIV3Schema admits, chosen by the
     input: the API server refuses the rest) through the operator's planning, as a first pass would run it. Its

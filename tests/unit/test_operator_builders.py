@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from SneppX_ALG import errors
 from sneppx_operator import builders
+from sneppx_operator.errors import JobSpecError
 
 
 def spec(**overrides: Any) -> dict[str, Any]:
@@ -214,7 +214,7 @@ def _trainer(template_spec: dict[str, Any], **security: Any) -> None:
 def test_what_the_restricted_profile_forbids_is_refused_not_rewritten(mutate: Any, message: str) -> None:
     job = spec()
     mutate(job["template"]["spec"])
-    with pytest.raises(errors.JobSpecError, match=message) as refused:
+    with pytest.raises(JobSpecError, match=message) as refused:
         pod(job)
     assert "restricted Pod Security profile" in str(refused.value)
 
@@ -224,7 +224,7 @@ def test_an_unconfined_apparmor_annotation_is_refused() -> None:
     job["template"]["metadata"]["annotations"] = {
         "container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"
     }
-    with pytest.raises(errors.JobSpecError, match="is 'unconfined'"):
+    with pytest.raises(JobSpecError, match="is 'unconfined'"):
         pod(job)
     job["template"]["metadata"]["annotations"]["container.apparmor.security.beta.kubernetes.io/trainer"] = (
         "localhost/train"
@@ -236,7 +236,7 @@ def test_every_violation_is_named_at_once() -> None:
     job = spec()
     job["template"]["spec"].update(hostPID=True, volumes=[{"name": "d", "hostPath": {"path": "/"}}])
     _trainer(job["template"]["spec"], privileged=True)
-    with pytest.raises(errors.JobSpecError) as refused:
+    with pytest.raises(JobSpecError) as refused:
         pod(job)
     assert str(refused.value).count(";") == 2, str(refused.value)
 
@@ -267,7 +267,7 @@ def test_every_violation_is_named_at_once() -> None:
 def test_template_the_operator_cannot_build_is_refused(mutate: Any, message: str) -> None:
     job = spec()
     mutate(job)
-    with pytest.raises(errors.JobSpecError, match=message):
+    with pytest.raises(JobSpecError, match=message):
         pod(job)
 
 
@@ -372,7 +372,7 @@ def test_secret_holds_the_heartbeat_key() -> None:
 
 
 def test_short_heartbeat_key_is_refused() -> None:
-    with pytest.raises(errors.JobSpecError, match="at least 32 bytes"):
+    with pytest.raises(JobSpecError, match="at least 32 bytes"):
         builders.build_secret("train", "ns", "uid-1", b"short")
 
 
@@ -403,14 +403,14 @@ def test_the_agent_gets_the_rendezvous_object_and_the_lifecycle_knobs_in_its_env
 def test_a_template_service_account_is_refused(field: str) -> None:
     job = spec()
     job["template"]["spec"][field] = "admin"
-    with pytest.raises(errors.JobSpecError, match="job's own ServiceAccount"):
+    with pytest.raises(JobSpecError, match="job's own ServiceAccount"):
         pod(job)
 
 
 def test_a_template_mount_on_the_token_path_is_refused() -> None:
     job = spec()
     job["template"]["spec"]["containers"][0]["volumeMounts"] = [{"name": "x", "mountPath": builders.TOKEN_DIR}]
-    with pytest.raises(errors.JobSpecError, match="mounts its own volumes"):
+    with pytest.raises(JobSpecError, match="mounts its own volumes"):
         pod(job)
 
 
@@ -456,7 +456,7 @@ def test_no_container_may_mount_the_agents_token_volume_by_name(where: str, inde
     while len(containers) <= index:
         containers.append({"name": f"c{len(containers)}", "image": "example.org/s:1"})
     containers[index]["volumeMounts"] = [{"name": builders.VOLUME_TOKEN, "mountPath": "/elsewhere"}]
-    with pytest.raises(errors.JobSpecError, match="the agent's API token"):
+    with pytest.raises(JobSpecError, match="the agent's API token"):
         pod(job)
 
 
@@ -465,14 +465,14 @@ def test_a_template_volume_projecting_its_own_token_is_refused() -> None:
     job["template"]["spec"]["volumes"] = [
         {"name": "mine", "projected": {"sources": [{"configMap": {"name": "x"}}, {"serviceAccountToken": {"path": "t"}}]}}
     ]
-    with pytest.raises(errors.JobSpecError, match="projects a service account token"):
+    with pytest.raises(JobSpecError, match="projects a service account token"):
         pod(job)
 
 
 def test_a_shared_process_namespace_is_refused() -> None:
     job = spec()
     job["template"]["spec"]["shareProcessNamespace"] = True
-    with pytest.raises(errors.JobSpecError, match="through /proc"):
+    with pytest.raises(JobSpecError, match="through /proc"):
         pod(job)
 
 

@@ -8,10 +8,10 @@ import pathlib
 import kopf
 import pytest
 
-from SneppX_ALG import errors
 from SneppX_ALG.contract.env import ENV_RESYNC_SECONDS
 from sneppx_operator import __main__ as entry
 from sneppx_operator import config
+from sneppx_operator.errors import OperatorConfigError
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 OPERATOR = REPO / "operator" / "sneppx_operator"
@@ -40,7 +40,7 @@ def test_resync_interval_from_environment(raw: str, expected: float) -> None:
 
 @pytest.mark.parametrize("raw", ["abc", "0", "-1", "7200", "nan"])
 def test_bad_resync_interval_is_a_typed_error(raw: str) -> None:
-    with pytest.raises(errors.OperatorConfigError, match="SNEPPX_RESYNC_SECONDS"):
+    with pytest.raises(OperatorConfigError, match="SNEPPX_RESYNC_SECONDS"):
         config.resync_seconds({ENV_RESYNC_SECONDS: raw})
 
 
