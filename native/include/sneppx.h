@@ -2,7 +2,7 @@
  *
  * Conventions: every function that can fail returns an int status, SX_OK (0)
  * or a negative SX_E* code; sx_strerror() names it. Nothing here prints,
- * aborts or touches Python; the cffi wrapper (runtime/SneppX_ALG/_native.py)
+ * aborts or touches Python; the cffi wrapper (runtime/SneppX_ALG/_native/)
  * turns codes into typed exceptions and releases the GIL around every call.
  * Symbols start with sx_. C99 plus GCC target attributes for the SIMD kernels.
  */

@@ -172,7 +172,7 @@ def dynamic_symbols(path: str | os.PathLike[str], which: str) -> set[str]:
 def test_the_shim_wraps_every_mutating_libc_call_python_and_the_native_library_import(
         recorder_shim: pathlib.Path) -> None:
     libpython = pathlib.Path(sysconfig.get_config_var("LIBDIR") or "") / (sysconfig.get_config_var("LDLIBRARY") or "")
-    native = next(pathlib.Path(_native.__file__).parent.glob("_sneppx_native*.so"))
+    native = next(pathlib.Path(_native.__file__).parents[1].glob("_sneppx_native*.so"))  # _native/__init__.py
     binaries = [pathlib.Path(sys.executable).resolve(), native]
     if libpython.is_file():
         binaries.append(libpython)
