@@ -17,6 +17,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import signal
 import time
 
@@ -154,3 +155,72 @@ def test_sigkill_at_every_io_site_and_at_random_times_never_exposes_a_partial_ch
     print(f"{checker.kills} kills ({site_kills} at the {sites} I/O sites of a round, {checker.kills - site_kills} "
           f"at random times in {rounds} rounds), {checker.leftovers_cleaned} leftovers cleaned, "
           f"newest step {checker.newest}")
+
+
+def rollback_child(root: str, fault_at: int | None) -> tuple[int, int]:
+    """Forks a child that restores step 2 of the chain 1..4 (a rollback: 3 and 4 are fenced off at the next
+    commit) and saves step 5, which continues 2's chain; returns as run_child does."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            os.close(read_fd)
+            coord = CheckpointCoordinator(root, max_to_keep=2, staging_bytes=256 << 10, device="cpu",
+                                          full_every=100)
+            got: dict = {}
+            assert coord.restore(got, 2).step == 2
+            if fault_at is not None:
+                _native.fault_arm(ALL_SITES, fault_at, "kill")
+            start = _native.fault_sites_passed()
+            coord.save(state_for(5), step=5, training_state={"step": 5})
+            coord.close()
+            os.write(write_fd, str(_native.fault_sites_passed() - start).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    return pid, read_fd
+
+
+def test_sigkill_at_every_io_site_of_a_rollback_over_an_incremental_chain(tmp_path) -> None:
+    """Steps 1..4 are one incremental chain; a process restores step 2 and saves step 5 (the fence sets 3 and 4
+    aside, retention must keep what 5 and 2 reference) and is SIGKILLed at each I/O site in turn, each time on
+    a fresh copy of the root. After every kill the root shows one of the three states a rollback may be cut in,
+    never a mix: 4 still newest (killed before the fence record), 2 newest (fence durable, 5 not committed), or
+    5; every visible step validates and restores bitwise what was saved at it."""
+    base = tmp_path / "base"
+    with CheckpointCoordinator(str(base), max_to_keep=None, device="cpu", full_every=100) as coord:
+        for step in (1, 2, 3, 4):
+            coord.save(state_for(step), step=step, training_state={"step": step})
+    chain = [json.loads((base / storage.step_name(s) / storage.MANIFEST).read_bytes()).get("uses") for s in (2, 3, 4)]
+    assert all(chain), "the steps after the first were not incremental"
+
+    def after(root: pathlib.Path) -> int:
+        with CheckpointCoordinator(str(root), read_only=True, device="cpu") as coord:
+            steps = coord.committed_steps()
+            for step in steps:
+                assert coord.validate(step) == [], f"committed step {step} is partial or corrupt"
+            got: dict = {}
+            info = coord.restore(got)
+            assert info is not None and info.step in (2, 4, 5), steps
+            want = state_for(info.step)
+            for name in ("frozen", "w", "emb"):
+                assert got[name].tobytes() == want[name].tobytes(), (info.step, name)
+            return info.step
+
+    calibrate = tmp_path / "calibrate"
+    shutil.copytree(base, calibrate)
+    killed, sites = reap(*rollback_child(str(calibrate), None))
+    assert not killed and sites is not None and sites > 10
+    assert after(calibrate) == 5
+    outcomes: dict[int, int] = {}
+    for k in range(1, sites + 3):
+        root = tmp_path / f"kill-{k}"
+        shutil.copytree(base, root)
+        killed, _ = reap(*rollback_child(str(root), k))
+        newest = after(root)
+        outcomes[newest] = outcomes.get(newest, 0) + 1
+        shutil.rmtree(root)
+    assert outcomes.get(4) and outcomes.get(2) and outcomes.get(5), outcomes  # every cut was reached
+    print(f"rollback over a chain killed at each of its {sites} I/O sites: newest afterwards {outcomes}")
