@@ -12,6 +12,7 @@ SIGKILLs a saving process at seeded random times.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import random
 import signal
@@ -81,9 +82,12 @@ def start_proxy(port: int, target: str, die_after: int) -> subprocess.Popen[byte
 
 
 def state_for(step: int) -> dict:
+    """New at every step but for 4 MiB that never change: a coordinator's saves after its first reference them
+    in the earlier step's prefix (incremental steps, killed mid-upload too)."""
     rng = np.random.default_rng(step)
     return {"w": rng.standard_normal((256, 256)).astype(np.float32),
-            "emb": rng.integers(0, 255, 24 * MiB, dtype=np.uint8)}
+            "emb": rng.integers(0, 255, 24 * MiB, dtype=np.uint8),
+            "frozen": np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)}
 
 
 def assert_restores(coord: CheckpointCoordinator, step: int) -> None:
@@ -92,6 +96,7 @@ def assert_restores(coord: CheckpointCoordinator, step: int) -> None:
     assert info is not None and info.step == step
     want = state_for(step)
     assert got["w"].tobytes() == want["w"].tobytes() and got["emb"].tobytes() == want["emb"].tobytes()
+    assert got["frozen"].tobytes() == want["frozen"].tobytes()
 
 
 @pytest.mark.parametrize("die_after", [64 << 10, 6 * MiB, 17 * MiB, 24 * MiB])
@@ -129,6 +134,8 @@ def test_server_killed_mid_upload_commits_nothing_and_leaves_no_orphan_after_res
         coord.save(state_for(2), step=2)  # and saving works again
         coord.wait()
         assert_restores(coord, 2)
+        manifest = direct.get_object(Bucket=s3_bucket, Key=f"k/{storage.step_name(2)}/{storage.MANIFEST}")["Body"].read()
+        assert json.loads(manifest)["uses"] == [1]  # an incremental step: it references the frozen part in 1
         coord.close()
     finally:
         stop_process(proxy)
