@@ -2,7 +2,8 @@
 
 Callers catch `SneppXError` for "anything from SneppX" or a subclass for one
 kind of failure. Each class says what failed; messages say where and what a
-person can do about it.
+person can do about it. Grouped by the layer that raises them, lowest first
+(the operator's own errors are in sneppx_operator/errors.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 
 class SneppXError(Exception):
     """Base class of every SneppX error."""
+
+
+# ===== storage: where the bytes live ========================================================================
 
 
 # --- storage: the bytes could not be written or read -------------------------
@@ -34,6 +38,59 @@ class DurabilityError(StorageError):
 
 class CheckpointNotFoundError(StorageError, FileNotFoundError):
     """No checkpoint exists at the given path."""
+
+
+# --- several processes on one checkpoint root: writers, readers, commits ------
+
+
+class CommitUnknownError(StorageError):
+    """A commit's outcome could not be learned: the conditional PUT of the step's marker (or manifest) got no
+    clear answer and reading it back failed too. The step may or may not be committed; nothing was deleted
+    (cleanup removes the parts later if no marker appears)."""
+
+
+class ReadOnlyCoordinatorError(SneppXError, RuntimeError):
+    """save() on a CheckpointCoordinator opened with read_only=True (a reader: an evaluator, a tool)."""
+
+
+# --- records: small JSON records in the shared store, written by compare-and-swap ---------
+
+
+class RecordError(SneppXError):
+    """A record of the shared store (rendezvous, leases) could not be written or read. `.key` names it."""
+
+    def __init__(self, message: str, *, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+class RecordConflictError(RecordError):
+    """The write's condition did not hold: another writer changed the record first. Read it again."""
+
+
+class RecordExistsError(RecordConflictError):
+    """Create-if-absent found the key taken."""
+
+
+class RecordCorruptError(RecordError):
+    """What the store holds under the key is not a record SneppX wrote (not bounded UTF-8 JSON, bad layout)."""
+
+
+class RecordValueError(RecordError, ValueError):
+    """The caller's key or value can't be stored: a key outside the store's root, a value too large or not
+    plain JSON."""
+
+
+class RecordStoreError(RecordError):
+    """The store failed or refused the call (permissions, a missing bucket, an I/O error)."""
+
+
+class RecordUnavailableError(RecordStoreError):
+    """The store could not be reached in time (timeout, connection, 5xx, throttling). Transient: a read may be
+    retried as is; a write's outcome is unknown, so read the key before writing again."""
+
+
+# ===== checkpoint: what the bytes are =======================================================================
 
 
 # --- format: the bytes are not a valid SNPX checkpoint ------------------------
@@ -115,6 +172,24 @@ class KeyFormatError(SneppXError, ValueError):
     """A key file or key value is not an Ed25519 key in a form SneppX reads."""
 
 
+# --- file handles: a checkpoint reader or writer used after it is done ----------
+
+
+class CheckpointClosedError(SneppXError, ValueError):
+    """A CheckpointReader was used after close(), or a CheckpointWriter after commit() or abort().
+
+    A writer is single-use: once committed or aborted it never touches its path again; make a new one.
+    """
+
+
+# --- interop: other formats and frameworks, tools over a checkpoint root -------
+
+
+class ForeignCheckpointError(CheckpointFormatError):
+    """A checkpoint in another format (a safetensors file or sharded index) can't be read as it is: the file is
+    malformed, or the index names files or tensors its shards don't hold."""
+
+
 # --- updates: installing signed checkpoints -----------------------------------
 
 
@@ -141,23 +216,35 @@ class UnsupportedTensorError(SneppXError, TypeError):
     """The object can't be written as a tensor (dtype, memory layout or device)."""
 
 
-# --- model: the reference Transformer and its training state ------------------
+# --- the checkpoint store: unreadable steps, untrusted signers, timelines -------
 
 
-class ModelConfigError(SneppXError, ValueError):
-    """A model or optimizer configuration is invalid, or a checkpoint's config is not a model config."""
+class CheckpointUnreadableError(StorageError):
+    """A committed step could not be read (an I/O error such as EIO, EMFILE or ESTALE: not a verdict on its
+    bytes), even after bounded retries. Nothing was skipped or rolled back past; `.step` names the step."""
+
+    def __init__(self, message: str, *, step: int | None = None, path: str | None = None,
+                 errno: int | None = None):
+        super().__init__(message, path=path, errno=errno)
+        self.step = step
 
 
-class ConfigMismatchError(ModelConfigError):
-    """A checkpoint holds a different architecture than the model loading it (see Transformer.from_checkpoint)."""
+class SigningKeyNotTrustedError(SneppXError, ValueError):
+    """A coordinator's signing_key is not among its own trusted_keys (or it has trusted_keys and saves
+    unsigned): every step it saved would fail its own validation."""
 
 
-class ModelInputError(SneppXError, ValueError):
-    """Token ids the model can't take: wrong dtype or rank, too long, or outside the vocabulary."""
+class CommittedStepInvalidError(StorageError):
+    """A step this coordinator committed does not validate when read back: storage did not keep what was
+    written. Retention kept the newest step that does validate."""
 
 
-class TrainingStateError(SneppXError):
-    """Optimizer, data-position or RNG state is missing or does not fit the trainer resuming from it."""
+class FenceRecordError(CheckpointFormatError):
+    """The root's fence record (docs/FORMAT.md, "Timelines and fencing") is not one SneppX wrote: which steps
+    are abandoned can't be known, so no step is returned as the latest."""
+
+
+# ===== coordinator: saving and restoring steps ==============================================================
 
 
 # --- async checkpointing: coordinator, manifests, copy engine -----------------
@@ -187,14 +274,53 @@ class CudaError(SneppXError):
         self.cuda_error = cuda_error
 
 
-# --- file handles: a checkpoint reader or writer used after it is done ----------
+# --- sharded checkpoints: steps saved by several ranks, loaded at any world size ---------------------------
 
 
-class CheckpointClosedError(SneppXError, ValueError):
-    """A CheckpointReader was used after close(), or a CheckpointWriter after commit() or abort().
+class ShardedCheckpointError(SneppXError):
+    """A save or restore of a group of ranks failed on one or more of them. Every rank raises it (or, on the
+    rank where the failure happened, the original error), so the whole group learns the same outcome;
+    `.failures` maps each rank that failed to what went wrong (torch.distributed.checkpoint's
+    CheckpointException)."""
 
-    A writer is single-use: once committed or aborted it never touches its path again; make a new one.
-    """
+    def __init__(self, message: str, *, failures: dict[int, str] | None = None):
+        super().__init__(message)
+        self.failures = dict(failures or {})
+
+
+class ShardingMismatchError(SneppXError, ValueError):
+    """What was saved or asked for doesn't fit together: ranks whose shards of a tensor don't cover it exactly
+    once, ranks that declare different replicated tensors, or a restore target that the step lacks or whose
+    dtype or global shape differs from the saved tensor's. Nothing is committed or loaded."""
+
+
+# --- peer-memory snapshots: the state of recent steps in host memory, a copy on the next node -----------------
+
+
+class SnapshotError(SneppXError):
+    """A peer-memory snapshot could not be taken (elastic/snapshot.py)."""
+
+
+class SnapshotMemoryError(SnapshotError, MemoryError):
+    """Snapshots would need more host memory than `snapshot_memory_limit` allows: `.needed` and `.limit` in
+    bytes. Raised by the first `ctx.snapshot()`, before anything is allocated, never mid-run."""
+
+    def __init__(self, message: str, *, needed: int, limit: int):
+        super().__init__(message)
+        self.needed, self.limit = needed, limit
+
+
+class ReplicaDivergenceError(SnapshotError):
+    """Data-parallel ranks that must hold identical replicated tensors do not (a bad core or memory bit):
+    `.ranks` are the ones that differ from the majority, `.step` the step. Nothing of that step is kept; the
+    generation ends and the job rolls back to the newest snapshot on which they agreed."""
+
+    def __init__(self, message: str, *, step: int, ranks: list[int]):
+        super().__init__(message)
+        self.step, self.ranks = step, list(ranks)
+
+
+# ===== elastic: training that survives failures =============================================================
 
 
 # --- elastic: heartbeats, quorum, restarts, rollback, the node lifecycle -------
@@ -255,19 +381,6 @@ class LifecycleError(SneppXError, RuntimeError):
         self.event = event
 
 
-# --- several processes on one checkpoint root: writers, readers, commits ------
-
-
-class CommitUnknownError(StorageError):
-    """A commit's outcome could not be learned: the conditional PUT of the step's marker (or manifest) got no
-    clear answer and reading it back failed too. The step may or may not be committed; nothing was deleted
-    (cleanup removes the parts later if no marker appears)."""
-
-
-class ReadOnlyCoordinatorError(SneppXError, RuntimeError):
-    """save() on a CheckpointCoordinator opened with read_only=True (a reader: an evaluator, a tool)."""
-
-
 # --- collectives: the ranks of one membership generation computing together ----
 
 
@@ -324,79 +437,6 @@ class StoreTimeoutError(StoreError, TimeoutError):
     """A store key was not set before the deadline (a peer never published it)."""
 
 
-# --- the checkpoint store: unreadable steps, untrusted signers, timelines -------
-
-
-class CheckpointUnreadableError(StorageError):
-    """A committed step could not be read (an I/O error such as EIO, EMFILE or ESTALE: not a verdict on its
-    bytes), even after bounded retries. Nothing was skipped or rolled back past; `.step` names the step."""
-
-    def __init__(self, message: str, *, step: int | None = None, path: str | None = None,
-                 errno: int | None = None):
-        super().__init__(message, path=path, errno=errno)
-        self.step = step
-
-
-class SigningKeyNotTrustedError(SneppXError, ValueError):
-    """A coordinator's signing_key is not among its own trusted_keys (or it has trusted_keys and saves
-    unsigned): every step it saved would fail its own validation."""
-
-
-class CommittedStepInvalidError(StorageError):
-    """A step this coordinator committed does not validate when read back: storage did not keep what was
-    written. Retention kept the newest step that does validate."""
-
-
-class FenceRecordError(CheckpointFormatError):
-    """The root's fence record (docs/FORMAT.md, "Timelines and fencing") is not one SneppX wrote: which steps
-    are abandoned can't be known, so no step is returned as the latest."""
-
-
-# --- interop: other formats and frameworks, tools over a checkpoint root -------
-
-
-class ForeignCheckpointError(CheckpointFormatError):
-    """A checkpoint in another format (a safetensors file or sharded index) can't be read as it is: the file is
-    malformed, or the index names files or tensors its shards don't hold."""
-
-
-# --- records: small JSON records in the shared store, written by compare-and-swap ---------
-
-
-class RecordError(SneppXError):
-    """A record of the shared store (rendezvous, leases) could not be written or read. `.key` names it."""
-
-    def __init__(self, message: str, *, key: str | None = None):
-        super().__init__(message)
-        self.key = key
-
-
-class RecordConflictError(RecordError):
-    """The write's condition did not hold: another writer changed the record first. Read it again."""
-
-
-class RecordExistsError(RecordConflictError):
-    """Create-if-absent found the key taken."""
-
-
-class RecordCorruptError(RecordError):
-    """What the store holds under the key is not a record SneppX wrote (not bounded UTF-8 JSON, bad layout)."""
-
-
-class RecordValueError(RecordError, ValueError):
-    """The caller's key or value can't be stored: a key outside the store's root, a value too large or not
-    plain JSON."""
-
-
-class RecordStoreError(RecordError):
-    """The store failed or refused the call (permissions, a missing bucket, an I/O error)."""
-
-
-class RecordUnavailableError(RecordStoreError):
-    """The store could not be reached in time (timeout, connection, 5xx, throttling). Transient: a read may be
-    retried as is; a write's outcome is unknown, so read the key before writing again."""
-
-
 # --- rendezvous: membership generations agreed through the shared store ---------------------
 
 
@@ -436,26 +476,6 @@ class InvalidRendezvousRecordError(RendezvousError):
         self.key = key
 
 
-# --- sharded checkpoints: steps saved by several ranks, loaded at any world size ---------------------------
-
-
-class ShardedCheckpointError(SneppXError):
-    """A save or restore of a group of ranks failed on one or more of them. Every rank raises it (or, on the
-    rank where the failure happened, the original error), so the whole group learns the same outcome;
-    `.failures` maps each rank that failed to what went wrong (torch.distributed.checkpoint's
-    CheckpointException)."""
-
-    def __init__(self, message: str, *, failures: dict[int, str] | None = None):
-        super().__init__(message)
-        self.failures = dict(failures or {})
-
-
-class ShardingMismatchError(SneppXError, ValueError):
-    """What was saved or asked for doesn't fit together: ranks whose shards of a tensor don't cover it exactly
-    once, ranks that declare different replicated tensors, or a restore target that the step lacks or whose
-    dtype or global shape differs from the saved tensor's. Nothing is committed or loaded."""
-
-
 # --- the ElasticTrainer: a run of agents and workers that survives failures -------------------------------
 
 
@@ -483,27 +503,23 @@ class MembershipChangingError(SneppXError):
         self.step = step
 
 
-# --- peer-memory snapshots: the state of recent steps in host memory, a copy on the next node -----------------
+# ===== model: the reference model ===========================================================================
 
 
-class SnapshotError(SneppXError):
-    """A peer-memory snapshot could not be taken (elastic/snapshot.py)."""
+# --- model: the reference Transformer and its training state ------------------
 
 
-class SnapshotMemoryError(SnapshotError, MemoryError):
-    """Snapshots would need more host memory than `snapshot_memory_limit` allows: `.needed` and `.limit` in
-    bytes. Raised by the first `ctx.snapshot()`, before anything is allocated, never mid-run."""
-
-    def __init__(self, message: str, *, needed: int, limit: int):
-        super().__init__(message)
-        self.needed, self.limit = needed, limit
+class ModelConfigError(SneppXError, ValueError):
+    """A model or optimizer configuration is invalid, or a checkpoint's config is not a model config."""
 
 
-class ReplicaDivergenceError(SnapshotError):
-    """Data-parallel ranks that must hold identical replicated tensors do not (a bad core or memory bit):
-    `.ranks` are the ones that differ from the majority, `.step` the step. Nothing of that step is kept; the
-    generation ends and the job rolls back to the newest snapshot on which they agreed."""
+class ConfigMismatchError(ModelConfigError):
+    """A checkpoint holds a different architecture than the model loading it (see Transformer.from_checkpoint)."""
 
-    def __init__(self, message: str, *, step: int, ranks: list[int]):
-        super().__init__(message)
-        self.step, self.ranks = step, list(ranks)
+
+class ModelInputError(SneppXError, ValueError):
+    """Token ids the model can't take: wrong dtype or rank, too long, or outside the vocabulary."""
+
+
+class TrainingStateError(SneppXError):
+    """Optimizer, data-position or RNG state is missing or does not fit the trainer resuming from it."""
