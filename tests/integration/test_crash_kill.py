@@ -20,6 +20,7 @@ import random
 import shutil
 import signal
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -40,27 +41,42 @@ def state_for(step: int) -> dict:
             "opt": {"b": rng.standard_normal(10), "t": np.int64(step)}}
 
 
-def run_child(root: str, first_step: int, fault_at: int | None) -> tuple[int, int]:
-    """Forks a saving child; returns (pid, read end of a pipe that gets its I/O site count on success)."""
+def fork_child(fault_at: int | None, body: Callable[[Callable[[], None]], None]) -> tuple[int, int]:
+    """Forks a child that runs body(arm), where arm() arms the fault hook to SIGKILL the child at its fault_at-th
+    I/O site from then on (None: no fault); returns (pid, read end of a pipe that gets the count of I/O sites the
+    child passed after arm() when it finishes)."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child never returns into pytest
         code = 3
         try:
             os.close(read_fd)
-            coord = CheckpointCoordinator(root, max_to_keep=2, staging_bytes=256 << 10, device="cpu")
-            if fault_at is not None:
-                _native.fault_arm(ALL_SITES, fault_at, "kill")
-            start = _native.fault_sites_passed()
-            for step in range(first_step, first_step + SAVES_PER_ROUND):
-                coord.save(state_for(step), step=step, training_state={"step": step})
-            coord.close()
-            os.write(write_fd, str(_native.fault_sites_passed() - start).encode())
+            start: list[int] = []
+
+            def arm() -> None:
+                if fault_at is not None:
+                    _native.fault_arm(ALL_SITES, fault_at, "kill")
+                start.append(_native.fault_sites_passed())
+
+            body(arm)
+            os.write(write_fd, str(_native.fault_sites_passed() - start[0]).encode())
             code = 0
         finally:
             os._exit(code)
     os.close(write_fd)
     return pid, read_fd
+
+
+def run_child(root: str, first_step: int, fault_at: int | None) -> tuple[int, int]:
+    """Forks a child that saves a round of steps from first_step; returns as fork_child does."""
+    def body(arm: Callable[[], None]) -> None:
+        coord = CheckpointCoordinator(root, max_to_keep=2, staging_bytes=256 << 10, device="cpu")
+        arm()
+        for step in range(first_step, first_step + SAVES_PER_ROUND):
+            coord.save(state_for(step), step=step, training_state={"step": step})
+        coord.close()
+
+    return fork_child(fault_at, body)
 
 
 def reap(pid: int, read_fd: int) -> tuple[bool, int | None]:
@@ -159,28 +175,16 @@ def test_sigkill_at_every_io_site_and_at_random_times_never_exposes_a_partial_ch
 
 def rollback_child(root: str, fault_at: int | None) -> tuple[int, int]:
     """Forks a child that restores step 2 of the chain 1..4 (a rollback: 3 and 4 are fenced off at the next
-    commit) and saves step 5, which continues 2's chain; returns as run_child does."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 3
-        try:
-            os.close(read_fd)
-            coord = CheckpointCoordinator(root, max_to_keep=2, staging_bytes=256 << 10, device="cpu",
-                                          full_every=100)
-            got: dict = {}
-            assert coord.restore(got, 2).step == 2
-            if fault_at is not None:
-                _native.fault_arm(ALL_SITES, fault_at, "kill")
-            start = _native.fault_sites_passed()
-            coord.save(state_for(5), step=5, training_state={"step": 5})
-            coord.close()
-            os.write(write_fd, str(_native.fault_sites_passed() - start).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_fd)
-    return pid, read_fd
+    commit) and saves step 5, which continues 2's chain; returns as fork_child does."""
+    def body(arm: Callable[[], None]) -> None:
+        coord = CheckpointCoordinator(root, max_to_keep=2, staging_bytes=256 << 10, device="cpu", full_every=100)
+        got: dict = {}
+        assert coord.restore(got, 2).step == 2
+        arm()
+        coord.save(state_for(5), step=5, training_state={"step": 5})
+        coord.close()
+
+    return fork_child(fault_at, body)
 
 
 def test_sigkill_at_every_io_site_of_a_rollback_over_an_incremental_chain(tmp_path) -> None:

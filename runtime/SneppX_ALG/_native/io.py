@@ -82,17 +82,22 @@ def fault_sites_passed() -> int:
     return int(lib.sx_fault_sites_passed())
 
 
+def _writable(buffer: Any) -> Any:
+    """A cffi view of a writable contiguous buffer to read into (UnsupportedTensorError for anything else)."""
+    try:
+        return ffi.from_buffer("char[]", buffer, require_writable=True)
+    except (TypeError, ValueError, BufferError) as e:
+        raise errors.UnsupportedTensorError(f"{type(buffer).__name__} is not a writable contiguous buffer "
+                                            f"({e})") from None
+
+
 def read_at(fd: int, buffer: Any, offset: int, crc: int = 0, *, path: str | None = None) -> int:
     """Reads exactly len(buffer) bytes of fd at offset into a writable buffer; returns their CRC32C
     continued from `crc`. A failed read is StorageError with .errno (never a SIGBUS, as a memory map
     gives); a file that ends first is TruncatedCheckpointError."""
     if offset < 0:
         raise ValueError(f"offset must be >= 0, not {offset}")
-    try:
-        buf = ffi.from_buffer("char[]", buffer, require_writable=True)
-    except (TypeError, ValueError, BufferError) as e:
-        raise errors.UnsupportedTensorError(f"{type(buffer).__name__} is not a writable contiguous buffer "
-                                            f"({e})") from None
+    buf = _writable(buffer)
     out = ffi.new("uint32_t *", crc)
     raise_for(lib.sx_read_at(fd, buf, len(buf), offset, out), "read", path)
     return int(out[0])
@@ -103,11 +108,8 @@ def read_blocks_at(fd: int, buffer: Any, offset: int, block_bytes: int, *, path:
     each taken as the block landed."""
     if offset < 0 or block_bytes <= 0:
         raise ValueError(f"offset must be >= 0 and block_bytes > 0, not {offset} and {block_bytes}")
-    try:
-        buf = ffi.from_buffer("char[]", buffer, require_writable=True)
-    except (TypeError, ValueError, BufferError) as e:
-        raise errors.UnsupportedTensorError(f"{type(buffer).__name__} is not a writable contiguous buffer "
-                                            f"({e})") from None
-    crcs = ffi.new("uint32_t[]", max(1, -(-len(buf) // block_bytes)))
+    buf = _writable(buffer)
+    count = -(-len(buf) // block_bytes)
+    crcs = ffi.new("uint32_t[]", max(1, count))
     raise_for(lib.sx_read_blocks_at(fd, buf, len(buf), offset, block_bytes, crcs), "read", path)
-    return list(crcs)[:-(-len(buf) // block_bytes)]
+    return list(crcs)[:count]

@@ -26,7 +26,7 @@ import queue
 import threading
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -317,7 +317,7 @@ class Engine:
             self._steps.add(step)
             return True
 
-    def release_steps(self, steps: Any) -> None:
+    def release_steps(self, steps: Iterable[int]) -> None:
         """`steps` may be saved again: their save failed in save(), or a restore abandoned them."""
         with self._idle:
             self._steps.difference_update(steps)
@@ -467,10 +467,8 @@ class Engine:
             same = job.same.get(piece.entry)
             if same is not None and job.base is not None and same == job.base.step:
                 # the snapshot found it equal to the base's bytes: referenced with the base's checksums, unhashed
-                box = piece.global_box(spec)
-                record = reusable(job.base, piece.entry, spec.dtype, spec.full_shape,
-                                  {"shard": self.group.rank, "offset": list(box.offset), "shape": list(box.shape),
-                                   "nbytes": piece.nbytes, "crc32c": job.snapshot_crcs[piece.entry]}, ("crc32c",))
+                placed = plan.chunk_record(spec, piece, self.group.rank, job.snapshot_crcs[piece.entry], "", None)
+                record = reusable(job.base, piece.entry, spec.dtype, spec.full_shape, placed, ("crc32c",))
                 if record is not None:
                     job.records[piece.entry] = record
                     job.state_bytes += piece.nbytes
