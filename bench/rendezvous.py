@@ -40,8 +40,8 @@ from typing import Any
 
 from bench import common
 from SneppX_ALG import errors, storage
+from SneppX_ALG.contract import record
 from SneppX_ALG.elastic import rendezvous
-from SneppX_ALG.storage import record
 from tests import s3_servers
 
 

@@ -17,7 +17,7 @@ The environment each rank's containers get (the contract with the in-pod runtime
                                         the mount itself when the job gives a subPath; s3://bucket/<prefix>,
                                         s3://bucket/<namespace>/<job> without one
     SNEPPX_SAVE_EVERY_N_STEPS, SNEPPX_MAX_TO_KEEP, SNEPPX_CHECKPOINT_VALIDATION, SNEPPX_ROLLBACK_DEPTH
-    SNEPPX_RENDEZVOUS_OBJECT            the job's rendezvous ConfigMap (storage/job_object.py); its records
+    SNEPPX_RENDEZVOUS_OBJECT            the job's rendezvous ConfigMap (contract/job_object.py); its records
                                         carry what may change under running pods (pause, node bounds)
     SNEPPX_POD_NAME                     the agent's id in the rendezvous
     SNEPPX_HOST                         the pod's IP (downward API): where its agent and workers listen
@@ -40,6 +40,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+from SneppX_ALG.contract import job_object
 from SneppX_ALG.contract.env import (
     ENV_CHECKPOINT_URI,
     ENV_GENERATION,
@@ -61,7 +62,6 @@ from SneppX_ALG.contract.env import (
     ENV_SNAPSHOT_REPLICAS,
     ENV_VALIDATION,
 )
-from SneppX_ALG.storage import job_object
 from sneppx_operator import restricted
 from sneppx_operator.errors import JobSpecError
 
@@ -210,7 +210,7 @@ def control_record(spec: Mapping[str, Any], *, paused: bool, reason: str, pod_ge
 def build_rendezvous_object(
     job_name: str, namespace: str, job_uid: str, control: job_object.Control
 ) -> dict[str, Any]:
-    """The job's rendezvous ConfigMap (storage/job_object.py), created with the operator's control record; the
+    """The job's rendezvous ConfigMap (contract/job_object.py), created with the operator's control record; the
     agents add the rest by compare-and-swap."""
     labels = {LABEL_COMPONENT: COMPONENT_RENDEZVOUS}
     return {

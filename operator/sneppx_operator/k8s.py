@@ -23,7 +23,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client import ApiException
 
-from SneppX_ALG.storage import job_object
+from SneppX_ALG.contract import job_object
 from sneppx_operator import builders, reconcile
 
 _lock = threading.Lock()

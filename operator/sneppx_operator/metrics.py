@@ -35,7 +35,7 @@ import prometheus_client
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from SneppX_ALG.storage import job_object
+from SneppX_ALG.contract import job_object
 
 PHASES = ("Pending", "Creating", "Running", "Restarting", "Paused", "Suspended", "Succeeded", "Failed")
 RECOVERY_BUCKETS = (0.5, 1, 2, 5, 10, 20, 40, 60, 120, 300, 600, float("inf"))

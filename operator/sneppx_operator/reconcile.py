@@ -29,7 +29,7 @@ import datetime
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from SneppX_ALG.storage import job_object
+from SneppX_ALG.contract import job_object
 from sneppx_operator import builders, policy
 from sneppx_operator.errors import JobSpecError
 

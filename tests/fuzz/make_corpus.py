@@ -26,9 +26,9 @@ import targets
 
 from SneppX_ALG import checkpoint, storage
 from SneppX_ALG.checkpoint import updates
+from SneppX_ALG.contract import job_object
 from SneppX_ALG.coordinator import CheckpointCoordinator
 from SneppX_ALG.elastic import rendezvous, wire
-from SneppX_ALG.storage import job_object
 
 HERE = pathlib.Path(__file__).resolve().parent
 CORPUS = HERE / "corpus"

@@ -27,8 +27,8 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from SneppX_ALG import _native, errors, storage
 from SneppX_ALG.checkpoint import convert, file, format, signing, updates, validate
 from SneppX_ALG.checkpoint import manifest as manifest_codec
+from SneppX_ALG.contract import job_object, record
 from SneppX_ALG.elastic import control, rendezvous, wire
-from SneppX_ALG.storage import job_object, record
 from sneppx_operator.errors import JobSpecError
 
 

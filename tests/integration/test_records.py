@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from SneppX_ALG import errors, storage
+from SneppX_ALG.contract import record
 from SneppX_ALG.elastic import rendezvous
-from SneppX_ALG.storage import record
 
 
 def race(writers: int, attempt: Any) -> list[Any]:

@@ -18,7 +18,8 @@ import sys
 import time
 
 from SneppX_ALG import errors
-from SneppX_ALG.storage import job_object, kube
+from SneppX_ALG.contract import job_object
+from SneppX_ALG.storage import kube
 
 
 def _now() -> str:

@@ -15,8 +15,9 @@ import pytest
 import yaml
 
 from SneppX_ALG import errors
+from SneppX_ALG.contract import job_object
 from SneppX_ALG.elastic import rendezvous
-from SneppX_ALG.storage import job_object, kube
+from SneppX_ALG.storage import kube
 from sneppx_operator import builders
 
 pytestmark = pytest.mark.k8s

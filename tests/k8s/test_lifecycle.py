@@ -22,7 +22,7 @@ import pytest
 import yaml
 from k8s_helpers import create, events, reason, running_pods, wait_running, wait_status
 
-from SneppX_ALG.storage import job_object
+from SneppX_ALG.contract import job_object
 
 pytestmark = pytest.mark.k8s
 

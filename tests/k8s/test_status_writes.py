@@ -11,7 +11,7 @@ import k8s_helpers
 import kubernetes
 import pytest
 
-from SneppX_ALG.storage import job_object
+from SneppX_ALG.contract import job_object
 from sneppx_operator import builders, k8s, reconcile
 
 pytestmark = pytest.mark.k8s

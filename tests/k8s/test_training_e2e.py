@@ -26,7 +26,7 @@ import pod_runner
 import pytest
 from k8s_helpers import wait_status
 
-from SneppX_ALG.storage import job_object
+from SneppX_ALG.contract import job_object
 from sneppx_operator import builders
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "integration"))

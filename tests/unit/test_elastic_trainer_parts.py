@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from SneppX_ALG import CheckpointCoordinator, ElasticTrainer, errors, storage
+from SneppX_ALG.contract import job_object
 from SneppX_ALG.contract.env import ENV_ROLE
 from SneppX_ALG.elastic import control, pod, rendezvous
 from SneppX_ALG.elastic.store import RecordKeyStore
-from SneppX_ALG.storage import job_object
 
 
 def pair() -> tuple[control.Channel, socket.socket]:

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from SneppX_ALG import errors, storage
+from SneppX_ALG.contract import job_object
 from SneppX_ALG.elastic import pod, rendezvous
-from SneppX_ALG.storage import job_object
 
 HANG = 30.0
 

@@ -1,4 +1,4 @@
-"""The rendezvous object's layout and records (storage/job_object.py): pure, shared by operator and runtime."""
+"""The rendezvous object's layout and records (contract/job_object.py): pure, shared by operator and runtime."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from SneppX_ALG import errors
-from SneppX_ALG.storage import job_object, record
+from SneppX_ALG.contract import job_object, record
 
 SEGMENT = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True)
 

@@ -441,7 +441,7 @@ def test_the_rendezvous_object_starts_with_the_operators_control_record() -> Non
     built = builders.build_rendezvous_object("train", "ns", "uid-1", control)
     assert built["metadata"]["name"] == "train-rendezvous"
     assert built["metadata"]["labels"]["app.kubernetes.io/component"] == "rendezvous"
-    from SneppX_ALG.storage import job_object
+    from SneppX_ALG.contract import job_object
 
     assert job_object.read_view(built["data"]).control == control
 

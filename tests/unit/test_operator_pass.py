@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from SneppX_ALG.storage import job_object
+from SneppX_ALG.contract import job_object
 from sneppx_operator import handlers, k8s, reconcile
 
 KEY = ("ns", "train")

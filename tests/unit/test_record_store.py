@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from SneppX_ALG import errors, storage
-from SneppX_ALG.storage import local, record
+from SneppX_ALG.contract import record
+from SneppX_ALG.storage import local
 
 
 @pytest.fixture

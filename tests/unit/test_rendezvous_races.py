@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from SneppX_ALG import errors, storage
+from SneppX_ALG.contract import record
 from SneppX_ALG.elastic import rendezvous
-from SneppX_ALG.storage import record
 
 RUN = "run"
 GIVE_UP_AT = 2000.0  # fake seconds: a scenario that runs this long went wrong (fail, don't hang)

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from SneppX_ALG import errors
+from SneppX_ALG.contract import record
 from SneppX_ALG.elastic import rendezvous
-from SneppX_ALG.storage import record
 
 ids = st.from_regex(r"[a-z0-9][a-z0-9.-]{0,6}", fullmatch=True)
 

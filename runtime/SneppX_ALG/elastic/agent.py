@@ -47,10 +47,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from SneppX_ALG import errors, storage
+from SneppX_ALG.contract import job_object
 from SneppX_ALG.contract.env import ENV_CONTROL_FD, ENV_LOCAL_RANK
 from SneppX_ALG.elastic import control, heartbeat, pod, rendezvous
 from SneppX_ALG.elastic.fault_tolerance import FaultToleranceManager
-from SneppX_ALG.storage import job_object
 
 log = logging.getLogger(__name__)
 

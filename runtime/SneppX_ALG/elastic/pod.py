@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 
 from SneppX_ALG import coordinator as coordinator_lib
 from SneppX_ALG import errors, storage
+from SneppX_ALG.contract import job_object, record
 from SneppX_ALG.contract.env import (
     ENV_CHECKPOINT_URI,
     ENV_HANG_TIMEOUT,
@@ -46,7 +47,7 @@ from SneppX_ALG.contract.env import (
     ENV_SNAPSHOT_REPLICAS,
 )
 from SneppX_ALG.elastic import rendezvous
-from SneppX_ALG.storage import job_object, kube, record
+from SneppX_ALG.storage import kube
 
 log = logging.getLogger(__name__)
 

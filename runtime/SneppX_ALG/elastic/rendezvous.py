@@ -5,7 +5,7 @@ Why: torchrun keeps its rendezvous in a TCPStore hosted by one agent, so losing 
 for its checkpoints (a local or NFS directory, an S3 prefix; in a pod, a Kubernetes object), written once
 with create-if-absent by whichever agent seals first: any agent can seal, none has to survive.
 
-Records of generation g of run R (keys of a `storage.record.RecordStore`):
+Records of generation g of run R (keys of a `contract.record.RecordStore`):
 
     rdzv/R/g000000007/join/<agent_id>   one per agent, created by that agent: N agents, N writes, no contention
     rdzv/R/g000000007/membership        created once, by the first agent to seal: one per generation
@@ -82,12 +82,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from SneppX_ALG import errors
-from SneppX_ALG.storage import record
+from SneppX_ALG.contract import record
 
 log = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
-MAX_NODES = 1024  # a membership of this many nodes stays well under storage.record.MAX_RECORD_BYTES
+MAX_NODES = 1024  # a membership of this many nodes stays well under contract.record.MAX_RECORD_BYTES
 MAX_WORKERS = 1024
 MAX_ADDRESS_CHARS = 300  # a DNS name (253) plus a port, or a bracketed IPv6 address and a port
 READ_THREADS = 16  # parallel reads of join records by a sealer

@@ -17,7 +17,7 @@ import time
 from typing import Protocol
 
 from SneppX_ALG import errors
-from SneppX_ALG.storage import record
+from SneppX_ALG.contract import record
 
 MAX_KEY_LENGTH = 512
 MAX_VALUE_BYTES = 1 << 20
@@ -124,7 +124,7 @@ class DirectoryStore:
 
 
 class RecordKeyStore:
-    """A Store over a `storage.record.RecordStore` (a directory or S3), under `prefix`: how the ranks of an
+    """A Store over a `contract.record.RecordStore` (a directory or S3), under `prefix`: how the ranks of an
     ElasticTrainer run find each other on whatever store holds the run's checkpoints, with no server of its
     own. set() is the record store's create-if-absent; get() polls with backoff up to `poll_max`."""
 

@@ -56,7 +56,7 @@ root `s3://bkt` owns only the `step-*/`, `.lease-*`, set-aside (`.invalid-step-*
 `FENCE` keys at the top of the bucket, and the records under `rdzv/` (below); two jobs in one bucket need two
 prefixes.
 
-Beside the steps, the same root holds small compare-and-swap records (`storage.record`, opened with
+Beside the steps, the same root holds small compare-and-swap records (`contract.record`, opened with
 `open_record_store`): the rendezvous of elastic jobs keeps its generations there under `rdzv/`, a name no
 step listing, inventory or cleanup ever touches.
 """
@@ -65,6 +65,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from SneppX_ALG.contract.record import Record, RecordStore
 from SneppX_ALG.storage.base import (
     COMMITTED,
     MANIFEST,
@@ -92,7 +93,6 @@ from SneppX_ALG.storage.base import (
     write_durable,
 )
 from SneppX_ALG.storage.local import LocalRecordStore, LocalStepReader, LocalStorage
-from SneppX_ALG.storage.record import Record, RecordStore
 from SneppX_ALG.storage.s3 import S3RecordStore, S3Storage, make_s3_client, parse_s3_uri
 
 __all__ = [

@@ -10,7 +10,7 @@ between (409 otherwise: read again and re-check the entry's own condition). A re
 its stored text: a swap succeeds only while the entry still holds the text that was read.
 
 The agents can't create the object (RBAC can't grant `create` by name); until the operator has made it, calls
-raise `RecordUnavailableError`, which the rendezvous retries. Errors follow `storage.record`: 404 and 5xx, 429
+raise `RecordUnavailableError`, which the rendezvous retries. Errors follow `contract.record`: 404 and 5xx, 429
 and connection failures are `RecordUnavailableError`; 401 and 403 `RecordStoreError` (naming the object);
 a record that would overflow the object (1 MiB) is `RecordStoreError` too, before anything is sent.
 
@@ -29,8 +29,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from SneppX_ALG import errors
+from SneppX_ALG.contract import job_object, record
 from SneppX_ALG.contract.env import ENV_NAMESPACE, ENV_OBJECT
-from SneppX_ALG.storage import job_object, record
 
 MAX_OBJECT_BYTES = 1 << 20  # what the API server accepts for a ConfigMap's data
 OBJECT_HEADROOM_BYTES = 16 << 10  # metadata and JSON quoting beside the data

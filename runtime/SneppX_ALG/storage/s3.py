@@ -17,7 +17,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from SneppX_ALG import _native, errors
-from SneppX_ALG.storage import base, lease, record
+from SneppX_ALG.contract import record
+from SneppX_ALG.storage import base, lease
 
 LEASE_FORMAT = "sneppx.lease"
 

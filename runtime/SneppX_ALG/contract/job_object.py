@@ -9,7 +9,7 @@ agent per generation, a membership, a lease, the records below), each written by
 times; records would have to live in its annotations (256 KiB in all, and shown by every `kubectl describe`).
 One object also keeps the agents' RBAC to a single `resourceNames` entry.
 
-Layout: each record of `storage.record` is one `data` entry whose key is the record's key with "/" written as
+Layout: each record of `contract.record` is one `data` entry whose key is the record's key with "/" written as
 "." (and "." and "_" escaped as "_." and "__", so the mapping is one-to-one); ConfigMap keys allow
 `[-._a-zA-Z0-9]` and at most 253 characters, which a record key of a job (`rdzv/<job>/g000000007/join/<pod>`)
 fits. The value is the record's JSON text (`record.encode`).
@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from SneppX_ALG import errors
-from SneppX_ALG.storage import record
+from SneppX_ALG.contract import record
 
 RECORD_VERSION = 1
 MAX_DATA_KEY_CHARS = 253  # a ConfigMap data key
