@@ -24,7 +24,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from SneppX_ALG import _native, errors, storage
+from SneppX_ALG import _fs, _native, errors, storage
 from SneppX_ALG.checkpoint import convert, file, format, signing, updates, validate
 from SneppX_ALG.checkpoint import manifest as manifest_codec
 from SneppX_ALG.contract import job_object, record
@@ -144,7 +144,7 @@ def safetensors_convert(data: bytes) -> None:
     try:
         convert.to_snpx(src, dst)
     finally:
-        storage.unlink_quietly(dst)
+        _fs.unlink_quietly(dst)
 
 
 # ---- a coordinator step: manifest and commit marker ------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from SneppX_ALG import _native, errors, storage
+from SneppX_ALG import _fs, _native, errors, storage
 from SneppX_ALG.checkpoint import file, format, tensors
 
 INDEX_KEY = "safetensors.index"
@@ -140,7 +140,7 @@ def to_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
                 progress(done, total)
         if index is not None:
             path = os.path.join(directory, INDEX_NAME)
-            storage.write_durable(path, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+            _fs.write_durable(path, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
             written.append(path)
     return written
 
@@ -199,5 +199,5 @@ def _write_safetensors(path: str, arrays: dict[str, np.ndarray], metadata: dict[
             os.close(fd)
         _native.rename_durable(tmp, path)
     except BaseException:
-        storage.unlink_quietly(tmp)
+        _fs.unlink_quietly(tmp)
         raise

@@ -22,7 +22,7 @@ from typing import Any, Protocol, Self
 
 import numpy as np
 
-from SneppX_ALG import _native, errors, storage
+from SneppX_ALG import _fs, _native, errors
 from SneppX_ALG.checkpoint import arrays, format, signing, write_mode
 
 # Writes go to the native writer in pieces of this size so signing digests can stream alongside.
@@ -241,7 +241,7 @@ class CheckpointWriter:
             _native.rename_durable(self._tmp, self.path)
         except BaseException:
             self._finished = "its commit failed"
-            storage.unlink_quietly(self._tmp)
+            _fs.unlink_quietly(self._tmp)
             raise
         self._finished = "committed"
         self.committed = True
@@ -258,7 +258,7 @@ class CheckpointWriter:
             file, self._file = self._file, None
             file.abort()
         elif self._tmp:
-            storage.unlink_quietly(self._tmp)
+            _fs.unlink_quietly(self._tmp)
 
     def __del__(self) -> None:
         if getattr(self, "_file", None) is not None:
@@ -328,7 +328,7 @@ class CheckpointReader:
         self.path = os.fspath(path)
         self.verify = verify
         self.signer: bytes | None = None
-        self._fd, size = storage.open_checked(self.path)
+        self._fd, size = _fs.open_checked(self.path)
         # Closes the file when the reader is garbage-collected without close(); close() runs it early.
         self._close_fd = weakref.finalize(self, os.close, self._fd)
         self._map: mmap.mmap | None = None

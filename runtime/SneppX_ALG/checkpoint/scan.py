@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from SneppX_ALG import _native, errors, storage
+from SneppX_ALG import _fs, _native, errors
 from SneppX_ALG.checkpoint import file, format, signing
 
 _SCRATCH = 8 << 20  # bytes per scratch buffer when a tensor is checked, not kept
@@ -44,10 +44,10 @@ def scan_shard(path: str, into: Callable[[format.TensorEntry], memoryview | None
     only check it. `digest`: an algorithm name ("blake3") to hash the whole file with, as it is read.
     `block_bytes`: also take each tensor's CRC32C per block of that size (what a step manifest lists), from
     the same reads. Raises the typed error of a bad header or table, CheckpointNotFoundError for a missing file,
-    CheckpointFormatError for a symbolic link or anything not a regular file (storage.open_checked: a FIFO is
+    CheckpointFormatError for a symbolic link or anything not a regular file (_fs.open_checked: a FIFO is
     refused, never waited on), and StorageError/OSError when the file can't be read (not a verdict on its
     bytes)."""
-    fd, size = storage.open_checked(path, follow_symlinks=False)  # never a FIFO waited on, never a link followed
+    fd, size = _fs.open_checked(path, follow_symlinks=False)  # never a FIFO waited on, never a link followed
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 

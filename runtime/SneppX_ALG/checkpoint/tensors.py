@@ -18,7 +18,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from SneppX_ALG import errors, storage
+from SneppX_ALG import _fs, errors, storage
 from SneppX_ALG.checkpoint import chunks, file, format
 from SneppX_ALG.checkpoint import manifest as manifest_codec
 
@@ -133,7 +133,7 @@ class StepTensors(TensorSet):
         super().__init__(path)
         self.step = step
         where = os.path.join(path, storage.MANIFEST)
-        raw = storage.read_small(where)
+        raw = _fs.read_small(where, storage.MAX_MANIFEST_BYTES)
         if raw is None:
             raise errors.ManifestError("manifest.json is missing: not a committed step", path=path)
         self.manifest = manifest_codec.decode_manifest(raw, step=step, where=where)

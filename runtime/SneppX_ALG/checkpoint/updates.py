@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from SneppX_ALG import _native, errors, storage
+from SneppX_ALG import _fs, _native, errors
 from SneppX_ALG.checkpoint import file, signing, verify
 
 VERSION_KEY = "sneppx.version"
@@ -249,10 +249,10 @@ class SignedUpdateManager:
                                      f"{version}-{verified.key_id.hex()[:8]}-{secrets.token_hex(4)}.snpx")
                 _native.rename_durable(staged, final)
             except errors.CheckpointFormatError as e:
-                storage.unlink_quietly(staged)
+                _fs.unlink_quietly(staged)
                 raise type(e)(e.reason, path=path) from None  # name the update, not the staged copy
             except BaseException:
-                storage.unlink_quietly(staged)
+                _fs.unlink_quietly(staged)
                 raise
             installed = Installed(version, final, verified.key_id.hex(), _iso(self.clock()))
             new_high = max(filter(None, (version, high_water)), key=parse_version)
@@ -309,7 +309,7 @@ class SignedUpdateManager:
 
     def _commit(self, current: Installed, previous: Installed | None, high_water: str) -> None:
         """The commit point: state.json replaced by tmp, fsync, rename, directory fsync."""
-        storage.write_durable(os.path.join(self.install_dir, STATE_NAME),
+        _fs.write_durable(os.path.join(self.install_dir, STATE_NAME),
                               _encode_state(current, previous, high_water))
 
     def _remove_leftovers(self) -> None:
@@ -317,7 +317,7 @@ class SignedUpdateManager:
         for directory in (self.install_dir, os.path.join(self.install_dir, VERSIONS_DIR)):
             for name in os.listdir(directory):
                 if name.startswith(_TMP_MARK) or _is_state_tmp(name):
-                    storage.unlink_quietly(os.path.join(directory, name))
+                    _fs.unlink_quietly(os.path.join(directory, name))
         self._remove_unreferenced()
 
     def _remove_unreferenced(self) -> None:
@@ -327,10 +327,10 @@ class SignedUpdateManager:
         versions = os.path.join(self.install_dir, VERSIONS_DIR)
         for name in os.listdir(versions):
             if name not in keep and name.endswith(".snpx") and not name.startswith(_TMP_MARK):
-                storage.unlink_quietly(os.path.join(versions, name))
+                _fs.unlink_quietly(os.path.join(versions, name))
 
 
 def _is_state_tmp(name: str) -> bool:
-    """storage.write_durable's temporary name for state.json (`state.json.<hex>.tmp`), left by a kill."""
+    """_fs.write_durable's temporary name for state.json (`state.json.<hex>.tmp`), left by a kill."""
     return name.startswith(f"{STATE_NAME}.") and name.endswith(".tmp")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from SneppX_ALG import errors, storage
+from SneppX_ALG import _fs, errors, storage
 from SneppX_ALG.checkpoint import chunks, file, format, reshard, scan, signing, verify
 from SneppX_ALG.checkpoint import manifest as manifest_codec
 
@@ -103,10 +103,10 @@ def _scan_step_files(local: str, step: int, trusted_keys: dict[bytes, Any] | Non
                      ) -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
     path = os.path.join(local, storage.MANIFEST)
     try:
-        raw = storage.read_small(path)
-        signature = (storage.read_small(os.path.join(local, storage.SIGNATURE), format.MAX_SIGNATURE_BYTES)
+        raw = _fs.read_small(path, storage.MAX_MANIFEST_BYTES)
+        signature = (_fs.read_small(os.path.join(local, storage.SIGNATURE), format.MAX_SIGNATURE_BYTES)
                      if trusted_keys is not None else None)
-        marker = storage.read_small(storage.fetched_marker_path(local))  # S3 steps: the marker, next to them
+        marker = _fs.read_small(storage.fetched_marker_path(local), storage.MAX_MANIFEST_BYTES)  # S3 steps: the marker, next to them
     except errors.CheckpointFormatError as e:  # a FIFO, a link, a directory where a small file should be
         return None, [f"{type(e).__name__}: {e}"], None
     if raw is None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from SneppX_ALG import errors, storage
+from SneppX_ALG import _fs, errors, storage
 from SneppX_ALG.checkpoint import file, format, signing
 
 
@@ -102,7 +102,7 @@ def sign_checkpoint(path: str | os.PathLike[str], private_key: ed25519.Ed25519Pr
 
 
 def _read_bounded(path: str, limit: int) -> bytes | None:
-    data = storage.read_small(path, limit)
+    data = _fs.read_small(path, limit)
     if data is not None and len(data) > limit:
         raise errors.LimitExceededError(f"{os.path.basename(path)} is larger than {limit} bytes", path=path)
     return data
@@ -120,7 +120,7 @@ def sign_manifest(directory: str | os.PathLike[str], private_key: ed25519.Ed2551
         raise errors.CheckpointNotFoundError(f"{manifest_path} not found: nothing to sign",
                                              path=manifest_path)
     _check_manifest_files(directory, signing.manifest_files(manifest, manifest_path))
-    storage.write_durable(os.path.join(directory, storage.SIGNATURE), signing.manifest_signature(manifest, private_key))
+    _fs.write_durable(os.path.join(directory, storage.SIGNATURE), signing.manifest_signature(manifest, private_key))
     return signing.key_id(private_key)
 
 

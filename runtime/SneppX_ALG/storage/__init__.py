@@ -46,7 +46,7 @@ Setting aside (a committed step moved out of the step namespace, kept for inspec
 it): local, one durable rename to `.<reason>-step-...`; S3, a server-side copy under that name, then the marker
 deleted, then the step's other objects (its manifest.json too, so the number can be saved again). Small durable
 records at the root (the coordinator's `FENCE`, docs/FORMAT.md "Coordinator roots: timelines and fencing"):
-local, written through `write_durable`; S3, one PUT.
+local, written through `_fs.write_durable`; S3, one PUT.
 
 What is still assumed on S3: one writer per *step*. Two writers saving the same step upload its shards to the
 same keys: at most one commits, and a step whose shards the other replaced fails validation (never loads mixed
@@ -83,14 +83,10 @@ from SneppX_ALG.storage.base import (
     is_plain_name,
     manifest_references,
     marker_problem,
-    open_checked,
     parse_set_aside_name,
     parse_step_name,
-    read_small,
     set_aside_name,
     step_name,
-    unlink_quietly,
-    write_durable,
 )
 from SneppX_ALG.storage.local import LocalRecordStore, LocalStepReader, LocalStorage
 from SneppX_ALG.storage.s3 import S3RecordStore, S3Storage, make_s3_client, parse_s3_uri
@@ -120,17 +116,13 @@ __all__ = [
     "make_s3_client",
     "manifest_references",
     "marker_problem",
-    "open_checked",
     "open_record_store",
     "open_storage",
     "parse_s3_uri",
     "parse_set_aside_name",
     "parse_step_name",
-    "read_small",
     "set_aside_name",
     "step_name",
-    "unlink_quietly",
-    "write_durable",
 ]
 
 

@@ -41,7 +41,6 @@ import threading
 from collections.abc import Callable
 
 from SneppX_ALG import errors
-from SneppX_ALG.storage import base
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ def process_start(pid: int) -> int | None:
 
 def process_alive(pid: int, start: int | None) -> bool:
     """Whether process `pid` exists and is the one that started at `start` (None: any)."""
-    if not base.pid_alive(pid):
+    if not pid_alive(pid):
         return False
     if not os.path.isdir("/proc/self"):
         return True  # no procfs: kill(0) is all this host can tell
@@ -223,3 +222,13 @@ class WriterLease:
                     self._refresh()
                 except (errors.SneppXError, OSError) as e:
                     log.warning("claim of checkpoint writer %s not refreshed: %s", self.writer, e)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

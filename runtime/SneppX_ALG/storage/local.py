@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from SneppX_ALG import _native, errors
+from SneppX_ALG import _fs, _native, errors
 from SneppX_ALG.contract import record
 from SneppX_ALG.storage import base, lease
 
@@ -113,10 +113,10 @@ class LocalStorage:
                 raise errors.StorageError(f"{name} in {pending.local_dir} is not the size its writer reported",
                                           path=pending.local_dir)
         parts = dict(parts)
-        base.write_durable(os.path.join(pending.local_dir, base.MANIFEST), manifest)
+        _fs.write_durable(os.path.join(pending.local_dir, base.MANIFEST), manifest)
         sizes[base.MANIFEST] = len(manifest)
         if signature is not None:  # before the commit point: a committed signed step always has its signature
-            base.write_durable(os.path.join(pending.local_dir, base.SIGNATURE), signature)
+            _fs.write_durable(os.path.join(pending.local_dir, base.SIGNATURE), signature)
             sizes[base.SIGNATURE] = len(signature)
         if os.path.lexists(final):
             raise errors.CheckpointExistsError(f"{final} is already committed; a step is never overwritten",
@@ -148,7 +148,7 @@ class LocalStorage:
         try:
             os.rename(final, tmp)
         except OSError:
-            base.remove_tree(final)
+            _fs.remove_tree(final)
             return
         with contextlib.suppress(OSError):
             fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -160,7 +160,7 @@ class LocalStorage:
     def abort(self, pending: base.PendingStep) -> None:
         """Drops the step in flight: its directory (every rank's files) when this rank made it."""
         if pending.owner:
-            base.remove_tree(pending.local_dir)
+            _fs.remove_tree(pending.local_dir)
         self._end(pending.step)
 
     def leave(self, pending: base.PendingStep) -> None:
@@ -189,7 +189,7 @@ class LocalStorage:
         path = self.step_path(step)
         doomed = os.path.join(self.root, f"{base.DELETING_PREFIX}{step:09d}-{secrets.token_hex(4)}")
         _native.rename_durable(path, doomed)  # invisible from here on, even if the removal is cut short
-        base.remove_tree(doomed)
+        _fs.remove_tree(doomed)
 
     def set_aside(self, step: int, reason: str) -> str:
         """Moves a committed step out of the step namespace, kept for inspection as `.<reason>-step-...`
@@ -210,16 +210,16 @@ class LocalStorage:
     def remove_set_aside(self, name: str) -> None:
         if base.parse_set_aside_name(name) is None:
             raise ValueError(f"{name!r} is not a set-aside step")
-        base.remove_tree(os.path.join(self.root, name))
+        _fs.remove_tree(os.path.join(self.root, name))
 
     def read_record(self, name: str) -> bytes | None:
-        return base.read_small(os.path.join(self.root, name))
+        return _fs.read_small(os.path.join(self.root, name), base.MAX_MANIFEST_BYTES)
 
     def write_record(self, name: str, data: bytes) -> None:
-        base.write_durable(os.path.join(self.root, name), data)
+        _fs.write_durable(os.path.join(self.root, name), data)
 
     def remove_record(self, name: str) -> None:
-        base.unlink_quietly(os.path.join(self.root, name))
+        _fs.unlink_quietly(os.path.join(self.root, name))
         _native.fsync_path(self.root)
 
     def cleanup(self) -> list[str]:
@@ -238,7 +238,7 @@ class LocalStorage:
                     continue
             elif not entry.name.startswith(base.DELETING_PREFIX):
                 continue
-            base.remove_tree(entry.path)
+            _fs.remove_tree(entry.path)
             removed.append(entry.path)
         return removed
 
@@ -260,7 +260,7 @@ class LocalStorage:
         """A small file (manifest, signature) of an inventory entry, or None when it has none."""
         if base.classify_entry(name) is None or not base.is_plain_name(leaf):
             raise ValueError(f"{name}/{leaf} is not a file of a step")
-        return base.read_small(os.path.join(self.root, name, leaf))
+        return _fs.read_small(os.path.join(self.root, name, leaf), base.MAX_MANIFEST_BYTES)
 
 
 def _make_durable_dirs(path: str) -> None:
@@ -313,11 +313,11 @@ class LocalStepReader:
         if name not in self._files:
             if not base.is_plain_name(name):
                 raise ValueError(f"{name!r} is not a file name in a step")
-            self._files[name] = base.open_checked(os.path.join(self.location, name), follow_symlinks=False)
+            self._files[name] = _fs.open_checked(os.path.join(self.location, name), follow_symlinks=False)
         return self._files[name]
 
     def read_file(self, name: str) -> bytes | None:
-        return base.read_small(os.path.join(self.location, name))
+        return _fs.read_small(os.path.join(self.location, name), base.MAX_MANIFEST_BYTES)
 
     def size(self, name: str) -> int:
         return self._open(name)[1]
@@ -547,7 +547,7 @@ class LocalRecordStore:
         except OSError as e:
             raise _record_error(e, key, directory) from None
         finally:
-            base.unlink_quietly(tmp)
+            _fs.unlink_quietly(tmp)
         self._remove_superseded(directory, number)
         return True
 
@@ -564,7 +564,7 @@ class LocalRecordStore:
                 path = os.path.join(directory, _version_name(number))
                 if number >= newest - 1 or newest_time - os.stat(path).st_mtime <= RETENTION_S:
                     return  # versions are written in order: the rest are younger still
-                base.unlink_quietly(path)
+                _fs.unlink_quietly(path)
         except OSError:
             return  # cleanup is best effort; the next write tries again
 

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from SneppX_ALG import _native, errors
+from SneppX_ALG import _fs, _native, errors
 from SneppX_ALG.contract import record
 from SneppX_ALG.storage import base, lease
 
@@ -307,7 +307,7 @@ class S3Storage:
             self._stop_streams(pending)
         finally:
             pending.streamed.clear()
-            base.remove_tree(pending.local_dir)
+            _fs.remove_tree(pending.local_dir)
             self.lease.release(pending.step)
 
     @staticmethod
@@ -445,7 +445,7 @@ class S3Storage:
             self._fetch_references(fetched, manifest)
             yield local
         finally:
-            base.remove_tree(fetched)
+            _fs.remove_tree(fetched)
 
     def _fetch_references(self, fetched: str, manifest: bytes) -> None:
         """The earlier steps' files an incremental step references, into `fetched/<step name>/`, beside the step,
@@ -621,8 +621,8 @@ class S3Storage:
                 removed.append(f"s3://{self.bucket}/{key}")
         for entry in os.scandir(self.staging_dir):
             pid = entry.name[len(base.STAGE_PREFIX):].split("-", 1)[0]
-            if entry.name.startswith(base.STAGE_PREFIX) and pid.isdigit() and not base.pid_alive(int(pid)):
-                base.remove_tree(entry.path)
+            if entry.name.startswith(base.STAGE_PREFIX) and pid.isdigit() and not lease.pid_alive(int(pid)):
+                _fs.remove_tree(entry.path)
                 removed.append(entry.path)
         return removed
 
