@@ -39,9 +39,10 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from bench import common
-from SneppX_ALG import errors, storage
+from SneppX_ALG import errors
 from SneppX_ALG.contract import record
 from SneppX_ALG.elastic import rendezvous
+from SneppX_ALG.records import LocalRecordStore, S3RecordStore
 from tests import s3_servers
 
 
@@ -170,13 +171,13 @@ def bench_floor(store: CountingStore, run_id: str, n: int, deadline_s: float) ->
 def open_store(kind: str, workdir: str, max_connections: int) -> Iterator[Callable[[], CountingStore]]:
     """Fresh counting stores (one per measurement) on a directory or a test S3 server started for this."""
     if kind == "dir":
-        yield lambda: CountingStore(storage.LocalRecordStore(tempfile.mkdtemp(dir=workdir)))
+        yield lambda: CountingStore(LocalRecordStore(tempfile.mkdtemp(dir=workdir)))
         return
     server = s3_servers.start(kind, pathlib.Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=workdir)))
     try:
         client = server.client(max_connections=max_connections)
         client.create_bucket(Bucket="bench")
-        yield lambda: CountingStore(storage.S3RecordStore(f"s3://bench/{uuid.uuid4().hex[:8]}", client=client))
+        yield lambda: CountingStore(S3RecordStore(f"s3://bench/{uuid.uuid4().hex[:8]}", client=client))
     finally:
         s3_servers.stop(server)
 

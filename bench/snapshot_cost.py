@@ -23,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from SneppX_ALG import coordinator, storage
+from SneppX_ALG import coordinator
 from SneppX_ALG.coordinator import Shard
 from SneppX_ALG.elastic import collectives, snapshot
 from SneppX_ALG.elastic import store as store_lib
+from SneppX_ALG.records import open_record_store
 
 MIB = 1 << 20
 
@@ -114,7 +115,7 @@ def measure(state_mib: int = 256, repeats: int = 7) -> None:
     states = [{"params": params.copy(), "optim": Shard(shards[r], (world * len(shards[r]),), (r * len(shards[r]),))}
               for r in range(world)]
     root = tempfile.mkdtemp(prefix="sneppx-bench-snapshot-")
-    records = storage.open_record_store(root)
+    records = open_record_store(root)
     groups = _on_threads(world, lambda r: collectives.ProcessGroup(
         store_lib.RecordKeyStore(records, "g"), r, world, 0, key=b"k" * 32, timeout=300, backend="tcp"))
     keepers = [snapshot.Keeper() for _ in range(world)]

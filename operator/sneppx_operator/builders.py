@@ -93,7 +93,7 @@ VOLUME_TMP = "sneppx-tmp"
 VOLUME_TOKEN = "sneppx-api-token"
 RESERVED_VOLUMES = frozenset({VOLUME_HEARTBEAT, VOLUME_CHECKPOINTS, VOLUME_TMP, VOLUME_TOKEN})
 # The agent's only permissions: its job's rendezvous object, read and compare-and-swap (a merge patch carrying
-# the resourceVersion it read: storage/kube.py).
+# the resourceVersion it read: records/kube.py).
 AGENT_VERBS = ("get", "patch")
 # Env the operator owns; template values for these names are replaced (SNEPPX_* is refused by the CRD).
 OPERATOR_ENV_NAMES = frozenset(

@@ -93,3 +93,15 @@ def unlink_quietly(path: str) -> None:
 def remove_tree(path: str) -> None:
     """Removes a directory and what it holds, whatever is already gone (a leftover, a step being deleted)."""
     shutil.rmtree(path, ignore_errors=True)
+
+
+def local_root(root: str) -> str:
+    """The directory a local root names: a path, or a `file:///absolute/path` URI (what the operator hands its pods)."""
+    if root.startswith("file://"):
+        root = root[len("file://"):]
+        if not root.startswith("/"):
+            raise ValueError(f"unsupported checkpoint root file://{root}: a file:// URI needs an absolute path, "
+                             "file:///path (no host)")
+    elif "://" in root:
+        raise ValueError(f"unsupported checkpoint root {root!r}: use a local path or s3://bucket/prefix")
+    return root

@@ -20,8 +20,9 @@ import sys
 import time
 from typing import Any
 
-from SneppX_ALG import errors, storage
+from SneppX_ALG import errors
 from SneppX_ALG.elastic import rendezvous
+from SneppX_ALG.records import open_record_store
 
 
 def describe(membership: rendezvous.Membership, agent_id: str) -> dict[str, Any]:
@@ -57,7 +58,7 @@ def main(argv: list[str]) -> int:
     config = rendezvous.RendezvousConfig(min_nodes=args.min, max_nodes=args.max, last_call=args.last_call,
                                          join_timeout=args.join_timeout, seal_grace=args.seal_grace,
                                          lease_timeout=args.lease_timeout)
-    store = storage.open_record_store(args.root)
+    store = open_record_store(args.root)
     run_ids = [args.run_id] if args.runs == 1 else [f"{args.run_id}-{i}" for i in range(args.runs)]
     result: dict[str, Any] = {"agent_id": args.agent_id, "pid": os.getpid(), "memberships": [], "error": None}
     try:

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from SneppX_ALG import storage
 from SneppX_ALG.contract.env import ENV_CONTROL_FD
 from SneppX_ALG.elastic import collectives, control, rendezvous
 from SneppX_ALG.elastic import store as store_lib
+from SneppX_ALG.records import open_record_store
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -76,7 +76,7 @@ def test_an_abort_during_group_setup_ends_the_generation_and_the_worker_keeps_it
     pair = rendezvous.Membership(RUN, 0, (member("node-0"), member("node-1")), "node-0")  # node-1 never comes
     agent.assign(pair)
     # rank 0 is in setup once its address is published: it waits there for rank 1, up to 10 minutes
-    train = store_lib.RecordKeyStore(storage.open_record_store(agent.elastic_root), f"comm/{RUN}/{pair.instance}/train")
+    train = store_lib.RecordKeyStore(open_record_store(agent.elastic_root), f"comm/{RUN}/{pair.instance}/train")
     train.get(collectives.address_key(0, 0), timeout=120)
     agent.channel.send("abort")
     said = agent.wait_for("idle")

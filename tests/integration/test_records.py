@@ -15,6 +15,7 @@ import pytest
 from SneppX_ALG import errors, storage
 from SneppX_ALG.contract import record
 from SneppX_ALG.elastic import rendezvous
+from SneppX_ALG.records import RecordStore, S3RecordStore, open_record_store
 
 
 def race(writers: int, attempt: Any) -> list[Any]:
@@ -34,7 +35,7 @@ def race(writers: int, attempt: Any) -> list[Any]:
 
 class Scenarios:
     @pytest.fixture
-    def store(self) -> storage.RecordStore:
+    def store(self) -> RecordStore:
         raise NotImplementedError
 
     def test_create_read_swap_keys_delete(self, store) -> None:
@@ -107,14 +108,14 @@ class Scenarios:
 
 class TestOnADirectory(Scenarios):
     @pytest.fixture
-    def store(self, tmp_path) -> storage.RecordStore:
-        return storage.open_record_store(str(tmp_path))
+    def store(self, tmp_path) -> RecordStore:
+        return open_record_store(str(tmp_path))
 
 
 class TestOnS3(Scenarios):
     @pytest.fixture
-    def store(self, s3_bucket: str, s3_env: Any) -> storage.RecordStore:
-        return storage.S3RecordStore(f"s3://{s3_bucket}/job", client=s3_env.client(max_connections=16))
+    def store(self, s3_bucket: str, s3_env: Any) -> RecordStore:
+        return S3RecordStore(f"s3://{s3_bucket}/job", client=s3_env.client(max_connections=16))
 
     def test_listings_page_past_a_thousand_keys_and_skip_what_is_not_a_record(self, store, s3_bucket,
                                                                              s3_env) -> None:
@@ -137,7 +138,7 @@ class TestOnS3(Scenarios):
                                                                                         s3_env) -> None:
         client = storage.make_s3_client(endpoint_url=f"http://127.0.0.1:{unused_port}", max_attempts=1,
                                         connect_timeout=1)
-        store = storage.S3RecordStore("s3://nobody/job", client=client)
+        store = S3RecordStore("s3://nobody/job", client=client)
         for call in (lambda: store.read("k"), lambda: store.create("k", {}), lambda: store.keys(),
                      lambda: store.swap("k", {}, '"etag"'), lambda: store.delete("k")):
             with pytest.raises(errors.RecordUnavailableError):

@@ -22,6 +22,7 @@ import pytest
 
 from SneppX_ALG import errors, storage
 from SneppX_ALG.elastic import rendezvous
+from SneppX_ALG.records import RecordStore, open_record_store
 
 AGENT = pathlib.Path(__file__).with_name("rdzv_agent.py")
 DEADLINE_S = 120.0  # generous: agents are processes on a loaded 2-core machine
@@ -63,11 +64,11 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = DEADLINE
         time.sleep(0.05)
 
 
-def sealed_generations(store: storage.RecordStore, run_id: str) -> list[str]:
+def sealed_generations(store: RecordStore, run_id: str) -> list[str]:
     return [k for k in store.keys(f"rdzv/{run_id}/") if k.endswith("/membership")]
 
 
-def make_agent(store: storage.RecordStore, run_id: str, agent_id: str, **config: Any) -> rendezvous.Rendezvous:
+def make_agent(store: RecordStore, run_id: str, agent_id: str, **config: Any) -> rendezvous.Rendezvous:
     return rendezvous.Rendezvous(store, run_id, agent_id=agent_id, host="127.0.0.1", heartbeat="127.0.0.1:29500",
                                  workers=1, config=rendezvous.RendezvousConfig(**config))
 
@@ -116,8 +117,8 @@ class Scenarios:
         raise NotImplementedError
 
     @pytest.fixture
-    def store(self, root: str) -> storage.RecordStore:
-        return storage.open_record_store(root)
+    def store(self, root: str) -> RecordStore:
+        return open_record_store(root)
 
     def test_agents_in_separate_processes_agree_on_one_membership_and_ranks(self, root, store, tmp_path) -> None:
         workers = {"n0": 2, "n1": 1, "n2": 3, "n3": 2, "n4": 1}
@@ -429,7 +430,7 @@ class TestOnS3(Scenarios):
 def test_rendezvous_keys_never_look_like_checkpoint_steps(tmp_path) -> None:
     # the rendezvous shares the checkpoint root: nothing it writes may be listed or cleaned up as a step
     root = str(tmp_path)
-    agent = rendezvous.Rendezvous(storage.open_record_store(root), "r", agent_id="a", host="h", heartbeat="h:1",
+    agent = rendezvous.Rendezvous(open_record_store(root), "r", agent_id="a", host="h", heartbeat="h:1",
                                   workers=1)
     agent.join()
     steps = storage.open_storage(root)

@@ -1,7 +1,7 @@
 """A stand-in for a rank's agent, run by the pod runner as a pod's process (tests/k8s/pod_runner.py).
 
 It behaves like a rank as far as the operator can tell: it runs until told to stop, exits with a given code,
-and (as its pod's ServiceAccount, through storage/kube.py, the store the real agent uses) writes the records
+and (as its pod's ServiceAccount, through records/kube.py, the store the real agent uses) writes the records
 an agent writes into the job's rendezvous object: rank 0's report, a peer reported hung. It also follows the
 operator's control record and leaves a trace of what it saw in its log (PAUSED / RESUMED).
 
@@ -19,7 +19,7 @@ import time
 
 from SneppX_ALG import errors
 from SneppX_ALG.contract import job_object
-from SneppX_ALG.storage import kube
+from SneppX_ALG.records import kube
 
 
 def _now() -> str:

@@ -1,4 +1,4 @@
-"""storage/kube.py: the compare-and-swap record store over a job's rendezvous ConfigMap, against the real API
+"""records/kube.py: the compare-and-swap record store over a job's rendezvous ConfigMap, against the real API
 server, as the job's agent ServiceAccount (a TokenRequest token held to the Role the operator builds)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import yaml
 from SneppX_ALG import errors
 from SneppX_ALG.contract import job_object
 from SneppX_ALG.elastic import rendezvous
-from SneppX_ALG.storage import kube
+from SneppX_ALG.records import kube
 from sneppx_operator import builders
 
 pytestmark = pytest.mark.k8s

@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from SneppX_ALG import CheckpointCoordinator, ElasticTrainer, errors, storage
+from SneppX_ALG import CheckpointCoordinator, ElasticTrainer, errors
 from SneppX_ALG.contract import job_object
 from SneppX_ALG.contract.env import ENV_ROLE
 from SneppX_ALG.elastic import control, pod, rendezvous
 from SneppX_ALG.elastic.store import RecordKeyStore
+from SneppX_ALG.records import open_record_store
 
 
 def pair() -> tuple[control.Channel, socket.socket]:
@@ -56,7 +57,7 @@ def test_the_end_of_the_other_process_is_seen_at_once() -> None:
 
 
 def test_record_key_store_is_create_only_and_waits_for_a_key(tmp_path: Path) -> None:
-    records = storage.open_record_store(str(tmp_path))
+    records = open_record_store(str(tmp_path))
     store = RecordKeyStore(records, "comm/run-1/train")
     store.set("gen-0/addr-0", b"\x00\x01binary")
     assert store.get("gen-0/addr-0", 0) == b"\x00\x01binary"
@@ -75,7 +76,7 @@ def test_record_key_store_is_create_only_and_waits_for_a_key(tmp_path: Path) -> 
 
 
 def test_record_key_store_refuses_a_record_that_holds_no_value(tmp_path: Path) -> None:
-    records = storage.open_record_store(str(tmp_path))
+    records = open_record_store(str(tmp_path))
     records.create("comm/run-1/train/gen-0/addr-0", {"value": "not base64 !"})
     with pytest.raises(errors.StoreError):
         RecordKeyStore(records, "comm/run-1/train").get("gen-0/addr-0", 0)
@@ -138,7 +139,7 @@ def test_the_pods_environment_is_the_word_on_the_jobs_shape() -> None:
 
 
 def test_rank_0s_report_is_what_the_operator_reads_and_follows_the_newest_committed_step(tmp_path: Path) -> None:
-    records = storage.open_record_store(str(tmp_path / "object"))
+    records = open_record_store(str(tmp_path / "object"))
     link = pod.JobLink(records, str(tmp_path / "ckpts"), "train-0")
     member = rendezvous.Member("train-0", "0" * 32, "127.0.0.7", "127.0.0.7:29500", 2, 0.0)
     other = rendezvous.Member("train-1", "1" * 32, "127.0.0.8", "127.0.0.8:29500", 2, 0.0)
@@ -173,7 +174,7 @@ def test_rank_0s_report_is_what_the_operator_reads_and_follows_the_newest_commit
 
 
 def test_the_operators_control_record_is_read_and_garbage_is_ignored(tmp_path: Path) -> None:
-    records = storage.open_record_store(str(tmp_path))
+    records = open_record_store(str(tmp_path))
     link = pod.JobLink(records, str(tmp_path / "ckpts"), "train-0")
     assert link.control() is None
     control = job_object.Control(True, "quorum lost", 2, 3, 1, 60)

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from SneppX_ALG import errors, storage
+from SneppX_ALG import errors
 from SneppX_ALG.contract import job_object
 from SneppX_ALG.elastic import pod, rendezvous
+from SneppX_ALG.records import open_record_store
 
 HANG = 30.0
 
@@ -113,7 +114,7 @@ def operator_view(records: Any) -> job_object.View:
 
 
 def test_rank_0_writes_what_the_operator_reads_and_the_silence_began_before_the_absence(tmp_path: Path) -> None:
-    records = storage.open_record_store(str(tmp_path / "object"))
+    records = open_record_store(str(tmp_path / "object"))
     link = pod.JobLink(records, str(tmp_path / "ckpts"), "train-0")
     absent = pod.AbsentMembers("train-0")
     before = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
@@ -181,7 +182,7 @@ def test_a_store_error_is_logged_and_the_report_is_tried_again_at_the_next_poll(
     assert "can't report train-1 hung" in caplog.text
     assert all(since < time.monotonic() - 99 for since in absent.absent().values())  # still due
 
-    link.store = storage.open_record_store(str(tmp_path / "object"))  # back up
+    link.store = open_record_store(str(tmp_path / "object"))  # back up
     written = link.report_hung(absent, HANG)
     assert [h.pod for h in written] == ["train-1", "train-2", "train-3"]
     assert {h.pod for h in operator_view(link.store).hung} == {"train-1", "train-2", "train-3"}
@@ -192,7 +193,7 @@ def test_the_reports_of_one_poll_are_bounded(tmp_path: Path) -> None:
     absent = pod.AbsentMembers("train-0")
     absent.formed(membership(1, *agents), now=0.0)
     absent.formed(membership(2, "train-0"), now=time.monotonic() - 100)
-    link = pod.JobLink(storage.open_record_store(str(tmp_path / "object")), str(tmp_path / "ckpts"), "train-0")
+    link = pod.JobLink(open_record_store(str(tmp_path / "object")), str(tmp_path / "ckpts"), "train-0")
     first = link.report_hung(absent, HANG, limit=8)
     second = link.report_hung(absent, HANG, limit=8)
     third = link.report_hung(absent, HANG, limit=8)

@@ -10,17 +10,17 @@ from typing import Any
 
 import pytest
 
-from SneppX_ALG import errors, storage
+from SneppX_ALG import errors
 from SneppX_ALG.contract import record
-from SneppX_ALG.storage import local
+from SneppX_ALG.records import LocalRecordStore, local, open_record_store
 
 
 @pytest.fixture
-def store(tmp_path) -> storage.LocalRecordStore:
-    return storage.LocalRecordStore(str(tmp_path / "root"))
+def store(tmp_path) -> LocalRecordStore:
+    return LocalRecordStore(str(tmp_path / "root"))
 
 
-def versions(store: storage.LocalRecordStore, key: str) -> list[str]:
+def versions(store: LocalRecordStore, key: str) -> list[str]:
     return sorted(n for n in os.listdir(os.path.join(store.root, key)) if n.startswith(".v"))
 
 
@@ -118,7 +118,7 @@ def test_a_value_that_is_not_a_bounded_json_object_is_refused(store, value: Any)
     assert store.read("k") is None
 
 
-def plant(store: storage.LocalRecordStore, key: str) -> str:
+def plant(store: LocalRecordStore, key: str) -> str:
     os.makedirs(os.path.join(store.root, key), exist_ok=True)
     return os.path.join(store.root, key, ".v000000001")
 
@@ -166,6 +166,6 @@ def test_a_file_where_a_key_directory_should_be_is_a_typed_error(store) -> None:
 def test_the_root_may_be_reached_through_a_symlink(tmp_path) -> None:
     (tmp_path / "real").mkdir()
     os.symlink(tmp_path / "real", tmp_path / "alias")
-    store = storage.open_record_store(f"file://{tmp_path / 'alias'}")
+    store = open_record_store(f"file://{tmp_path / 'alias'}")
     store.create("a/b", {"x": 1})
-    assert storage.LocalRecordStore(str(tmp_path / "real")).read("a/b") == record.Record("a/b", {"x": 1}, "1")
+    assert LocalRecordStore(str(tmp_path / "real")).read("a/b") == record.Record("a/b", {"x": 1}, "1")

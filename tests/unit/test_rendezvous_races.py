@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from SneppX_ALG import errors, storage
+from SneppX_ALG import errors
 from SneppX_ALG.contract import record
 from SneppX_ALG.elastic import rendezvous
+from SneppX_ALG.records import LocalRecordStore
 
 RUN = "run"
 GIVE_UP_AT = 2000.0  # fake seconds: a scenario that runs this long went wrong (fail, don't hang)
@@ -80,7 +81,7 @@ class AfterRead(Outage):
 
 @pytest.fixture
 def store(tmp_path) -> record.RecordStore:
-    return storage.LocalRecordStore(str(tmp_path))
+    return LocalRecordStore(str(tmp_path))
 
 
 def agent(store: record.RecordStore, agent_id: str, clock: Clock | None = None,

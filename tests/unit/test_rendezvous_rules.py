@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from SneppX_ALG import errors
 from SneppX_ALG.contract import record
 from SneppX_ALG.elastic import rendezvous
+from SneppX_ALG.records import LocalRecordStore
 
 ids = st.from_regex(r"[a-z0-9][a-z0-9.-]{0,6}", fullmatch=True)
 
@@ -233,8 +234,7 @@ def test_bad_sizes_and_times_are_refused(config: dict[str, Any]) -> None:
     {"workers": 0}, {"workers": 1025},
 ])
 def test_bad_agent_identities_are_refused(tmp_path, agent: dict[str, Any]) -> None:
-    from SneppX_ALG import storage
 
     identity = {"agent_id": "a", "host": "h", "heartbeat": "h:1", "workers": 1} | agent
     with pytest.raises(ValueError):
-        rendezvous.Rendezvous(storage.LocalRecordStore(str(tmp_path)), "run", **identity)
+        rendezvous.Rendezvous(LocalRecordStore(str(tmp_path)), "run", **identity)

@@ -11,10 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from SneppX_ALG import _native, errors, storage
+from SneppX_ALG import _native, errors
 from SneppX_ALG.coordinator import Shard
 from SneppX_ALG.elastic import collectives, snapshot
 from SneppX_ALG.elastic import store as store_lib
+from SneppX_ALG.records import open_record_store
 
 M = 10  # elements of the sharded vector "m"
 
@@ -140,7 +141,7 @@ def test_divergent_names_the_ranks_off_the_majority() -> None:
 
 
 def groups(world: int, generation: int, root: str) -> list[collectives.ProcessGroup]:
-    records = storage.open_record_store(root)
+    records = open_record_store(root)
     made: list[Any] = [None] * world
 
     def connect(rank: int) -> None:

@@ -30,7 +30,7 @@ relative to the store's root: no "..", no absolute path, no empty segment, so no
 Values are JSON objects of at most `MAX_RECORD_BYTES` encoded, without NaN or Infinity; reading refuses
 anything larger, not UTF-8, not an object, or with a duplicate key. Nothing is ever unpickled.
 
-The Kubernetes implementation (`storage/kube.py`) fits the same Protocol: the keys of a job are entries of one
+The Kubernetes implementation (`records/kube.py`) fits the same Protocol: the keys of a job are entries of one
 ConfigMap of the job, the version of an entry is a digest of its value, and each call is a read-modify-write of
 the object with compare-and-swap on its `resourceVersion`, retried on 409 while the entry's own condition still
 holds. One object holds at most 1 MiB, so the rendezvous removes the records of old generations

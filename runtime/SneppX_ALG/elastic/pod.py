@@ -9,7 +9,7 @@ is the agent's link to the job's rendezvous object beyond the rendezvous itself 
 job's hang timeout (`AbsentMembers` keeps track of who is out and since when).
 
 Where records live in a pod (docs/OPERATOR.md, "Inside the pods"):
-- the rendezvous (`rdzv/<job>/...`) in the job's ConfigMap (`storage.kube`), the only object the pod's token may
+- the rendezvous (`rdzv/<job>/...`) in the job's ConfigMap (`records.kube`), the only object the pod's token may
   touch; old generations are removed by the sealer of each new one (rendezvous.Rendezvous.sweep), so the object
   stays small whatever the number of generations;
 - the process groups' addresses (`_elastic/comm/...`) in the checkpoint store, as in standalone mode: a
@@ -47,7 +47,7 @@ from SneppX_ALG.contract.env import (
     ENV_SNAPSHOT_REPLICAS,
 )
 from SneppX_ALG.elastic import rendezvous
-from SneppX_ALG.storage import kube
+from SneppX_ALG.records import kube, open_record_store
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def rendezvous_store(elastic_root: str, environ: Mapping[str, str] = os.environ)
     """Where the rendezvous records are: the job's ConfigMap in a pod, else beside the checkpoints."""
     if environ.get(ENV_OBJECT):
         return kube.KubernetesRecordStore.from_environment(environ)
-    return storage.open_record_store(elastic_root)
+    return open_record_store(elastic_root)
 
 
 # The container's memory cgroup as a container sees it: cgroup v2's memory.events, then v1's memory.oom_control.

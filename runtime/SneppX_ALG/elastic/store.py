@@ -2,7 +2,7 @@
 
 Why a Protocol of two calls: the same rendezvous must work on a laptop (a local directory), on a cluster with a
 shared filesystem, on S3 and inside Kubernetes: `DirectoryStore` is a directory, `RecordKeyStore` puts the keys in
-the compare-and-swap records the rendezvous already uses (`storage.open_record_store`: a directory or S3). Keys are create-only: a value is
+the compare-and-swap records the rendezvous already uses (`open_record_store`: a directory or S3). Keys are create-only: a value is
 written once and never changes, so readers need no locks, a retried write can't overwrite a peer's, and a key
 namespaced by generation (`generation_key`) can't be confused with the same name in another generation.
 """

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from SneppX_ALG import errors, storage
+from SneppX_ALG import errors
 from SneppX_ALG.contract.env import (
     ENV_AGENT_ID,
     ENV_EVENTS,
@@ -55,6 +55,7 @@ from SneppX_ALG.contract.env import (
 )
 from SneppX_ALG.elastic import agent, pod, rendezvous, worker
 from SneppX_ALG.elastic.collectives import Backend
+from SneppX_ALG.records import RecordStore, open_record_store
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +243,7 @@ class ElasticTrainer:
                     f"nodes on several machines share the job key: set {ENV_HEARTBEAT_KEY_FILE} (or "
                     f"{ENV_HEARTBEAT_KEY}) on each")
             env[ENV_HEARTBEAT_KEY] = secrets.token_hex(32)  # the job's key: heartbeats and collectives authenticate
-        records = storage.open_record_store(self.elastic_root)  # a bad checkpoint_dir fails here, not in every agent
+        records = open_record_store(self.elastic_root)  # a bad checkpoint_dir fails here, not in every agent
         verdict = rendezvous.reopen_run(records, run_id)  # a new launch of a finished run is a new run
         if verdict is not None:
             log.info("run %s had finished (%s): starting it again from its newest checkpoint", run_id, verdict)
@@ -364,12 +365,12 @@ def elastic_root(checkpoint_dir: str) -> str:
     return checkpoint_dir.rstrip("/") + "/" + ELASTIC_DIR
 
 
-def run_over(records: storage.RecordStore, run_id: str) -> bool:
+def run_over(records: RecordStore, run_id: str) -> bool:
     """Whether an agent marked the run finished (completed or failed)."""
     return rendezvous_verdict(records, run_id) is not None
 
 
-def rendezvous_verdict(records: storage.RecordStore, run_id: str) -> str | None:
+def rendezvous_verdict(records: RecordStore, run_id: str) -> str | None:
     """The reason an agent gave when it marked the run finished ("completed", "failed: ..."); None: not finished
     (or the store can't say now)."""
     try:

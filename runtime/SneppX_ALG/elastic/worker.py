@@ -26,10 +26,11 @@ from typing import Any
 import numpy as np
 
 from SneppX_ALG import coordinator as coordinator_lib
-from SneppX_ALG import errors, storage
+from SneppX_ALG import errors
 from SneppX_ALG.contract.env import ENV_CONTROL_FD, ENV_GENERATION, ENV_NODE_NAME
 from SneppX_ALG.elastic import collectives, control, fault_tolerance, pod, rendezvous, snapshot
 from SneppX_ALG.elastic import store as store_lib
+from SneppX_ALG.records import open_record_store
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +307,7 @@ class Worker:
         s = self.settings
         self.generation = a.generation
         set_torchrun_environment(a, s)
-        records = storage.open_record_store(s.elastic_root)  # process groups' addresses, beside the checkpoints
+        records = open_record_store(s.elastic_root)  # process groups' addresses, beside the checkpoints
         fence_view = rendezvous.Rendezvous(pod.rendezvous_store(s.elastic_root), s.run_id, agent_id=a.agent_id,
                                            host=a.master[0], heartbeat=f"{a.master[0]}:{a.master[1]}",
                                            workers=a.local_world_size)

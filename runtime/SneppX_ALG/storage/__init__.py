@@ -56,8 +56,8 @@ root `s3://bkt` owns only the `step-*/`, `.lease-*`, set-aside (`.invalid-step-*
 `FENCE` keys at the top of the bucket, and the records under `rdzv/` (below); two jobs in one bucket need two
 prefixes.
 
-Beside the steps, the same root holds small compare-and-swap records (`contract.record`, opened with
-`open_record_store`): the rendezvous of elastic jobs keeps its generations there under `rdzv/`, a name no
+Beside the steps, the same root holds small compare-and-swap records (`SneppX_ALG.records`, opened with
+`records.open_record_store`): the rendezvous of elastic jobs keeps its generations there under `rdzv/`, a name no
 step listing, inventory or cleanup ever touches.
 """
 
@@ -65,7 +65,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from SneppX_ALG.contract.record import Record, RecordStore
+from SneppX_ALG._fs import local_root
+from SneppX_ALG._s3 import make_s3_client, parse_s3_uri
 from SneppX_ALG.storage.base import (
     COMMITTED,
     MANIFEST,
@@ -88,8 +89,8 @@ from SneppX_ALG.storage.base import (
     set_aside_name,
     step_name,
 )
-from SneppX_ALG.storage.local import LocalRecordStore, LocalStepReader, LocalStorage
-from SneppX_ALG.storage.s3 import S3RecordStore, S3Storage, make_s3_client, parse_s3_uri
+from SneppX_ALG.storage.local import LocalStepReader, LocalStorage
+from SneppX_ALG.storage.s3 import S3Storage
 
 __all__ = [
     "COMMITTED",
@@ -97,14 +98,10 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "SIGNATURE",
     "Entry",
-    "LocalRecordStore",
     "LocalStepReader",
     "LocalStorage",
     "Parts",
     "PendingStep",
-    "Record",
-    "RecordStore",
-    "S3RecordStore",
     "S3Storage",
     "StepReader",
     "Storage",
@@ -116,7 +113,6 @@ __all__ = [
     "make_s3_client",
     "manifest_references",
     "marker_problem",
-    "open_record_store",
     "open_storage",
     "parse_s3_uri",
     "parse_set_aside_name",
@@ -133,23 +129,4 @@ def open_storage(root: str, *, s3_client: Any = None, staging_dir: str | None = 
     if root.startswith("s3://"):
         return S3Storage(root, client=s3_client, staging_dir=staging_dir, part_bytes=upload_part_bytes,
                          threads=upload_threads)
-    return LocalStorage(_local_path(root))
-
-
-def open_record_store(root: str, *, s3_client: Any = None) -> RecordStore:
-    """The compare-and-swap records under the same roots `open_storage` takes (`s3://bucket/prefix`,
-    `file:///absolute/path`, a local directory)."""
-    if root.startswith("s3://"):
-        return S3RecordStore(root, client=s3_client)
-    return LocalRecordStore(_local_path(root))
-
-
-def _local_path(root: str) -> str:
-    if root.startswith("file://"):
-        root = root[len("file://"):]
-        if not root.startswith("/"):
-            raise ValueError(f"unsupported checkpoint root file://{root}: a file:// URI needs an absolute path, "
-                             "file:///path (no host)")
-    elif "://" in root:
-        raise ValueError(f"unsupported checkpoint root {root!r}: use a local path or s3://bucket/prefix")
-    return root
+    return LocalStorage(local_root(root))

@@ -1,9 +1,8 @@
-"""An S3 prefix: checkpoint steps (parallel multipart uploads, then a marker PUT with If-None-Match), and
-compare-and-swap records (conditional PUTs: If-None-Match to create, If-Match on the ETag to swap)."""
+"""An S3 prefix's checkpoint steps: parallel multipart uploads, then a marker PUT with If-None-Match (the commit
+story is the package docstring's). Its records are records/s3.py's."""
 
 from __future__ import annotations
 
-import base64
 import collections
 import concurrent.futures
 import contextlib
@@ -13,52 +12,17 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
-from SneppX_ALG import _fs, _native, errors
-from SneppX_ALG.contract import record
+from SneppX_ALG import _fs, _native, _s3, errors
 from SneppX_ALG.storage import base, lease
 
 LEASE_FORMAT = "sneppx.lease"
 
 
-def make_s3_client(*, endpoint_url: str | None = None, region: str | None = None, max_connections: int = 16,
-                   connect_timeout: float = 10, read_timeout: float = 60, max_attempts: int = 3) -> Any:
-    """A boto3 S3 client; endpoint, credentials and region come from the usual AWS environment variables
-    unless given. A custom endpoint (moto, MinIO, Ceph) gets path-style addressing."""
-    import boto3
-    from botocore.config import Config
-
-    endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    config = Config(
-        s3={"addressing_style": "path"} if endpoint_url else {},
-        retries={"max_attempts": max_attempts, "mode": "standard"},
-        max_pool_connections=max_connections, connect_timeout=connect_timeout, read_timeout=read_timeout)
-    return boto3.session.Session().client(
-        "s3", endpoint_url=endpoint_url, region_name=region or os.environ.get("AWS_DEFAULT_REGION")
-        or os.environ.get("AWS_REGION") or "us-east-1", config=config)
-
-
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """`s3://bucket/a/b` -> ("bucket", "a/b") with no trailing slash."""
-    rest = uri[len("s3://"):]
-    bucket, _, prefix = rest.partition("/")
-    if not bucket:
-        raise ValueError(f"{uri!r} has no bucket: use s3://bucket/prefix")
-    return bucket, prefix.strip("/")
-
-
 def _s3_error(e: Exception, what: str, uri: str) -> errors.StorageError:
     return errors.StorageError(f"S3 {what} failed for {uri}: {e}", path=uri)
-
-
-def _crc32c_b64(data: Any) -> str:
-    return _b64_crc(_native.crc32c(data))
-
-
-def _b64_crc(crc: int) -> str:
-    return base64.b64encode(crc.to_bytes(4, "big")).decode()
 
 
 class S3Storage:
@@ -76,8 +40,8 @@ class S3Storage:
     def __init__(self, uri: str, *, client: Any = None, staging_dir: str | None = None,
                  part_bytes: int = 16 << 20, threads: int = 4, lease_expiry_s: float = lease.LEASE_EXPIRY_S):
         self.uri = uri.rstrip("/")
-        self.bucket, self.prefix = parse_s3_uri(self.uri)
-        self.client = client if client is not None else make_s3_client(max_connections=max(16, 2 * threads))
+        self.bucket, self.prefix = _s3.parse_s3_uri(self.uri)
+        self.client = client if client is not None else _s3.make_s3_client(max_connections=max(16, 2 * threads))
         self.staging_dir = staging_dir or os.path.join(tempfile.gettempdir(), "sneppx-staging")
         self.part_bytes = max(5 << 20, part_bytes)  # S3's minimum part size (except the last)
         self.threads = max(1, threads)
@@ -105,7 +69,7 @@ class S3Storage:
         try:
             paginator = self.client.get_paginator("list_objects_v2")
             yield from paginator.paginate(Bucket=self.bucket, Prefix=prefix)
-        except _s3_errors() as e:
+        except _s3.client_errors() as e:
             raise _s3_error(e, "list", self.uri) from None
 
     def _list(self, prefix: str) -> Iterator[dict[str, Any]]:
@@ -319,8 +283,8 @@ class S3Storage:
         try:
             self.client.head_object(Bucket=self.bucket, Key=key)
             return True
-        except _s3_errors() as e:
-            if _error_code(e) in NOT_FOUND:
+        except _s3.client_errors() as e:
+            if _s3.error_code(e) in _s3.NOT_FOUND:
                 return False
             raise _s3_error(e, "head", self.uri) from None
 
@@ -329,8 +293,8 @@ class S3Storage:
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=key)
             return response["Body"].read(limit), response["ETag"]
-        except _s3_errors() as e:
-            if _error_code(e) in NOT_FOUND:
+        except _s3.client_errors() as e:
+            if _s3.error_code(e) in _s3.NOT_FOUND:
                 return None
             raise _s3_error(e, f"get {key}", self.uri) from None
 
@@ -339,9 +303,9 @@ class S3Storage:
         extra = {"IfNoneMatch": "*"} if if_none_match else {}
         try:
             response = self.client.put_object(Bucket=self.bucket, Key=key, Body=body,
-                                              ChecksumCRC32C=_crc32c_b64(body), **extra)
-        except _s3_errors() as e:
-            conflict = _error_code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict")
+                                              ChecksumCRC32C=_s3.crc32c_b64(body), **extra)
+        except _s3.client_errors() as e:
+            conflict = _s3.error_code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict")
             if if_none_match and conflict:
                 raise errors.CheckpointExistsError(f"s3://{self.bucket}/{key} was written by another writer",
                                                    path=self.uri) from None
@@ -358,14 +322,14 @@ class S3Storage:
         try:
             upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key,
                                                             ChecksumAlgorithm="CRC32C")["UploadId"]
-        except _s3_errors() as e:
+        except _s3.client_errors() as e:
             raise _s3_error(e, f"start upload of {key}", self.uri) from None
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
         def upload_part(number: int) -> dict[str, Any]:
             offset = (number - 1) * self.part_bytes
             body = os.pread(fd, min(self.part_bytes, size - offset), offset)
-            checksum = _crc32c_b64(body)
+            checksum = _s3.crc32c_b64(body)
             response = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id,
                                                PartNumber=number, Body=body, ChecksumAlgorithm="CRC32C",
                                                ChecksumCRC32C=checksum)
@@ -379,7 +343,7 @@ class S3Storage:
                                                              MultipartUpload={"Parts": parts})
             return str(response["ETag"])
         except BaseException as e:  # abort on anything, then re-raise
-            with contextlib.suppress(*_s3_errors()):
+            with contextlib.suppress(*_s3.client_errors()):
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
             if isinstance(e, Exception) and not isinstance(e, errors.SneppXError):
                 raise _s3_error(e, f"upload of {key}", self.uri) from None
@@ -479,7 +443,7 @@ class S3Storage:
     def _download(self, key: str, path: str) -> None:
         try:
             self.client.download_file(self.bucket, key, path)
-        except (*_s3_errors(), OSError) as e:
+        except (*_s3.client_errors(), OSError) as e:
             raise _s3_error(e, f"download of {key}", self.uri) from None
 
     def _delete_keys(self, keys: list[str]) -> None:
@@ -490,7 +454,7 @@ class S3Storage:
             try:
                 failed = self.client.delete_objects(Bucket=self.bucket,
                                                     Delete={"Objects": batch, "Quiet": True}).get("Errors")
-            except _s3_errors() as e:
+            except _s3.client_errors() as e:
                 raise _s3_error(e, "delete", self.uri) from None
             if failed:
                 raise errors.StorageError(f"S3 delete failed for {self.uri}: " + ", ".join(
@@ -519,7 +483,7 @@ class S3Storage:
             target = self.key(aside, key[len(self.key(name)) + 1:])
             try:
                 self.client.copy({"Bucket": self.bucket, "Key": key}, self.bucket, target)
-            except _s3_errors() as e:
+            except _s3.client_errors() as e:
                 raise _s3_error(e, f"copy of {key}", self.uri) from None
         self._delete_keys([marker])
         self._delete_keys([k for k in keys if k != marker])
@@ -567,7 +531,7 @@ class S3Storage:
             paginator = self.client.get_paginator("list_multipart_uploads")
             for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
                 found += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
-        except _s3_errors() as e:
+        except _s3.client_errors() as e:
             raise _s3_error(e, "list uploads", self.uri) from None
         return found
 
@@ -575,8 +539,8 @@ class S3Storage:
         """Aborts an upload; False when it is gone already (aborted or completed since it was listed)."""
         try:
             self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
-        except _s3_errors() as e:
-            if _error_code(e) == "NoSuchUpload":
+        except _s3.client_errors() as e:
+            if _s3.error_code(e) == "NoSuchUpload":
                 return False
             raise _s3_error(e, f"abort upload of {key}", self.uri) from None
         return True
@@ -686,8 +650,8 @@ class S3StepReader:
             response = self._store.client.get_object(Bucket=self._store.bucket, Key=key,
                                                      Range=f"bytes={offset}-{offset + len(buffer) - 1}")
             body = response["Body"].read()
-        except _s3_errors() as e:
-            if _error_code(e) in ("404", "NoSuchKey", "NotFound"):
+        except _s3.client_errors() as e:
+            if _s3.error_code(e) in ("404", "NoSuchKey", "NotFound"):
                 raise errors.CheckpointNotFoundError(f"{self.location}/{name} is gone", path=self.location) from None
             raise _s3_error(e, f"ranged get of {key}", self._store.uri) from None
         if len(body) != len(buffer):
@@ -712,129 +676,6 @@ def _parse_lease(raw: bytes) -> lease.Claim | None:
         return None
     owner = lease.Owner(fields["writer"], fields["host"], fields["pid"], fields["pid_start"])
     return lease.Claim(owner, frozenset(fields["steps"]), float(fields["expiry_s"]))
-
-
-class S3RecordStore:
-    """Compare-and-swap records as objects under an S3 prefix.
-
-    S3 decides every condition itself (strongly consistent since 2020, conditional writes since 2024): a
-    create is PutObject with `If-None-Match: *`, a swap is PutObject with `If-Match: <ETag>`, and of
-    concurrent conditional writes to one key the first to finish wins and the others get 412. The version
-    of a record is its ETag (a digest of its bytes for a plain PUT). A 409 (`ConditionalRequestConflict`,
-    two conditional writes in flight at once) is a conflict as well: read again.
-    """
-
-    def __init__(self, uri: str, *, client: Any = None):
-        self.uri = uri.rstrip("/")
-        self.bucket, self.prefix = parse_s3_uri(self.uri)
-        self.client = client if client is not None else make_s3_client()
-
-    def _key(self, key: str) -> str:
-        record.check_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def create(self, key: str, value: Mapping[str, Any]) -> record.Record:
-        data = record.encode(key, value)
-        try:
-            response = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
-                                              ChecksumCRC32C=_crc32c_b64(data), IfNoneMatch="*")
-        except _s3_errors() as e:
-            if _error_code(e) in CONDITION_FAILED:
-                raise errors.RecordExistsError(f"{key} exists", key=key) from None
-            raise _record_error(e, "create", key) from None
-        return record.Record(key, record.decode(key, data), str(response["ETag"]))
-
-    def read(self, key: str) -> record.Record | None:
-        try:
-            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-        except _s3_errors() as e:
-            if _error_code(e) in NOT_FOUND:
-                return None
-            raise _record_error(e, "read", key) from None
-        body = response["Body"]
-        try:
-            if int(response.get("ContentLength") or 0) > record.MAX_RECORD_BYTES:
-                raise errors.RecordCorruptError(f"{key} is {response['ContentLength']} bytes, over "
-                                                f"{record.MAX_RECORD_BYTES}", key=key)
-            data = body.read(record.MAX_RECORD_BYTES + 1)
-        except _s3_errors() as e:
-            raise _record_error(e, "read", key) from None
-        finally:
-            body.close()
-        return record.Record(key, record.decode(key, data), str(response["ETag"]))
-
-    def swap(self, key: str, value: Mapping[str, Any], version: str) -> record.Record:
-        data = record.encode(key, value)
-        if not isinstance(version, str) or not version:
-            raise errors.RecordValueError(f"{version!r} is not a version of this store", key=key)
-        try:
-            response = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
-                                              ChecksumCRC32C=_crc32c_b64(data), IfMatch=version)
-        except _s3_errors() as e:
-            if _error_code(e) in CONDITION_FAILED + NOT_FOUND:
-                raise errors.RecordConflictError(f"{key} is no longer at version {version}", key=key) from None
-            raise _record_error(e, "swap", key) from None
-        return record.Record(key, record.decode(key, data), str(response["ETag"]))
-
-    def keys(self, prefix: str = "", *, limit: int | None = None) -> list[str]:
-        record.check_prefix(prefix)
-        record.check_limit(limit)
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        found: list[str] = []
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._key(prefix[:-1]) + "/" if prefix
-                                  else (self.prefix + "/" if self.prefix else "")}
-        try:
-            while True:
-                if limit is not None:
-                    kwargs["MaxKeys"] = min(1000, limit - len(found))
-                page = self.client.list_objects_v2(**kwargs)
-                for obj in page.get("Contents", []):
-                    key = obj["Key"][strip:]
-                    with contextlib.suppress(errors.RecordValueError):  # not a record's key: not ours
-                        record.check_key(key)
-                        found.append(key)
-                if not page.get("IsTruncated") or (limit is not None and len(found) >= limit):
-                    break
-                kwargs["ContinuationToken"] = page["NextContinuationToken"]
-        except _s3_errors() as e:
-            raise _record_error(e, "list", prefix) from None
-        return found[:limit] if limit is not None else found
-
-    def delete(self, key: str) -> None:
-        try:
-            self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
-        except _s3_errors() as e:
-            if _error_code(e) not in NOT_FOUND:
-                raise _record_error(e, "delete", key) from None
-
-
-CONDITION_FAILED = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
-NOT_FOUND = ("404", "NoSuchKey", "NotFound")
-TRANSIENT_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
-                             "RequestTimeTooSkewed", "ServiceUnavailable", "InternalError"})
-
-
-def _record_error(e: Exception, what: str, key: str) -> errors.RecordStoreError:
-    """A transient failure (no answer, 5xx, throttling) or another refusal of the store."""
-    import botocore.exceptions
-
-    status = int((getattr(e, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-    transient = (isinstance(e, botocore.exceptions.ConnectionError | botocore.exceptions.HTTPClientError)
-                 or status >= 500 or _error_code(e) in TRANSIENT_CODES)
-    kind = errors.RecordUnavailableError if transient else errors.RecordStoreError
-    return kind(f"S3 {what} of {key or '/'} failed: {e}", key=key)
-
-
-def _s3_errors() -> tuple[type[Exception], ...]:
-    """What boto3 raises (imported late: botocore costs ~0.1 s, and local roots never need it)."""
-    import botocore.exceptions
-
-    return (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError)
-
-
-def _error_code(e: Exception) -> str:
-    response = getattr(e, "response", None) or {}
-    return str(response.get("Error", {}).get("Code", ""))
 
 
 class StreamingUpload:
@@ -985,7 +826,7 @@ class StreamingUpload:
         try:
             self._upload_id = self.store.client.create_multipart_upload(
                 Bucket=self.store.bucket, Key=self.key, ChecksumAlgorithm="CRC32C")["UploadId"]
-        except _s3_errors() as e:
+        except _s3.client_errors() as e:
             raise _s3_error(e, f"start upload of {self.key}", self.store.uri) from None
         self._pool = concurrent.futures.ThreadPoolExecutor(self.store.threads, thread_name_prefix="sneppx-s3-part")
 
@@ -1005,11 +846,11 @@ class StreamingUpload:
             block = False
 
     def _upload_part(self, number: int, body: bytes | bytearray, crc: int) -> dict[str, Any]:
-        checksum = _b64_crc(crc)
+        checksum = _s3.b64_crc(crc)
         try:
             response = self.store.client.upload_part(
                 Bucket=self.store.bucket, Key=self.key, UploadId=self._upload_id, PartNumber=number, Body=body,
                 ChecksumAlgorithm="CRC32C", ChecksumCRC32C=checksum)
-        except _s3_errors() as e:  # on a pool thread: the writer gets it from the part's future, typed
+        except _s3.client_errors() as e:  # on a pool thread: the writer gets it from the part's future, typed
             raise _s3_error(e, f"upload part {number} of {self.key}", self.store.uri) from None
         return {"PartNumber": number, "ETag": response["ETag"], "ChecksumCRC32C": checksum}
