@@ -10,7 +10,7 @@ import base64
 import os
 from typing import Any
 
-from SneppX_ALG import _native
+from SneppX_ALG import _native, errors
 
 CONDITION_FAILED = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
 NOT_FOUND = ("404", "NoSuchKey", "NotFound")
@@ -62,3 +62,8 @@ def client_errors() -> tuple[type[Exception], ...]:
 def error_code(e: Exception) -> str:
     response = getattr(e, "response", None) or {}
     return str(response.get("Error", {}).get("Code", ""))
+
+
+def storage_error(e: Exception, what: str, uri: str) -> errors.StorageError:
+    """A failed S3 call on a checkpoint root, as the StorageError its caller raises."""
+    return errors.StorageError(f"S3 {what} failed for {uri}: {e}", path=uri)

@@ -196,7 +196,7 @@ def test_writers_racing_to_commit_one_step_have_exactly_one_winner(s3_bucket, s3
     def commit(writer: int) -> str:
         start.wait()
         try:
-            store._put(marker, b"writer %d" % writer, if_none_match=True)
+            store.put(marker, b"writer %d" % writer, if_none_match=True)
             return "committed"
         except errors.CheckpointExistsError:
             return "lost"

@@ -8,7 +8,7 @@ import pytest
 from botocore.stub import Stubber
 
 from SneppX_ALG import errors, storage
-from SneppX_ALG.storage import s3
+from SneppX_ALG.storage import s3_upload
 
 
 def test_a_key_the_server_did_not_delete_fails_the_delete_and_the_step_stays_committed(tmp_path) -> None:
@@ -32,7 +32,7 @@ def test_a_part_that_fails_on_an_upload_thread_is_a_storage_error(tmp_path) -> N
     client = storage.make_s3_client(endpoint_url="http://127.0.0.1:9", region="us-east-1")  # never contacted
     store = storage.S3Storage("s3://bkt/run", client=client, staging_dir=str(tmp_path), part_bytes=5 << 20,
                               threads=1)
-    upload = s3.StreamingUpload(store, "run/step-000000001/shard-00000.snpx")
+    upload = s3_upload.StreamingUpload(store, "run/step-000000001/shard-00000.snpx")
     with Stubber(client) as stub:
         stub.add_response("create_multipart_upload", {"UploadId": "u1"})
         stub.add_client_error("upload_part", service_error_code="InternalError", http_status_code=500)

@@ -34,11 +34,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import os
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from SneppX_ALG import errors
 
@@ -232,3 +233,29 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+LEASE_FORMAT = "sneppx.lease"  # a lease object on S3 (storage/s3.py publishes it)
+
+
+def encode_claim(owner: Owner, steps: Iterable[int], expiry_s: float) -> bytes:
+    """The lease object a writer publishes on S3: who it is and which steps it has in flight."""
+    claim = {"format": LEASE_FORMAT, "writer": owner.writer, "host": owner.host, "pid": owner.pid,
+             "pid_start": owner.pid_start, "steps": sorted(steps), "expiry_s": expiry_s}
+    return json.dumps(claim, sort_keys=True).encode()
+
+
+def parse_claim(raw: bytes) -> Claim | None:
+    """The claim a lease object records, or None when it is not one (it then claims nothing)."""
+    try:
+        fields = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if not (isinstance(fields, dict) and fields.get("format") == LEASE_FORMAT
+            and isinstance(fields.get("writer"), str) and isinstance(fields.get("host"), str)
+            and isinstance(fields.get("pid"), int) and isinstance(fields.get("pid_start"), (int, type(None)))
+            and isinstance(fields.get("steps"), list) and all(isinstance(s, int) for s in fields["steps"])
+            and isinstance(fields.get("expiry_s"), (int, float))):
+        return None
+    owner = Owner(fields["writer"], fields["host"], fields["pid"], fields["pid_start"])
+    return Claim(owner, frozenset(fields["steps"]), float(fields["expiry_s"]))

@@ -1,32 +1,27 @@
 """An S3 prefix's checkpoint steps: parallel multipart uploads, then a marker PUT with If-None-Match (the commit
-story is the package docstring's). Its records are records/s3.py's."""
+story is the package docstring's). Its records are records/s3.py's.
+
+One concept, the `Storage` Protocol over S3 (writing, reading, setting aside, cleaning up and listing steps),
+so it stays one module past 500 lines; how one object goes up in parts is storage/s3_upload.py's, the lease
+object's codec is lease.py's and the client is _s3.py's."""
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import contextlib
 import datetime
 import email.utils
-import json
 import os
 import tempfile
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-from SneppX_ALG import _fs, _native, _s3, errors
-from SneppX_ALG.storage import base, lease
-
-LEASE_FORMAT = "sneppx.lease"
-
-
-def _s3_error(e: Exception, what: str, uri: str) -> errors.StorageError:
-    return errors.StorageError(f"S3 {what} failed for {uri}: {e}", path=uri)
+from SneppX_ALG import _fs, _s3, errors
+from SneppX_ALG.storage import base, lease, s3_upload
 
 
 class S3Storage:
-    """Steps as prefixes in a bucket; a shard streams up in parts as it is written (StreamingUpload, via
+    """Steps as prefixes in a bucket; a shard streams up in parts as it is written (s3_upload.StreamingUpload, via
     shard_sink), or, where it can't (a signed step, a key already taken), is written to a local staging
     directory, then uploaded: parts go up in parallel straight from the page cache, each with its CRC32C for
     the server to check.
@@ -70,7 +65,7 @@ class S3Storage:
             paginator = self.client.get_paginator("list_objects_v2")
             yield from paginator.paginate(Bucket=self.bucket, Prefix=prefix)
         except _s3.client_errors() as e:
-            raise _s3_error(e, "list", self.uri) from None
+            raise _s3.storage_error(e, "list", self.uri) from None
 
     def _list(self, prefix: str) -> Iterator[dict[str, Any]]:
         for page in self._list_pages(prefix):
@@ -98,10 +93,7 @@ class S3Storage:
 
     def _publish_lease(self) -> None:
         owner = self.lease.owner()
-        claim = {"format": LEASE_FORMAT, "writer": owner.writer, "host": owner.host, "pid": owner.pid,
-                 "pid_start": owner.pid_start, "steps": sorted(self.lease.steps),
-                 "expiry_s": self.lease.expiry_s}
-        self._put(self._lease_key(owner.writer), json.dumps(claim, sort_keys=True).encode())
+        self.put(self._lease_key(owner.writer), lease.encode_claim(owner, self.lease.steps, self.lease.expiry_s))
 
     def _withdraw_lease(self) -> None:
         self._delete_keys([self._lease_key(self.lease.writer)])
@@ -114,7 +106,7 @@ class S3Storage:
             now = email.utils.parsedate_to_datetime(date) if date else datetime.datetime.now(datetime.UTC)
             for obj in page.get("Contents", []):
                 got = self._get(obj["Key"])
-                claim = _parse_lease(got[0]) if got is not None else None
+                claim = lease.parse_claim(got[0]) if got is not None else None
                 found.append((obj["Key"], claim, max(0.0, (now - obj["LastModified"]).total_seconds())))
         return found
 
@@ -159,7 +151,7 @@ class S3Storage:
             if not os.path.isfile(path):
                 raise errors.StorageError(f"{path} was not written", path=path)
             size = os.path.getsize(path)
-            etag = self.upload_file(path, key)
+            etag = s3_upload.upload_file(self, path, key)
             pending.uploaded[key] = parts[leaf] = (size, etag)
         return parts
 
@@ -192,7 +184,7 @@ class S3Storage:
             uploaded[key] = (len(manifest), etag)
             if signature is not None:  # before the marker: a committed signed step always has its signature
                 key = self.key(name, base.SIGNATURE)
-                uploaded[key] = (len(signature), self._put(key, signature))
+                uploaded[key] = (len(signature), self.put(key, signature))
             self._check_parts(name, uploaded)
             if self._create(marker, base.commit_record(pending.step, self.lease.writer, manifest)) is None:
                 uploaded.clear()
@@ -232,7 +224,7 @@ class S3Storage:
         bytes -> someone else's; nothing there -> the PUT did not happen (its error is raised). If that read
         fails too: CommitUnknownError."""
         try:
-            return self._put(key, body, if_none_match=True)
+            return self.put(key, body, if_none_match=True)
         except errors.CheckpointExistsError:
             failure: errors.StorageError | None = None
         except errors.StorageError as e:
@@ -286,7 +278,7 @@ class S3Storage:
         except _s3.client_errors() as e:
             if _s3.error_code(e) in _s3.NOT_FOUND:
                 return False
-            raise _s3_error(e, "head", self.uri) from None
+            raise _s3.storage_error(e, "head", self.uri) from None
 
     def _get(self, key: str, *, limit: int | None = None) -> tuple[bytes, str] | None:
         """(body, ETag) of a small object (its first `limit` bytes), or None if there is none."""
@@ -296,9 +288,9 @@ class S3Storage:
         except _s3.client_errors() as e:
             if _s3.error_code(e) in _s3.NOT_FOUND:
                 return None
-            raise _s3_error(e, f"get {key}", self.uri) from None
+            raise _s3.storage_error(e, f"get {key}", self.uri) from None
 
-    def _put(self, key: str, body: bytes, *, if_none_match: bool = False) -> str:
+    def put(self, key: str, body: bytes, *, if_none_match: bool = False) -> str:
         """PUTs one object; returns its ETag."""
         extra = {"IfNoneMatch": "*"} if if_none_match else {}
         try:
@@ -309,49 +301,14 @@ class S3Storage:
             if if_none_match and conflict:
                 raise errors.CheckpointExistsError(f"s3://{self.bucket}/{key} was written by another writer",
                                                    path=self.uri) from None
-            raise _s3_error(e, f"put {key}", self.uri) from None
+            raise _s3.storage_error(e, f"put {key}", self.uri) from None
         return str(response["ETag"])
 
     def upload_file(self, path: str, key: str) -> str:
-        """Uploads one local file: a single PUT when small, else parallel multipart with per-part CRC32C.
-        A failed multipart upload is aborted before the error propagates. Returns the object's ETag."""
-        size = os.path.getsize(path)
-        if size <= self.part_bytes:
-            with open(path, "rb") as f:
-                return self._put(key, f.read())
-        try:
-            upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key,
-                                                            ChecksumAlgorithm="CRC32C")["UploadId"]
-        except _s3.client_errors() as e:
-            raise _s3_error(e, f"start upload of {key}", self.uri) from None
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        """Uploads one finished local file (s3_upload.upload_file); returns the object's ETag."""
+        return s3_upload.upload_file(self, path, key)
 
-        def upload_part(number: int) -> dict[str, Any]:
-            offset = (number - 1) * self.part_bytes
-            body = os.pread(fd, min(self.part_bytes, size - offset), offset)
-            checksum = _s3.crc32c_b64(body)
-            response = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id,
-                                               PartNumber=number, Body=body, ChecksumAlgorithm="CRC32C",
-                                               ChecksumCRC32C=checksum)
-            return {"PartNumber": number, "ETag": response["ETag"], "ChecksumCRC32C": checksum}
-
-        count = (size + self.part_bytes - 1) // self.part_bytes
-        try:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=min(self.threads, count)) as pool:
-                parts = list(pool.map(upload_part, range(1, count + 1)))
-            response = self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id,
-                                                             MultipartUpload={"Parts": parts})
-            return str(response["ETag"])
-        except BaseException as e:  # abort on anything, then re-raise
-            with contextlib.suppress(*_s3.client_errors()):
-                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
-            if isinstance(e, Exception) and not isinstance(e, errors.SneppXError):
-                raise _s3_error(e, f"upload of {key}", self.uri) from None
-            raise
-        finally:
-            os.close(fd)
-
-    def shard_sink(self, pending: base.PendingStep, name: str) -> StreamingUpload | None:
+    def shard_sink(self, pending: base.PendingStep, name: str) -> s3_upload.StreamingUpload | None:
         """A sink (checkpoint.file.Sink) that uploads shard `name` of a pending step in parts as a writer
         streams it: no local staging file. upload() reports the finished upload as the shard's.
 
@@ -362,17 +319,17 @@ class S3Storage:
         step = base.step_name(pending.step)
         if any(self._exists(self.key(step, leaf)) for leaf in (base.COMMITTED, base.MANIFEST, name)):
             return None
-        sink = StreamingUpload(self, self.key(step, name))
+        sink = s3_upload.StreamingUpload(self, self.key(step, name))
         pending.streamed[name] = sink
         return sink
 
-    def _take_buffer(self) -> bytearray:
+    def take_buffer(self) -> bytearray:
         with self._buffers_lock:
             if self._buffers:
                 return self._buffers.pop()
         return bytearray(self.part_bytes)
 
-    def _give_buffer(self, buffer: bytearray) -> None:
+    def give_buffer(self, buffer: bytearray) -> None:
         """Keeps a part buffer for the next upload (at most threads + 2: what one upload holds at once)."""
         with self._buffers_lock:
             if len(self._buffers) < self.threads + 2 and len(buffer) == self.part_bytes:
@@ -444,7 +401,7 @@ class S3Storage:
         try:
             self.client.download_file(self.bucket, key, path)
         except (*_s3.client_errors(), OSError) as e:
-            raise _s3_error(e, f"download of {key}", self.uri) from None
+            raise _s3.storage_error(e, f"download of {key}", self.uri) from None
 
     def _delete_keys(self, keys: list[str]) -> None:
         """Deletes keys in batches. A key the server could not delete comes back in the Errors of a 200
@@ -455,7 +412,7 @@ class S3Storage:
                 failed = self.client.delete_objects(Bucket=self.bucket,
                                                     Delete={"Objects": batch, "Quiet": True}).get("Errors")
             except _s3.client_errors() as e:
-                raise _s3_error(e, "delete", self.uri) from None
+                raise _s3.storage_error(e, "delete", self.uri) from None
             if failed:
                 raise errors.StorageError(f"S3 delete failed for {self.uri}: " + ", ".join(
                     f"{f.get('Key')} ({f.get('Code')}: {f.get('Message')})" for f in failed), path=self.uri)
@@ -484,7 +441,7 @@ class S3Storage:
             try:
                 self.client.copy({"Bucket": self.bucket, "Key": key}, self.bucket, target)
             except _s3.client_errors() as e:
-                raise _s3_error(e, f"copy of {key}", self.uri) from None
+                raise _s3.storage_error(e, f"copy of {key}", self.uri) from None
         self._delete_keys([marker])
         self._delete_keys([k for k in keys if k != marker])
         return f"s3://{self.bucket}/{self.key(aside)}"
@@ -511,7 +468,7 @@ class S3Storage:
             raise ValueError(f"{name!r} is not a set-aside step")
         prefix = self.key(name) + "/"
         for key, upload_id in self._uploads(prefix):
-            self._abort_upload(key, upload_id)
+            self.abort_upload(key, upload_id)
         self._delete_keys([obj["Key"] for obj in self._list(prefix)])
 
     def read_record(self, name: str) -> bytes | None:
@@ -519,7 +476,7 @@ class S3Storage:
         return None if got is None else got[0]
 
     def write_record(self, name: str, data: bytes) -> None:
-        self._put(self.key(name), data)
+        self.put(self.key(name), data)
 
     def remove_record(self, name: str) -> None:
         self._delete_keys([self.key(name)])
@@ -532,17 +489,17 @@ class S3Storage:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
                 found += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
         except _s3.client_errors() as e:
-            raise _s3_error(e, "list uploads", self.uri) from None
+            raise _s3.storage_error(e, "list uploads", self.uri) from None
         return found
 
-    def _abort_upload(self, key: str, upload_id: str) -> bool:
+    def abort_upload(self, key: str, upload_id: str) -> bool:
         """Aborts an upload; False when it is gone already (aborted or completed since it was listed)."""
         try:
             self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
         except _s3.client_errors() as e:
             if _s3.error_code(e) == "NoSuchUpload":
                 return False
-            raise _s3_error(e, f"abort upload of {key}", self.uri) from None
+            raise _s3.storage_error(e, f"abort upload of {key}", self.uri) from None
         return True
 
     def incomplete_uploads(self) -> list[tuple[str, str]]:
@@ -570,7 +527,7 @@ class S3Storage:
         for key, upload_id in uploads:
             if self._step_of(key) in claimed:
                 continue
-            if not self._abort_upload(key, upload_id):
+            if not self.abort_upload(key, upload_id):
                 continue  # aborted or completed since it was listed (e.g. by the writer it belonged to)
             removed.append(f"upload {upload_id} of s3://{self.bucket}/{key}")
         for step in sorted(seen - committed - claimed):
@@ -653,7 +610,7 @@ class S3StepReader:
         except _s3.client_errors() as e:
             if _s3.error_code(e) in ("404", "NoSuchKey", "NotFound"):
                 raise errors.CheckpointNotFoundError(f"{self.location}/{name} is gone", path=self.location) from None
-            raise _s3_error(e, f"ranged get of {key}", self._store.uri) from None
+            raise _s3.storage_error(e, f"ranged get of {key}", self._store.uri) from None
         if len(body) != len(buffer):
             raise errors.TruncatedCheckpointError(f"{self.location}/{name}: {len(body)} bytes came back for a range "
                                                   f"of {len(buffer)}", path=self.location)
@@ -662,195 +619,6 @@ class S3StepReader:
         return base.block_crcs(buffer, block_bytes)
 
 
-def _parse_lease(raw: bytes) -> lease.Claim | None:
-    """The claim a lease object records, or None when it is not one (it then claims nothing)."""
-    try:
-        fields = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
-    if not (isinstance(fields, dict) and fields.get("format") == LEASE_FORMAT
-            and isinstance(fields.get("writer"), str) and isinstance(fields.get("host"), str)
-            and isinstance(fields.get("pid"), int) and isinstance(fields.get("pid_start"), (int, type(None)))
-            and isinstance(fields.get("steps"), list) and all(isinstance(s, int) for s in fields["steps"])
-            and isinstance(fields.get("expiry_s"), (int, float))):
-        return None
-    owner = lease.Owner(fields["writer"], fields["host"], fields["pid"], fields["pid_start"])
-    return lease.Claim(owner, frozenset(fields["steps"]), float(fields["expiry_s"]))
 
 
-class StreamingUpload:
-    """One object uploaded in parts while it is written: a CheckpointWriter's sink (checkpoint.file.Sink).
 
-    Why: staging a shard in a local file and uploading it afterwards costs a local write, an fsync and a
-    read-back, and the upload can't start before the last byte is written; here each part goes up as soon as
-    it is full, from memory, while the writer fills the next (measured in docs/BENCHMARKS.md, "S3 saves").
-
-    The first part is held back until finish(): the SNPX header, at the start, is written last, and the parts
-    of a multipart upload may be sent in any order. Each part's CRC32C is computed as the bytes are copied in
-    (with the CRC the writer gets back for them) and sent for the server to check. Memory: at most
-    `threads` parts in flight, one filling and the first, each `part_bytes`. An object that fits in one part
-    is sent with a single PUT at finish(). finish() completes the upload, the object appearing whole or not at
-    all; a failure aborts the upload (the parts are discarded by the server), as abort() does.
-    """
-
-    def __init__(self, store: S3Storage, key: str):
-        self.store, self.key = store, key
-        self.size = 0
-        self.result: tuple[int, str] | None = None  # (size, ETag) once finish() succeeded
-        self._copier = _native.Copier(-1)
-        self._part = store._take_buffer()  # the part being filled: number self._number
-        self._number, self._fill, self._part_crc = 1, 0, 0
-        self._first: bytearray | None = None  # part 1, once full: held until finish()
-        self._upload_id: str | None = None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._inflight: collections.deque[tuple[concurrent.futures.Future[dict[str, Any]], bytearray]] = (
-            collections.deque())
-        self._parts: list[dict[str, Any]] = []
-        self._done = False
-
-    def append(self, data: Any) -> int:
-        """Copies bytes into the parts (their CRC32C computed as they are copied); returns that CRC."""
-        self._check_open()
-        view = memoryview(data).cast("B") if memoryview(data).format != "B" else memoryview(data)
-        crc = 0
-        while len(view):
-            n = min(len(view), len(self._part) - self._fill)
-            piece_crc = int(self._copier.copy(memoryview(self._part)[self._fill:self._fill + n], view[:n]) or 0)
-            self._part_crc = _native.crc32c_combine(self._part_crc, piece_crc, n)
-            crc = _native.crc32c_combine(crc, piece_crc, n)
-            self._fill += n
-            self.size += n
-            view = view[n:]
-            if self._fill == len(self._part):
-                self._seal()
-        return crc
-
-    def pad(self, alignment: int) -> None:
-        if self.size % alignment:
-            self.append(bytes(alignment - self.size % alignment))
-
-    def pwrite(self, data: Any, offset: int) -> None:
-        """Changes bytes already appended: only in the first part (held back) or the part being filled."""
-        self._check_open()
-        data = bytes(data)
-        end = offset + len(data)
-        if offset < 0 or end > self.size:
-            raise ValueError(f"pwrite of {len(data)} bytes at {offset} is outside the {self.size} bytes written")
-        part_bytes = len(self._part)
-        if end <= part_bytes:
-            target = self._first if self._first is not None else self._part
-            target[offset:end] = data
-            if target is self._part:
-                self._part_crc = _native.crc32c(memoryview(self._part)[:self._fill])
-            return
-        start = (self._number - 1) * part_bytes
-        if offset < start:
-            raise errors.StorageError(f"s3://{self.store.bucket}/{self.key}: bytes at {offset} were uploaded "
-                                      "already and can't be changed", path=self.store.uri)
-        self._part[offset - start:end - start] = data
-        self._part_crc = _native.crc32c(memoryview(self._part)[:self._fill])
-
-    def finish(self) -> None:
-        """Uploads what is left (the last part, then the first) and completes the upload; on failure the upload
-        is aborted and the error raised."""
-        self._check_open()
-        try:
-            if self._first is None:  # one part: a single PUT
-                body = bytes(memoryview(self._part)[:self._fill])
-                self.result = (len(body), self.store._put(self.key, body))
-            else:
-                if self._fill:
-                    self._submit(self._number, self._part, self._fill, self._part_crc)
-                    self._part = bytearray(0)
-                first, self._first = self._first, None  # final now: up alongside the last parts
-                self._submit(1, first, len(first), _native.crc32c(first))
-                while self._inflight:
-                    self._collect(block=True)
-                self._parts.sort(key=lambda p: p["PartNumber"])
-                response = self.store.client.complete_multipart_upload(
-                    Bucket=self.store.bucket, Key=self.key, UploadId=self._upload_id,
-                    MultipartUpload={"Parts": self._parts})
-                self.result = (self.size, str(response["ETag"]))
-        except BaseException as e:
-            self.abort()
-            if isinstance(e, Exception) and not isinstance(e, errors.SneppXError):
-                raise _s3_error(e, f"upload of {self.key}", self.store.uri) from None
-            raise
-        self._close()
-
-    def abort(self) -> None:
-        """Stops the upload: waits for parts in flight, then aborts it on the server (best effort: cleanup()
-        aborts what is left of a writer that is gone)."""
-        if self._done:
-            return
-        for future, _ in self._inflight:
-            with contextlib.suppress(BaseException):
-                future.result()
-        self._inflight.clear()
-        if self._upload_id is not None:
-            with contextlib.suppress(errors.StorageError):
-                self.store._abort_upload(self.key, self._upload_id)
-        self._close()
-
-    def _check_open(self) -> None:
-        if self._done:
-            raise errors.StorageError(f"s3://{self.store.bucket}/{self.key}: this upload is over",
-                                      path=self.store.uri)
-
-    def _close(self) -> None:
-        self._done = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-        for buffer in (self._part, self._first):
-            if buffer is not None:
-                self.store._give_buffer(buffer)
-        self._part, self._first = bytearray(0), None
-
-    def _seal(self) -> None:
-        """The part being filled is full: the first is held back, any other goes up; a new part begins."""
-        if self._number == 1:
-            self._first = self._part
-        else:
-            self._submit(self._number, self._part, len(self._part), self._part_crc)
-        self._number += 1
-        self._fill, self._part_crc = 0, 0
-        while len(self._inflight) >= self.store.threads:  # bounded memory: wait for the oldest part
-            self._collect(block=True)
-        self._collect(block=False)
-        self._part = self.store._take_buffer()
-
-    def _start(self) -> None:
-        """Creates the multipart upload (when the second part is needed: a one-part object is one PUT)."""
-        if self._upload_id is not None:
-            return
-        try:
-            self._upload_id = self.store.client.create_multipart_upload(
-                Bucket=self.store.bucket, Key=self.key, ChecksumAlgorithm="CRC32C")["UploadId"]
-        except _s3.client_errors() as e:
-            raise _s3_error(e, f"start upload of {self.key}", self.store.uri) from None
-        self._pool = concurrent.futures.ThreadPoolExecutor(self.store.threads, thread_name_prefix="sneppx-s3-part")
-
-    def _submit(self, number: int, buffer: bytearray, length: int, crc: int) -> None:
-        self._start()
-        assert self._pool is not None
-        body = buffer if length == len(buffer) else bytes(memoryview(buffer)[:length])  # boto3 takes no views
-        self._inflight.append((self._pool.submit(self._upload_part, number, body, crc), buffer))
-
-    def _collect(self, *, block: bool) -> None:
-        """Takes finished parts off the front of the queue (waiting for the first one when `block`); a failed
-        part raises its error."""
-        while self._inflight and (block or self._inflight[0][0].done()):
-            future, buffer = self._inflight.popleft()
-            self._parts.append(future.result())
-            self.store._give_buffer(buffer)
-            block = False
-
-    def _upload_part(self, number: int, body: bytes | bytearray, crc: int) -> dict[str, Any]:
-        checksum = _s3.b64_crc(crc)
-        try:
-            response = self.store.client.upload_part(
-                Bucket=self.store.bucket, Key=self.key, UploadId=self._upload_id, PartNumber=number, Body=body,
-                ChecksumAlgorithm="CRC32C", ChecksumCRC32C=checksum)
-        except _s3.client_errors() as e:  # on a pool thread: the writer gets it from the part's future, typed
-            raise _s3_error(e, f"upload part {number} of {self.key}", self.store.uri) from None
-        return {"PartNumber": number, "ETag": response["ETag"], "ChecksumCRC32C": checksum}
