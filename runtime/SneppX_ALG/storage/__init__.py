@@ -68,22 +68,24 @@ from typing import Any
 from SneppX_ALG._fs import local_root
 from SneppX_ALG._s3 import make_s3_client, parse_s3_uri
 from SneppX_ALG.storage.base import (
-    COMMITTED,
-    MANIFEST,
-    MAX_MANIFEST_BYTES,
-    SIGNATURE,
-    Entry,
     Parts,
     PendingStep,
     StepReader,
     Storage,
     block_crcs,
-    classify_entry,
     commit_record,
-    fetched_marker_path,
-    is_plain_name,
     manifest_references,
     marker_problem,
+)
+from SneppX_ALG.storage.layout import (
+    COMMITTED,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    SIGNATURE,
+    Entry,
+    classify_entry,
+    fetched_marker_path,
+    is_plain_name,
     parse_set_aside_name,
     parse_step_name,
     set_aside_name,

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 
 from SneppX_ALG import _fs, _native, errors
-from SneppX_ALG.storage import base, lease
+from SneppX_ALG.storage import base, layout, lease
 
 
 class LocalStorage:
@@ -45,19 +45,19 @@ class LocalStorage:
                 os.utime(path)
 
     def step_path(self, step: int) -> str:
-        return os.path.join(self.root, base.step_name(step))
+        return os.path.join(self.root, layout.step_name(step))
 
     def committed_steps(self) -> list[int]:
         steps = []
         for entry in os.scandir(self.root):
-            step = base.parse_step_name(entry.name)
+            step = layout.parse_step_name(entry.name)
             if step is not None and entry.is_dir(follow_symlinks=False):
                 steps.append(step)
         return sorted(steps)
 
     def begin(self, step: int) -> base.PendingStep:
         self.lease.hold(step)
-        tmp = os.path.join(self.root, f"{base.TMP_PREFIX}{step:09d}-{self.lease.owner().name()}")
+        tmp = os.path.join(self.root, f"{layout.TMP_PREFIX}{step:09d}-{self.lease.owner().name()}")
         try:
             os.mkdir(tmp)  # the claim: named for its owner, created whole
         except OSError as e:
@@ -69,7 +69,7 @@ class LocalStorage:
     def join(self, step: int, token: str) -> base.PendingStep:
         """Another rank's step in flight (`token`: the temporary directory rank 0's begin() made): this rank
         writes its files into it, and touches it while it does (it is never this rank's to remove)."""
-        if "/" in token or "\x00" in token or not token.startswith(f"{base.TMP_PREFIX}{step:09d}-"):
+        if "/" in token or "\x00" in token or not token.startswith(f"{layout.TMP_PREFIX}{step:09d}-"):
             raise ValueError(f"{token!r} is not a temporary directory of step {step}")
         tmp = os.path.join(self.root, token)
         if not os.path.isdir(tmp):
@@ -109,11 +109,11 @@ class LocalStorage:
                 raise errors.StorageError(f"{name} in {pending.local_dir} is not the size its writer reported",
                                           path=pending.local_dir)
         parts = dict(parts)
-        _fs.write_durable(os.path.join(pending.local_dir, base.MANIFEST), manifest)
-        sizes[base.MANIFEST] = len(manifest)
+        _fs.write_durable(os.path.join(pending.local_dir, layout.MANIFEST), manifest)
+        sizes[layout.MANIFEST] = len(manifest)
         if signature is not None:  # before the commit point: a committed signed step always has its signature
-            _fs.write_durable(os.path.join(pending.local_dir, base.SIGNATURE), signature)
-            sizes[base.SIGNATURE] = len(signature)
+            _fs.write_durable(os.path.join(pending.local_dir, layout.SIGNATURE), signature)
+            sizes[layout.SIGNATURE] = len(signature)
         if os.path.lexists(final):
             raise errors.CheckpointExistsError(f"{final} is already committed; a step is never overwritten",
                                                path=final)
@@ -183,14 +183,14 @@ class LocalStorage:
 
     def delete(self, step: int) -> None:
         path = self.step_path(step)
-        doomed = os.path.join(self.root, f"{base.DELETING_PREFIX}{step:09d}-{secrets.token_hex(4)}")
+        doomed = os.path.join(self.root, f"{layout.DELETING_PREFIX}{step:09d}-{secrets.token_hex(4)}")
         _native.rename_durable(path, doomed)  # invisible from here on, even if the removal is cut short
         _fs.remove_tree(doomed)
 
     def set_aside(self, step: int, reason: str) -> str:
         """Moves a committed step out of the step namespace, kept for inspection as `.<reason>-step-...`
         (one durable rename: invisible as a step from then on)."""
-        aside = os.path.join(self.root, base.set_aside_name(step, reason))
+        aside = os.path.join(self.root, layout.set_aside_name(step, reason))
         _native.rename_durable(self.step_path(step), aside)
         return aside
 
@@ -198,18 +198,18 @@ class LocalStorage:
         """(step, name) of every set-aside step under the root."""
         found = []
         for entry in os.scandir(self.root):
-            step = base.parse_set_aside_name(entry.name)
+            step = layout.parse_set_aside_name(entry.name)
             if step is not None and entry.is_dir(follow_symlinks=False):
                 found.append((step, entry.name))
         return sorted(found)
 
     def remove_set_aside(self, name: str) -> None:
-        if base.parse_set_aside_name(name) is None:
+        if layout.parse_set_aside_name(name) is None:
             raise ValueError(f"{name!r} is not a set-aside step")
         _fs.remove_tree(os.path.join(self.root, name))
 
     def read_record(self, name: str) -> bytes | None:
-        return _fs.read_small(os.path.join(self.root, name), base.MAX_MANIFEST_BYTES)
+        return _fs.read_small(os.path.join(self.root, name), layout.MAX_MANIFEST_BYTES)
 
     def write_record(self, name: str, data: bytes) -> None:
         _fs.write_durable(os.path.join(self.root, name), data)
@@ -226,13 +226,13 @@ class LocalStorage:
         record are not leftovers: retention bounds the first, the next writer finishes the second."""
         removed = []
         for entry in os.scandir(self.root):
-            if entry.name.startswith(base.TMP_PREFIX):
-                step, _, owner_name = entry.name[len(base.TMP_PREFIX):].partition("-")
+            if entry.name.startswith(layout.TMP_PREFIX):
+                step, _, owner_name = entry.name[len(layout.TMP_PREFIX):].partition("-")
                 owner = lease.Owner.from_name(owner_name)
                 if owner is not None and step.isdigit() and lease.still_writing(
                         owner, int(step), self._age(entry.path), self.lease_expiry_s):
                     continue
-            elif not entry.name.startswith(base.DELETING_PREFIX):
+            elif not entry.name.startswith(layout.DELETING_PREFIX):
                 continue
             _fs.remove_tree(entry.path)
             removed.append(entry.path)
@@ -248,15 +248,15 @@ class LocalStorage:
 
     # -- what `sneppx ls` shows --
 
-    def inventory(self) -> list[base.Entry]:
+    def inventory(self) -> list[layout.Entry]:
         """Every step-like directory under the root (storage.Entry), with its files' sizes; nothing is read."""
         return _inventory(self.root)
 
     def read_entry_file(self, name: str, leaf: str) -> bytes | None:
         """A small file (manifest, signature) of an inventory entry, or None when it has none."""
-        if base.classify_entry(name) is None or not base.is_plain_name(leaf):
+        if layout.classify_entry(name) is None or not layout.is_plain_name(leaf):
             raise ValueError(f"{name}/{leaf} is not a file of a step")
-        return _fs.read_small(os.path.join(self.root, name, leaf), base.MAX_MANIFEST_BYTES)
+        return _fs.read_small(os.path.join(self.root, name, leaf), layout.MAX_MANIFEST_BYTES)
 
 
 def _make_durable_dirs(path: str) -> None:
@@ -279,11 +279,11 @@ def _os_error(e: OSError, path: str) -> errors.StorageError:
     return errors.StorageError(f"{path}: {e.strerror}", path=path, errno=e.errno)
 
 
-def _inventory(root: str) -> list[base.Entry]:
+def _inventory(root: str) -> list[layout.Entry]:
     """LocalStorage.inventory(): every step-like directory under `root`, with its files' sizes."""
     found = []
     for entry in os.scandir(root):
-        kind = base.classify_entry(entry.name)
+        kind = layout.classify_entry(entry.name)
         if kind is None or not entry.is_dir(follow_symlinks=False):
             continue
         try:
@@ -291,7 +291,7 @@ def _inventory(root: str) -> list[base.Entry]:
                      if f.is_file(follow_symlinks=False)}
         except FileNotFoundError:
             continue  # removed since the root was listed
-        found.append(base.Entry(entry.name, kind[0], kind[1], files))
+        found.append(layout.Entry(entry.name, kind[0], kind[1], files))
     return found
 
 
@@ -307,13 +307,13 @@ class LocalStepReader:
 
     def _open(self, name: str) -> tuple[int, int]:
         if name not in self._files:
-            if not base.is_plain_name(name):
+            if not layout.is_plain_name(name):
                 raise ValueError(f"{name!r} is not a file name in a step")
             self._files[name] = _fs.open_checked(os.path.join(self.location, name), follow_symlinks=False)
         return self._files[name]
 
     def read_file(self, name: str) -> bytes | None:
-        return _fs.read_small(os.path.join(self.location, name), base.MAX_MANIFEST_BYTES)
+        return _fs.read_small(os.path.join(self.location, name), layout.MAX_MANIFEST_BYTES)
 
     def size(self, name: str) -> int:
         return self._open(name)[1]

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from SneppX_ALG import _fs, _s3, errors
-from SneppX_ALG.storage import base, lease, s3_upload
+from SneppX_ALG.storage import base, layout, lease, s3_upload
 
 
 class S3Storage:
@@ -58,7 +58,7 @@ class S3Storage:
         if root and not key.startswith(root + "/"):
             return None
         step_dir, slash, _ = key[len(root) + 1 if root else 0:].partition("/")
-        return base.parse_step_name(step_dir) if slash else None
+        return layout.parse_step_name(step_dir) if slash else None
 
     def _list_pages(self, prefix: str) -> Iterator[dict[str, Any]]:
         try:
@@ -79,7 +79,7 @@ class S3Storage:
             if step is None:
                 continue
             seen.add(step)
-            if obj["Key"] == self.key(base.step_name(step), base.COMMITTED):
+            if obj["Key"] == self.key(layout.step_name(step), layout.COMMITTED):
                 committed.add(step)
         return seen, committed
 
@@ -115,13 +115,13 @@ class S3Storage:
     def begin(self, step: int) -> base.PendingStep:
         """Claims `step` and makes a staging directory for its files. CheckpointExistsError when it is committed
         already: its objects are never overwritten (the keys of a new save would be the same)."""
-        marker = self.key(base.step_name(step), base.COMMITTED)
+        marker = self.key(layout.step_name(step), layout.COMMITTED)
         if self._exists(marker):
             raise errors.CheckpointExistsError(f"s3://{self.bucket}/{marker} exists; a step is never overwritten",
                                                path=self.uri)
         self.lease.hold(step)  # before anything of the step is uploaded
         try:
-            local = tempfile.mkdtemp(prefix=f"{base.STAGE_PREFIX}{os.getpid()}-{step:09d}-",
+            local = tempfile.mkdtemp(prefix=f"{layout.STAGE_PREFIX}{os.getpid()}-{step:09d}-",
                                      dir=self.staging_dir)
         except BaseException:
             self.lease.release(step)
@@ -137,7 +137,7 @@ class S3Storage:
         """Puts this rank's files under the step's prefix: {name: (size, ETag)}. A file shard_sink streamed is
         there already (its finished upload is taken as it is); any other is uploaded from its local_dir. They
         are recorded in pending.uploaded, so abort() takes them back."""
-        name = base.step_name(pending.step)
+        name = layout.step_name(pending.step)
         parts: base.Parts = {}
         for leaf in names:
             key = self.key(name, leaf)
@@ -164,8 +164,8 @@ class S3Storage:
         On failure, what the step's ranks uploaded is deleted unless another writer may own those keys now (it
         created the manifest or the marker first, or changed an object since), or unless the commit's outcome
         is unknown (CommitUnknownError): then the next cleanup removes them if no marker appears."""
-        name = base.step_name(pending.step)
-        marker = self.key(name, base.COMMITTED)
+        name = layout.step_name(pending.step)
+        marker = self.key(name, layout.COMMITTED)
         uploaded = {self.key(name, leaf): part for leaf, part in parts.items()}  # key -> (size, ETag)
         try:
             if self._exists(marker):
@@ -174,7 +174,7 @@ class S3Storage:
             missing = sorted(set(base.manifest_shards(manifest)) - set(parts))
             if missing:
                 raise errors.StorageError(f"no rank reported uploading {', '.join(missing)}", path=self.uri)
-            key = self.key(name, base.MANIFEST)
+            key = self.key(name, layout.MANIFEST)
             etag = self._create(key, manifest)
             if etag is None:
                 uploaded.clear()  # another writer's step: the shard keys may hold its objects now; keep them
@@ -183,7 +183,7 @@ class S3Storage:
                     "an interrupted save that cleanup will remove)", path=self.uri)
             uploaded[key] = (len(manifest), etag)
             if signature is not None:  # before the marker: a committed signed step always has its signature
-                key = self.key(name, base.SIGNATURE)
+                key = self.key(name, layout.SIGNATURE)
                 uploaded[key] = (len(signature), self.put(key, signature))
             self._check_parts(name, uploaded)
             if self._create(marker, base.commit_record(pending.step, self.lease.writer, manifest)) is None:
@@ -247,7 +247,7 @@ class S3Storage:
         directory, its claim."""
         try:
             self._stop_streams(pending)
-            name = base.step_name(pending.step)
+            name = layout.step_name(pending.step)
             uploaded = set(pending.uploaded) | {self.key(name, shard) for shard, sink in pending.streamed.items()
                                                 if sink.result is not None}
             pending.uploaded = {}
@@ -316,8 +316,8 @@ class S3Storage:
         manifest (committed, or being committed: finalize refuses it, and the coordinator may first set a
         committed step aside, copying its objects) or an object at this shard's key (another writer's, or
         left by a crash): a shard streamed there would replace it before those checks."""
-        step = base.step_name(pending.step)
-        if any(self._exists(self.key(step, leaf)) for leaf in (base.COMMITTED, base.MANIFEST, name)):
+        step = layout.step_name(pending.step)
+        if any(self._exists(self.key(step, leaf)) for leaf in (layout.COMMITTED, layout.MANIFEST, name)):
             return None
         sink = s3_upload.StreamingUpload(self, self.key(step, name))
         pending.streamed[name] = sink
@@ -341,25 +341,25 @@ class S3Storage:
     def open_step(self, step: int) -> Iterator[str]:
         """Downloads a committed step (manifest, signature and the shards the manifest names) into a temporary
         local directory named like the step, for reading and validation; its marker goes next to it
-        (base.fetched_marker_path), where validation checks it against the manifest."""
-        name = base.step_name(step)
-        marker = self._get(self.key(name, base.COMMITTED))
+        (layout.fetched_marker_path), where validation checks it against the manifest."""
+        name = layout.step_name(step)
+        marker = self._get(self.key(name, layout.COMMITTED))
         if marker is None:
             raise errors.CheckpointNotFoundError(f"no committed checkpoint for step {step} in {self.uri}",
                                                  path=self.uri)
-        fetched = tempfile.mkdtemp(prefix=f"{base.STAGE_PREFIX}{os.getpid()}-fetch-", dir=self.staging_dir)
+        fetched = tempfile.mkdtemp(prefix=f"{layout.STAGE_PREFIX}{os.getpid()}-fetch-", dir=self.staging_dir)
         local = os.path.join(fetched, name)
         try:
             os.mkdir(local)
-            with open(base.fetched_marker_path(local), "wb") as f:
+            with open(layout.fetched_marker_path(local), "wb") as f:
                 f.write(marker[0])
             present = {obj["Key"][len(self.key(name)) + 1:] for obj in self._list(self.key(name) + "/")}
-            for leaf in (base.MANIFEST, base.SIGNATURE):
+            for leaf in (layout.MANIFEST, layout.SIGNATURE):
                 if leaf in present:
                     self._download(self.key(name, leaf), os.path.join(local, leaf))
             manifest = b""
-            with contextlib.suppress(FileNotFoundError), open(os.path.join(local, base.MANIFEST), "rb") as f:
-                manifest = f.read(base.MAX_MANIFEST_BYTES + 1)
+            with contextlib.suppress(FileNotFoundError), open(os.path.join(local, layout.MANIFEST), "rb") as f:
+                manifest = f.read(layout.MAX_MANIFEST_BYTES + 1)
             for leaf in base.manifest_shards(manifest):
                 if leaf in present:  # a missing shard is for validation to report
                     self._download(self.key(name, leaf), os.path.join(local, leaf))
@@ -376,8 +376,8 @@ class S3Storage:
         for step, leaf in base.manifest_references(manifest):
             by_step.setdefault(step, []).append(leaf)
         for step, leaves in by_step.items():
-            name = base.step_name(step)
-            if self._get(self.key(name, base.COMMITTED)) is None:
+            name = layout.step_name(step)
+            if self._get(self.key(name, layout.COMMITTED)) is None:
                 continue
             os.makedirs(os.path.join(fetched, name), exist_ok=True)
             present = {obj["Key"][len(self.key(name)) + 1:] for obj in self._list(self.key(name) + "/")}
@@ -389,8 +389,8 @@ class S3Storage:
     def read_step(self, step: int) -> Iterator[base.StepReader]:
         """Ranged reads of a committed step's objects (GET with a Range header; nothing is downloaded whole
         but the manifest and its signature). The marker is read first: no marker, no step."""
-        name = base.step_name(step)
-        marker = self._get(self.key(name, base.COMMITTED))
+        name = layout.step_name(step)
+        marker = self._get(self.key(name, layout.COMMITTED))
         if marker is None:
             raise errors.CheckpointNotFoundError(f"no committed checkpoint for step {step} in {self.uri}",
                                                  path=self.uri)
@@ -418,8 +418,8 @@ class S3Storage:
                     f"{f.get('Key')} ({f.get('Code')}: {f.get('Message')})" for f in failed), path=self.uri)
 
     def delete(self, step: int) -> None:
-        name = base.step_name(step)
-        self._delete_keys([self.key(name, base.COMMITTED)])  # invisible from here on
+        name = layout.step_name(step)
+        self._delete_keys([self.key(name, layout.COMMITTED)])  # invisible from here on
         self._delete_keys([obj["Key"] for obj in self._list(self.key(name) + "/")])
 
     # -- setting steps aside, and records at the root (coordinator/timeline.py) --
@@ -430,9 +430,9 @@ class S3Storage:
         manifest.json included, so the step's number can be saved again (its manifest is created with
         If-None-Match). S3 has no rename; a crash part-way leaves the step committed (and a partial copy that
         retention bounds like any set-aside step), or objects of an uncommitted step that cleanup removes."""
-        name, aside = base.step_name(step), base.set_aside_name(step, reason)
+        name, aside = layout.step_name(step), layout.set_aside_name(step, reason)
         keys = [obj["Key"] for obj in self._list(self.key(name) + "/")]
-        marker = self.key(name, base.COMMITTED)
+        marker = self.key(name, layout.COMMITTED)
         if marker not in keys:
             raise errors.CheckpointNotFoundError(f"no committed checkpoint for step {step} in {self.uri}",
                                                  path=self.uri)
@@ -452,19 +452,19 @@ class S3Storage:
         retention bounds those too, and cleanup, which can't tell them from a live copy, never has to."""
         found = set()
         root = self.key("")
-        for reason in base.SET_ASIDE_REASONS:
+        for reason in layout.SET_ASIDE_REASONS:
             prefix = self.key(f".{reason}-step-")
             keys = [obj["Key"] for obj in self._list(prefix)] + [key for key, _ in self._uploads(prefix)]
             for key in keys:
                 name = key[len(root) + 1 if root else 0:].partition("/")[0]
-                step = base.parse_set_aside_name(name)
+                step = layout.parse_set_aside_name(name)
                 if step is not None:
                     found.add((step, name))
         return sorted(found)
 
     def remove_set_aside(self, name: str) -> None:
         """Removes a set-aside step: its incomplete uploads (a copy cut short), then its objects."""
-        if base.parse_set_aside_name(name) is None:
+        if layout.parse_set_aside_name(name) is None:
             raise ValueError(f"{name!r} is not a set-aside step")
         prefix = self.key(name) + "/"
         for key, upload_id in self._uploads(prefix):
@@ -472,7 +472,7 @@ class S3Storage:
         self._delete_keys([obj["Key"] for obj in self._list(prefix)])
 
     def read_record(self, name: str) -> bytes | None:
-        got = self._get(self.key(name), limit=base.MAX_MANIFEST_BYTES + 1)
+        got = self._get(self.key(name), limit=layout.MAX_MANIFEST_BYTES + 1)
         return None if got is None else got[0]
 
     def write_record(self, name: str, data: bytes) -> None:
@@ -531,9 +531,9 @@ class S3Storage:
                 continue  # aborted or completed since it was listed (e.g. by the writer it belonged to)
             removed.append(f"upload {upload_id} of s3://{self.bucket}/{key}")
         for step in sorted(seen - committed - claimed):
-            if self._exists(self.key(base.step_name(step), base.COMMITTED)):
+            if self._exists(self.key(layout.step_name(step), layout.COMMITTED)):
                 continue  # committed since it was listed
-            keys = [obj["Key"] for obj in self._list(self.key(base.step_name(step)) + "/")]
+            keys = [obj["Key"] for obj in self._list(self.key(layout.step_name(step)) + "/")]
             self._delete_keys(keys)
             removed += [f"s3://{self.bucket}/{k}" for k in keys]
         for key, claim, age in leases:
@@ -541,15 +541,15 @@ class S3Storage:
                 self._delete_keys([key])
                 removed.append(f"s3://{self.bucket}/{key}")
         for entry in os.scandir(self.staging_dir):
-            pid = entry.name[len(base.STAGE_PREFIX):].split("-", 1)[0]
-            if entry.name.startswith(base.STAGE_PREFIX) and pid.isdigit() and not lease.pid_alive(int(pid)):
+            pid = entry.name[len(layout.STAGE_PREFIX):].split("-", 1)[0]
+            if entry.name.startswith(layout.STAGE_PREFIX) and pid.isdigit() and not lease.pid_alive(int(pid)):
                 _fs.remove_tree(entry.path)
                 removed.append(entry.path)
         return removed
 
     # -- what `sneppx ls` shows --
 
-    def inventory(self) -> list[base.Entry]:
+    def inventory(self) -> list[layout.Entry]:
         """Every step-like prefix under the root (storage.Entry), from one listing: a step is committed when
         its marker is there. Its files' sizes; nothing is read."""
         root = self.key("")
@@ -557,19 +557,19 @@ class S3Storage:
         files: dict[str, dict[str, int]] = {}
         for obj in self._list(root + "/" if root else ""):
             name, slash, leaf = obj["Key"][strip:].partition("/")
-            if slash and leaf and base.classify_entry(name) is not None:
+            if slash and leaf and layout.classify_entry(name) is not None:
                 files.setdefault(name, {})[leaf] = int(obj["Size"])
         found = []
         for name, held in files.items():
-            step, state = base.classify_entry(name)  # type: ignore[misc]
-            if state == "committed" and base.COMMITTED not in held:
+            step, state = layout.classify_entry(name)  # type: ignore[misc]
+            if state == "committed" and layout.COMMITTED not in held:
                 state = "uncommitted"
-            found.append(base.Entry(name, step, state, held))
+            found.append(layout.Entry(name, step, state, held))
         return found
 
     def read_entry_file(self, name: str, leaf: str) -> bytes | None:
         """A small object (manifest, signature, marker) of an inventory entry, or None when it has none."""
-        if base.classify_entry(name) is None or not base.is_plain_name(leaf):
+        if layout.classify_entry(name) is None or not layout.is_plain_name(leaf):
             raise ValueError(f"{name}/{leaf} is not a file of a step")
         found = self._get(self.key(name, leaf))
         return None if found is None else found[0]
@@ -588,7 +588,7 @@ class S3StepReader:
     def read_file(self, name: str) -> bytes | None:
         if name not in self._sizes:
             return None
-        got = self._store._get(self._store.key(self._name, name), limit=base.MAX_MANIFEST_BYTES + 1)
+        got = self._store._get(self._store.key(self._name, name), limit=layout.MAX_MANIFEST_BYTES + 1)
         return None if got is None else got[0]
 
     def size(self, name: str) -> int:
