@@ -11,6 +11,8 @@ from typing import Any
 from SneppX_ALG import errors
 from SneppX_ALG._sneppx_native import ffi, lib
 
+__all__ = ["as_buffer", "ffi", "lib", "raise_for"]
+
 
 def raise_for(code: int, what: str, path: str | None = None) -> None:
     """Raises the typed exception for a native status code (no-op for SX_OK)."""

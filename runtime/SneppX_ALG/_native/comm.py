@@ -213,7 +213,7 @@ def nccl_load() -> str:
 
     for candidate in nccl_candidates(sys.path, dict(os.environ)):
         if lib.sx_nccl_load(os.fsencode(candidate)) == lib.SX_OK:
-            return ffi.string(lib.sx_nccl_library()).decode()
+            return str(ffi.string(lib.sx_nccl_library()).decode())
     raise errors.AcceleratorUnavailableError(
         f"NCCL ({NCCL_SONAME}, 2.14.3 or newer) can't be loaded; install nvidia-nccl-cu12 (the `nccl` extra) "
         "or set SNEPPX_NCCL to the library's path")

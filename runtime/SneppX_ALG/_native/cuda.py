@@ -50,7 +50,7 @@ def cuda_load() -> str:
 
     for candidate in cudart_candidates(sys.path, dict(os.environ)):
         if lib.sx_cuda_load(os.fsencode(candidate)) == lib.SX_OK:
-            return ffi.string(lib.sx_cuda_library()).decode()
+            return str(ffi.string(lib.sx_cuda_library()).decode())
     raise_cuda(lib.SX_ENOLIB, "load CUDA runtime")
     return ""  # unreachable: raise_cuda raised
 

@@ -122,7 +122,7 @@ def tiling_problem(shape: tuple[int, ...], boxes: list[Box]) -> str | None:
     hi = np.array([b.stop for b in full], np.int64)
     for start in range(0, len(full), 1024):  # pairwise, in slices: O(n^2) comparisons, bounded memory
         a_lo, a_hi = lo[start:start + 1024, None, :], hi[start:start + 1024, None, :]
-        overlap = ((a_lo < hi[None]) & (lo[None] < a_hi)).all(axis=2)
+        overlap = np.asarray(((a_lo < hi[None]) & (lo[None] < a_hi)).all(axis=2))
         overlap[np.arange(overlap.shape[0]), start + np.arange(overlap.shape[0])] = False
         if overlap.any():
             i, j = np.argwhere(overlap)[0]

@@ -55,7 +55,7 @@ def _little_endian_pieces(array: np.ndarray, piece: int) -> Iterator[memoryview]
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
     if array.flags.c_contiguous:
-        flat = memoryview(array.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
+        flat = array.reshape(-1).view(np.uint8).data if array.size else memoryview(b"")
         for start in range(0, len(flat), piece):
             yield flat[start:start + piece]
         return
@@ -63,7 +63,7 @@ def _little_endian_pieces(array: np.ndarray, piece: int) -> Iterator[memoryview]
     rows_per_piece = max(1, piece // max(1, array[0].nbytes)) if array.ndim and len(array) else 1
     for start in range(0, len(array), rows_per_piece):
         block = np.ascontiguousarray(array[start:start + rows_per_piece])
-        yield memoryview(block.reshape(-1).view(np.uint8))
+        yield block.reshape(-1).view(np.uint8).data
 
 
 class CheckpointWriter:

@@ -318,7 +318,7 @@ def _read_run(reader: storage.StepReader, name: str, path: str, run: list[_Read]
     assert run[0].flat is not None
     total = sum(r.item.chunk["nbytes"] for r in run)
     target = run[0].flat[run[0].start:run[0].start + total]
-    got = reader.read_blocks(name, memoryview(target), run[0].offset, block_bytes)
+    got = reader.read_blocks(name, target.data, run[0].offset, block_bytes)
     stats.data += total
     stats.reads += 1
     position, block = 0, 0
@@ -326,7 +326,7 @@ def _read_run(reader: storage.StepReader, name: str, path: str, run: list[_Read]
         chunk = r.item.chunk
         count = manifest_codec.block_count(chunk["nbytes"], block_bytes)
         digests = manifest_codec.block_digests(chunk) if digests_too else None
-        _check_blocks(memoryview(target[position:position + chunk["nbytes"]]), got[block:block + count], chunk, 0,
+        _check_blocks(target[position:position + chunk["nbytes"]].data, got[block:block + count], chunk, 0,
                       block_bytes, digests, path)
         position += chunk["nbytes"]
         block += count
@@ -343,7 +343,7 @@ def _read_one(reader: storage.StepReader, name: str, path: str, read: _Read, nee
     scratch = read.direct if read.direct is not None else np.empty(end - base, np.uint8)
     for first, stop in item.blocks.tolist():
         lo, hi = first * block_bytes, min(stop * block_bytes, chunk["nbytes"])
-        view = memoryview(scratch[lo - base:hi - base])
+        view = scratch[lo - base:hi - base].data
         got = reader.read_blocks(name, view, read.offset + lo, block_bytes)
         stats.data += hi - lo
         stats.reads += 1

@@ -92,7 +92,7 @@ class StreamingDigest:
             raise ValueError(f"unsupported digest algorithm {name!r}; supported: {', '.join(_HASHERS)}")
         self.name = name
         self._hasher = blake3.blake3(max_threads=threads) if name == "blake3" else _HASHERS[name]()
-        self._queued: collections.deque[concurrent.futures.Future[None]] = collections.deque()
+        self._queued: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
 
     def update(self, data: Any) -> None:
         view = memoryview(data)

@@ -158,8 +158,8 @@ def _scan_step_files(local: str, step: int, trusted_keys: dict[bytes, Any] | Non
             problems.append(f"{type(e).__name__}: {e}" if expected is not None else str(e))
             continue
         problems += [str(p) for p in found.problems]
-        for entry in found.table.tensors:
-            entries[(index, entry.name)] = entry
+        for stored in found.table.tensors:
+            entries[(index, stored.name)] = stored
         blocks.update({(index, name): crcs for name, crcs in found.blocks.items()})
     if problems:
         return manifest, problems, None
@@ -248,12 +248,12 @@ def _destinations(manifest: dict[str, Any]) -> tuple[list[np.ndarray], dict[tupl
                     view = memoryview(bytearray(0))
                 elif chunks.is_contiguous(array.shape, box):
                     start = int(np.ravel_multi_index(box.offset, array.shape)) * array.itemsize if array.ndim else 0
-                    view = memoryview(flat[start:start + piece["nbytes"]])
+                    view = flat[start:start + piece["nbytes"]].data
                 else:
                     view = memoryview(bytearray(piece["nbytes"]))
                     scatters.append((array, box, view))
             else:
-                view = memoryview(flat[piece["start"]:piece["start"] + piece["nbytes"]])
+                view = flat[piece["start"]:piece["start"] + piece["nbytes"]].data
             targets.setdefault((piece["shard"], piece["entry"]), []).append(view)
         arrays.append(array)
     return arrays, targets, scatters

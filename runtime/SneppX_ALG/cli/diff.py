@@ -54,7 +54,8 @@ def diff(a: tensors.TensorSet, b: tensors.TensorSet, progress: Any = None) -> di
     """The differences between two opened checkpoints (tensors read one pair at a time)."""
     added = [n for n in b.info if n not in a.info]
     removed = [n for n in a.info if n not in b.info]
-    changed, same = [], 0
+    changed: list[dict[str, Any]] = []
+    same = 0
     common = [n for n in a.info if n in b.info]
     total = sum(a.info[n].nbytes + b.info[n].nbytes for n in common)
     done = 0

@@ -400,7 +400,7 @@ class S3Storage:
     def _download(self, key: str, path: str) -> None:
         try:
             self.client.download_file(self.bucket, key, path)
-        except (*_s3.client_errors(), OSError) as e:
+        except _s3.client_errors() + (OSError,) as e:
             raise _s3.storage_error(e, f"download of {key}", self.uri) from None
 
     def _delete_keys(self, keys: list[str]) -> None:
