@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from SneppX_ALG.storage import job_object
-from sneppx_operator import builders, policy
+from sneppx_operator import builders, defaults, policy
 from sneppx_operator.errors import JobSpecError
 from sneppx_operator.reconcile.actions import Action, Create, Delete, DeleteJob, DropFinalizer, PutRecords
 from sneppx_operator.reconcile.decisions import Event, Membership, Plan, Restart
@@ -54,7 +54,7 @@ def next_membership(spec: Mapping[str, Any], status: Mapping[str, Any], *, group
     the same size. (Inside the pods the agents number their own membership generations; rank 0 reports
     theirs in status.rendezvous.)
     """
-    world_size = 0 if spec.get("suspend", False) else int(spec["elastic"]["maxNodes"])
+    world_size = 0 if defaults.field(spec, "suspend") else int(spec["elastic"]["maxNodes"])
     generation = int(status.get("membershipGeneration") or 0)
     if generation == 0:
         return Membership(1, world_size)
@@ -176,7 +176,7 @@ def plan(
     spec = job.spec
     given = _Inputs(
         job, pods, nodes or {}, rendezvous, now,
-        suspended=bool(spec.get("suspend", False)),
+        suspended=bool(defaults.field(spec, "suspend")),
         rule=policy.quorum_rule(spec),
         budget=policy.max_restarts(spec),
         restart_count=int(job.status.get("restartCount") or 0),
