@@ -1,8 +1,9 @@
 """plan(): one job's observation -> the actions to take and the status that records every decision.
 
 Why apart: this is the decision itself (membership, quorum, the restart budget, the deadline, the phase),
-pure, so every rule is tested without a cluster. The module is not named plan.py so that
-`sneppx_operator.reconcile.plan` stays the function.
+pure, so every rule is tested without a cluster. One concept, plan() and the small decisions it is made of,
+hence about 500 lines. The module is not named plan.py so that `sneppx_operator.reconcile.plan` stays the
+function.
 """
 
 from __future__ import annotations
