@@ -62,7 +62,7 @@ from SneppX_ALG.contract.env import (
     ENV_SNAPSHOT_REPLICAS,
     ENV_VALIDATION,
 )
-from sneppx_operator import restricted
+from sneppx_operator import defaults, restricted
 from sneppx_operator.errors import JobSpecError
 
 GROUP = "sneppx.io"
@@ -167,7 +167,7 @@ def build_service(job_name: str, namespace: str, job_uid: str, spec: Mapping[str
 
     publishNotReadyAddresses: ranks must find rank 0 during rendezvous, before any of them is Ready.
     """
-    port = int(spec["elastic"].get("port", 29500))
+    port = int(defaults.field(spec["elastic"], "elastic.port"))
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -203,7 +203,7 @@ def control_record(spec: Mapping[str, Any], *, paused: bool, reason: str, pod_ge
         min_nodes=int(elastic["minNodes"]),
         max_nodes=int(elastic["maxNodes"]),
         pod_generation=pod_generation,
-        hang_timeout_seconds=int(policy.get("hangTimeoutSeconds", 1800)),
+        hang_timeout_seconds=int(defaults.field(policy, "failurePolicy.hangTimeoutSeconds")),
     )
 
 
@@ -277,12 +277,13 @@ def spec_problem(spec: Mapping[str, Any]) -> str | None:
     sub_path = (storage.get("pvc") or {}).get("subPath") or ""
     if sub_path.startswith("/") or ".." in sub_path.split("/"):
         return "checkpoint.storage.pvc.subPath must be relative and must not contain '..'"
-    if checkpoint.get("rollbackDepth", 2) >= checkpoint.get("maxToKeep", 3):
+    if defaults.field(checkpoint, "checkpoint.rollbackDepth") >= defaults.field(checkpoint, "checkpoint.maxToKeep"):
         return "checkpoint.rollbackDepth must be less than checkpoint.maxToKeep"
     if elastic.get("minNodes", 1) > elastic.get("maxNodes", 1):
         return "elastic.minNodes must not exceed elastic.maxNodes"
     delay = (spec.get("failurePolicy") or {}).get("restartDelay") or {}
-    if delay.get("initialSeconds", 10) > delay.get("maxSeconds", 300):  # the CRD's defaults
+    initial = defaults.field(delay, "failurePolicy.restartDelay.initialSeconds")
+    if initial > defaults.field(delay, "failurePolicy.restartDelay.maxSeconds"):
         return "failurePolicy.restartDelay.initialSeconds must not exceed maxSeconds"
     for rule in (spec.get("failurePolicy") or {}).get("rules") or []:
         codes = rule.get("onExitCodes") or {}
@@ -322,23 +323,23 @@ def rank_env(
         _env("RANK", rank),
         _env("NODE_RANK", rank),
         _env("WORLD_SIZE", world_size),
-        _env(ENV_PROCS_PER_NODE, elastic.get("procsPerNode", 1)),
+        _env(ENV_PROCS_PER_NODE, defaults.field(elastic, "elastic.procsPerNode")),
         _env(ENV_GENERATION, generation),
         _env("MASTER_ADDR", master_addr(job_name, namespace)),
-        _env("MASTER_PORT", elastic.get("port", 29500)),
+        _env("MASTER_PORT", defaults.field(elastic, "elastic.port")),
         _env(ENV_HEARTBEAT_KEY_FILE, f"{HEARTBEAT_DIR}/{HEARTBEAT_KEY}"),
         _env(ENV_CHECKPOINT_URI, checkpoint_uri(job_name, namespace, spec)),
-        _env(ENV_SAVE_EVERY, checkpoint.get("saveEveryNSteps", 1000)),
-        _env(ENV_MAX_TO_KEEP, checkpoint.get("maxToKeep", 3)),
-        _env(ENV_VALIDATION, checkpoint.get("validation", "Full")),
-        _env(ENV_ROLLBACK_DEPTH, checkpoint.get("rollbackDepth", 2)),
-        _env(ENV_SNAPSHOT_EVERY, checkpoint.get("snapshotEveryNSteps", 0)),
-        _env(ENV_SNAPSHOT_REPLICAS, checkpoint.get("snapshotReplicas", 1)),
+        _env(ENV_SAVE_EVERY, defaults.field(checkpoint, "checkpoint.saveEveryNSteps")),
+        _env(ENV_MAX_TO_KEEP, defaults.field(checkpoint, "checkpoint.maxToKeep")),
+        _env(ENV_VALIDATION, defaults.field(checkpoint, "checkpoint.validation")),
+        _env(ENV_ROLLBACK_DEPTH, defaults.field(checkpoint, "checkpoint.rollbackDepth")),
+        _env(ENV_SNAPSHOT_EVERY, defaults.field(checkpoint, "checkpoint.snapshotEveryNSteps")),
+        _env(ENV_SNAPSHOT_REPLICAS, defaults.field(checkpoint, "checkpoint.snapshotReplicas")),
         {"name": ENV_NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         _env(ENV_OBJECT, job_object.object_name(job_name)),
         _env(ENV_MIN_NODES, elastic["minNodes"]),
         _env(ENV_MAX_NODES, elastic["maxNodes"]),
-        _env(ENV_HANG_TIMEOUT, policy.get("hangTimeoutSeconds", 1800)),
+        _env(ENV_HANG_TIMEOUT, defaults.field(policy, "failurePolicy.hangTimeoutSeconds")),
     ]
     s3 = checkpoint["storage"].get("s3")
     if s3 is not None:

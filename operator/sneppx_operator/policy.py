@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from SneppX_ALG.contract import backoff
+from sneppx_operator import defaults
 
 # Why a rank is being replaced (restartHistory[].reason; the restarts metric's `reason` label).
 POD_FAILED = "PodFailed"  # its training container exited non-zero
@@ -84,7 +85,7 @@ def verdict(spec: Mapping[str, Any], failure: Failure) -> Verdict:
 
 
 def max_restarts(spec: Mapping[str, Any]) -> int:
-    return int(_policy(spec).get("maxRestarts", 3))
+    return int(defaults.field(_policy(spec), "failurePolicy.maxRestarts"))
 
 
 def restart_delay_seconds(spec: Mapping[str, Any], restart_number: int) -> float:
@@ -96,8 +97,8 @@ def restart_delay_seconds(spec: Mapping[str, Any], restart_number: int) -> float
 
 def _restart_delay(spec: Mapping[str, Any]) -> tuple[float, float, float]:
     delay = _policy(spec).get("restartDelay") or {}
-    return (float(delay.get("initialSeconds", 10)), float(delay.get("multiplier", 2)),
-            float(delay.get("maxSeconds", 300)))
+    return (float(defaults.field(delay, "failurePolicy.restartDelay.initialSeconds")), float(defaults.field(delay, "failurePolicy.restartDelay.multiplier")),
+            float(defaults.field(delay, "failurePolicy.restartDelay.maxSeconds")))
 
 
 def backoff_reset_seconds(spec: Mapping[str, Any]) -> float:
@@ -107,7 +108,7 @@ def backoff_reset_seconds(spec: Mapping[str, Any]) -> float:
 
 
 def terminating_timeout_seconds(spec: Mapping[str, Any]) -> float:
-    return float(_policy(spec).get("terminatingPodTimeoutSeconds", 300))
+    return float(defaults.field(_policy(spec), "failurePolicy.terminatingPodTimeoutSeconds"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +138,7 @@ class QuorumRule:
 def quorum_rule(spec: Mapping[str, Any]) -> QuorumRule:
     quorum = spec.get("quorum") or {}
     return QuorumRule(int(spec["elastic"]["minNodes"]), int(quorum.get("minHealthyPercent") or 0),
-                      str(quorum.get("actionOnLoss", "Pause")))
+                      str(defaults.field(quorum, "quorum.actionOnLoss")))
 
 
 def describe(failure: Failure) -> str:

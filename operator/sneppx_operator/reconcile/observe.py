@@ -1,0 +1,158 @@
+"""Reading the cluster: the job's body and the pods, nodes and rendezvous object kopf's indexes hold, each
+summarised into the few fields a plan decides on.
+
+Why apart: this is the only place that knows the shape of the API objects (labels, ownerReferences, container
+statuses, conditions); everything after it works on these frozen summaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Mapping
+from typing import Any
+
+from SneppX_ALG.contract import job_object
+from sneppx_operator import builders
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: Mapping[str, Any]
+    status: Mapping[str, Any]
+    resource_version: str = ""  # of the body read: every status write is conditional on it
+    finalizers: tuple[str, ...] = ()
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Job:
+        meta = body["metadata"]
+        return cls(
+            name=meta["name"],
+            namespace=meta["namespace"],
+            uid=meta["uid"],
+            generation=int(meta.get("generation", 0)),
+            spec=body.get("spec") or {},
+            status=body.get("status") or {},
+            resource_version=str(meta.get("resourceVersion") or ""),
+            finalizers=tuple(meta.get("finalizers") or ()),
+        )
+
+
+def parse_time(text: Any) -> datetime.datetime | None:
+    try:
+        return job_object.parse_time(text)
+    except ValueError:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ObservedPod:
+    """What the operator needs to know about one rank's pod."""
+
+    name: str
+    rank: int
+    generation: int
+    phase: str
+    ready: bool
+    terminating: bool
+    node: str | None = None
+    uid: str = ""
+    controller_uid: str | None = None  # the uid in its controller ownerReference: which job owns it
+    exit_code: int | None = None  # the training container's, once it has terminated
+    reason: str | None = None  # why it ended (OOMKilled, Error, Evicted), when the kubelet says
+    deleted_at: datetime.datetime | None = None  # deletionTimestamp: when its grace period ends
+    created_at: datetime.datetime | None = None
+    disruption: str | None = None  # why the cluster is taking it away (its DisruptionTarget condition's reason)
+
+
+def controller_uid(meta: Mapping[str, Any]) -> str | None:
+    """The uid of the object's controller (the ownerReference with controller: true), if it has one."""
+    return next((ref.get("uid") for ref in meta.get("ownerReferences") or [] if ref.get("controller")), None)
+
+
+def observe_pod(
+    name: str, meta: Mapping[str, Any], spec: Mapping[str, Any], status: Mapping[str, Any]
+) -> ObservedPod | None:
+    """Summarise a pod; None for pods not made by this operator (labels missing or not numbers)."""
+    labels = meta.get("labels") or {}
+    try:
+        rank = int(labels[builders.LABEL_RANK])
+        generation = int(labels[builders.LABEL_GENERATION])
+    except (KeyError, TypeError, ValueError):
+        return None
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in (status.get("conditions") or [])
+    )
+    exit_code, reason = _training_container_end(spec, status)
+    phase = str(status.get("phase") or "Pending")
+    if exit_code is not None:
+        # The rank is its trainer: a classic sidecar that keeps running holds the pod Running (Ready false) after
+        # the trainer ended, and a sidecar that failed makes the pod Failed although the trainer succeeded.
+        phase = "Succeeded" if exit_code == 0 else "Failed"
+    disruption = next((c.get("reason") for c in status.get("conditions") or []
+                       if c.get("type") == "DisruptionTarget" and c.get("status") == "True"), None)
+    if status.get("reason") == "Evicted" or disruption is not None:  # beats the killed container's word
+        reason = "Evicted"
+    return ObservedPod(
+        name=name,
+        rank=rank,
+        generation=generation,
+        phase=phase,
+        ready=ready,
+        terminating=meta.get("deletionTimestamp") is not None,
+        node=spec.get("nodeName"),
+        uid=str(meta.get("uid") or ""),
+        controller_uid=controller_uid(meta),
+        exit_code=exit_code,
+        reason=reason or status.get("reason"),
+        deleted_at=parse_time(meta.get("deletionTimestamp")),
+        created_at=parse_time(meta.get("creationTimestamp")),
+        disruption=str(disruption) if disruption is not None else None,
+    )
+
+
+def _training_container_end(
+    spec: Mapping[str, Any], status: Mapping[str, Any]
+) -> tuple[int | None, str | None]:
+    """(exit code, reason) of the first container (the training agent), once it has terminated."""
+    containers = spec.get("containers") or []
+    name = containers[0].get("name") if containers else None
+    for container_status in status.get("containerStatuses") or []:
+        terminated = (container_status.get("state") or {}).get("terminated")
+        if container_status.get("name") == name and terminated:
+            code = terminated.get("exitCode")
+            return (int(code) if code is not None else None), terminated.get("reason")
+    return None, None
+
+
+@dataclasses.dataclass(frozen=True)
+class ObservedNode:
+    name: str
+    ready: bool
+    since: datetime.datetime | None = None  # when its Ready condition last changed
+
+
+def observe_node(name: str, status: Mapping[str, Any]) -> ObservedNode:
+    """A node is ready while its Ready condition is True (False: the kubelet says so; Unknown: it went silent
+    and the node controller noticed)."""
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    if ready is None:
+        return ObservedNode(name, True)
+    return ObservedNode(name, ready.get("status") == "True", parse_time(ready.get("lastTransitionTime")))
+
+
+@dataclasses.dataclass(frozen=True)
+class ObservedObject:
+    """The job's rendezvous ConfigMap as the operator sees it."""
+
+    uid: str
+    controller_uid: str | None
+    view: job_object.View
+
+
+def observe_rendezvous(meta: Mapping[str, Any], data: Mapping[str, str] | None) -> ObservedObject:
+    return ObservedObject(str(meta.get("uid") or ""), controller_uid(meta), job_object.read_view(data))
