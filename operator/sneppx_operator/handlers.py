@@ -35,7 +35,7 @@ import kopf
 from sneppx_operator import builders, config, k8s, leader, metrics, reconcile, wakeups
 
 RESOURCE = (builders.GROUP, builders.VERSION, builders.PLURAL)
-RENDEZVOUS_LABELS = {builders.LABEL_JOB: kopf.PRESENT, builders.LABEL_COMPONENT: builders.COMPONENT_RENDEZVOUS}
+RENDEZVOUS_LABELS: dict[str, Any] = {builders.LABEL_JOB: kopf.PRESENT, builders.LABEL_COMPONENT: builders.COMPONENT_RENDEZVOUS}
 LOOPS = wakeups.JobLoops()
 MIN_PASS_INTERVAL_S = 0.2
 log = logging.getLogger(__name__)

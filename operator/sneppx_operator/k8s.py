@@ -256,9 +256,10 @@ def read_job(namespace: str, name: str) -> dict[str, Any] | None:
     """The job as the API server has it now (a quorum read: the pass plans from the newest status, never from
     a watch event that lags behind its own last write); None when it is gone."""
     try:
-        return dict(kubernetes.client.CustomObjectsApi(_client()).get_namespaced_custom_object(
+        job: Any = kubernetes.client.CustomObjectsApi(_client()).get_namespaced_custom_object(
             builders.GROUP, builders.VERSION, namespace, builders.PLURAL, name, _request_timeout=REQUEST_TIMEOUT_S,
-        ))
+        )
+        return dict(job)
     except ApiException as exc:
         if exc.status == 404:
             return None
@@ -277,7 +278,7 @@ def patch_job_status(
     body = {"metadata": {"uid": uid, "resourceVersion": resource_version}, "status": dict(patch)}
     _guard()
     try:
-        written = kubernetes.client.CustomObjectsApi(_client()).patch_namespaced_custom_object_status(
+        written: Any = kubernetes.client.CustomObjectsApi(_client()).patch_namespaced_custom_object_status(
             builders.GROUP, builders.VERSION, namespace, builders.PLURAL, name, body,
             _content_type="application/merge-patch+json", _request_timeout=REQUEST_TIMEOUT_S,
         )
@@ -322,7 +323,7 @@ def apply(namespace: str, actions: Iterable[reconcile.Action]) -> reconcile.Outc
 def _message(exc: ApiException) -> str:
     """The API server's own message (its Status object), which says what to fix; else the HTTP reason."""
     try:
-        return str(json.loads(exc.body)["message"])
+        return str(json.loads(exc.body or "")["message"])
     except (TypeError, ValueError, KeyError):
         return str(exc.reason or exc)
 

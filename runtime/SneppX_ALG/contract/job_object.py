@@ -101,7 +101,7 @@ def timestamp(when: datetime.datetime) -> str:
     return when.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def parse_time(text: str) -> datetime.datetime:
+def parse_time(text: object) -> datetime.datetime:
     """An RFC 3339 UTC time written by `timestamp` (fractions allowed); ValueError otherwise."""
     if not isinstance(text, str) or not _TIME_RE.match(text):
         raise ValueError(f"{text!r} is not an RFC 3339 UTC time")
