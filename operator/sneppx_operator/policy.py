@@ -6,7 +6,9 @@ applies them to what it observed.
 
 Quorum is what the agents need to train: elastic.minNodes healthy ranks (and, if set, minHealthyPercent of the
 desired ones). No majority is needed for safety: a membership is decided by compare-and-swap on the job's one
-rendezvous object, so two groups can never both form a generation, whatever the network splits.
+rendezvous object, so two groups can never both form a generation, whatever the network splits. (The strict
+majority of `SneppX_ALG.elastic.fault_tolerance.quorum_size` is the standalone manager's rule, for peers that
+share no store.)
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ CLUSTER_DISRUPTIONS = frozenset({"EvictionByEvictionAPI", "PreemptionByScheduler
 
 
 @dataclasses.dataclass(frozen=True)
-class Failure:
-    """One rank lost: which, why, and (when its container exited) with which code."""
+class RankLoss:
+    """One rank lost: which, why, and (when its container exited) with which code. (The runtime's
+    `fault_tolerance.Failure` is another thing: a failure the in-process manager recorded against its budget.)"""
 
     rank: int
     pod: str
@@ -65,7 +68,7 @@ def _policy(spec: Mapping[str, Any]) -> Mapping[str, Any]:
     return spec.get("failurePolicy") or {}
 
 
-def verdict(spec: Mapping[str, Any], failure: Failure) -> Verdict:
+def verdict(spec: Mapping[str, Any], failure: RankLoss) -> Verdict:
     """The first failurePolicy.rules entry that matches the exit code decides; without an exit code (evicted,
     deleted, node lost, hung) or without a match, the rank restarts and the restart counts, unless the cluster
     itself took the pod away (CLUSTER_DISRUPTIONS)."""
@@ -141,6 +144,6 @@ def quorum_rule(spec: Mapping[str, Any]) -> QuorumRule:
                       str(defaults.field(quorum, "quorum.actionOnLoss")))
 
 
-def describe(failure: Failure) -> str:
+def describe(failure: RankLoss) -> str:
     code = f" with exit code {failure.exit_code}" if failure.exit_code is not None else ""
     return f"rank {failure.rank} (pod {failure.pod}) {failure.message}{code}"

@@ -744,7 +744,7 @@ def test_the_restart_delay_grows_by_the_multiplier_up_to_the_cap() -> None:
     ],
 )
 def test_the_first_matching_exit_code_rule_decides(rules: list[Any], code: int, action: str) -> None:
-    failure = policy.Failure(1, "train-1", policy.POD_FAILED, "failed", code)
+    failure = policy.RankLoss(1, "train-1", policy.POD_FAILED, "failed", code)
     assert policy.verdict({"failurePolicy": {"rules": rules}}, failure).action == action
 
 

@@ -28,7 +28,7 @@ class Restart:
     that status is written before any action: an operator that dies before the pod's delete goes through finds
     the decision in the status and finishes it, and never decides (or counts) it again."""
 
-    failure: policy.Failure
+    failure: policy.RankLoss
     generation: int
     counted: bool
     why: str

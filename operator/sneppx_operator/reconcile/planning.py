@@ -258,7 +258,7 @@ def _on_quorum_loss(
     if not quorum.lost or given.suspended:
         return membership, work, quorum, None
     if rule.action_on_loss == "RestartGroup" and work.fail_job is None:
-        group = policy.Failure(-1, "", policy.QUORUM_LOST, rule.describe(work.healthy, membership.world_size))
+        group = policy.RankLoss(-1, "", policy.QUORUM_LOST, rule.describe(work.healthy, membership.world_size))
         if given.restart_count + 1 > given.budget:
             return membership, work, quorum, (REASON_BUDGET_EXHAUSTED, _budget_message(given.budget, [group]))
         membership = next_membership(given.job.spec, given.job.status, group_restart=True)
@@ -492,7 +492,7 @@ def _ttl_wake(spec: Mapping[str, Any], status: Mapping[str, Any], now: datetime.
     return max(0.0, (finished + datetime.timedelta(seconds=int(ttl)) - now).total_seconds())
 
 
-def _budget_message(budget: int, failures: Sequence[policy.Failure], limit: int = 8) -> str:
+def _budget_message(budget: int, failures: Sequence[policy.RankLoss], limit: int = 8) -> str:
     """Why the budget ran out, bounded: the first `limit` failures in words, then how many more (a thousand
     ranks failing at once must still fit the status)."""
     words = [policy.describe(f) if f.rank >= 0 else f"quorum was lost ({f.message})" for f in failures[:limit]]

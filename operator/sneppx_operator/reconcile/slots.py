@@ -38,13 +38,13 @@ class Pass:
     put: dict[str, Mapping[str, Any] | None] = dataclasses.field(default_factory=dict)
 
 
-def _lost_failure(rank: int, name: str, pod: ObservedPod | None, node: ObservedNode | None) -> policy.Failure:
+def _lost_failure(rank: int, name: str, pod: ObservedPod | None, node: ObservedNode | None) -> policy.RankLoss:
     """Why a rank's pod left without the operator deleting it (`pod`: its last sight of it, if any)."""
     if pod is not None and pod.reason == "Evicted":
-        return policy.Failure(rank, name, policy.EVICTED, _evicted(pod), disruption=pod.disruption)
+        return policy.RankLoss(rank, name, policy.EVICTED, _evicted(pod), disruption=pod.disruption)
     if node is not None and not node.ready:
-        return policy.Failure(rank, name, policy.NODE_NOT_READY, f"was on node {node.name}, which is NotReady")
-    return policy.Failure(rank, name, policy.POD_DELETED, "was deleted")
+        return policy.RankLoss(rank, name, policy.NODE_NOT_READY, f"was on node {node.name}, which is NotReady")
+    return policy.RankLoss(rank, name, policy.POD_DELETED, "was deleted")
 
 
 def _evicted(pod: ObservedPod) -> str:
@@ -53,19 +53,19 @@ def _evicted(pod: ObservedPod) -> str:
 
 def _pod_failure(
     rank: int, pod: ObservedPod, node: ObservedNode | None, hung: job_object.HungRank | None
-) -> policy.Failure | None:
+) -> policy.RankLoss | None:
     """Why this rank's live pod must be replaced, if it must."""
     if pod.phase == "Failed":
         if pod.reason == "Evicted":
-            return policy.Failure(rank, pod.name, policy.EVICTED, _evicted(pod), pod.exit_code, pod.disruption)
+            return policy.RankLoss(rank, pod.name, policy.EVICTED, _evicted(pod), pod.exit_code, pod.disruption)
         how = "failed" + (f" ({pod.reason})" if pod.reason else "")
-        return policy.Failure(rank, pod.name, policy.POD_FAILED, how, pod.exit_code)
+        return policy.RankLoss(rank, pod.name, policy.POD_FAILED, how, pod.exit_code)
     if pod.phase == "Succeeded":
         return None
     if node is not None and not node.ready:
-        return policy.Failure(rank, pod.name, policy.NODE_NOT_READY, f"is on node {node.name}, which is NotReady")
+        return policy.RankLoss(rank, pod.name, policy.NODE_NOT_READY, f"is on node {node.name}, which is NotReady")
     if hung is not None and pod.phase == "Running" and _is_current_report(hung, pod):  # not one still starting
-        return policy.Failure(
+        return policy.RankLoss(
             rank, pod.name, policy.HANG,
             f"was absent from its job's generations for {hung.silent_seconds:.0f}s (reported by {hung.reported_by})",
         )
@@ -167,7 +167,7 @@ def walk_slots(
 
 
 def _restart(
-    work: Pass, spec: Mapping[str, Any], membership: Membership, failure: policy.Failure, pod_uid: str,
+    work: Pass, spec: Mapping[str, Any], membership: Membership, failure: policy.RankLoss, pod_uid: str,
     delete: Delete | None,
 ) -> None:
     verdict = policy.verdict(spec, failure)

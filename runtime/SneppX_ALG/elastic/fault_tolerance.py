@@ -34,7 +34,12 @@ _QUORUM_POLL = 1.0
 
 
 def quorum_size(members: int) -> int:
-    """Healthy members needed out of `members` (peers plus self): strictly more than half."""
+    """Healthy members needed out of `members` (peers plus self): strictly more than half.
+
+    The standalone manager's rule (the seed's `wait_for_quorum`: peers known only by their heartbeats, no shared
+    store to decide membership). An elastic job decides by other means and needs no majority: its rendezvous
+    forms a generation by compare-and-swap once `min_nodes` joined, and the operator's QuorumRule
+    (elastic.minNodes, quorum.minHealthyPercent) judges the same count from the cluster's side."""
     return members // 2 + 1
 
 
