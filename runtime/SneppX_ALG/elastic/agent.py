@@ -51,7 +51,6 @@ from SneppX_ALG.contract import job_object
 from SneppX_ALG.contract.env import ENV_CONTROL_FD, ENV_LOCAL_RANK
 from SneppX_ALG.elastic import control, heartbeat, pod, rendezvous
 from SneppX_ALG.elastic.fault_tolerance import FaultToleranceManager
-from SneppX_ALG.records import open_record_store
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +166,7 @@ def _terminate(signum: int, frame: Any) -> None:
 class NodeAgent:
     def __init__(self, settings: AgentSettings):
         self.s = settings
-        self.records = (pod.rendezvous_store(settings.elastic_root) if settings.operator_mode
-                        else open_record_store(settings.elastic_root))
+        self.records = pod.rendezvous_store(settings.elastic_root)
         self.link = pod.JobLink(self.records, settings.checkpoint_dir, settings.agent_id) if settings.operator_mode \
             else None
         self.absent = pod.AbsentMembers(settings.agent_id) if settings.operator_mode else None  # hung peers

@@ -30,7 +30,6 @@ from SneppX_ALG import errors
 from SneppX_ALG.contract.env import ENV_CONTROL_FD, ENV_GENERATION, ENV_NODE_NAME
 from SneppX_ALG.elastic import collectives, control, fault_tolerance, fence, pod, rendezvous, snapshot
 from SneppX_ALG.elastic import store as store_lib
-from SneppX_ALG.records import open_record_store
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +306,7 @@ class Worker:
         s = self.settings
         self.generation = a.generation
         set_torchrun_environment(a, s)
-        records = open_record_store(s.elastic_root)  # process groups' addresses, beside the checkpoints
+        records = pod.process_group_store(s.elastic_root)  # process groups' addresses, beside the checkpoints
         fence_store = pod.rendezvous_store(s.elastic_root)  # the rendezvous records: the commit fence reads them
         host = a.membership.members[a.node_rank].host  # where this node's agent is reachable: so are we
         coordinator = None
