@@ -34,6 +34,7 @@ maxRestarts).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import logging
 import os
@@ -86,6 +87,17 @@ class AgentSettings:
     checkpoint_dir: str = ""  # operator mode: where node rank 0 looks for the last valid checkpoint
 
 
+class WorkerState(enum.Enum):
+    """Where one worker process is in the current generation (the node as a whole has its lifecycle: lifecycle.py)."""
+
+    DEAD = "dead"  # no process (never started, killed, or it exited): replaced before the next generation
+    STARTING = "starting"  # spawned, never assigned: it has `start_timeout` to import and say it is ready
+    RUNNING = "running"  # assigned to the current generation: its train_fn runs
+    DONE = "done"  # its train_fn returned and every rank passed the last barrier: training is over
+    BOUNDARY = "boundary"  # it stopped at a checkpoint boundary so that waiting agents can join
+    FAILED = "failed"  # its collectives failed (a peer died, or the generation was aborted)
+
+
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     kind: str  # done | boundary | failure | fatal
@@ -100,7 +112,7 @@ class WorkerProcess:
         self.local_rank = local_rank
         self.proc: subprocess.Popen[bytes] | None = None
         self.channel: control.Channel | None = None
-        self.state = "dead"  # dead | starting | running | done | boundary | failed: in the current generation
+        self.state = WorkerState.DEAD
         self.idle = False  # it said it waits for an `assign` (after starting, or once a generation ended)
         self.generation: int | None = None
         self.rank: int | None = None
@@ -117,7 +129,7 @@ class WorkerProcess:
                                           ENV_LOCAL_RANK: str(self.local_rank)})
         theirs.close()
         self.channel = control.Channel(mine)
-        self.state, self.generation, self.idle = "starting", None, False
+        self.state, self.generation, self.idle = WorkerState.STARTING, None, False
         self.last_beat = self.last_progress = time.monotonic()
 
     def send(self, kind: str, **fields: Any) -> bool:
@@ -136,7 +148,7 @@ class WorkerProcess:
             self.proc.wait()
         if self.channel is not None:
             self.channel.close()
-        self.proc, self.channel, self.state = None, None, "dead"
+        self.proc, self.channel, self.state = None, None, WorkerState.DEAD
 
     def how_it_ended(self) -> str:
         code = None if self.proc is None else self.proc.poll()
@@ -379,12 +391,12 @@ class NodeAgent:
                     return self._failure(f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} "
                                          f"{w.how_it_ended()}")
                 silent = now - w.last_beat
-                if silent > (self.s.start_timeout if w.state == "starting" else self.s.hang_timeout):
+                if silent > (self.s.start_timeout if w.state is WorkerState.STARTING else self.s.hang_timeout):
                     w.kill()
                     return self._failure(f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} sent no "
                                          f"heartbeat for {silent:.1f}s (stopped or wedged): killed")
                 stuck = now - w.last_progress
-                if self.step_timeout is not None and w.state == "running" and stuck > self.step_timeout:
+                if self.step_timeout is not None and w.state is WorkerState.RUNNING and stuck > self.step_timeout:
                     w.kill()
                     return self._failure(f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} finished no "
                                          f"step for {stuck:.1f}s (step_timeout): killed")
@@ -438,10 +450,10 @@ class NodeAgent:
         if first is not None:
             return self._failure(first.reason) if first.kind == "failure" else first
         states = {w.state for w in self.workers}
-        if states == {"done"}:
+        if states == {WorkerState.DONE}:
             self._event("done", generation=m.generation)
             return Outcome("done")
-        if states == {"boundary"}:
+        if states == {WorkerState.BOUNDARY}:
             self._event("boundary", generation=m.generation)
             return Outcome("boundary")
         return None
@@ -488,9 +500,9 @@ class NodeAgent:
             self._event("snapshot_corrupt", generation=m.generation, rank=w.rank, step=message.get("step"),
                         source=message.get("source"), problems=message.get("problems", []))
         elif kind in ("done", "boundary"):
-            w.state = kind
+            w.state = WorkerState(kind)
         elif kind == "failed":
-            w.state = "failed"
+            w.state = WorkerState.FAILED
             return Outcome("failure", f"rank {w.rank}'s collectives failed: {message.get('error', '')[:500]}")
         elif kind == "error":
             return Outcome("failure", f"rank {w.rank}'s train_fn raised: {message.get('error', '')[-1500:]}")
@@ -500,7 +512,7 @@ class NodeAgent:
 
     def _assign(self, w: WorkerProcess, m: rendezvous.Membership, assign: dict[str, Any]) -> None:
         w.send("assign", local_rank=w.local_rank, **assign)
-        w.state, w.generation, w.idle = "running", m.generation, False
+        w.state, w.generation, w.idle = WorkerState.RUNNING, m.generation, False
         w.rank = m.global_rank(self.s.agent_id, w.local_rank)
         w.last_progress = time.monotonic()
 
@@ -546,12 +558,12 @@ class NodeAgent:
         """Ends the generation's collectives on every worker; one that doesn't come back idle within
         `abort_grace` is wedged, and is killed (replaced before the next generation)."""
         for w in self.workers:
-            if w.alive and not w.idle and w.state != "starting":
+            if w.alive and not w.idle and w.state is not WorkerState.STARTING:
                 w.send("abort")
         deadline = time.monotonic() + self.s.abort_grace
         while True:
             busy = {w.channel.fileno(): w for w in self.workers
-                    if w.alive and not w.idle and w.state != "starting" and w.channel is not None}
+                    if w.alive and not w.idle and w.state is not WorkerState.STARTING and w.channel is not None}
             if not busy or time.monotonic() >= deadline:
                 break
             ready, _, _ = select.select(list(busy), [], [], TICK)
@@ -564,7 +576,7 @@ class NodeAgent:
                 except control.ChannelClosed:
                     w.kill()
         for w in self.workers:
-            if w.alive and not w.idle and w.state != "starting":
+            if w.alive and not w.idle and w.state is not WorkerState.STARTING:
                 log.warning("%s: worker %d did not end generation %d within %.1fs: killed", self.s.agent_id,
                             w.local_rank, m.generation, self.s.abort_grace)
                 w.kill()
