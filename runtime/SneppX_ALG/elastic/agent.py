@@ -18,8 +18,13 @@ What counts as a failure, and how fast it is seen:
 - the next generation was opened by another agent (it saw one of the above first).
 Surviving workers keep their processes (worker.py); a killed or dead one is replaced before the next generation.
 
+The node's own state is one `lifecycle.Lifecycle` (elastic.c's table), which the agent moves as it goes through
+the above (`_transition`: docs/ELASTIC.md, "Node lifecycle", says which event where); a move the table forbids
+raises. Each worker's state in the current generation is a `WorkerState`.
+
 Every decision is written as a JSON line to `events_path` (one file per agent; "-": standard output, the pod's
-log in operator mode): the figures of `bench elastic` and `bench operator` and the demo's display come from there.
+log in operator mode), with the node's lifecycle state: the figures of `bench elastic` and `bench operator` and the
+demo's display come from there.
 
 In operator mode (`operator_mode`, pod.py) the agent is its pod's command: its rendezvous records are in the job's
 ConfigMap, it takes the node bounds of each generation from the operator's `job/control` and follows its pause,
@@ -52,6 +57,7 @@ from SneppX_ALG.contract import job_object
 from SneppX_ALG.contract.env import ENV_CONTROL_FD, ENV_LOCAL_RANK
 from SneppX_ALG.elastic import control, heartbeat, pod, rendezvous
 from SneppX_ALG.elastic.fault_tolerance import FaultToleranceManager
+from SneppX_ALG.elastic.lifecycle import Lifecycle
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +94,7 @@ class AgentSettings:
 
 
 class WorkerState(enum.Enum):
-    """Where one worker process is in the current generation (the node as a whole has its lifecycle: lifecycle.py)."""
+    """Where one worker process is in the current generation (the node's own state is its `Lifecycle`)."""
 
     DEAD = "dead"  # no process (never started, killed, or it exited): replaced before the next generation
     STARTING = "starting"  # spawned, never assigned: it has `start_timeout` to import and say it is ready
@@ -197,6 +203,7 @@ class NodeAgent:
                                         max_restart_delay=max(60.0, settings.restart_delay))
         self.workers = [WorkerProcess(i) for i in range(settings.workers)]
         self.generation: int | None = None
+        self.lifecycle = Lifecycle()  # this node's state (elastic.c's table): moved by _transition, checked there
         self.oom_kills = pod.oom_kills() if settings.operator_mode else None  # the container's count at start
 
     # -- the agent's life --
@@ -210,6 +217,8 @@ class NodeAgent:
             membership = self._join(None, frozenset())
             while True:
                 outcome = self._run_generation(membership)
+                if outcome.kind in ("done", "fatal"):  # the run is over: this node leaves it
+                    self._transition("leave")
                 if outcome.kind == "done":
                     if self.link is not None and membership.node_rank(self.s.agent_id) == 0:
                         self.link.report(membership, self.resumed_from, self.resumed_source, force=True)  # the last step saved
@@ -226,6 +235,7 @@ class NodeAgent:
                     time.sleep(delay)
                 membership = self._join(membership, outcome.suspects)
         except errors.RestartBudgetExhaustedError as e:
+            self._transition("budget_exhausted")
             reason = f"failed: {e}"
             if self.s.operator_mode:  # this pod gives up; the operator's budget decides about the job
                 code = EXIT_NODE_FAILED
@@ -233,20 +243,25 @@ class NodeAgent:
             self.rdzv.finish(reason)
             return code
         except errors.RendezvousClosedError as e:
+            self._transition("leave")  # another agent marked the run finished while this one joined
             finished = self.records.read(rendezvous.finished_key(self.s.run_id))
             reason = str(finished.value.get("reason", "")) if finished is not None else str(e)
             code = 0 if reason == "completed" else EXIT_FAILED
             return code
         except errors.RendezvousTimeoutError as e:
+            self._transition("timeout")
             reason = f"failed: {e}"
             code = EXIT_NODE_FAILED if self.s.operator_mode else code
             return code
         except Terminated:
+            if not self.lifecycle.finished:  # SIGTERM may come after the node left: then there is nothing to leave
+                self._transition("leave")
             code, reason = 128 + signal.SIGTERM, "terminated (SIGTERM): the pod is being deleted"
             for w in self.workers:  # now: what they hold in memory is in the checkpoints or lost anyway
                 w.kill()
             return code
         except OutOfMemory as e:
+            self._transition("leave")  # the pod ends: it is not retried here (see OutOfMemory)
             code, reason = EXIT_OOM_KILLED, f"failed: {e}"
             for w in self.workers:
                 w.kill()
@@ -270,10 +285,16 @@ class NodeAgent:
             self.heartbeat_socket.close()
             self._event("exit", code=code, reason=reason)
             if self.s.result_path:
-                write_json(self.s.result_path, {"code": code, "reason": reason, "history": self.ft.status()["failures"]})
+                write_json(self.s.result_path, {"code": code, "reason": reason, "history": self.ft.status()["failures"],
+                                                "lifecycle": self._lifecycle_status()})
 
     def _join(self, previous: rendezvous.Membership | None, suspects: frozenset[str]) -> rendezvous.Membership:
+        """Joins the first generation (previous None: the lifecycle's `join`) or the one after `previous` (the
+        lifecycle is `reconfiguring` already: _run_generation moved it), and records the generation formed
+        (`reconfigured`, with the rendezvous' number)."""
         started = time.monotonic()
+        if previous is None:
+            self._transition("join")
         for w in self.workers:  # replace dead workers while the rendezvous forms
             if not w.alive:
                 w.kill()
@@ -281,6 +302,7 @@ class NodeAgent:
         if self.link is not None:
             self._follow_bounds(self.link.control())
         membership = self.rdzv.join(previous=previous, suspects=suspects)
+        self._transition("reconfigured", membership.generation)
         if self.absent is not None:
             self.absent.formed(membership, time.monotonic())
         self.resumed_from = None
@@ -356,6 +378,10 @@ class NodeAgent:
                                             generation=m.generation).start()
         try:
             outcome = self._watch(m, hb, others)
+            if outcome.kind == "failure":  # the membership re-forms with who is left
+                self._transition("peer_failed")
+            elif outcome.kind == "boundary":  # it re-forms to take in the agents waiting to join
+                self._transition("join")
             if outcome.kind in ("failure", "fatal"):
                 outcome = dataclasses.replace(outcome, suspects=self._settle(m, hb, others, outcome.suspects))
                 self._abort_workers(m)
@@ -581,10 +607,28 @@ class NodeAgent:
                             w.local_rank, m.generation, self.s.abort_grace)
                 w.kill()
 
+    def _transition(self, event: str, generation: int | None = None) -> None:
+        """Moves this node's lifecycle by `event` and says so (a `lifecycle` event, a log line). An event its
+        state does not allow raises LifecycleError and changes nothing: the agent went somewhere the table
+        says it can't, a bug to see, not a state to drift into."""
+        before = self.lifecycle.state
+        after = self.lifecycle.fire(event, generation)
+        status = self._lifecycle_status()
+        log.info("%s: %s: %s -> %s (generation %s)", self.s.agent_id, event, before, after, status["generation"])
+        self._event("lifecycle", event=event, previous=before, **status)
+
+    def _lifecycle_status(self) -> dict[str, Any]:
+        """The node's lifecycle for events and the result file: its state, the generation its last
+        `reconfigured` recorded (None before the first) and how many transitions it made."""
+        node = self.lifecycle
+        return {"state": node.state, "generation": node.generation if node.formed else None,
+                "transitions": node.transitions}
+
     def _event(self, kind: str, **fields: Any) -> None:
         if self.s.events_path is None:
             return
-        line = json.dumps({"t": time.time(), "agent": self.s.agent_id, "kind": kind, **fields}, allow_nan=False)
+        line = json.dumps({"t": time.time(), "agent": self.s.agent_id, "kind": kind, "lifecycle": self.lifecycle.state,
+                           **fields}, allow_nan=False)
         if self.s.events_path == "-":
             sys.stdout.write(line + "\n")
             sys.stdout.flush()
