@@ -82,9 +82,10 @@ def time_allreduces(group: Any, sizes: list[int], iterations: int) -> dict[int, 
 
 def ring_rank(store_dir: str, rank: int, world: int, sizes: list[int], iterations: int, backend: str,
               results: Any) -> None:
-    from SneppX_ALG.elastic import collectives, store
+    from SneppX_ALG.elastic import collectives
+    from tests.directory_store import DirectoryStore
 
-    group = collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, key=KEY, timeout=300,
+    group = collectives.ProcessGroup(DirectoryStore(store_dir), rank, world, key=KEY, timeout=300,
                                      backend=backend)
     results.put((rank, time_allreduces(group, sizes, iterations)))
     group.close()
@@ -94,9 +95,10 @@ def doomed_rank(store_dir: str, rank: int, world: int, backend: str, results: An
     """Allreduces without end until a collective fails; reports ("ready", rank, pid) first, then ("failed", rank,
     time.time() at the failure, the error's class name)."""
     from SneppX_ALG import errors
-    from SneppX_ALG.elastic import collectives, store
+    from SneppX_ALG.elastic import collectives
+    from tests.directory_store import DirectoryStore
 
-    group = collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, key=KEY, timeout=300,
+    group = collectives.ProcessGroup(DirectoryStore(store_dir), rank, world, key=KEY, timeout=300,
                                      backend=backend)
     data = np.ones(1 << 18, np.float32)
     group.barrier()
@@ -198,10 +200,11 @@ def run_gloo(world: int, sizes: list[int], iterations: int,
 def netns_rank(report: str, store_dir: str, rank: int, world: int, backend: str, host_key: str, address: str,
                sizes: list[int], iterations: int) -> None:
     """One rank inside a network namespace (started by `ip netns exec`): the allreduce loop; its times as JSON."""
-    from SneppX_ALG.elastic import collectives, store
+    from SneppX_ALG.elastic import collectives
+    from tests.directory_store import DirectoryStore
 
     os.environ[ENV_HOST_KEY] = host_key
-    group = collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, key=KEY, timeout=300,
+    group = collectives.ProcessGroup(DirectoryStore(store_dir), rank, world, key=KEY, timeout=300,
                                      backend=backend, host=address)  # type: ignore[arg-type]
     times = time_allreduces(group, sizes, iterations)
     with open(report, "w") as f:
@@ -379,10 +382,11 @@ def memcpy_seconds(size: int, iterations: int) -> float:
 
 
 def dp_rank(store_dir: str, rank: int, world: int, steps: int, results: Any) -> None:
-    from SneppX_ALG.elastic import collectives, store
+    from SneppX_ALG.elastic import collectives
     from SneppX_ALG.model import data, data_parallel, transformer
+    from tests.directory_store import DirectoryStore
 
-    group = collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, key=KEY, timeout=300)
+    group = collectives.ProcessGroup(DirectoryStore(store_dir), rank, world, key=KEY, timeout=300)
     model = transformer.Transformer(**RECIPE, seed=0)
     language = data.SyntheticLanguage(vocab_size=RECIPE["vocab_size"], seq_len=64, num_sequences=512)
     trainer = data_parallel.DataParallelTrainer(model, language, group, batch_size=16)

@@ -163,14 +163,15 @@ def floor_process(checkpoint_dir: str, demo_argv: list[str]) -> None:
     """The floor's process (`--floor`): builds what a new worker builds and restores the newest checkpoint, whole;
     prints how long each took. Its caller times it from spawn to exit."""
     from SneppX_ALG import coordinator
-    from SneppX_ALG.elastic import collectives, store
+    from SneppX_ALG.elastic import collectives
     from SneppX_ALG.model import data, data_parallel, transformer
+    from tests.directory_store import DirectoryStore
 
     began = time.perf_counter()
     args = demo.parse_args(demo_argv)
     sizes = demo.MODEL_SIZES["small" if args.small else "recipe"]
     with tempfile.TemporaryDirectory() as scratch:
-        group = collectives.ProcessGroup(store.DirectoryStore(scratch), 0, 1)
+        group = collectives.ProcessGroup(DirectoryStore(scratch), 0, 1)
         language = data.SyntheticLanguage(vocab_size=sizes["vocab_size"], seq_len=sizes["max_seq_len"],
                                           num_sequences=2048, seed=0)
         trainer = data_parallel.DataParallelTrainer(transformer.Transformer(**sizes, seed=0), language, group,

@@ -91,9 +91,10 @@ def targets(params: dict[str, np.ndarray], rank: int, world: int) -> dict[str, A
 def rank_main(store_dir: str, root: str, rank: int, world: int, task: dict[str, Any], results: Any) -> None:
     os.environ.update(ONE_THREAD)
     from SneppX_ALG import CheckpointCoordinator, _native
-    from SneppX_ALG.elastic import collectives, store
+    from SneppX_ALG.elastic import collectives
+    from tests.directory_store import DirectoryStore
 
-    group = collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, key=KEY, timeout=600)
+    group = collectives.ProcessGroup(DirectoryStore(store_dir), rank, world, key=KEY, timeout=600)
     params = parameters(task["params_mib"])
     coord = CheckpointCoordinator(root, group=group, max_to_keep=None, checksum_block_bytes=task["block"],
                                   staging_bytes=2 * (task["params_mib"] << 20) + (64 << 20))

@@ -6,7 +6,8 @@
  * exhaustively against a model (tests/unit/test_elastic_lifecycle.py) and
  * shared by anything that links the core. Illegal events change nothing and
  * return SX_ESTATE: a late timer or a duplicate "reconfigured" is a bug to
- * see, not a state to drift into.
+ * see, not a state to drift into. The node agent (runtime/SneppX_ALG/elastic/agent.py)
+ * drives one per node, through elastic/lifecycle.py.
  */
 #include "sneppx.h"
 

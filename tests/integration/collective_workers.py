@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for directory_store: also when run as a script
+
+from directory_store import DirectoryStore
+
 from SneppX_ALG import _native, errors
 from SneppX_ALG.contract.env import ENV_HOST_KEY
-from SneppX_ALG.elastic import collectives, store
+from SneppX_ALG.elastic import collectives
 
 KEY = b"collectives-test-job-key-32bytes"
 NUMPY_OPS = {"sum": np.sum, "max": np.max, "min": np.min}
@@ -22,7 +28,7 @@ NUMPY_OPS = {"sum": np.sum, "max": np.max, "min": np.min}
 def connect(store_dir: str, rank: int, world: int, generation: int = 1, timeout: float = 120,
             backend: str = "tcp", **kwargs: Any) -> collectives.ProcessGroup:
     """The ring unless asked otherwise: most of these tests are about it (its handshake, what its sockets tell)."""
-    return collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, generation, key=KEY,
+    return collectives.ProcessGroup(DirectoryStore(store_dir), rank, world, generation, key=KEY,
                                     timeout=timeout, backend=backend, **kwargs)
 
 
@@ -252,7 +258,5 @@ class _FileReport:
 
 
 if __name__ == "__main__":  # python collective_workers.py REPORT STORE RANK WORLD HOST_KEY ADDRESS: a battery
-    import sys
-
     report, store_dir, rank_arg, world_arg, host_key_arg, address_arg = sys.argv[1:7]
     battery(store_dir, int(rank_arg), int(world_arg), 4, _FileReport(report), "auto", host_key_arg, address_arg)

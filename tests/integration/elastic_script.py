@@ -230,12 +230,14 @@ def reference_params(steps: int) -> tuple[dict[str, np.ndarray], dict[str, np.nd
     and after `steps`, where every run must end."""
     import tempfile
 
-    from SneppX_ALG.elastic import collectives, store
+    from directory_store import DirectoryStore
+
+    from SneppX_ALG.elastic import collectives
     from SneppX_ALG.model import DataParallelTrainer, SyntheticLanguage, Transformer
 
     model = Transformer(**MODEL)
     with tempfile.TemporaryDirectory() as scratch:
-        group = collectives.ProcessGroup(store.DirectoryStore(scratch), 0, 1)
+        group = collectives.ProcessGroup(DirectoryStore(scratch), 0, 1)
         trainer = DataParallelTrainer(model, SyntheticLanguage(**DATA), group, batch_size=BATCH)
         trainer.train(steps - 1)
         before = {k: np.array(v) for k, v in model.params.items()}

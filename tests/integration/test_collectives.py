@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 import collective_workers as workers
 import numpy as np
 import pytest
+from directory_store import DirectoryStore
 
 from SneppX_ALG import errors
-from SneppX_ALG.elastic import collectives, store
+from SneppX_ALG.elastic import collectives
 
 if TYPE_CHECKING:
     from conftest import Ranks
@@ -204,7 +205,7 @@ def test_foreign_stale_and_garbage_connections_are_refused_and_the_group_forms(t
     its listener with garbage, a wrong key, the right key from generation 0, and a connection that never speaks.
     Then rank 1 starts: the group forms and computes as if nothing had happened."""
     ranks.start(0, workers.allreduce_once, str(tmp_path), 0, 2, ranks.results)
-    address = json.loads(store.DirectoryStore(tmp_path).get(collectives.address_key(1, 0), timeout=120))
+    address = json.loads(DirectoryStore(tmp_path).get(collectives.address_key(1, 0), timeout=120))
     listener = (address["host"], address["port"])
     with socket.create_connection(listener, timeout=60) as garbage:
         garbage.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(64))
@@ -229,7 +230,7 @@ def test_a_listener_without_the_key_is_not_trusted(tmp_path: os.PathLike[str]) -
         impostor.bind(("127.0.0.1", 0))
         impostor.listen(1)
         host, port = impostor.getsockname()
-        s = store.DirectoryStore(tmp_path)
+        s = DirectoryStore(tmp_path)
         s.set(collectives.address_key(1, 1), json.dumps({"host": host, "port": port}).encode())
 
         def answer() -> None:
@@ -263,7 +264,7 @@ def test_an_abort_during_setup_ends_it_and_the_process_forms_the_next_group(tmp_
 
     setup = threading.Thread(target=set_up, daemon=True)
     setup.start()
-    address = json.loads(store.DirectoryStore(tmp_path).get(collectives.address_key(1, 0), timeout=120))
+    address = json.loads(DirectoryStore(tmp_path).get(collectives.address_key(1, 0), timeout=120))
     aborted.set()  # rank 0 is in setup: it published its address and waits for rank 1
     setup.join(120)
     assert not setup.is_alive() and len(outcome) == 1, "the abort did not end the setup"
@@ -289,7 +290,7 @@ def test_an_abort_ends_an_nccl_rank_waiting_for_rank_0s_id(tmp_path: os.PathLike
     timer.start()
     try:
         with pytest.raises(errors.CollectiveAbortedError, match="setup of generation 3"):
-            collectives.ProcessGroup(store.DirectoryStore(tmp_path), 1, 2, 3, backend="nccl", timeout=600,
+            collectives.ProcessGroup(DirectoryStore(tmp_path), 1, 2, 3, backend="nccl", timeout=600,
                                      aborted=aborted)
     finally:
         timer.cancel()

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from SneppX_ALG.elastic import pod
-from SneppX_ALG.elastic.agent import AgentSettings, NodeAgent, OutOfMemory, WorkerProcess
+from SneppX_ALG.elastic.agent import AgentSettings, NodeAgent, OutOfMemory, WorkerProcess, WorkerState
 from SneppX_ALG.elastic.rendezvous import RendezvousConfig
 
 # waits for the agent's word, then says its last words and exits, as a worker does when train_fn raises
@@ -36,7 +36,7 @@ def test_a_worker_that_reports_its_error_and_exits_between_two_looks_fails_with_
         membership = agent.rdzv.join()
         worker = WorkerProcess(0)
         worker.spawn([sys.executable, "-c", WORKER], {})
-        worker.state = "running"
+        worker.state = WorkerState.RUNNING
         agent.workers = [worker]
         read = agent._read_workers
 
@@ -71,7 +71,7 @@ def test_a_worker_the_oom_killer_took_ends_the_pod_137_and_any_other_sigkill_is_
         membership = agent.rdzv.join()
         worker = WorkerProcess(0)
         worker.spawn([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], {})
-        worker.state = "running"
+        worker.state = WorkerState.RUNNING
         agent.workers = [worker]
         if expect_oom:
             with pytest.raises(OutOfMemory, match="killed by SIGKILL: the kernel's OOM killer"):

@@ -119,14 +119,16 @@ def test_a_segment_of_another_generation_or_shape_is_refused() -> None:
 
 def test_a_shm_group_with_a_rank_on_another_host_is_refused_by_every_rank(tmp_path: Any,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from SneppX_ALG.elastic import collectives, store
+    from directory_store import DirectoryStore
+
+    from SneppX_ALG.elastic import collectives
 
     # ranks as threads: each "runs" on the host its thread is named after
     monkeypatch.setattr(collectives, "host_identity", lambda: threading.current_thread().name.split("-")[0])
 
     def join(rank: int) -> Any:
         threading.current_thread().name = ("here", "there")[rank] + "-rank"
-        return collectives.ProcessGroup(store.DirectoryStore(tmp_path), rank, 2, 1, backend="shm",
+        return collectives.ProcessGroup(DirectoryStore(tmp_path), rank, 2, 1, backend="shm",
                                         key=b"k" * 32, timeout=30)
 
     results = run_ranks([None, None], lambda rank, _: join(rank))
@@ -143,10 +145,12 @@ def test_a_host_key_keeps_ranks_of_one_machine_apart(monkeypatch: pytest.MonkeyP
 
 
 def test_a_shm_group_is_a_process_group_like_any_other(tmp_path: Any) -> None:
-    from SneppX_ALG.elastic import collectives, store
+    from directory_store import DirectoryStore
+
+    from SneppX_ALG.elastic import collectives
 
     def train(rank: int) -> list[float]:
-        with collectives.ProcessGroup(store.DirectoryStore(tmp_path), rank, 3, 2, backend="shm", key=b"k" * 32,
+        with collectives.ProcessGroup(DirectoryStore(tmp_path), rank, 3, 2, backend="shm", key=b"k" * 32,
                                       timeout=30) as group:
             data = np.full(5, rank + 1.0)
             group.allreduce(data)
@@ -160,7 +164,9 @@ def test_a_shm_group_is_a_process_group_like_any_other(tmp_path: Any) -> None:
 @pytest.mark.parametrize("backend", ["auto", "shm"])
 def test_a_dev_shm_without_room_means_the_ring_or_a_clear_error(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
                                                                  backend: str) -> None:
-    from SneppX_ALG.elastic import collectives, store
+    from directory_store import DirectoryStore
+
+    from SneppX_ALG.elastic import collectives
 
     real = _native.ShmComm
 
@@ -172,7 +178,7 @@ def test_a_dev_shm_without_room_means_the_ring_or_a_clear_error(tmp_path: Any, m
     monkeypatch.setattr(_native, "ShmComm", small_dev_shm)
 
     def join(rank: int) -> Any:
-        with collectives.ProcessGroup(store.DirectoryStore(tmp_path), rank, 2, 1, backend=backend, key=b"k" * 32,
+        with collectives.ProcessGroup(DirectoryStore(tmp_path), rank, 2, 1, backend=backend, key=b"k" * 32,
                                       timeout=30) as group:
             data = np.full(2, rank + 1.0)
             group.allreduce(data)
@@ -189,7 +195,9 @@ def test_a_dev_shm_without_room_means_the_ring_or_a_clear_error(tmp_path: Any, m
 def test_a_hierarchical_allgather_keeps_every_bit(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
     """2 "hosts" x 2 ranks (threads named after their host): allgather sums bytes as integers, so -0.0, NaN
     payloads and bytes come through exactly."""
-    from SneppX_ALG.elastic import collectives, store
+    from directory_store import DirectoryStore
+
+    from SneppX_ALG.elastic import collectives
 
     monkeypatch.setattr(collectives, "host_identity", lambda: threading.current_thread().name.split("-")[0])
     count = 1003
@@ -199,7 +207,7 @@ def test_a_hierarchical_allgather_keeps_every_bit(tmp_path: Any, monkeypatch: py
 
     def gather(rank: int) -> bytes:
         threading.current_thread().name = f"host{rank // 2}-rank"
-        with collectives.ProcessGroup(store.DirectoryStore(tmp_path), rank, 4, 1, key=b"k" * 32, timeout=30) as g:
+        with collectives.ProcessGroup(DirectoryStore(tmp_path), rank, 4, 1, key=b"k" * 32, timeout=30) as g:
             assert type(g._comm).__name__ == "_Hierarchical"
             mine = np.zeros(count, dtype)
             lo, hi = g.shard_range(count)

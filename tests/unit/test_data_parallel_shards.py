@@ -10,11 +10,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from directory_store import DirectoryStore
 from hypothesis import given
 from hypothesis import strategies as st
 
 from SneppX_ALG import errors
-from SneppX_ALG.elastic import collectives, store
+from SneppX_ALG.elastic import collectives
 from SneppX_ALG.model import data, data_parallel, training, transformer
 
 KEY = b"data-parallel-unit-test-key-0123"
@@ -60,7 +61,7 @@ def run_group(world: int, store_dir: str, body: Any) -> list[Any]:
 
     def rank_main(rank: int) -> None:
         try:
-            with collectives.ProcessGroup(store.DirectoryStore(store_dir), rank, world, key=KEY, timeout=120) as g:
+            with collectives.ProcessGroup(DirectoryStore(store_dir), rank, world, key=KEY, timeout=120) as g:
                 results[rank] = body(g)
         except Exception as e:  # noqa: BLE001 - handed to the test
             results[rank] = e

@@ -15,10 +15,11 @@ import pytest
 
 from SneppX_ALG import CheckpointCoordinator, ElasticTrainer, errors
 from SneppX_ALG.contract import job_object
-from SneppX_ALG.contract.env import ENV_ROLE
+from SneppX_ALG.contract.env import ENV_OBJECT, ENV_ROLE
 from SneppX_ALG.elastic import control, pod, rendezvous
+from SneppX_ALG.elastic.agent import AgentSettings, NodeAgent
 from SneppX_ALG.elastic.store import RecordKeyStore
-from SneppX_ALG.records import open_record_store
+from SneppX_ALG.records import kube, open_record_store
 
 
 def pair() -> tuple[control.Channel, socket.socket]:
@@ -136,6 +137,23 @@ def test_the_pods_environment_is_the_word_on_the_jobs_shape() -> None:
                                  ("SNEPPX_SNAPSHOT_REPLICAS", "0", "below 1")]:
         with pytest.raises(errors.ElasticLaunchError, match=problem):
             pod.PodEnvironment.from_environ({**POD_ENV, name: value})
+
+
+def test_one_function_says_where_the_rendezvous_records_are(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's ConfigMap in a pod (SNEPPX_RENDEZVOUS_OBJECT set), else beside the checkpoints; the process
+    groups' addresses beside the checkpoints either way. The agent takes its records from there."""
+    monkeypatch.setattr(kube.KubernetesRecordStore, "from_environment",
+                        classmethod(lambda cls, environ: ("configmap", environ[ENV_OBJECT])))
+    assert pod.rendezvous_store(str(tmp_path), POD_ENV) == ("configmap", "train-rendezvous")
+    assert pod.rendezvous_store(str(tmp_path), {}).uri == str(tmp_path)
+    assert pod.process_group_store(str(tmp_path)).uri == str(tmp_path)
+    chosen = object()
+    monkeypatch.setattr(pod, "rendezvous_store", lambda root: chosen)
+    agent = NodeAgent(AgentSettings(run_id="where", agent_id="node-0", host="127.0.0.1", workers=1,
+                                    elastic_root=str(tmp_path), worker_command=[], worker_env={},
+                                    rendezvous=rendezvous.RendezvousConfig()))
+    agent.heartbeat_socket.close()
+    assert agent.records is chosen and agent.rdzv.store is chosen
 
 
 def test_rank_0s_report_is_what_the_operator_reads_and_follows_the_newest_committed_step(tmp_path: Path) -> None:

@@ -11,9 +11,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from directory_store import DirectoryStore
 
 from SneppX_ALG import CheckpointCoordinator, errors
-from SneppX_ALG.elastic import collectives, control, rendezvous, store, worker
+from SneppX_ALG.elastic import collectives, control, rendezvous, worker
 
 RUN = "run-1"
 
@@ -30,7 +31,7 @@ class Solo:
         mine, theirs = socket.socketpair()
         self.agent_end = control.Channel(theirs)
         self.worker = worker.Worker(control.Channel(mine), settings, lambda ctx: None)
-        self.group = collectives.ProcessGroup(store.DirectoryStore(tmp_path / "comm"), 0, 1)
+        self.group = collectives.ProcessGroup(DirectoryStore(tmp_path / "comm"), 0, 1)
         self.coordinator = CheckpointCoordinator(self.checkpoints, async_save=async_save, device="cpu",
                                                  group=self.group)
         self.ctx = worker.TrainContext(assignment, settings, self.group, self.coordinator, self.worker)

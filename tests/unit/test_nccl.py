@@ -9,9 +9,10 @@ import threading
 
 import numpy as np
 import pytest
+from directory_store import DirectoryStore
 
 from SneppX_ALG import _native, errors
-from SneppX_ALG.elastic import collectives, store
+from SneppX_ALG.elastic import collectives
 
 HAS_GPU = _native.cuda_available()
 gpu = pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
@@ -44,7 +45,7 @@ def test_unique_ids_are_fresh_128_byte_values() -> None:
 @pytest.mark.skipif(HAS_GPU, reason="checks the behaviour without a CUDA device")
 def test_an_nccl_group_without_a_device_is_a_typed_error(tmp_path: os.PathLike[str]) -> None:
     with pytest.raises(errors.AcceleratorUnavailableError):
-        collectives.ProcessGroup(store.DirectoryStore(tmp_path), 0, 1, backend="nccl", timeout=30)
+        collectives.ProcessGroup(DirectoryStore(tmp_path), 0, 1, backend="nccl", timeout=30)
 
 
 def test_a_wrong_unique_id_length_is_refused_before_c() -> None:
@@ -58,7 +59,7 @@ def test_a_wrong_unique_id_length_is_refused_before_c() -> None:
 @pytest.mark.gpu
 @gpu
 def test_one_rank_nccl_collectives_on_host_arrays(tmp_path: os.PathLike[str]) -> None:
-    with collectives.ProcessGroup(store.DirectoryStore(tmp_path), 0, 1, backend="nccl", timeout=120) as group:
+    with collectives.ProcessGroup(DirectoryStore(tmp_path), 0, 1, backend="nccl", timeout=120) as group:
         values = np.arange(1001, dtype=np.float32)
         assert np.array_equal(group.allreduce(values.copy()), values)
         assert np.array_equal(group.allreduce(values.copy(), op="max"), values)
@@ -73,13 +74,13 @@ def test_one_rank_nccl_collectives_on_host_arrays(tmp_path: os.PathLike[str]) ->
 def test_nccl_init_waiting_for_a_missing_rank_is_aborted_at_the_deadline(tmp_path: os.PathLike[str]) -> None:
     """Rank 1 of 2 never comes: without the watchdog, ncclCommInitRank would wait for it forever."""
     with pytest.raises(errors.CollectiveTimeoutError):
-        collectives.ProcessGroup(store.DirectoryStore(tmp_path), 0, 2, backend="nccl", timeout=5)
+        collectives.ProcessGroup(DirectoryStore(tmp_path), 0, 2, backend="nccl", timeout=5)
 
 
 @pytest.mark.gpu
 @gpu
 def test_nccl_abort_from_another_thread_fails_the_group(tmp_path: os.PathLike[str]) -> None:
-    group = collectives.ProcessGroup(store.DirectoryStore(tmp_path), 0, 1, backend="nccl", timeout=120)
+    group = collectives.ProcessGroup(DirectoryStore(tmp_path), 0, 1, backend="nccl", timeout=120)
     thread = threading.Thread(target=group.abort)
     thread.start()
     thread.join()

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from directory_store import DirectoryStore
 
 from SneppX_ALG import errors
 from SneppX_ALG.contract.env import ENV_HEARTBEAT_KEY, ENV_HEARTBEAT_KEY_FILE
@@ -15,12 +16,12 @@ from SneppX_ALG.elastic import collectives, store
 
 
 def test_set_then_get_across_store_objects(tmp_path: os.PathLike[str]) -> None:
-    store.DirectoryStore(tmp_path).set("gen-3/comm/addr/0", b"127.0.0.1:1234")
-    assert store.DirectoryStore(tmp_path).get("gen-3/comm/addr/0", timeout=1) == b"127.0.0.1:1234"
+    DirectoryStore(tmp_path).set("gen-3/comm/addr/0", b"127.0.0.1:1234")
+    assert DirectoryStore(tmp_path).get("gen-3/comm/addr/0", timeout=1) == b"127.0.0.1:1234"
 
 
 def test_keys_are_create_only(tmp_path: os.PathLike[str]) -> None:
-    s = store.DirectoryStore(tmp_path)
+    s = DirectoryStore(tmp_path)
     s.set("a/b", b"first")
     with pytest.raises(errors.StoreKeyExistsError):
         s.set("a/b", b"second")
@@ -29,7 +30,7 @@ def test_keys_are_create_only(tmp_path: os.PathLike[str]) -> None:
 
 
 def test_racing_writers_of_one_key_exactly_one_wins(tmp_path: os.PathLike[str]) -> None:
-    s = store.DirectoryStore(tmp_path)
+    s = DirectoryStore(tmp_path)
     outcomes: list[str] = []
 
     def write(i: int) -> None:
@@ -49,19 +50,19 @@ def test_racing_writers_of_one_key_exactly_one_wins(tmp_path: os.PathLike[str]) 
 
 
 def test_get_waits_for_a_later_set(tmp_path: os.PathLike[str]) -> None:
-    s = store.DirectoryStore(tmp_path)
+    s = DirectoryStore(tmp_path)
     threading.Timer(0.2, s.set, args=("late", b"here")).start()
     assert s.get("late", timeout=60) == b"here"
 
 
 def test_get_times_out_naming_the_key(tmp_path: os.PathLike[str]) -> None:
     with pytest.raises(errors.StoreTimeoutError, match="never"):
-        store.DirectoryStore(tmp_path).get("never", timeout=0.05)
+        DirectoryStore(tmp_path).get("never", timeout=0.05)
 
 
 @pytest.mark.parametrize("key", ["", "/abs", "a/../b", "..", ".hidden", "a//b", "a/", "sp ace", "x" * 513, "a/.b"])
 def test_keys_that_could_leave_the_root_or_hide_are_refused(tmp_path: os.PathLike[str], key: str) -> None:
-    s = store.DirectoryStore(tmp_path)
+    s = DirectoryStore(tmp_path)
     with pytest.raises(ValueError, match="store key"):
         s.set(key, b"x")
     with pytest.raises(ValueError, match="store key"):
@@ -70,7 +71,7 @@ def test_keys_that_could_leave_the_root_or_hide_are_refused(tmp_path: os.PathLik
 
 def test_values_are_bounded(tmp_path: os.PathLike[str]) -> None:
     with pytest.raises(ValueError, match="limit"):
-        store.DirectoryStore(tmp_path).set("big", bytes(store.MAX_VALUE_BYTES + 1))
+        DirectoryStore(tmp_path).set("big", bytes(store.MAX_VALUE_BYTES + 1))
 
 
 def test_generation_keys_are_namespaced() -> None:
@@ -88,7 +89,7 @@ def test_a_tcp_group_refuses_to_start_without_a_key(tmp_path: os.PathLike[str],
     monkeypatch.delenv(ENV_HEARTBEAT_KEY_FILE, raising=False)
     monkeypatch.delenv(ENV_HEARTBEAT_KEY, raising=False)
     with pytest.raises(errors.HeartbeatKeyError) as raised:
-        collectives.ProcessGroup(store.DirectoryStore(tmp_path), 0, 2)
+        collectives.ProcessGroup(DirectoryStore(tmp_path), 0, 2)
     assert ENV_HEARTBEAT_KEY_FILE in str(raised.value) and ENV_HEARTBEAT_KEY in str(raised.value)
 
 
@@ -98,7 +99,7 @@ def test_a_group_reads_the_key_file_the_operator_mounts(tmp_path: os.PathLike[st
     with open(key_file, "wb") as f:
         f.write(bytes(range(32)))  # raw bytes, as the job's Secret holds them
     monkeypatch.setenv(ENV_HEARTBEAT_KEY_FILE, key_file)
-    rendezvous = store.DirectoryStore(os.path.join(tmp_path, "rdzv"))
+    rendezvous = DirectoryStore(os.path.join(tmp_path, "rdzv"))
     sums: list[float] = []
 
     def rank_main(rank: int) -> None:
@@ -115,7 +116,7 @@ def test_a_group_reads_the_key_file_the_operator_mounts(tmp_path: os.PathLike[st
 
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
 def test_two_groups_of_one_generation_share_a_store_by_name(tmp_path: Any, backend: str) -> None:
-    shared = store.DirectoryStore(tmp_path)
+    shared = DirectoryStore(tmp_path)
 
     def both(rank: int) -> list[float]:
         kwargs = {"backend": backend, "key": b"k" * 32, "timeout": 30}

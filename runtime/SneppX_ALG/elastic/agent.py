@@ -18,8 +18,13 @@ What counts as a failure, and how fast it is seen:
 - the next generation was opened by another agent (it saw one of the above first).
 Surviving workers keep their processes (worker.py); a killed or dead one is replaced before the next generation.
 
+The node's own state is one `lifecycle.Lifecycle` (elastic.c's table), which the agent moves as it goes through
+the above (`_transition`: docs/ELASTIC.md, "Node lifecycle", says which event where); a move the table forbids
+raises. Each worker's state in the current generation is a `WorkerState`.
+
 Every decision is written as a JSON line to `events_path` (one file per agent; "-": standard output, the pod's
-log in operator mode): the figures of `bench elastic` and `bench operator` and the demo's display come from there.
+log in operator mode), with the node's lifecycle state: the figures of `bench elastic` and `bench operator` and the
+demo's display come from there.
 
 In operator mode (`operator_mode`, pod.py) the agent is its pod's command: its rendezvous records are in the job's
 ConfigMap, it takes the node bounds of each generation from the operator's `job/control` and follows its pause,
@@ -34,6 +39,7 @@ maxRestarts).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import logging
 import os
@@ -51,7 +57,7 @@ from SneppX_ALG.contract import job_object
 from SneppX_ALG.contract.env import ENV_CONTROL_FD, ENV_LOCAL_RANK
 from SneppX_ALG.elastic import control, heartbeat, pod, rendezvous
 from SneppX_ALG.elastic.fault_tolerance import FaultToleranceManager
-from SneppX_ALG.records import open_record_store
+from SneppX_ALG.elastic.lifecycle import Lifecycle
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +93,17 @@ class AgentSettings:
     checkpoint_dir: str = ""  # operator mode: where node rank 0 looks for the last valid checkpoint
 
 
+class WorkerState(enum.Enum):
+    """Where one worker process is in the current generation (the node's own state is its `Lifecycle`)."""
+
+    DEAD = "dead"  # no process (never started, killed, or it exited): replaced before the next generation
+    STARTING = "starting"  # spawned, never assigned: it has `start_timeout` to import and say it is ready
+    RUNNING = "running"  # assigned to the current generation: its train_fn runs
+    DONE = "done"  # its train_fn returned and every rank passed the last barrier: training is over
+    BOUNDARY = "boundary"  # it stopped at a checkpoint boundary so that waiting agents can join
+    FAILED = "failed"  # its collectives failed (a peer died, or the generation was aborted)
+
+
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     kind: str  # done | boundary | failure | fatal
@@ -101,7 +118,7 @@ class WorkerProcess:
         self.local_rank = local_rank
         self.proc: subprocess.Popen[bytes] | None = None
         self.channel: control.Channel | None = None
-        self.state = "dead"  # dead | starting | running | done | boundary | failed: in the current generation
+        self.state = WorkerState.DEAD
         self.idle = False  # it said it waits for an `assign` (after starting, or once a generation ended)
         self.generation: int | None = None
         self.rank: int | None = None
@@ -118,7 +135,7 @@ class WorkerProcess:
                                           ENV_LOCAL_RANK: str(self.local_rank)})
         theirs.close()
         self.channel = control.Channel(mine)
-        self.state, self.generation, self.idle = "starting", None, False
+        self.state, self.generation, self.idle = WorkerState.STARTING, None, False
         self.last_beat = self.last_progress = time.monotonic()
 
     def send(self, kind: str, **fields: Any) -> bool:
@@ -137,7 +154,7 @@ class WorkerProcess:
             self.proc.wait()
         if self.channel is not None:
             self.channel.close()
-        self.proc, self.channel, self.state = None, None, "dead"
+        self.proc, self.channel, self.state = None, None, WorkerState.DEAD
 
     def how_it_ended(self) -> str:
         code = None if self.proc is None else self.proc.poll()
@@ -167,8 +184,7 @@ def _terminate(signum: int, frame: Any) -> None:
 class NodeAgent:
     def __init__(self, settings: AgentSettings):
         self.s = settings
-        self.records = (pod.rendezvous_store(settings.elastic_root) if settings.operator_mode
-                        else open_record_store(settings.elastic_root))
+        self.records = pod.rendezvous_store(settings.elastic_root)
         self.link = pod.JobLink(self.records, settings.checkpoint_dir, settings.agent_id) if settings.operator_mode \
             else None
         self.absent = pod.AbsentMembers(settings.agent_id) if settings.operator_mode else None  # hung peers
@@ -187,6 +203,7 @@ class NodeAgent:
                                         max_restart_delay=max(60.0, settings.restart_delay))
         self.workers = [WorkerProcess(i) for i in range(settings.workers)]
         self.generation: int | None = None
+        self.lifecycle = Lifecycle()  # this node's state (elastic.c's table): moved by _transition, checked there
         self.oom_kills = pod.oom_kills() if settings.operator_mode else None  # the container's count at start
 
     # -- the agent's life --
@@ -200,6 +217,8 @@ class NodeAgent:
             membership = self._join(None, frozenset())
             while True:
                 outcome = self._run_generation(membership)
+                if outcome.kind in ("done", "fatal"):  # the run is over: this node leaves it
+                    self._transition("leave")
                 if outcome.kind == "done":
                     if self.link is not None and membership.node_rank(self.s.agent_id) == 0:
                         self.link.report(membership, self.resumed_from, self.resumed_source, force=True)  # the last step saved
@@ -216,6 +235,7 @@ class NodeAgent:
                     time.sleep(delay)
                 membership = self._join(membership, outcome.suspects)
         except errors.RestartBudgetExhaustedError as e:
+            self._transition("budget_exhausted")
             reason = f"failed: {e}"
             if self.s.operator_mode:  # this pod gives up; the operator's budget decides about the job
                 code = EXIT_NODE_FAILED
@@ -223,20 +243,25 @@ class NodeAgent:
             self.rdzv.finish(reason)
             return code
         except errors.RendezvousClosedError as e:
+            self._transition("leave")  # another agent marked the run finished while this one joined
             finished = self.records.read(rendezvous.finished_key(self.s.run_id))
             reason = str(finished.value.get("reason", "")) if finished is not None else str(e)
             code = 0 if reason == "completed" else EXIT_FAILED
             return code
         except errors.RendezvousTimeoutError as e:
+            self._transition("timeout")
             reason = f"failed: {e}"
             code = EXIT_NODE_FAILED if self.s.operator_mode else code
             return code
         except Terminated:
+            if not self.lifecycle.finished:  # SIGTERM may come after the node left: then there is nothing to leave
+                self._transition("leave")
             code, reason = 128 + signal.SIGTERM, "terminated (SIGTERM): the pod is being deleted"
             for w in self.workers:  # now: what they hold in memory is in the checkpoints or lost anyway
                 w.kill()
             return code
         except OutOfMemory as e:
+            self._transition("leave")  # the pod ends: it is not retried here (see OutOfMemory)
             code, reason = EXIT_OOM_KILLED, f"failed: {e}"
             for w in self.workers:
                 w.kill()
@@ -260,10 +285,16 @@ class NodeAgent:
             self.heartbeat_socket.close()
             self._event("exit", code=code, reason=reason)
             if self.s.result_path:
-                write_json(self.s.result_path, {"code": code, "reason": reason, "history": self.ft.status()["failures"]})
+                write_json(self.s.result_path, {"code": code, "reason": reason, "history": self.ft.status()["failures"],
+                                                "lifecycle": self._lifecycle_status()})
 
     def _join(self, previous: rendezvous.Membership | None, suspects: frozenset[str]) -> rendezvous.Membership:
+        """Joins the first generation (previous None: the lifecycle's `join`) or the one after `previous` (the
+        lifecycle is `reconfiguring` already: _run_generation moved it), and records the generation formed
+        (`reconfigured`, with the rendezvous' number)."""
         started = time.monotonic()
+        if previous is None:
+            self._transition("join")
         for w in self.workers:  # replace dead workers while the rendezvous forms
             if not w.alive:
                 w.kill()
@@ -271,6 +302,7 @@ class NodeAgent:
         if self.link is not None:
             self._follow_bounds(self.link.control())
         membership = self.rdzv.join(previous=previous, suspects=suspects)
+        self._transition("reconfigured", membership.generation)
         if self.absent is not None:
             self.absent.formed(membership, time.monotonic())
         self.resumed_from = None
@@ -346,6 +378,10 @@ class NodeAgent:
                                             generation=m.generation).start()
         try:
             outcome = self._watch(m, hb, others)
+            if outcome.kind == "failure":  # the membership re-forms with who is left
+                self._transition("peer_failed")
+            elif outcome.kind == "boundary":  # it re-forms to take in the agents waiting to join
+                self._transition("join")
             if outcome.kind in ("failure", "fatal"):
                 outcome = dataclasses.replace(outcome, suspects=self._settle(m, hb, others, outcome.suspects))
                 self._abort_workers(m)
@@ -381,12 +417,12 @@ class NodeAgent:
                     return self._failure(f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} "
                                          f"{w.how_it_ended()}")
                 silent = now - w.last_beat
-                if silent > (self.s.start_timeout if w.state == "starting" else self.s.hang_timeout):
+                if silent > (self.s.start_timeout if w.state is WorkerState.STARTING else self.s.hang_timeout):
                     w.kill()
                     return self._failure(f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} sent no "
                                          f"heartbeat for {silent:.1f}s (stopped or wedged): killed")
                 stuck = now - w.last_progress
-                if self.step_timeout is not None and w.state == "running" and stuck > self.step_timeout:
+                if self.step_timeout is not None and w.state is WorkerState.RUNNING and stuck > self.step_timeout:
                     w.kill()
                     return self._failure(f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} finished no "
                                          f"step for {stuck:.1f}s (step_timeout): killed")
@@ -440,10 +476,10 @@ class NodeAgent:
         if first is not None:
             return self._failure(first.reason) if first.kind == "failure" else first
         states = {w.state for w in self.workers}
-        if states == {"done"}:
+        if states == {WorkerState.DONE}:
             self._event("done", generation=m.generation)
             return Outcome("done")
-        if states == {"boundary"}:
+        if states == {WorkerState.BOUNDARY}:
             self._event("boundary", generation=m.generation)
             return Outcome("boundary")
         return None
@@ -490,9 +526,9 @@ class NodeAgent:
             self._event("snapshot_corrupt", generation=m.generation, rank=w.rank, step=message.get("step"),
                         source=message.get("source"), problems=message.get("problems", []))
         elif kind in ("done", "boundary"):
-            w.state = kind
+            w.state = WorkerState(kind)
         elif kind == "failed":
-            w.state = "failed"
+            w.state = WorkerState.FAILED
             return Outcome("failure", f"rank {w.rank}'s collectives failed: {message.get('error', '')[:500]}")
         elif kind == "error":
             return Outcome("failure", f"rank {w.rank}'s train_fn raised: {message.get('error', '')[-1500:]}")
@@ -502,7 +538,7 @@ class NodeAgent:
 
     def _assign(self, w: WorkerProcess, m: rendezvous.Membership, assign: dict[str, Any]) -> None:
         w.send("assign", local_rank=w.local_rank, **assign)
-        w.state, w.generation, w.idle = "running", m.generation, False
+        w.state, w.generation, w.idle = WorkerState.RUNNING, m.generation, False
         w.rank = m.global_rank(self.s.agent_id, w.local_rank)
         w.last_progress = time.monotonic()
 
@@ -548,12 +584,12 @@ class NodeAgent:
         """Ends the generation's collectives on every worker; one that doesn't come back idle within
         `abort_grace` is wedged, and is killed (replaced before the next generation)."""
         for w in self.workers:
-            if w.alive and not w.idle and w.state != "starting":
+            if w.alive and not w.idle and w.state is not WorkerState.STARTING:
                 w.send("abort")
         deadline = time.monotonic() + self.s.abort_grace
         while True:
             busy = {w.channel.fileno(): w for w in self.workers
-                    if w.alive and not w.idle and w.state != "starting" and w.channel is not None}
+                    if w.alive and not w.idle and w.state is not WorkerState.STARTING and w.channel is not None}
             if not busy or time.monotonic() >= deadline:
                 break
             ready, _, _ = select.select(list(busy), [], [], TICK)
@@ -566,15 +602,33 @@ class NodeAgent:
                 except control.ChannelClosed:
                     w.kill()
         for w in self.workers:
-            if w.alive and not w.idle and w.state != "starting":
+            if w.alive and not w.idle and w.state is not WorkerState.STARTING:
                 log.warning("%s: worker %d did not end generation %d within %.1fs: killed", self.s.agent_id,
                             w.local_rank, m.generation, self.s.abort_grace)
                 w.kill()
 
+    def _transition(self, event: str, generation: int | None = None) -> None:
+        """Moves this node's lifecycle by `event` and says so (a `lifecycle` event, a log line). An event its
+        state does not allow raises LifecycleError and changes nothing: the agent went somewhere the table
+        says it can't, a bug to see, not a state to drift into."""
+        before = self.lifecycle.state
+        after = self.lifecycle.fire(event, generation)
+        status = self._lifecycle_status()
+        log.info("%s: %s: %s -> %s (generation %s)", self.s.agent_id, event, before, after, status["generation"])
+        self._event("lifecycle", event=event, previous=before, **status)
+
+    def _lifecycle_status(self) -> dict[str, Any]:
+        """The node's lifecycle for events and the result file: its state, the generation its last
+        `reconfigured` recorded (None before the first) and how many transitions it made."""
+        node = self.lifecycle
+        return {"state": node.state, "generation": node.generation if node.formed else None,
+                "transitions": node.transitions}
+
     def _event(self, kind: str, **fields: Any) -> None:
         if self.s.events_path is None:
             return
-        line = json.dumps({"t": time.time(), "agent": self.s.agent_id, "kind": kind, **fields}, allow_nan=False)
+        line = json.dumps({"t": time.time(), "agent": self.s.agent_id, "kind": kind, "lifecycle": self.lifecycle.state,
+                           **fields}, allow_nan=False)
         if self.s.events_path == "-":
             sys.stdout.write(line + "\n")
             sys.stdout.flush()

@@ -1,11 +1,17 @@
 """Lifecycle: the states one node of an elastic job goes through, and which events may move it.
 
 The rules live in C (native/src/elastic.c, one table) so that everything that reacts to membership can agree on
-them; this class is their Python face. Nothing in the runtime drives it yet: the agent tracks its workers' states
-itself (elastic/agent.py); wiring this machine into the agent is open work (issue 29). States: init, joining, running, reconfiguring,
-stopped, failed. Events: join, leave, peer_failed, timeout, reconfigured, budget_exhausted. Each
-`reconfigured` starts a new membership generation. An event the current state doesn't allow raises
-LifecycleError and changes nothing. The table, with the reason for each entry, is in docs/ELASTIC.md.
+them; this class is their Python face. Each node agent (elastic/agent.py, `NodeAgent.lifecycle`) owns one for its
+node and fires its events where it goes through them: `join` when it first joins the rendezvous, `reconfigured`
+(with the rendezvous' generation) each time a generation including it is sealed, `peer_failed` when a generation
+fails, `join` when it stops at a checkpoint boundary for agents waiting to join, `leave` when the run is over
+for it, `timeout` when no generation formed in time, `budget_exhausted` when its restart budget is gone. Its
+state is in every event the agent writes. (The agent's workers have states of their own, `agent.WorkerState`.)
+
+States: init, joining, running, reconfiguring, stopped, failed. Events: join, leave, peer_failed, timeout,
+reconfigured, budget_exhausted. Each `reconfigured` starts a new membership generation. An event the current
+state doesn't allow raises LifecycleError and changes nothing. The table, with the reason for each entry and
+where the agent fires each event, is in docs/ELASTIC.md ("Node lifecycle").
 """
 
 from __future__ import annotations
@@ -40,6 +46,11 @@ class Lifecycle:
     def generation(self) -> int:
         """The membership generation: 0 until the first `reconfigured` (which may record 0 as well: see fire)."""
         return int(self._machine.generation)
+
+    @property
+    def formed(self) -> bool:
+        """A `reconfigured` was applied: `generation` is the number of a generation this node was a member of."""
+        return self._formed
 
     @property
     def transitions(self) -> int:

@@ -118,9 +118,18 @@ class PodEnvironment:
 
 
 def rendezvous_store(elastic_root: str, environ: Mapping[str, str] = os.environ) -> record.RecordStore:
-    """Where the rendezvous records are: the job's ConfigMap in a pod, else beside the checkpoints."""
+    """Where a run's rendezvous records are (its generations, the `finished` verdict and, in a pod, the job's
+    control and report records): the job's ConfigMap in a pod (SNEPPX_RENDEZVOUS_OBJECT set: operator mode),
+    else beside the checkpoints (`elastic_root`). The one place that decides it: the launcher, the agent and
+    the worker's commit fence all call this."""
     if environ.get(ENV_OBJECT):
         return kube.KubernetesRecordStore.from_environment(environ)
+    return open_record_store(elastic_root)
+
+
+def process_group_store(elastic_root: str) -> record.RecordStore:
+    """Where the process groups' addresses are (`_elastic/comm/...`): beside the checkpoints, in a pod too (the
+    module's docstring says why)."""
     return open_record_store(elastic_root)
 
 

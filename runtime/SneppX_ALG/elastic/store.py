@@ -1,18 +1,18 @@
 """The small key-value store through which the ranks of a membership generation find each other.
 
 Why a Protocol of two calls: the same rendezvous must work on a laptop (a local directory), on a cluster with a
-shared filesystem, on S3 and inside Kubernetes: `DirectoryStore` is a directory, `RecordKeyStore` puts the keys in
-the compare-and-swap records the rendezvous already uses (`open_record_store`: a directory or S3). Keys are create-only: a value is
-written once and never changes, so readers need no locks, a retried write can't overwrite a peer's, and a key
-namespaced by generation (`generation_key`) can't be confused with the same name in another generation.
+shared filesystem, on S3 and inside Kubernetes: `RecordKeyStore` puts the keys in the compare-and-swap records the
+rendezvous already uses (`open_record_store`: a directory or S3), so the process groups need no store of their
+own. Keys are create-only: a value is written once and never changes, so readers need no locks, a retried write
+can't overwrite a peer's, and a key namespaced by generation (`generation_key`) can't be confused with the same
+name in another generation. (Tests and benchmarks that build a group outside any run use the one-file-per-key
+`DirectoryStore` of tests/directory_store.py.)
 """
 
 from __future__ import annotations
 
 import base64
-import os
 import re
-import tempfile
 import time
 from typing import Protocol
 
@@ -65,62 +65,6 @@ class Namespace:
 
     def get(self, key: str, timeout: float) -> bytes:
         return self.store.get(f"{self.prefix}/{check_key(key)}", timeout)
-
-
-class DirectoryStore:
-    """A Store in a local (or shared, NFS) directory: one file per key.
-
-    set() writes a temporary file and hard-links it to the key's name: link() is atomic and fails if the name
-    exists, so a reader sees a whole value or nothing, and two writers of one key can't both win. Values are
-    rendezvous data (addresses, ids) that die with the generation, so they are not fsynced.
-    """
-
-    def __init__(self, root: str | os.PathLike[str], *, poll_interval: float = 0.01):
-        self.root = os.fspath(root)
-        self.poll_interval = poll_interval
-        os.makedirs(self.root, exist_ok=True)
-
-    def _path(self, key: str) -> str:
-        return os.path.join(self.root, *check_key(key).split("/"))
-
-    def set(self, key: str, value: bytes) -> None:
-        path = self._path(key)
-        if len(value) > MAX_VALUE_BYTES:
-            raise ValueError(f"store value for {key!r} is {len(value)} bytes; the limit is {MAX_VALUE_BYTES}")
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd, temporary = tempfile.mkstemp(prefix=".set-", dir=os.path.dirname(path))
-        except OSError as e:
-            raise errors.StoreError(f"can't write store key {key!r} under {self.root}: {e}") from e
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(value)
-            os.link(temporary, path)
-        except FileExistsError:
-            raise errors.StoreKeyExistsError(f"store key {key!r} is already set (keys are create-only)") from None
-        except OSError as e:
-            raise errors.StoreError(f"can't write store key {key!r} under {self.root}: {e}") from e
-        finally:
-            os.unlink(temporary)
-
-    def get(self, key: str, timeout: float) -> bytes:
-        path = self._path(key)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with open(path, "rb") as f:
-                    value = f.read(MAX_VALUE_BYTES + 1)
-            except FileNotFoundError:
-                if time.monotonic() >= deadline:
-                    raise errors.StoreTimeoutError(
-                        f"store key {key!r} was not set within {timeout:g}s (under {self.root})") from None
-                time.sleep(self.poll_interval)
-                continue
-            except OSError as e:
-                raise errors.StoreError(f"can't read store key {key!r} under {self.root}: {e}") from e
-            if len(value) > MAX_VALUE_BYTES:
-                raise errors.StoreError(f"store key {key!r} holds more than {MAX_VALUE_BYTES} bytes")
-            return value
 
 
 class RecordKeyStore:

@@ -55,7 +55,7 @@ from SneppX_ALG.contract.env import (
 )
 from SneppX_ALG.elastic import agent, pod, rendezvous, worker
 from SneppX_ALG.elastic.collectives import Backend
-from SneppX_ALG.records import RecordStore, open_record_store
+from SneppX_ALG.records import RecordStore
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ class ElasticTrainer:
                     f"nodes on several machines share the job key: set {ENV_HEARTBEAT_KEY_FILE} (or "
                     f"{ENV_HEARTBEAT_KEY}) on each")
             env[ENV_HEARTBEAT_KEY] = secrets.token_hex(32)  # the job's key: heartbeats and collectives authenticate
-        records = open_record_store(self.elastic_root)  # a bad checkpoint_dir fails here, not in every agent
+        records = pod.rendezvous_store(self.elastic_root)  # a bad checkpoint_dir fails here, not in every agent
         verdict = rendezvous.reopen_run(records, run_id)  # a new launch of a finished run is a new run
         if verdict is not None:
             log.info("run %s had finished (%s): starting it again from its newest checkpoint", run_id, verdict)

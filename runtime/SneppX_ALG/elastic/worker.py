@@ -28,9 +28,8 @@ import numpy as np
 from SneppX_ALG import coordinator as coordinator_lib
 from SneppX_ALG import errors
 from SneppX_ALG.contract.env import ENV_CONTROL_FD, ENV_GENERATION, ENV_NODE_NAME
-from SneppX_ALG.elastic import collectives, control, fault_tolerance, pod, rendezvous, snapshot
+from SneppX_ALG.elastic import collectives, control, fault_tolerance, fence, pod, rendezvous, snapshot
 from SneppX_ALG.elastic import store as store_lib
-from SneppX_ALG.records import open_record_store
 
 log = logging.getLogger(__name__)
 
@@ -307,10 +306,8 @@ class Worker:
         s = self.settings
         self.generation = a.generation
         set_torchrun_environment(a, s)
-        records = open_record_store(s.elastic_root)  # process groups' addresses, beside the checkpoints
-        fence_view = rendezvous.Rendezvous(pod.rendezvous_store(s.elastic_root), s.run_id, agent_id=a.agent_id,
-                                           host=a.master[0], heartbeat=f"{a.master[0]}:{a.master[1]}",
-                                           workers=a.local_world_size)
+        records = pod.process_group_store(s.elastic_root)  # process groups' addresses, beside the checkpoints
+        fence_store = pod.rendezvous_store(s.elastic_root)  # the rendezvous records: the commit fence reads them
         host = a.membership.members[a.node_rank].host  # where this node's agent is reachable: so are we
         coordinator = None
         groups: list[collectives.ProcessGroup] = []
@@ -336,7 +333,7 @@ class Worker:
                                                             rank=a.rank, generation=a.generation)
             coordinator = coordinator_lib.CheckpointCoordinator(
                 s.checkpoint_dir, max_to_keep=s.max_to_keep, async_save=s.async_save, device="cpu",
-                group=groups[1], commit_fence=lambda: fence_view.check_fence(a.membership))
+                group=groups[1], commit_fence=lambda: fence.check(fence_store, a.membership))
             self.train_fn(TrainContext(a, s, groups[0], coordinator, self, groups[2] if len(groups) > 2 else None))
             call_counting_committed_as_saved(coordinator.close)  # the last save commits (or fails) on every rank
             coordinator = None
