@@ -146,7 +146,7 @@ class ElasticTrainer:
         if snapshot_every < 0 or snapshot_replicas < 1 or (snapshot_memory_limit is not None
                                                              and snapshot_memory_limit <= 0):
             raise ValueError("need snapshot_every >= 0, snapshot_replicas >= 1 and snapshot_memory_limit > 0")
-        self.snapshot = {"snapshot_every": snapshot_every, "snapshot_replicas": snapshot_replicas,
+        self.snapshot: dict[str, Any] = {"snapshot_every": snapshot_every, "snapshot_replicas": snapshot_replicas,
                          "snapshot_memory_limit": snapshot_memory_limit}
 
     @property

@@ -145,11 +145,11 @@ class TrainContext:
             committed = self.coordinator.committed_steps()
             got = self._worker.snapshots.recover(obj, self._snapshot_group, max(committed, default=None))
             if got.step is not None:
-                info = coordinator_lib.CheckpointInfo(got.step, "memory", got.training_state, {})
-                self.restored, self.rolled_back, self._snapshot_step = info, [], got.step
+                from_memory = coordinator_lib.CheckpointInfo(got.step, "memory", got.training_state, {})
+                self.restored, self.rolled_back, self._snapshot_step = from_memory, [], got.step
                 self._worker.report("restored", generation=self.generation, rank=self.rank, step=got.step,
                                     source="memory", why=got.why, received=got.received, rolled_back=[])
-                return info
+                return from_memory
             why = got.why
         before = len(self.coordinator.skipped)
         info = self.coordinator.restore(obj)
