@@ -317,7 +317,7 @@ class ProcessGroup:
 
     def shift(self, send: np.ndarray, recv: np.ndarray, timeout: float | None = None) -> np.ndarray:
         """Sends `send`'s bytes to rank + 1 while rank - 1's land in `recv` (sized for what that rank sends),
-        around the ring; returns `recv`. TCP groups only: peer-memory snapshots (elastic/snapshot.py) run on a
+        around the ring; returns `recv`. TCP groups only: peer-memory snapshots (elastic/snapshot/) run on a
         host group of their own."""
         if self.backend != "tcp":
             raise ValueError("shift runs on a tcp group")
