@@ -1,4 +1,4 @@
-"""What a peer-memory snapshot costs (runtime/SneppX_ALG/elastic/snapshot.py), for `python -m bench elastic`:
+"""What a peer-memory snapshot costs (runtime/SneppX_ALG/elastic/snapshot/), for `python -m bench elastic`:
 
 - bytes per rank per snapshot: what a rank of the demo's data-parallel training (ZeRO-1: parameters replicated,
   AdamW moments sharded) holds, and what of it goes to its peer, at world size 4; exact, from the snapshot's layout;

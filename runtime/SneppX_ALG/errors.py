@@ -298,7 +298,7 @@ class ShardingMismatchError(SneppXError, ValueError):
 
 
 class SnapshotError(SneppXError):
-    """A peer-memory snapshot could not be taken (elastic/snapshot.py)."""
+    """A peer-memory snapshot could not be taken (elastic/snapshot/)."""
 
 
 class SnapshotMemoryError(SnapshotError, MemoryError):

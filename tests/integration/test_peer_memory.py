@@ -1,4 +1,4 @@
-"""Recovery from peer-memory snapshots (elastic/snapshot.py): real launchers, agents and workers
+"""Recovery from peer-memory snapshots (elastic/snapshot/): real launchers, agents and workers
 (recovery_script.py, a snapshot every step, a durable checkpoint every 10), failures made with real signals.
 Each run must end at the parameters of the same training uninterrupted (w replicated, m sharded over the ranks)
 and say where each generation resumed from: steps redone = the last step done before the failure - the step

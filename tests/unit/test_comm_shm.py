@@ -124,7 +124,7 @@ def test_a_shm_group_with_a_rank_on_another_host_is_refused_by_every_rank(tmp_pa
     from SneppX_ALG.elastic import collectives
 
     # ranks as threads: each "runs" on the host its thread is named after
-    monkeypatch.setattr(collectives, "host_identity", lambda: threading.current_thread().name.split("-")[0])
+    monkeypatch.setattr(collectives.group, "host_identity", lambda: threading.current_thread().name.split("-")[0])
 
     def join(rank: int) -> Any:
         threading.current_thread().name = ("here", "there")[rank] + "-rank"
@@ -199,7 +199,7 @@ def test_a_hierarchical_allgather_keeps_every_bit(tmp_path: Any, monkeypatch: py
 
     from SneppX_ALG.elastic import collectives
 
-    monkeypatch.setattr(collectives, "host_identity", lambda: threading.current_thread().name.split("-")[0])
+    monkeypatch.setattr(collectives.group, "host_identity", lambda: threading.current_thread().name.split("-")[0])
     count = 1003
     values = np.frombuffer(np.random.default_rng(3).bytes(count * np.dtype(dtype).itemsize), dtype).copy()
     if dtype != "uint8":

@@ -1,4 +1,4 @@
-"""Peer-memory snapshots (elastic/snapshot.py): what a snapshot holds and checks, which one a recovery picks,
+"""Peer-memory snapshots (elastic/snapshot/): what a snapshot holds and checks, which one a recovery picks,
 the resharding copy, and a Keeper per rank over real process groups (TCP on 127.0.0.1, one thread per rank)."""
 
 from __future__ import annotations

@@ -1,417 +1,57 @@
-"""Membership generations agreed through the shared store, with no single point of failure.
+"""`Rendezvous`: one node agent's side of the protocol (the package docstring), a state machine over the shared
+store: joining a generation (waiting, sealing, taking over from a silent sealer), watching the running one
+(`poll`, `check_fence`), and removing old generations (`sweep`).
 
-Why: torchrun keeps its rendezvous in a TCPStore hosted by one agent, so losing that host ends the job
-(pytorch#67742). Here the membership of each generation is one record in the store the job already has
-for its checkpoints (a local or NFS directory, an S3 prefix; in a pod, a Kubernetes object), written once
-with create-if-absent by whichever agent seals first: any agent can seal, none has to survive.
-
-Records of generation g of run R (keys of a `contract.record.RecordStore`):
-
-    rdzv/R/g000000007/join/<agent_id>   one per agent, created by that agent: N agents, N writes, no contention
-    rdzv/R/g000000007/membership        created once, by the first agent to seal: one per generation
-    rdzv/R/g000000007/sealer            renewed by whoever is sealing generation 7 while it forms
-    rdzv/R/g000000007/alive             renewed by node 0 of generation 7 while it runs (compare-and-swap)
-    rdzv/R/floor                        raised by each sweep: generations below it were removed
-    rdzv/R/finished                     created when the run ends
-
-1. An agent finds the newest generation g (probing prefixes: O(log G) listings). If g is sealed and lists
-   it (same agent id and incarnation), that is its generation. If g is sealed without it, or g's
-   membership is not a valid record (the generation is then void, for every agent alike), it moves on to
-   g+1: a late joiner waits for the next generation.
-2. It creates its join record at g and waits, polling with backoff (up to `poll_cap`). Every
-   `lease_timeout / 4` it reads the floor (stalled while g was removed: it moves on to the floor's
-   generation) and the lease of g-1; a late joiner (not a member of g-1) also renews its join record then,
-   since a join proves liveness only while its owner renews it.
-3. The natural sealer is the agent with the lowest id among the joins: it renews the generation's
-   `sealer` record, lists the joins at every poll, reads each join record once and the chosen ones again
-   right before it seals (a node killed and restarted meanwhile has replaced its join with its new
-   incarnation), leaves out a late joiner whose join has not changed for `lease_timeout` (it died
-   waiting), and seals as soon as `should_seal` says so.
-   Every other agent only watches the `sealer` record; when it has stood still for k * `seal_grace`
-   seconds (or k times three of the sealer's own poll periods, which it writes there, if longer: a slow
-   store is not a dead sealer), the agent with the k-th lowest id takes over (the k before it died), so
-   backups step in one at a time instead of as a herd, and N waiting agents never each read N records.
-   Sealers may still race: create-if-absent lets exactly one membership exist, and the losers read it.
-4. Ranks follow from the sealed member list alone (sorted by agent id): node rank = position; global
-   rank = the workers of all lower node ranks + local rank (node_rank * workers + local_rank when every
-   node runs the same number of workers); world size = all workers.
-
-The seal decision (`should_seal`, pure; `choose_members` picks who). Generation g+1 seals only once
-generation g is over: a member of g (by agent id) has joined g+1, or g is void, or node 0 of g has not
-renewed g's `alive` record for `lease_timeout` seconds of the observer's own clock (no clocks are compared
-between machines; silence is timed only between the observer's successful reads, so its own store outage
-expires nothing). Until then agents that were not in g wait at g+1: the members of g see them with `poll`
-(`waiting`: those whose join changed within `lease_timeout`; `admits`: and g has fewer than `max_nodes`)
-and join them at a checkpoint boundary. Then it seals when `max_nodes` agents joined; or at once when every
-member of g that no joiner suspects to be gone has joined (and at least `min_nodes` did): survivors of a
-failure re-form without waiting; or when at least `min_nodes` joined and `last_call` seconds passed since
-the observer first saw that many with g over (not since a late joiner began waiting: members arriving a
-moment apart at a boundary all get in). `join_timeout` bounds forming (`RendezvousTimeoutError`); while g
-demonstrably runs (its lease seen changing) the deadline stays `join_timeout` ahead: a late joiner waits as
-long as the run goes on, until the run is marked finished (`RendezvousClosedError`).
-
-Old generations go: the agent that sealed generation g raises the run's floor to g-1 and then deletes the records
-of every generation below it (`sweep`, from `poll`), so a run keeps about two generations' records however long
-it runs (in operator mode they share one ConfigMap of 1 MiB). Everything that could still look at a removed
-generation reads the floor first (joins, a sealer right before it seals, every `check_fence`, `poll` every
-`lease_timeout / 4`, a waiting agent every `lease_timeout / 4`).
-
-A new launch of a finished run is a new run: the launcher calls `reopen_run` once, which removes the records
-of a run marked finished (the `finished` record last) and returns the old verdict.
-
-Requests beyond the join itself: every waiting agent reads the floor and g-1's lease every `lease_timeout / 4`
-(and g-1's membership once, unless `join` was given it); a late joiner writes its join every `lease_timeout / 4`;
-the sealer reads each late joiner's join every `lease_timeout / 4`; `poll` reads each late joiner's join
-every `lease_timeout / 4` (few: late joiners are the agents outside the running generation).
-
-docs/ELASTIC.md ("Rendezvous") has the safety argument (one membership per generation; no single point of
-failure; why a partitioned minority can't commit a checkpoint, with `check_fence`) and the request counts.
+One concept, hence over 500 lines: the class and the private state it keeps between polls (`_Watch`, `_Beat`,
+`_Observation`, `_Deadline`: what this agent has seen, timed on its own clock only). The records it writes, their
+keys and the rules it applies live below it, pure; it adds the store requests, the clock and the waiting.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import logging
 import random
-import re
 import secrets
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from SneppX_ALG import errors
 from SneppX_ALG.contract import record
+from SneppX_ALG.elastic.rendezvous.codec import (
+    ADDRESS_RE,
+    MAX_ADDRESS_CHARS,
+    MAX_WORKERS,
+    RECORD_VERSION,
+    Join,
+    Member,
+    Membership,
+    join_to_json,
+    membership_to_json,
+    parse_join,
+    parse_membership,
+)
+from SneppX_ALG.elastic.rendezvous.config import RendezvousConfig
+from SneppX_ALG.elastic.rendezvous.keys import (
+    MAX_GENERATION,
+    finished_key,
+    floor_key,
+    generation_of,
+    generation_prefix,
+    join_key,
+    join_prefix,
+    lease_key,
+    membership_key,
+    sealer_key,
+)
+from SneppX_ALG.elastic.rendezvous.rules import NextGeneration, choose_members, previous_is_over, should_seal
 
 log = logging.getLogger(__name__)
 
-RECORD_VERSION = 1
-MAX_NODES = 1024  # a membership of this many nodes stays well under contract.record.MAX_RECORD_BYTES
-MAX_WORKERS = 1024
-MAX_ADDRESS_CHARS = 300  # a DNS name (253) plus a port, or a bracketed IPv6 address and a port
 READ_THREADS = 16  # parallel reads of join records by a sealer
 MAX_PERIOD = 600.0  # the longest poll period a sealer's record may claim (a bigger one is ignored)
-GENERATION_DIGITS = 9  # g000000007: listings sort like numbers up to a billion generations
-INCARNATION_RE = re.compile(r"^[0-9a-f]{32}$")
-ADDRESS_RE = re.compile(r"^[\x21-\x7e]{1,300}$")  # printable ASCII, no spaces
-MAX_GENERATION = 10**GENERATION_DIGITS - 1
-
-
-# ---- the records ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Member:
-    """One node agent as it joined a generation."""
-
-    agent_id: str  # unique among the live agents of a run, stable across restarts (host name, pod name)
-    incarnation: str  # random per agent process: tells a restarted agent from the one that died
-    host: str
-    heartbeat: str  # "host:port" of the agent's heartbeat endpoint
-    workers: int  # worker processes on this node (GPUs, or CPU slots)
-    joined_at: float  # the joiner's wall clock, for people; never compared between machines
-
-
-@dataclass(frozen=True)
-class Join:
-    """A join record: the member, and the agents it believes are gone (from heartbeat silence)."""
-
-    member: Member
-    suspects: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True)
-class Membership:
-    """A sealed generation. `members` are in node-rank order (sorted by agent id)."""
-
-    run_id: str
-    generation: int
-    members: tuple[Member, ...]
-    sealed_by: str
-
-    def __post_init__(self) -> None:
-        ids = [m.agent_id for m in self.members]
-        if not ids or ids != sorted(set(ids)):
-            raise ValueError("a membership lists at least one member, sorted by agent id, each once")
-
-    @property
-    def agent_ids(self) -> tuple[str, ...]:
-        return tuple(m.agent_id for m in self.members)
-
-    @property
-    def world_size(self) -> int:
-        return sum(m.workers for m in self.members)
-
-    def includes(self, agent_id: str, incarnation: str) -> bool:
-        """True if this very agent process (not only an agent of that id) is a member."""
-        return any(m.agent_id == agent_id and m.incarnation == incarnation for m in self.members)
-
-    def node_rank(self, agent_id: str) -> int:
-        for rank, member in enumerate(self.members):
-            if member.agent_id == agent_id:
-                return rank
-        raise ValueError(f"{agent_id} is not a member of generation {self.generation}")
-
-    def rank_offset(self, agent_id: str) -> int:
-        """The global rank of the agent's local rank 0: the workers of every lower node rank."""
-        return sum(m.workers for m in self.members[:self.node_rank(agent_id)])
-
-    def global_rank(self, agent_id: str, local_rank: int) -> int:
-        workers = self.members[self.node_rank(agent_id)].workers
-        if not 0 <= local_rank < workers:
-            raise ValueError(f"local rank {local_rank} is outside 0..{workers - 1} on {agent_id}")
-        return self.rank_offset(agent_id) + local_rank
-
-    @property
-    def instance(self) -> str:
-        """16 hex digits naming this sealed membership and no other: its generation and its members' agent ids
-        and incarnations (random per process). Keys derived from it can't collide with those of a run that
-        reused the run id and generation numbers (a job deleted and created again under the same name)."""
-        text = f"{self.run_id}/{self.generation}/" + ",".join(f"{m.agent_id}:{m.incarnation}" for m in self.members)
-        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-
-
-@dataclass(frozen=True)
-class NextGeneration:
-    """What `Rendezvous.poll` saw at the generation after a running one."""
-
-    generation: int
-    sealed: bool  # its membership exists: the running generation is over
-    closing: frozenset[str]  # members of the running generation that joined it: the running one is over
-    waiting: frozenset[str]  # agents not in the running generation that joined it: late joiners (from `poll`:
-    #                          only those that renewed their join within lease_timeout, i.e. alive)
-    collected: bool = False  # the running generation's records were removed: newer generations have run
-    has_room: bool = True  # the running generation has fewer than max_nodes members
-
-    @property
-    def admits(self) -> bool:
-        """Late joiners wait and the running generation is below `max_nodes`: re-form at the next checkpoint
-        boundary to take them in. (A spare beyond max_nodes is never admitted: members come first.)"""
-        return bool(self.waiting) and self.has_room
-
-    @property
-    def superseded(self) -> bool:
-        """The running generation is over: stop its collectives and join this one."""
-        return self.sealed or bool(self.closing) or self.collected
-
-    def why(self) -> str:
-        """Why the running generation is over, for people (only when `superseded`)."""
-        if self.collected:
-            return f"generation {self.generation - 1}'s records were removed: newer generations have run"
-        if self.sealed:
-            return f"generation {self.generation} is sealed"
-        return f"generation {self.generation} was joined by {', '.join(sorted(self.closing))}"
-
-
-@dataclass(frozen=True)
-class RendezvousConfig:
-    """Sizes and times of the rendezvous (seconds). Every agent of a run uses the same: whoever seals
-    applies its own, and the others judge its silence by their `seal_grace`."""
-
-    min_nodes: int = 1
-    max_nodes: int = 1
-    last_call: float = 10.0  # after min_nodes joined, how long to wait for more (torchrun: 30 s)
-    join_timeout: float = 600.0  # how long join() waits for a generation that includes this agent
-    seal_grace: float = 3.0  # silence of the sealer's record after which the next agent in line takes over
-    lease_timeout: float = 30.0  # silence of a running generation's `alive` record that means it is gone
-    poll_interval: float = 0.05  # first wait between reads of the membership; grows 1.5x per poll ...
-    poll_max: float = 1.0  # ... up to this, or to max_nodes / job_poll_rate if longer:
-    job_poll_rate: float = 50.0  # reads per second all waiting agents of a job make together, at most
-
-    @property
-    def poll_cap(self) -> float:
-        """The longest wait between two polls of one agent. It grows with the job so that N waiting agents
-        don't load the store (or the bill) N times as much: a store busy answering polls seals late."""
-        return max(self.poll_max, self.max_nodes / self.job_poll_rate)
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_nodes <= self.max_nodes <= MAX_NODES:
-            raise ValueError(f"need 1 <= min_nodes <= max_nodes <= {MAX_NODES}, got min_nodes={self.min_nodes}, "
-                             f"max_nodes={self.max_nodes}")
-        times = {"last_call": self.last_call, "join_timeout": self.join_timeout, "seal_grace": self.seal_grace,
-                 "lease_timeout": self.lease_timeout, "poll_max": self.poll_max}
-        for name, value in times.items():
-            if not record.is_finite_number(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number of seconds >= 0, not {value!r}")
-        if not record.is_finite_number(self.poll_interval) or not 0 < self.poll_interval <= self.poll_max:
-            raise ValueError(f"need 0 < poll_interval <= poll_max, got {self.poll_interval}, {self.poll_max}")
-        if not record.is_finite_number(self.job_poll_rate) or self.job_poll_rate <= 0:
-            raise ValueError(f"job_poll_rate must be a positive number, not {self.job_poll_rate!r}")
-
-
-def generation_prefix(run_id: str, generation: int) -> str:
-    return f"rdzv/{run_id}/g{generation:0{GENERATION_DIGITS}d}/"
-
-
-def join_prefix(run_id: str, generation: int) -> str:
-    return generation_prefix(run_id, generation) + "join/"
-
-
-def join_key(run_id: str, generation: int, agent_id: str) -> str:
-    return join_prefix(run_id, generation) + agent_id
-
-
-def membership_key(run_id: str, generation: int) -> str:
-    return generation_prefix(run_id, generation) + "membership"
-
-
-def lease_key(run_id: str, generation: int) -> str:
-    return generation_prefix(run_id, generation) + "alive"
-
-
-def sealer_key(run_id: str, generation: int) -> str:
-    return generation_prefix(run_id, generation) + "sealer"
-
-
-def finished_key(run_id: str) -> str:
-    return f"rdzv/{run_id}/finished"
-
-
-def floor_key(run_id: str) -> str:
-    return f"rdzv/{run_id}/floor"
-
-
-def generation_of(run_id: str, key: str) -> int | None:
-    """The generation a record key of the run belongs to (None: a key of the whole run, or another run's)."""
-    head = f"rdzv/{run_id}/g"
-    digits = key[len(head):len(head) + GENERATION_DIGITS]
-    if not key.startswith(head) or len(digits) != GENERATION_DIGITS or not digits.isdigit():
-        return None
-    return int(digits) if key[len(head) + GENERATION_DIGITS:].startswith("/") else None
-
-
-def member_to_json(member: Member) -> dict[str, Any]:
-    return {"agent_id": member.agent_id, "incarnation": member.incarnation, "host": member.host,
-            "heartbeat": member.heartbeat, "workers": member.workers, "joined_at": member.joined_at}
-
-
-def join_to_json(run_id: str, generation: int, join: Join, renewals: int = 0) -> dict[str, Any]:
-    """`renewals` changes whenever a waiting late joiner renews its join: the record changing is its proof
-    of life."""
-    return {"version": RECORD_VERSION, "kind": "join", "run_id": run_id, "generation": generation,
-            "member": member_to_json(join.member), "suspects": sorted(join.suspects), "renewals": renewals}
-
-
-def membership_to_json(membership: Membership) -> dict[str, Any]:
-    return {"version": RECORD_VERSION, "kind": "membership", "run_id": membership.run_id,
-            "generation": membership.generation, "sealed_by": membership.sealed_by,
-            "members": [member_to_json(m) for m in membership.members]}
-
-
-def parse_join(value: Any, *, key: str, run_id: str, generation: int, agent_id: str) -> Join:
-    """A join record read from `key`, checked field by field; `InvalidRendezvousRecordError` otherwise."""
-    _header(value, key, "join", {"member", "suspects", "renewals"}, run_id, generation)
-    member = _member(value["member"], key)
-    if member.agent_id != agent_id:
-        raise errors.InvalidRendezvousRecordError(f"joins as {member.agent_id!r} under the key of {agent_id!r}",
-                                                  key=key)
-    suspects = value["suspects"]
-    if (not isinstance(suspects, list) or len(suspects) > MAX_NODES
-            or not all(isinstance(s, str) and record.is_segment(s) for s in suspects)):
-        raise errors.InvalidRendezvousRecordError(f"suspects is not a list of at most {MAX_NODES} agent ids",
-                                                  key=key)
-    renewals = value["renewals"]
-    if not isinstance(renewals, int) or isinstance(renewals, bool) or renewals < 0:
-        raise errors.InvalidRendezvousRecordError("renewals is not an integer >= 0", key=key)
-    return Join(member, frozenset(suspects))
-
-
-def parse_membership(value: Any, *, key: str, run_id: str, generation: int) -> Membership:
-    """A membership record read from `key`, checked field by field; `InvalidRendezvousRecordError`
-    otherwise."""
-    _header(value, key, "membership", {"sealed_by", "members"}, run_id, generation)
-    members = value["members"]
-    if not isinstance(members, list) or not 1 <= len(members) <= MAX_NODES:
-        raise errors.InvalidRendezvousRecordError(f"members is not a list of 1 to {MAX_NODES} members", key=key)
-    parsed = tuple(_member(m, key) for m in members)
-    ids = [m.agent_id for m in parsed]
-    if ids != sorted(set(ids)):
-        raise errors.InvalidRendezvousRecordError("members are not sorted by agent id, each once", key=key)
-    sealed_by = value["sealed_by"]
-    if not isinstance(sealed_by, str) or not record.is_segment(sealed_by):
-        raise errors.InvalidRendezvousRecordError("sealed_by is not an agent id", key=key)
-    return Membership(run_id, generation, parsed, sealed_by)
-
-
-def _header(value: Any, key: str, kind: str, fields: set[str], run_id: str, generation: int) -> None:
-    expected = {"version", "kind", "run_id", "generation"} | fields
-    if not isinstance(value, Mapping) or set(value) != expected:
-        found = sorted(value) if isinstance(value, Mapping) else type(value).__name__
-        raise errors.InvalidRendezvousRecordError(f"a {kind} record has the fields {sorted(expected)}, this one "
-                                                  f"{found}", key=key)
-    if value["version"] != RECORD_VERSION or value["kind"] != kind:
-        raise errors.InvalidRendezvousRecordError(f"not a version {RECORD_VERSION} {kind} record (version "
-                                                  f"{value['version']!r}, kind {value['kind']!r})", key=key)
-    if value["run_id"] != run_id or value["generation"] != generation or isinstance(value["generation"], bool):
-        raise errors.InvalidRendezvousRecordError(f"names run {value['run_id']!r} generation "
-                                                  f"{value['generation']!r}, not where it is stored", key=key)
-
-
-def _member(value: Any, key: str) -> Member:
-    names = {"agent_id", "incarnation", "host", "heartbeat", "workers", "joined_at"}
-    if not isinstance(value, Mapping) or set(value) != names:
-        raise errors.InvalidRendezvousRecordError(f"a member has the fields {sorted(names)}", key=key)
-    agent_id, incarnation, host, heartbeat = (value[n] for n in ("agent_id", "incarnation", "host", "heartbeat"))
-    workers, joined_at = value["workers"], value["joined_at"]
-    problems = [
-        (isinstance(agent_id, str) and record.is_segment(agent_id), "agent_id is not an id"),
-        (isinstance(incarnation, str) and bool(INCARNATION_RE.match(incarnation)),
-         "incarnation is not 32 hex digits"),
-        (isinstance(host, str) and bool(ADDRESS_RE.match(host)), "host is not printable ASCII of 1-300 chars"),
-        (isinstance(heartbeat, str) and bool(ADDRESS_RE.match(heartbeat)),
-         "heartbeat is not printable ASCII of 1-300 chars"),
-        (isinstance(workers, int) and not isinstance(workers, bool) and 1 <= workers <= MAX_WORKERS,
-         f"workers is not an integer in 1..{MAX_WORKERS}"),
-        (record.is_finite_number(joined_at), "joined_at is not a finite number"),
-    ]
-    for ok, problem in problems:
-        if not ok:
-            raise errors.InvalidRendezvousRecordError(problem, key=key)
-    return Member(agent_id, incarnation, host, heartbeat, workers, float(joined_at))
-
-
-# ---- the decisions (pure) ------------------------------------------------------------------------------
-
-
-def choose_members(joins: Sequence[Join], previous: Membership | None, max_nodes: int) -> tuple[Member, ...]:
-    """At most `max_nodes` of the joiners, the members of the previous generation first (they hold the
-    running state), then the others by agent id; returned in node-rank order (sorted by agent id)."""
-    before = set(previous.agent_ids) if previous is not None else set()
-    preferred = sorted(joins, key=lambda j: (j.member.agent_id not in before, j.member.agent_id))
-    return tuple(sorted((j.member for j in preferred[:max_nodes]), key=lambda m: m.agent_id))
-
-
-def previous_is_over(joined: Collection[str], previous: Membership | None, *, lease_expired: bool) -> bool:
-    """Whether the generation before can no longer be running: there is none (or it is void), one of its
-    members (by agent id) has joined this one, or its lease expired."""
-    if previous is None or lease_expired:
-        return True
-    return not set(previous.agent_ids).isdisjoint(joined)
-
-
-def should_seal(joined: Collection[str], suspected: Collection[str], previous: Membership | None, *,
-                previous_over: bool, min_nodes: int, max_nodes: int, last_call: float,
-                min_reached_for: float | None) -> bool:
-    """Whether to seal a generation now (rules in the module docstring).
-
-    `joined` are the agent ids of the valid join records; `suspected` the union of their suspects;
-    `previous` is the sealed generation before (None if there is none or it is void); `min_reached_for` is
-    how long the observer has seen at least `min_nodes` joins with the generation before over (None if it
-    has not): last call starts when the generation before ends, not when a late joiner started waiting."""
-    joined = set(joined)
-    if not joined or not previous_over:
-        return False
-    if len(joined) >= max_nodes:
-        return True
-    if len(joined) < min_nodes:
-        return False
-    if previous is not None and set(previous.agent_ids) - set(suspected) <= joined:
-        return True  # every member of the generation before that is not known to be gone is here
-    return min_reached_for is not None and min_reached_for >= last_call
-
-
-# ---- one agent's side of the protocol ------------------------------------------------------------------
 
 VOID = "void"  # a generation whose membership record is not valid: every agent skips it
 
@@ -1121,36 +761,3 @@ class Rendezvous:
                 log.warning("%s: the store is unavailable (retrying): %s", self.agent_id, e)
                 self._sleep(min(interval, deadline.at - now))
                 interval = min(interval * 2, self.config.poll_cap)
-
-
-# ---- a new launch of a finished run --------------------------------------------------------------------
-
-
-def reopen_run(store: record.RecordStore, run_id: str) -> str | None:
-    """Makes a finished run new: a launch under the run id of a run marked finished trains again (from its
-    newest checkpoint) instead of stopping every agent with the old verdict. If `rdzv/<run_id>/finished`
-    exists, removes every record of the run and returns the old verdict (its reason, for a log line);
-    otherwise changes nothing and returns None. The launcher calls it once, before any agent of the launch
-    joins.
-
-    Why this order is safe: the records are listed before `finished` is read, so the list holds records of
-    the finished run only (agents of a new launch write theirs once `finished` is gone); `finished` is removed
-    last, so an agent of the old run still on its way out keeps finding the run finished, not generations
-    vanishing under it; and the floor goes just before it, so the generations below it never reappear as
-    "not sealed yet" while it stands. Interrupted, it is done again by the next launch (`finished` stays)."""
-    if not isinstance(run_id, str) or not record.is_segment(run_id):
-        raise ValueError(f"run_id {run_id!r} is not an id: [A-Za-z0-9][A-Za-z0-9._-]*, at most 253 chars")
-    keys = store.keys(f"rdzv/{run_id}/")
-    try:
-        finished = store.read(finished_key(run_id))
-    except errors.RecordCorruptError as e:  # not a verdict: `Rendezvous.join` ignores it too
-        log.warning("run %s: ignoring an invalid finished record: %s", run_id, e)
-        return None
-    if finished is None:
-        return None
-    last = (floor_key(run_id), finished_key(run_id))
-    for key in [k for k in keys if k not in last] + list(last):
-        store.delete(key)
-    log.info("run %s was finished (%r): its rendezvous records were removed for a new launch", run_id,
-             finished.value.get("reason"))
-    return str(finished.value.get("reason", ""))

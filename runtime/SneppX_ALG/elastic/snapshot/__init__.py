@@ -1,0 +1,92 @@
+"""Peer-memory snapshots: each rank's training state at a recent step kept in host memory, with a copy on
+another node, so a failure costs the steps since the last snapshot (none, with one every step) instead of up to a
+checkpoint interval.
+
+Why memory, and a peer: a durable save of a large state is expensive, so checkpoints are minutes apart; a copy
+into host memory is a memcpy, and a copy on the next node survives the loss of this one (Gemini, SOSP'23; NVIDIA
+resiliency extension's local checkpoints). A snapshot is not a checkpoint: it never reaches storage, and when no
+complete one survives the job restores the newest durable checkpoint as before.
+
+What a snapshot is: one rank's tensors (its `Shard`s first, then a slot for the description of its unique part,
+then the replicated arrays) copied into a buffer reused from step to step, a CRC32C per `PIECE` bytes of each
+tensor, and a small JSON description (paths, dtypes, boxes, plain values). Only the unique part travels to the
+peer, straight from that buffer: a rank's Shards, which is about 1/N of the state per rank with ZeRO-1 data
+parallelism. The replicated arrays and plain values survive in every rank's own snapshot (equal on every rank:
+the digests compared at each snapshot say so), so any one survivor's restores them.
+
+Per snapshot of step s (the generation's `snapshot` group, a TCP ring of its own, docs/ELASTIC.md):
+1. the training thread copies the state into a free buffer: the only part it waits for;
+2. a background thread computes the CRCs; one allgather of (bytes to send, a CRC of the replicated arrays) tells
+   every rank what it will receive and catches replicas that disagree (silent data corruption) before anything
+   is sent; then the unique bytes and their description travel around the ring, h ranks per copy, each rank
+   keeping what arrives from h, 2h, .. replicas x h ranks back: h is the smallest distance at which no rank has
+   a neighbour on its own node (`placement_hop`; the first snapshot of a generation allgathers where each rank
+   is: its agent, or its Kubernetes node in a pod). The snapshot group's ring visits the nodes in turn
+   (`ring_order`), so with as many workers on every node h is 1: each part crosses the network once;
+3. a barrier: every rank holds its copies, the step is complete, and older snapshots go.
+One is in flight at a time: the next snapshot waits for it.
+
+Recovery (`recover`, every rank of the new generation, before train_fn resumes): each rank checks every CRC of
+what it holds and lists it; the lists are allgathered; the newest step for which every old rank's unique part
+survives somewhere, and one old rank's own snapshot whole (the replicated arrays), wins when it is newer than the
+newest durable checkpoint (`choose`, pure); for each old rank the lowest new rank that holds it broadcasts it, and
+each rank copies out the boxes it needs, resharding to the new world size, after checking the CRCs of what
+arrived.
+
+The package, one concept a module (each imports only those below it; `.importlinter` checks it):
+
+    keeper.py    `Keeper`: a worker's snapshots across generations; taking one (the background thread, the
+                 ring) and `recover`
+    restore.py   `apply`: the chosen parts copied into the target's boxes, resharded to the new world size
+    plan.py      the pure decisions every rank makes alike: the ring's order, the hop to copy at, divergent
+                 replicas, which snapshot to restore (`choose`)
+    memory.py    how much host memory snapshots need, and how much the process may use
+    image.py     one snapshot: `Snapshot`, `capture` into a buffer, its CRCs (`seal`), its wire form
+
+Every name is re-exported here: callers import `SneppX_ALG.elastic.snapshot` and nothing below it.
+"""
+
+from __future__ import annotations
+
+from SneppX_ALG.elastic.snapshot.image import (
+    PIECE,
+    Snapshot,
+    capture,
+    from_wire,
+    replicated_digest,
+    seal,
+    wire_view,
+)
+from SneppX_ALG.elastic.snapshot.keeper import MAX_FREE_BUFFERS, Keeper, Recovered, allgather_json
+from SneppX_ALG.elastic.snapshot.memory import (
+    CGROUP_LIMITS,
+    DEFAULT_MEMORY_FRACTION,
+    host_memory,
+    needed_bytes,
+)
+from SneppX_ALG.elastic.snapshot.plan import Choice, choose, divergent, placement_hop, ring_order
+from SneppX_ALG.elastic.snapshot.restore import apply
+
+__all__ = [
+    "CGROUP_LIMITS",
+    "DEFAULT_MEMORY_FRACTION",
+    "MAX_FREE_BUFFERS",
+    "PIECE",
+    "Choice",
+    "Keeper",
+    "Recovered",
+    "Snapshot",
+    "allgather_json",
+    "apply",
+    "capture",
+    "choose",
+    "divergent",
+    "from_wire",
+    "host_memory",
+    "needed_bytes",
+    "placement_hop",
+    "replicated_digest",
+    "ring_order",
+    "seal",
+    "wire_view",
+]

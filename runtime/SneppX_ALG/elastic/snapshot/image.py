@@ -1,0 +1,192 @@
+"""One rank's snapshot (`Snapshot`): the layout of its buffer (Shards first, then the slot for their description,
+then the replicated arrays, each tensor 64-byte aligned), how the state is copied into it (`capture`, host arrays
+and CUDA tensors), its CRCs (`seal`, `problems`), and the form its unique part travels in (`wire_view`,
+`from_wire`).
+
+Separate because it is the format every other part of the package reads and writes: the keeper moves these
+buffers, the plan compares their descriptions, the restore reads their boxes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from SneppX_ALG import _native, errors
+from SneppX_ALG.checkpoint import format
+from SneppX_ALG.coordinator import state as state_lib
+
+PIECE = 4 << 20  # bytes per CRC32C
+
+
+@dataclasses.dataclass(eq=False)  # one snapshot is one object: lists of them are searched by identity
+class Snapshot:
+    """One rank's state at one step: `meta` describes `payload` (tensors at byte offsets, their CRCs)."""
+
+    meta: dict[str, Any]
+    payload: np.ndarray  # uint8
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """(run instance, generation, step): the ranks of one generation snapshot the same steps."""
+        return self.meta["instance"], self.meta["generation"], self.meta["step"]
+
+    @property
+    def source(self) -> int:
+        return int(self.meta["rank"])
+
+    @property
+    def unique_end(self) -> int:
+        """Where the unique part's bytes (the Shards, first) end: its description's slot starts there."""
+        return int(self.meta["unique_end"])
+
+    def problems(self) -> list[str]:
+        """What does not match its CRCs (empty: every byte checked and good)."""
+        ranges = [(t["at"] + i * PIECE, min(PIECE, t["nbytes"] - i * PIECE))
+                  for t in self.meta["tensors"] for i in range(len(t["crcs"]))]
+        expected = [c for t in self.meta["tensors"] for c in t["crcs"]]
+        if not ranges:
+            return []
+        got = _native.crc32c_ranges(self.payload, ranges)
+        return [f"rank {self.source}'s snapshot of step {self.meta['step']}: bytes {at}..{at + n} fail their CRC32C"
+                for (at, n), want, have in zip(ranges, expected, got, strict=True) if want != have]
+
+    def unique(self) -> Snapshot:
+        """What a peer keeps of it: the Shards (a view, no copy), without plain values or training state."""
+        return Snapshot(_unique_meta(self.meta), self.payload[:self.unique_end])
+
+
+def capture(obj: Any, step: int, *, instance: str, generation: int, rank: int, world: int,
+            into: Callable[[int], np.ndarray], training_state: Any = None,
+            admit: Callable[[int, int], None] | None = None,
+            copier: Callable[[int], Any] | None = None) -> Snapshot:
+    """Copies `obj` (what `ctx.save` takes) into a buffer from `into(nbytes)`: host arrays with a memcpy, their
+    CRCs later (`seal`, off the training thread); CUDA tensors through `copier(device)`'s pinned staging, after
+    the work queued on their producer's stream, hashed as they land. `admit(state bytes, unique bytes)` is asked
+    first, before anything is allocated (it raises to refuse). `copier(device)`: a copy engine per device (the
+    Keeper keeps them; by default one per call)."""
+    copier = copier or functools.cache(_native.Copier)
+    kind, leaves, values = state_lib.flatten_state(obj)
+    for path, value in values:
+        state_lib.check_json_safe(value, "/".join(path))
+    ordered = sorted(leaves, key=lambda leaf: leaf[2] is None)  # Shards first: the unique part is a prefix
+    meta: dict[str, Any] = {"instance": instance, "generation": generation, "step": int(step), "rank": rank,
+                            "world": world, "kind": kind, "tensors": [], "unique_end": 0, "slot": 0}
+    at = 0
+    for path, leaf, shard in ordered:
+        if shard is None and not meta["slot"]:  # the Shards end here: the slot for their description
+            at = _reserve_slot(meta, at)
+        on_device = isinstance(leaf, state_lib.DeviceArray)
+        array = leaf if on_device else np.asarray(leaf)  # not ascontiguousarray: it makes a 0-d array 1-d
+        shape, nbytes = tuple(array.shape), int(np.prod(array.shape, dtype=np.int64)) * array.dtype.itemsize
+        meta["tensors"].append({"path": list(path), "dtype": _dtype_name(array.dtype), "local": list(shape),
+                                "shape": list(shard.global_shape) if shard else list(shape),
+                                "offset": list(shard.global_offset) if shard else None, "at": at,
+                                "nbytes": nbytes, "crcs": []})
+        at += _aligned(nbytes)  # each tensor starts 64-byte aligned
+    if not meta["slot"]:
+        at = _reserve_slot(meta, at)
+    if admit is not None:
+        admit(at, meta["unique_end"])
+    payload = into(at)
+    ordered_streams: set[tuple[int, int]] = set()
+    for t, (_, leaf, _) in zip(meta["tensors"], ordered, strict=True):
+        if isinstance(leaf, state_lib.DeviceArray):
+            t["crcs"] = _copy_from_device(leaf, payload[t["at"]:t["at"] + t["nbytes"]], copier(leaf.device),
+                                          ordered_streams)
+            continue
+        view = payload[t["at"]:t["at"] + t["nbytes"]].view(format.numpy_dtype(t["dtype"]))
+        np.copyto(view.reshape(t["local"]), np.asarray(leaf), casting="no")
+    meta["values"] = [{"path": list(p), "value": v} for p, v in values]
+    meta["training_state"] = training_state
+    return Snapshot(meta, payload)
+
+
+_dtype_name = functools.lru_cache(maxsize=64)(format.dtype_name)  # numpy's dtype.name is slow, and asked per leaf
+
+
+def _copy_from_device(leaf: state_lib.DeviceArray, into: np.ndarray, copier: Any,
+                      ordered_streams: set[tuple[int, int]]) -> list[int]:
+    """A CUDA tensor's bytes into host memory, PIECE by PIECE, and their CRCs: the copy engine hashes each piece
+    as it lands. Ordered after the producer's stream (once per stream a snapshot), which may still be writing."""
+    if leaf.stream is not None and (leaf.device, leaf.stream) not in ordered_streams:
+        copier.wait_stream(leaf.stream)
+        ordered_streams.add((leaf.device, leaf.stream))
+    crcs = []
+    for at in range(0, max(1, len(into)), PIECE):
+        n = min(PIECE, len(into) - at)
+        crcs.append(int(copier.copy(into[at:at + n], leaf.pointer + at, n, kind=_native.COPY_D2H) or 0) if n else 0)
+    return crcs
+
+
+_MAX_CRC = 0xFFFFFFFF  # the widest a CRC is written in JSON: the slot is sized with it
+_LENGTH = 8  # bytes of the description's length, at the end of the slot
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
+
+
+def _unique_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """The description of the unique part: its Shards; no plain values or training state (every rank's own
+    snapshot has those)."""
+    return {**meta, "tensors": [t for t in meta["tensors"] if t["offset"] is not None], "values": [],
+            "training_state": None}
+
+
+def _reserve_slot(meta: dict[str, Any], at: int) -> int:
+    """Marks the unique part's end at `at` and reserves room after it for its description, as long as it can be
+    once the CRCs are known: the part then travels from the snapshot's own buffer (`wire_view`)."""
+    widest = [{**t, "crcs": [_MAX_CRC] * max(1, -(-t["nbytes"] // PIECE))} for t in meta["tensors"]]
+    text = json.dumps({**_unique_meta({**meta, "tensors": widest}), "unique_end": at, "slot": 1 << 62},
+                      separators=(",", ":"))
+    meta["unique_end"], meta["slot"] = at, _aligned(len(text) + _LENGTH)
+    return at + meta["slot"]
+
+
+def wire_view(snapshot: Snapshot) -> np.ndarray:
+    """What travels of a sealed snapshot, a view of its own buffer: [unique part][its description, padded with
+    spaces][the description's length, 8 bytes]. The unique part stays at offset 0, aligned, in the buffer that
+    receives it."""
+    start, slot = snapshot.unique_end, snapshot.meta["slot"]
+    text = json.dumps(_unique_meta(snapshot.meta), separators=(",", ":")).encode()
+    if len(text) > slot - _LENGTH:
+        raise errors.SnapshotError(f"a snapshot's description ({len(text)} bytes) outgrew its slot ({slot})")
+    wire = snapshot.payload[:start + slot]
+    wire[start:start + slot - _LENGTH] = np.frombuffer(text.ljust(slot - _LENGTH), np.uint8)  # JSON allows spaces
+    wire[-_LENGTH:] = np.frombuffer((slot - _LENGTH).to_bytes(_LENGTH, "little"), np.uint8)
+    return wire
+
+
+def seal(snapshot: Snapshot) -> None:
+    """Fills in the CRCs of the host arrays (the background thread's first job; a CUDA tensor's came with its
+    copy)."""
+    ranges, owners = [], []
+    for t in snapshot.meta["tensors"]:
+        if t["crcs"]:
+            continue
+        pieces = max(1, -(-t["nbytes"] // PIECE))
+        for i in range(pieces):
+            ranges.append((t["at"] + i * PIECE, max(0, min(PIECE, t["nbytes"] - i * PIECE))))
+            owners.append(t)
+    crcs = _native.crc32c_ranges(snapshot.payload, ranges) if ranges else []
+    for t, crc in zip(owners, crcs, strict=True):
+        t["crcs"].append(int(crc))
+
+
+def replicated_digest(snapshot: Snapshot) -> int:
+    """One CRC32C over the CRCs of the replicated arrays: equal on every rank whose replicas agree."""
+    crcs = [c for t in snapshot.meta["tensors"] if t["offset"] is None for c in t["crcs"]]
+    return _native.crc32c(np.asarray(crcs, dtype=np.uint32)) if crcs else 0
+
+
+def from_wire(wire: np.ndarray) -> Snapshot:
+    """A part as it arrived (`wire_view`'s layout); its payload a view of `wire`."""
+    meta_len = int.from_bytes(wire[-8:].tobytes(), "little")
+    end = len(wire) - 8 - meta_len
+    return Snapshot(json.loads(wire[end:-8].tobytes()), wire[:end])
