@@ -1,4 +1,4 @@
-"""The worker's commit fence (elastic/fence.py) gives Rendezvous.check_fence's answers, from the records alone.
+"""The worker's commit fence (elastic/rendezvous/fence.py), which Rendezvous.check_fence now calls too, from the records alone.
 
 Each case writes the records an agent would have written (joins, a membership, the floor) into a directory store
 and asks both: same outcome, same message. tests/integration/test_rendezvous.py drives check_fence with real
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from SneppX_ALG import errors
-from SneppX_ALG.elastic import fence, rendezvous
+from SneppX_ALG.elastic import rendezvous
+from SneppX_ALG.elastic.rendezvous import fence
 from SneppX_ALG.records import RecordStore, open_record_store
 
 RUN = "fenced"

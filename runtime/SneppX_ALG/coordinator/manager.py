@@ -125,7 +125,7 @@ class CheckpointCoordinator:
         64 MiB), so a resharded load reads whole blocks only where it needs part of a chunk. Smaller blocks
         read less beyond what is needed and make a larger manifest (8 hex digits per block, 72 when signed).
     commit_fence: called by the committing rank right before each step's commit point; whatever it raises
-        fails the step instead (the ElasticTrainer's workers pass the rendezvous fence, `elastic.fence.check`,
+        fails the step instead (the ElasticTrainer's workers pass the rendezvous fence, `elastic.rendezvous.fence.check`,
         so a membership generation that is over commits nothing).
     incremental: "auto" (the default), True or False. On, a save writes only the pieces (1 MiB boxes of each
         array) whose bytes changed since this coordinator's previous save, and references the rest in the step

@@ -20,6 +20,7 @@ from typing import Any
 
 from SneppX_ALG import errors
 from SneppX_ALG.contract import record
+from SneppX_ALG.elastic.rendezvous import fence
 from SneppX_ALG.elastic.rendezvous.codec import (
     ADDRESS_RE,
     MAX_ADDRESS_CHARS,
@@ -564,28 +565,13 @@ class Rendezvous:
     def check_fence(self, membership: Membership) -> None:
         """Raises `StaleGenerationError` if a newer generation than `membership` exists (sealed, or joined
         by one of its members): called right before a checkpoint's commit point, so a generation that is
-        over commits nothing. docs/ELASTIC.md says what this does and doesn't guarantee."""
-        nxt = self._next(membership, check_floor=True)
-        if nxt.superseded:
-            raise errors.StaleGenerationError(f"generation {membership.generation} of run {self.run_id} is over: "
-                                              f"{nxt.why()}", generation=membership.generation)
+        over commits nothing (fence.py; docs/ELASTIC.md says what this does and doesn't guarantee)."""
+        fence.check(self.store, membership)
 
     def _next(self, membership: Membership, *, check_floor: bool) -> NextGeneration:
-        """What the generation after `membership` holds: one listing. With `check_floor`, and nothing there
-        that ends `membership`, also one read of the floor: when newer generations have run and removed
-        `membership`'s records and those of the generation after it, the listing is empty and only the floor
-        tells (a process that stalled through several generations must not commit for its old one)."""
-        generation = membership.generation + 1
-        prefix = generation_prefix(self.run_id, generation)
-        keys = self.store.keys(prefix)
-        joined = {k[len(prefix) + len("join/"):] for k in keys if k.startswith(prefix + "join/")}
-        members = set(membership.agent_ids)
-        nxt = NextGeneration(generation, membership_key(self.run_id, generation) in keys,
-                             frozenset(joined & members), frozenset(joined - members),
-                             has_room=len(members) < self.config.max_nodes)
-        if check_floor and not nxt.superseded and self.floor() > membership.generation:
-            return replace(nxt, collected=True)
-        return nxt
+        """What the generation after `membership` holds (fence.next_generation)."""
+        return fence.next_generation(self.store, membership, check_floor=check_floor,
+                                     max_nodes=self.config.max_nodes)
 
     def _stamp(self, kind: str, generation: int, **fields: Any) -> dict[str, Any]:
         """The value of a record only this agent renews (a lease, a sealer's record), less `renewals`."""
@@ -647,15 +633,7 @@ class Rendezvous:
     def floor(self) -> int:
         """The lowest generation of the run that may still have records (0 until a sweep raised it): records
         of generations below it were removed, and no agent joins, seals or commits for one of them."""
-        try:
-            stored = self.store.read(floor_key(self.run_id))
-        except errors.RecordCorruptError as e:
-            log.warning("%s: ignoring an invalid floor record: %s", self.agent_id, e)
-            return 0
-        value = None if stored is None else stored.value.get("generation")
-        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_GENERATION:
-            return value
-        return 0
+        return fence.floor(self.store, self.run_id)
 
     def sweep(self, limit: int = 64) -> bool:
         """Removes the records of the generations before the one before the generation this agent sealed last
