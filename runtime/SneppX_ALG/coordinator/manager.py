@@ -62,8 +62,19 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from SneppX_ALG import _native, errors, storage
 from SneppX_ALG.checkpoint import manifest as manifest_codec
 from SneppX_ALG.checkpoint import reshard, signing
-from SneppX_ALG.coordinator import engine, plan, retention, state, steps, timeline
+from SneppX_ALG.coordinator import (
+    engine,
+    increments,
+    plan,
+    retention,
+    staging,
+    state,
+    steps,
+    timeline,
+    upkeep,
+)
 from SneppX_ALG.coordinator import group as group_lib
+from SneppX_ALG.coordinator import job as job_lib
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +154,9 @@ class CheckpointCoordinator:
                  signing_key: Any = None, trusted_keys: Any = None, read_only: bool = False,
                  group: group_lib.Group | None = None,
                  checksum_block_bytes: int = manifest_codec.BLOCK_BYTES,
-                 commit_fence: Callable[[], None] | None = None, incremental: bool | str = engine.AUTO,
+                 commit_fence: Callable[[], None] | None = None, incremental: bool | str = increments.AUTO,
                  full_every: int = 10):
-        if incremental not in (True, False, engine.AUTO):
+        if incremental not in (True, False, increments.AUTO):
             raise ValueError(f"incremental must be True, False or 'auto', not {incremental!r}")
         if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
             raise ValueError(f"full_every must be an int >= 1, not {full_every!r}")
@@ -271,7 +282,7 @@ class CheckpointCoordinator:
                                                    path=self.checkpoint_root)
             # From here on this rank takes part in the step's protocol whatever happens (coordinator/engine.py):
             # what fails below is reported to the group by the writer, at the step's end.
-            job = engine.Job(step, training_state=training_state)
+            job = job_lib.Job(step, training_state=training_state)
             if not self.async_save:  # save() waits for the commit anyway: the writer starts with the snapshot
                 job.may_write.set()
             worker.begin(job)
@@ -289,7 +300,7 @@ class CheckpointCoordinator:
         if not self.async_save:
             self.wait()
 
-    def _stage(self, job: engine.Job, obj: Any) -> None:
+    def _stage(self, job: job_lib.Job, obj: Any) -> None:
         """Plans this rank's part of the step and copies it into staging buffers, handing each to the writer."""
         worker = self._engine
         state.check_json_safe(job.training_state, "training_state")
@@ -303,12 +314,12 @@ class CheckpointCoordinator:
         leaves = [leaves[i] for i in mine]
         if worker.pool is None:
             size = plan.choose_buffer_bytes(sum(s.nbytes for s in job.specs), self.staging_bytes)
-            worker.pool = engine.StagingPool(self._copier, size, self.staging_bytes // size)
+            worker.pool = staging.StagingPool(self._copier, size, self.staging_bytes // size)
         buffers = plan.plan_pieces(job.specs, worker.pool.size, worker.unit_bytes)
         state.check_entry_names(p for b in buffers for p in b)
         job.pieces = [p for b in buffers for p in b]
         # An incremental save whose state fits the staging area puts its i-th buffer in slot i every time, so the
-        # slot still holds what the last save staged there: a host piece equal to that is not copied (engine.Held).
+        # slot still holds what the last save staged there: a host piece equal to that is not copied (staging.Held).
         slotted = worker.unit_bytes is not None and len(buffers) <= worker.pool.limit
         for index, pieces in enumerate(buffers):
             slot, held = worker.pool.acquire(job.token, on_wait=job.may_write.set, slot=index if slotted else None)
@@ -321,8 +332,8 @@ class CheckpointCoordinator:
                 job.slots.append((slot, pieces))
             worker.write(job, slot, pieces)
 
-    def _snapshot(self, job: engine.Job, leaves: list[state.Leaf], slot: int, pieces: list[plan.Piece],
-                  held: engine.Held | None) -> None:
+    def _snapshot(self, job: job_lib.Job, leaves: list[state.Leaf], slot: int, pieces: list[plan.Piece],
+                  held: staging.Held | None) -> None:
         pool = self._engine.pool
         assert pool is not None
         view = self._copier.view(pool.buffer(slot), pool.size)
@@ -345,19 +356,19 @@ class CheckpointCoordinator:
                     job.ordered_streams.add(leaf.stream)
                 crc = self._copier.copy(dst, leaf.pointer + piece.start, piece.nbytes, kind=_native.COPY_D2H)
             else:
-                crc = self._copier.copy(dst, engine.host_piece(leaf, piece))
+                crc = self._copier.copy(dst, staging.host_piece(leaf, piece))
             job.snapshot_crcs[piece.entry] = int(crc or 0)
         del view
 
     @staticmethod
-    def _unchanged(view: memoryview, leaves: list[state.Leaf], pieces: list[plan.Piece], held: engine.Held,
+    def _unchanged(view: memoryview, leaves: list[state.Leaf], pieces: list[plan.Piece], held: staging.Held,
                    ) -> dict[str, int]:
         """The host pieces whose bytes equal what the staging buffer (`view`) holds of them (`held`), with the CRC32C
         recorded for those bytes: compared in one call over every core."""
         known = [(p, held.pieces[p.entry]) for p in pieces
                  if p.entry in held.pieces and held.pieces[p.entry][:2] == (p.offset, p.nbytes)
                  and not isinstance(leaves[p.tensor][1], state.DeviceArray)]
-        same = _native.equal_pairs([(view[p.offset:p.offset + p.nbytes], engine.host_piece(leaves[p.tensor][1], p))
+        same = _native.equal_pairs([(view[p.offset:p.offset + p.nbytes], staging.host_piece(leaves[p.tensor][1], p))
                                     for p, _ in known])
         return {p.entry: crc for (p, (_, _, crc)), equal in zip(known, same, strict=True) if equal}
 
@@ -513,7 +524,7 @@ class CheckpointCoordinator:
         """What retention would delete now with these settings, as if the newest committed step had just
         been saved (`sneppx gc`): the rule the writer applies after each save (never the newest step that
         validates). Reads steps only as that rule does; changes nothing."""
-        return self._engine.plan_retention(None, max_to_keep, keep_every_n_steps)
+        return upkeep.plan_retention(self._steps, None, max_to_keep, keep_every_n_steps)
 
     def apply_retention(self, plan: retention.Plan) -> None:
         """Deletes what `plan` (from retention_plan) names, after this coordinator's own saves finish."""
@@ -523,7 +534,7 @@ class CheckpointCoordinator:
                 raise errors.ReadOnlyCoordinatorError(f"this coordinator reads {self.checkpoint_root} only "
                                                       "(read_only=True): it can't delete")
             self._engine.wait()
-            self._engine.apply_retention(plan)
+            upkeep.apply_retention(self._steps, plan)
 
     def _info(self, step: int, manifest: dict[str, Any], read: reshard.ReadStats | None = None) -> CheckpointInfo:
         location = (f"{self._storage.uri}/{storage.step_name(step)}")
