@@ -122,6 +122,24 @@ class Engine:
         else:  # a full save: the start of the next chain, hashed so the saves after it can compare
             job.hashing = True
 
+    def staging_pool(self, copier: _native.Copier, state_bytes: int, staging_bytes: int) -> StagingPool:
+        """The staging pool, made by the first save: buffers sized for that save's state
+        (plan.choose_buffer_bytes), as many as `staging_bytes` holds; every later save gets the same pool."""
+        if self.pool is None:
+            size = plan.choose_buffer_bytes(state_bytes, staging_bytes)
+            self.pool = StagingPool(copier, size, staging_bytes // size)
+        return self.pool
+
+    @property
+    def staging_allocated_bytes(self) -> int:
+        """Host memory the staging pool holds now (0 before the first save)."""
+        return self.pool.allocated_bytes if self.pool is not None else 0
+
+    def free_staging(self) -> None:
+        """Frees the staging buffers not in use (close())."""
+        if self.pool is not None:
+            self.pool.clear()
+
     def claim_step(self, step: int) -> bool:
         """Takes `step` for a save; False when this coordinator saved it (or is saving it) already."""
         with self._idle:
@@ -152,6 +170,12 @@ class Engine:
         with self._idle:
             self._outstanding += 1
         self.queue.put(task)
+
+    @property
+    def idle(self) -> bool:
+        """Every task submitted so far is done (what wait() waits for), asked without waiting."""
+        with self._idle:
+            return not self._outstanding
 
     def wait(self) -> None:
         with self._idle:

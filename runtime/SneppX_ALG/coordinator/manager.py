@@ -230,8 +230,7 @@ class CheckpointCoordinator:
     @property
     def staging_allocated_bytes(self) -> int:
         """Host memory held for staging right now (bounded by staging_bytes)."""
-        pool = self._engine.pool
-        return pool.allocated_bytes if pool else 0
+        return self._engine.staging_allocated_bytes
 
     # -- context manager --
 
@@ -312,30 +311,26 @@ class CheckpointCoordinator:
         job.kind, job.values, job.declared = kind, values, plan.replicated_declaration(specs)
         job.specs = [specs[i] for i in mine]
         leaves = [leaves[i] for i in mine]
-        if worker.pool is None:
-            size = plan.choose_buffer_bytes(sum(s.nbytes for s in job.specs), self.staging_bytes)
-            worker.pool = staging.StagingPool(self._copier, size, self.staging_bytes // size)
-        buffers = plan.plan_pieces(job.specs, worker.pool.size, worker.unit_bytes)
+        pool = worker.staging_pool(self._copier, sum(s.nbytes for s in job.specs), self.staging_bytes)
+        buffers = plan.plan_pieces(job.specs, pool.size, worker.unit_bytes)
         state.check_entry_names(p for b in buffers for p in b)
         job.pieces = [p for b in buffers for p in b]
         # An incremental save whose state fits the staging area puts its i-th buffer in slot i every time, so the
         # slot still holds what the last save staged there: a host piece equal to that is not copied (staging.Held).
-        slotted = worker.unit_bytes is not None and len(buffers) <= worker.pool.limit
+        slotted = worker.unit_bytes is not None and len(buffers) <= pool.limit
         for index, pieces in enumerate(buffers):
-            slot, held = worker.pool.acquire(job.token, on_wait=job.may_write.set, slot=index if slotted else None)
+            slot, held = pool.acquire(job.token, on_wait=job.may_write.set, slot=index if slotted else None)
             try:
-                self._snapshot(job, leaves, slot, pieces, held)
+                self._snapshot(job, leaves, pool, slot, pieces, held)
             except BaseException:
-                worker.pool.release(slot)
+                pool.release(slot)
                 raise
             if slotted:
                 job.slots.append((slot, pieces))
             worker.write(job, slot, pieces)
 
-    def _snapshot(self, job: job_lib.Job, leaves: list[state.Leaf], slot: int, pieces: list[plan.Piece],
-                  held: staging.Held | None) -> None:
-        pool = self._engine.pool
-        assert pool is not None
+    def _snapshot(self, job: job_lib.Job, leaves: list[state.Leaf], pool: staging.StagingPool, slot: int,
+                  pieces: list[plan.Piece], held: staging.Held | None) -> None:
         view = self._copier.view(pool.buffer(slot), pool.size)
         staged = self._unchanged(view, leaves, pieces, held) if held is not None else {}
         for piece in pieces:
@@ -389,8 +384,7 @@ class CheckpointCoordinator:
             finally:
                 self._closed = True
                 self._finalizer()
-                if self._engine.pool is not None:
-                    self._engine.pool.clear()
+                self._engine.free_staging()
         self._raise_background_error()
 
     def _check_open(self) -> None:
