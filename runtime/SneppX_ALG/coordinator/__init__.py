@@ -14,6 +14,7 @@ Modules (each imports only those before it):
     job         one save as save() and the writer share it
     upkeep      the root's upkeep: fences applied, invalid steps set aside, retention planned and applied
     engine      the background writer thread: the save protocol of a group of ranks, the commit
+    snapshot    save()'s half on the caller's thread: the state planned and copied into staging buffers
     manager     CheckpointCoordinator, the public API
 """
 

@@ -17,7 +17,8 @@ order, over the group's collectives (so the group must be one nothing else uses 
 
 What the thread uses but does not own lives beside it: the staging buffers (staging.py), the rule for
 referencing an earlier step (increments.py), the job save() and the thread share (job.py), and the root's
-fences and retention (upkeep.py). Their public names are still importable from here.
+fences and retention (upkeep.py). Their public names are still importable from here. What remains is one
+concept, the writer thread and the step protocol above, which is why it stays whole at some 530 lines.
 """
 
 from __future__ import annotations
