@@ -10,7 +10,9 @@ Modules, lowest first (each imports only those before it; .importlinter checks i
     signing    signature blocks over tables and manifests, made and checked (re-exports digests and keys)
     arrays     tensors in and out through DLPack and the array interface (bfloat16 included)
     write_mode O_DIRECT or buffered write-behind, measured once per filesystem
-    file       CheckpointWriter / CheckpointReader
+    writer     CheckpointWriter: one file streamed and committed atomically (or into a Sink)
+    reader     CheckpointReader, read_layout, and the checks of a file's tensors
+    file       where CheckpointWriter / CheckpointReader are imported from (re-exports writer and reader)
     verify     signatures and digests checked against files on disk; signing existing files
     manifest   the step manifest codec (manifest.json), pure
     scan       one pass over a shard file: every byte read once, checked as it lands (validation and restore)
