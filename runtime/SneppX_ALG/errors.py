@@ -4,6 +4,11 @@ Callers catch `SneppXError` for "anything from SneppX" or a subclass for one
 kind of failure. Each class says what failed; messages say where and what a
 person can do about it. Grouped by the layer that raises them, lowest first
 (the operator's own errors are in sneppx_operator/errors.py).
+
+One concept, the one exception hierarchy, which is why it stays whole at some 525 lines of declarations:
+its classes derive from each other across the layers (CheckpointExistsError from StorageError,
+StaleGenerationError from both CollectiveError and RendezvousError), a caller who catches by it reads the
+whole tree here, and it is the bottom layer that every module (and the operator) imports.
 """
 
 from __future__ import annotations

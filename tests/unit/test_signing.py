@@ -1,4 +1,4 @@
-"""checkpoint/signing.py and verify.py: digests, keys, the signature block, signed writes, sign_checkpoint, manifests and the CLI."""
+"""checkpoint/signing.py (with digests.py and keys.py) and verify.py: digests, keys, the signature block, signed writes, sign_checkpoint, manifests and the CLI."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from SneppX_ALG import _native, checkpoint, cli, errors
-from SneppX_ALG.checkpoint import format, signing, verify
+from SneppX_ALG.checkpoint import digests, format, signing, verify
 
 
 def write_checkpoint(path: pathlib.Path, key=None, metadata=None, tensors=None) -> pathlib.Path:
@@ -50,7 +50,7 @@ def test_streaming_digest_equals_one_shot_hash_for_any_split(data: bytes, cuts: 
 
 
 def test_large_updates_go_through_the_worker_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(signing, "_INLINE_BYTES", 16)
+    monkeypatch.setattr(digests, "_INLINE_BYTES", 16)
     rng = np.random.default_rng(1)
     pieces = [rng.integers(0, 256, n, dtype=np.uint8) for n in (5, 100, 3000, 17, 70000, 1, 9000, 20000, 300)]
     d = signing.new_digest()
@@ -60,7 +60,7 @@ def test_large_updates_go_through_the_worker_in_order(monkeypatch: pytest.Monkey
 
 
 def test_digests_work_in_a_forked_child_after_the_parent_used_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(signing, "_INLINE_BYTES", 16)
+    monkeypatch.setattr(digests, "_INLINE_BYTES", 16)
     data = bytes(range(256)) * 1000
     assert signing.digest_of(data) == "blake3:" + blake3.blake3(data).hexdigest()  # starts the worker
     pid = os.fork()
@@ -93,7 +93,7 @@ def test_file_digest_matches_bytes(tmp_path: pathlib.Path) -> None:
     assert signing.file_digest(tmp_path / "f") == "blake3:" + blake3.blake3(b"hello" * 1000).hexdigest()
     assert signing.file_digest(tmp_path / "e", "sha256") == "sha256:" + hashlib.sha256(b"").hexdigest()
     # more than the ring of read buffers holds, and the writer's variant (page cache dropped) agrees
-    big = np.random.default_rng(5).integers(0, 256, 3 * signing._READBACK_PIECE + 123, np.uint8).tobytes()
+    big = np.random.default_rng(5).integers(0, 256, 3 * digests._READBACK_PIECE + 123, np.uint8).tobytes()
     (tmp_path / "big").write_bytes(big)
     assert signing.file_digest(tmp_path / "big") == "blake3:" + blake3.blake3(big).hexdigest()
     assert signing.readback_digest(tmp_path / "big") == signing.file_digest(tmp_path / "big")

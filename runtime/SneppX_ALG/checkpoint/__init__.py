@@ -5,10 +5,14 @@ Modules, lowest first (each imports only those before it; .importlinter checks i
 
     format     the SNPX file format, pure (spec: docs/FORMAT.md)
     chunks     boxes of a tensor: intersections, byte runs, checksum blocks; pure
-    signing    keys, digests, signature blocks, and the read-back that hashes a finished file
+    digests    BLAKE3 digests streamed beside a write, per checksum block, and read back from a finished file
+    keys       Ed25519 keys: made, named, saved and loaded as PEM; the trusted key set
+    signing    signature blocks over tables and manifests, made and checked (re-exports digests and keys)
     arrays     tensors in and out through DLPack and the array interface (bfloat16 included)
     write_mode O_DIRECT or buffered write-behind, measured once per filesystem
-    file       CheckpointWriter / CheckpointReader
+    writer     CheckpointWriter: one file streamed and committed atomically (or into a Sink)
+    reader     CheckpointReader, read_layout, and the checks of a file's tensors
+    file       where CheckpointWriter / CheckpointReader are imported from (re-exports writer and reader)
     verify     signatures and digests checked against files on disk; signing existing files
     manifest   the step manifest codec (manifest.json), pure
     scan       one pass over a shard file: every byte read once, checked as it lands (validation and restore)

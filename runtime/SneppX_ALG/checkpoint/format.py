@@ -1,6 +1,6 @@
 """The SNPX on-disk format: encode and decode of the header and table, and the hard limits.
 
-Pure: no I/O. The reader and writer (file.py), the validator (validate.py) and the storage layer build on these
+Pure: no I/O. The reader and writer (reader.py, writer.py), the validator (validate.py) and the storage layer build on these
 functions, so the rules of docs/FORMAT.md live in exactly one place. Every decoder bounds every length
 before it trusts it and raises a `CheckpointFormatError` subclass that names what is wrong.
 """

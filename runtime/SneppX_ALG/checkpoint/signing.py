@@ -8,9 +8,8 @@ signature over it binds all of them, and a signature moved to another checkpoint
 checkpoint's table differs. Multi-file checkpoints sign their manifest.json (which lists each file's
 digest) with a detached `manifest.sig` in the same block format.
 
-Digests are BLAKE3 (measured in bench/signing.py and docs/FORMAT.md: the only candidate faster than the
-disk on this class of machine) and are computed on a background thread while the writer streams the same
-bytes to disk, so signing costs little more than the hash work that the second core absorbs.
+Keys (keys.py) and digests (digests.py), which a signature binds, are modules of their own; every name they
+define is still importable from here.
 
 The pure parts (block encode/decode, what is signed, the decision whether a signature is acceptable) are
 separate from the file-level entry points (`sign_checkpoint`, `verify_checkpoint`, `sign_manifest`).
@@ -18,336 +17,41 @@ separate from the file-level entry points (`sign_checkpoint`, `verify_checkpoint
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
-import hashlib
 import json
-import os
-import re
 import struct
-import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import blake3
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from SneppX_ALG import _native, errors, storage
-
-# --- digests -------------------------------------------------------------------------------------------
-
-DIGEST_ALGORITHM = "blake3"
-# Verification also accepts SHA-256 so that digests made by other tools (sha256sum, S3 checksums) verify.
-_HASHERS: dict[str, Any] = {
-    "blake3": blake3.blake3,
-    "sha256": hashlib.sha256,
-}
-_DIGEST_HEX_LENGTH = {"blake3": 64, "sha256": 64}
-_DIGEST_RE = re.compile(r"^([a-z0-9]+):([0-9a-f]+)$")
-
-ALL_THREADS = blake3.blake3.AUTO
-# Buffers below this are hashed inline: handing them to the worker costs more than hashing them.
-_INLINE_BYTES = 1 << 20
-# Large buffers are fed to the hasher in pieces of this size, so hashing starts before the copy ends.
-_PIECE = 64 << 20
-# At most this many buffers per digest wait for the worker, so a caller feeding fresh buffers faster
-# than they can be hashed keeps bounded memory.
-_MAX_QUEUED = 2
-
-_worker_lock = threading.Lock()
-_worker: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _forget_worker_after_fork() -> None:
-    # A forked child has no worker thread (only the forking thread survives) and maybe a held lock.
-    global _worker, _worker_lock
-    _worker, _worker_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_worker_after_fork)
-
-
-def _hash_worker() -> concurrent.futures.ThreadPoolExecutor:
-    """One hashing thread per process: being one, it keeps each digest's updates in order."""
-    global _worker
-    with _worker_lock:
-        if _worker is None:
-            _worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sneppx-digest")
-        return _worker
-
-
-class StreamingDigest:
-    """A hash whose large updates run on a background thread, overlapping the caller's own work.
-
-    `update(buffer)` returns at once for large buffers: the buffer must stay unchanged until
-    `hexdigest()` returns (the writer passes views of the tensor being written, which it holds until then).
-    Hashing releases the GIL, so a write and its digest really run on two cores.
-    """
-
-    def __init__(self, name: str = DIGEST_ALGORITHM, *, threads: int = 1):
-        if name not in _HASHERS:
-            raise ValueError(f"unsupported digest algorithm {name!r}; supported: {', '.join(_HASHERS)}")
-        self.name = name
-        self._hasher = blake3.blake3(max_threads=threads) if name == "blake3" else _HASHERS[name]()
-        self._queued: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
-
-    def update(self, data: Any) -> None:
-        view = memoryview(data)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        while self._queued and self._queued[0].done():
-            self._queued.popleft().result()
-        if not self._queued and len(view) < _INLINE_BYTES:
-            self._hasher.update(view)
-            return
-        if len(self._queued) >= _MAX_QUEUED:
-            self._queued.popleft().result()
-        self._queued.append(_hash_worker().submit(self._hasher.update, view))
-
-    def hexdigest(self) -> str:
-        while self._queued:
-            self._queued.popleft().result()
-        return str(self._hasher.hexdigest())
-
-
-def write_threads() -> int:
-    """Hashing threads for a save: every core. A tensor's digest is awaited before the writer moves on (the
-    caller may change the tensor once write() returns), so the hash of each tensor is on the save's critical
-    path: split over all cores it ends sooner, and where the writer's own threads are busy it only shares
-    them. Measured on tmpfs with two vCPUs: signed saves 1.10-1.18x an unsigned one with two BLAKE3 threads,
-    1.08-1.27x with one (docs/BENCHMARKS.md, "Signing")."""
-    return os.cpu_count() or 1
-
-
-def block_digest(data: Any) -> str:
-    """The BLAKE3 of one checksum block of a chunk, as 64 lowercase hex digits (a signed step lists one per
-    block, so a load that reads part of a chunk still checks every byte it reads against the signature)."""
-    return blake3.blake3(data).hexdigest()
-
-
-def new_digest(name: str = DIGEST_ALGORITHM, *, threads: int | None = None) -> StreamingDigest:
-    """The digest the writer feeds every tensor's bytes to; store as f"{d.name}:{d.hexdigest()}".
-
-    `threads` defaults to write_threads(); checks that only read pass `threads=ALL_THREADS` (BLAKE3 then
-    splits each large piece across every core).
-    """
-    return StreamingDigest(name, threads=write_threads() if threads is None else threads)
-
-
-def parse_digest(value: str) -> tuple[str, str]:
-    """'<alg>:<hex>' -> (alg, hex); DigestMismatchError for an unknown algorithm or a malformed value."""
-    match = _DIGEST_RE.match(value) if isinstance(value, str) else None
-    if match is None:
-        raise errors.DigestMismatchError(f"digest {value!r} is not '<algorithm>:<lowercase hex>'")
-    alg, hexdigest = match.groups()
-    if alg not in _HASHERS:
-        raise errors.DigestMismatchError(
-            f"digest algorithm {alg!r} is not supported (supported: {', '.join(_HASHERS)})")
-    if len(hexdigest) != _DIGEST_HEX_LENGTH[alg]:
-        raise errors.DigestMismatchError(f"{alg} digest has {len(hexdigest)} hex digits, expected "
-                                         f"{_DIGEST_HEX_LENGTH[alg]}")
-    return alg, hexdigest
-
-
-def digest_of(data: Any, name: str = DIGEST_ALGORITHM, *, threads: int | None = None) -> str:
-    """'<alg>:<hex>' of a buffer (large buffers are hashed in pieces on the worker thread)."""
-    digest = new_digest(name, threads=threads)
-    view = memoryview(data).cast("B") if memoryview(data).format != "B" else memoryview(data)
-    for start in range(0, len(view), _PIECE):
-        digest.update(view[start:start + _PIECE])
-    return f"{digest.name}:{digest.hexdigest()}"
-
-
-def start_digest_check(data: Any, expected: str) -> Callable[[], str | None]:
-    """Starts hashing `data` on the worker; the returned function waits and says what is wrong, or None.
-
-    Lets a caller compute the CRC32C of the same bytes while the digest runs (validate, verify).
-    """
-    try:
-        alg, _ = parse_digest(expected)
-    except errors.DigestMismatchError as e:
-        reason = e.reason
-        return lambda: reason
-    digest = new_digest(alg, threads=ALL_THREADS)
-    view = memoryview(data)
-    for start in range(0, len(view), _PIECE):
-        digest.update(view[start:start + _PIECE])
-
-    def finish() -> str | None:
-        if f"{alg}:{digest.hexdigest()}" != expected:
-            return f"does not match its signed {alg} digest"
-        return None
-
-    return finish
-
-
-# A file is read in pieces of this size into a ring of three reused buffers: memory stays bounded (a memory
-# map would count every page of the file in the process's RSS) and the next piece is read while the hashing
-# thread hashes the previous one.
-_READBACK_PIECE = 8 << 20
-
-
-def file_digest(path: str | os.PathLike[str], name: str = DIGEST_ALGORITHM, *, threads: int = ALL_THREADS,
-                drop_cache: bool = False) -> str:
-    """'<alg>:<hex>' of a whole file (for manifests of multi-file checkpoints), read with bounded memory.
-
-    `threads`: every core by default (a verify has nothing else to do); a background writer passes fewer so
-    that the training loop keeps its cores. `drop_cache`: drop the file from the page cache afterwards, for
-    a writer that hashes what it just wrote without growing its footprint (a verify keeps it cached for
-    the load that follows).
-    """
-    digest = new_digest(name, threads=threads)
-    ring = [bytearray(_READBACK_PIECE) for _ in range(3)]  # update() keeps at most 2 pieces queued
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        offset = pieces = 0
-        while True:
-            buffer = ring[pieces % 3]
-            count = os.preadv(fd, [buffer], offset)
-            if count == 0:
-                break
-            digest.update(memoryview(buffer)[:count])
-            offset, pieces = offset + count, pieces + 1
-        value = f"{digest.name}:{digest.hexdigest()}"
-        if drop_cache:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return value
-    finally:
-        os.close(fd)
-
-
-def readback_digest(path: str | os.PathLike[str], name: str = DIGEST_ALGORITHM, *, threads: int = 1) -> str:
-    """file_digest of a file just written, dropped from the page cache afterwards (the coordinator's
-    background writer hashes each shard it wrote this way)."""
-    return file_digest(path, name, threads=threads, drop_cache=True)
-
-
-# --- keys ----------------------------------------------------------------------------------------------
-
-KEY_ID_BYTES = 32
-
-
-def generate_keypair() -> tuple[ed25519.Ed25519PrivateKey, ed25519.Ed25519PublicKey]:
-    """A new Ed25519 key pair (private, public)."""
-    private = ed25519.Ed25519PrivateKey.generate()
-    return private, private.public_key()
-
-
-def key_id(key: ed25519.Ed25519PublicKey | ed25519.Ed25519PrivateKey) -> bytes:
-    """SHA-256 of the raw 32-byte public key: names the key in a signature block without revealing more."""
-    public = key.public_key() if isinstance(key, ed25519.Ed25519PrivateKey) else key
-    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return hashlib.sha256(raw).digest()
-
-
-def key_id_hex(key: ed25519.Ed25519PublicKey | ed25519.Ed25519PrivateKey) -> str:
-    return key_id(key).hex()
-
-
-def _write_new_file(path: str, data: bytes, mode: int) -> None:
-    """Creates `path` (never overwrites: losing a private key is not recoverable) and fsyncs it."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-    except FileExistsError:
-        raise errors.StorageError(f"{path} already exists; refusing to overwrite a key", path=path) from None
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    _native.fsync_path(os.path.dirname(os.path.abspath(path)))
-
-
-def save_private_key(path: str | os.PathLike[str], key: ed25519.Ed25519PrivateKey,
-                     password: bytes | None = None) -> None:
-    """PKCS#8 PEM, mode 0600, encrypted when a password is given. Refuses to overwrite an existing file."""
-    encryption: serialization.KeySerializationEncryption = (
-        serialization.BestAvailableEncryption(password) if password else serialization.NoEncryption())
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
-    _write_new_file(os.fspath(path), pem, 0o600)
-
-
-def save_public_key(path: str | os.PathLike[str], key: ed25519.Ed25519PublicKey) -> None:
-    """SubjectPublicKeyInfo PEM (what `openssl pkey -pubout` writes)."""
-    pem = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    _write_new_file(os.fspath(path), pem, 0o644)
-
-
-def _read_key_file(path: str | os.PathLike[str]) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(1 << 16)
-    except FileNotFoundError:
-        raise errors.KeyFormatError(f"key file {os.fspath(path)} not found") from None
-    except IsADirectoryError:
-        raise errors.KeyFormatError(f"key file {os.fspath(path)} is a directory") from None
-    return data
-
-
-def load_private_key(path: str | os.PathLike[str],
-                     password: bytes | None = None) -> ed25519.Ed25519PrivateKey:
-    """An Ed25519 private key from a PEM file; KeyFormatError for anything else."""
-    try:
-        key = serialization.load_pem_private_key(_read_key_file(path), password=password)
-    except (ValueError, TypeError) as e:
-        raise errors.KeyFormatError(f"{os.fspath(path)}: not a readable PEM private key ({e})") from None
-    if not isinstance(key, ed25519.Ed25519PrivateKey):
-        raise errors.KeyFormatError(f"{os.fspath(path)}: a {type(key).__name__}, not an Ed25519 key")
-    return key
-
-
-def public_key_from_bytes(data: bytes, *, source: str = "key") -> ed25519.Ed25519PublicKey:
-    """An Ed25519 public key from PEM (public or private) or the raw 32 bytes."""
-    if len(data) == 32 and not data.startswith(b"-----"):
-        return ed25519.Ed25519PublicKey.from_public_bytes(data)
-    try:
-        key: Any = serialization.load_pem_public_key(data)
-    except ValueError:
-        try:
-            key = serialization.load_pem_private_key(data, password=None).public_key()
-        except (ValueError, TypeError) as e:
-            raise errors.KeyFormatError(f"{source}: not a PEM Ed25519 public key ({e})") from None
-    if not isinstance(key, ed25519.Ed25519PublicKey):
-        raise errors.KeyFormatError(f"{source}: a {type(key).__name__}, not an Ed25519 key")
-    return key
-
-
-def load_public_key(path: str | os.PathLike[str]) -> ed25519.Ed25519PublicKey:
-    """An Ed25519 public key from a PEM file (a private key file gives its public half)."""
-    return public_key_from_bytes(_read_key_file(path), source=os.fspath(path))
-
-
-def trusted_key_set(trusted_keys: Any) -> dict[bytes, ed25519.Ed25519PublicKey]:
-    """key id -> public key: from keys, PEM paths, PEM or raw bytes (one or an iterable)."""
-    if trusted_keys is None:
-        return {}
-    items: Iterable[Any]
-    single = (ed25519.Ed25519PublicKey, ed25519.Ed25519PrivateKey, str, bytes, os.PathLike)
-    if isinstance(trusted_keys, single):
-        items = [trusted_keys]
-    elif isinstance(trusted_keys, dict):
-        items = trusted_keys.values()
-    else:
-        items = trusted_keys
-    keys: dict[bytes, ed25519.Ed25519PublicKey] = {}
-    for item in items:
-        if isinstance(item, ed25519.Ed25519PrivateKey):
-            public = item.public_key()
-        elif isinstance(item, ed25519.Ed25519PublicKey):
-            public = item
-        elif isinstance(item, bytes):
-            public = public_key_from_bytes(item)
-        elif isinstance(item, (str, os.PathLike)):
-            public = load_public_key(item)
-        else:
-            raise errors.KeyFormatError(f"can't use a {type(item).__name__} as a trusted key")
-        keys[key_id(public)] = public
-    return keys
-
+from SneppX_ALG import errors, storage
+from SneppX_ALG.checkpoint.digests import (  # noqa: F401 - re-exported: digests.py's names as they were here
+    ALL_THREADS,
+    DIGEST_ALGORITHM,
+    StreamingDigest,
+    block_digest,
+    digest_of,
+    file_digest,
+    new_digest,
+    parse_digest,
+    readback_digest,
+    start_digest_check,
+    write_threads,
+)
+from SneppX_ALG.checkpoint.keys import (  # noqa: F401 - re-exported: keys.py's names as they were here
+    KEY_ID_BYTES,
+    generate_keypair,
+    key_id,
+    key_id_hex,
+    load_private_key,
+    load_public_key,
+    public_key_from_bytes,
+    save_private_key,
+    save_public_key,
+    trusted_key_set,
+)
 
 # --- the signature block (docs/FORMAT.md, "Signatures") ------------------------------------------------
 

@@ -1,8 +1,8 @@
 """Verifying signed checkpoints against trusted keys, and signing existing ones.
 
-Why apart from signing.py: signing.py is the pure cryptography (keys, digests, signature blocks, what is
-signed); this module applies it to files on disk through the reader and writer, in the order of
-docs/FORMAT.md "Verifying": the signature before any data, then every byte against its digest.
+Why apart from signing.py: signing.py (with keys.py and digests.py) is the pure cryptography (keys, digests,
+signature blocks, what is signed); this module applies it to files on disk through the reader and writer, in
+the order of docs/FORMAT.md "Verifying": the signature before any data, then every byte against its digest.
 """
 
 from __future__ import annotations

@@ -9,7 +9,12 @@ Modules (each imports only those before it):
     group       the Group protocol: the ranks that save and restore together (a ProcessGroup fits)
     state       the user's state flattened on save and rebuilt on restore; Shard
     steps       the root's steps as both threads see them: current timeline, validation, read retries
-    engine      staging buffers and the background writer thread: commit, fencing, retention
+    staging     the staging pool: bounded host buffers, and what each still holds after a committed save
+    increments  incremental saves: the chain a save may reference, and when a piece is referenced
+    job         one save as save() and the writer share it
+    upkeep      the root's upkeep: fences applied, invalid steps set aside, retention planned and applied
+    engine      the background writer thread: the save protocol of a group of ranks, the commit
+    snapshot    save()'s half on the caller's thread: the state planned and copied into staging buffers
     manager     CheckpointCoordinator, the public API
 """
 

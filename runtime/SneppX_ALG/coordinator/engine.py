@@ -1,4 +1,4 @@
-"""The background half of a save: staging buffers and the one writer thread that streams them to storage.
+"""The background half of a save: the one writer thread that streams the staged buffers to storage and commits.
 
 Why a thread of its own: `save()` returns after the snapshot; writing, committing and retention run
 here, one step after another in submission order, and their errors are kept for the next call.
@@ -14,6 +14,11 @@ order, over the group's collectives (so the group must be one nothing else uses 
    them and commits (storage.finalize checks every rank's file first); it broadcasts the outcome, and every
    rank raises the same failure. A rank that dies before the barrier makes the allgather fail everywhere, so
    nothing commits; what the ranks wrote is removed, or left for the lease rules (storage/lease.py).
+
+What the thread uses but does not own lives beside it: the staging buffers (staging.py), the rule for
+referencing an earlier step (increments.py), the job save() and the thread share (job.py), and the root's
+fences and retention (upkeep.py). Their public names are still importable from here. What remains is one
+concept, the writer thread and the step protocol above, which is why it stays whole at some 530 lines.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ import logging
 import os
 import queue
 import threading
-import traceback
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -35,202 +39,12 @@ from SneppX_ALG import _native, errors, storage
 from SneppX_ALG.checkpoint import file, format, signing
 from SneppX_ALG.checkpoint import manifest as manifest_codec
 from SneppX_ALG.coordinator import group as group_lib
-from SneppX_ALG.coordinator import plan, retention, steps, timeline
+from SneppX_ALG.coordinator import plan, steps, upkeep
+from SneppX_ALG.coordinator.increments import AUTO, AUTO_MIN_REUSE, REUSE_BYTES, Chain, reusable
+from SneppX_ALG.coordinator.job import Job
+from SneppX_ALG.coordinator.staging import Held, StagingPool, host_piece  # noqa: F401 - host_piece: re-exported
 
 log = logging.getLogger(__name__)
-
-
-def host_piece(leaf: np.ndarray, piece: plan.Piece) -> np.ndarray:
-    """The bytes of one piece of a host tensor, little-endian and in C order, as uint8: a view when the tensor
-    is already both, else a copy of the piece's box alone (never of the whole tensor)."""
-    little = leaf.dtype.newbyteorder("<") if leaf.dtype.byteorder == ">" else leaf.dtype
-    if leaf.flags.c_contiguous and little == leaf.dtype:
-        return leaf.reshape(-1).view(np.uint8)[piece.start:piece.start + piece.nbytes]
-    block = np.ascontiguousarray(leaf[piece.box.slices()], dtype=little)
-    return block.reshape(-1).view(np.uint8)
-
-
-# ---- the staging pool -----------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Held:
-    """What a staging buffer still holds after the save that filled it committed: step `step`'s bytes of these
-    pieces, by entry name: (offset in the buffer, length, CRC32C). An incremental save compares a host piece
-    with them byte for byte, instead of hashing it, to learn that it did not change."""
-
-    step: int
-    pieces: dict[str, tuple[int, int, int]]
-
-
-class StagingPool:
-    """At most `limit` buffers of `size` bytes, allocated on first use and reused (pinned on a GPU copier).
-
-    Each buffer has a slot number. An incremental save whose state fits the pool takes slot i for its i-th
-    buffer every time, so each buffer still holds, at the next save, what the last one staged there: `held`,
-    recorded once that save committed, and only while no later save has taken the slot since."""
-
-    def __init__(self, copier: _native.Copier, size: int, limit: int):
-        self.copier, self.size, self.limit = copier, size, max(2, limit)
-        self._buffers: list[Any] = [None] * self.limit  # by slot; None until first used
-        self._free = set(range(self.limit))
-        self._owner: dict[int, object] = {}  # the save that last took each slot
-        self._held: dict[int, Held] = {}
-        self._cond = threading.Condition()
-
-    def acquire(self, owner: object, on_wait: Any = None, slot: int | None = None) -> tuple[int, Held | None]:
-        """A free slot (`slot`: that one; None: any, an allocated one first) for `owner`, and what its buffer held
-        (None: nothing known), which the owner now overwrites; blocks while it is taken (calling on_wait() first)."""
-        with self._cond:
-            def ready() -> bool:
-                return slot in self._free if slot is not None else bool(self._free)
-
-            if not ready() and on_wait is not None:
-                on_wait()
-            while not ready():
-                self._cond.wait()
-            if slot is None:
-                allocated = [s for s in self._free if self._buffers[s] is not None]
-                slot = max(allocated) if allocated else min(self._free)
-            self._free.remove(slot)
-            self._owner[slot] = owner
-            held = self._held.pop(slot, None)
-            if self._buffers[slot] is not None:
-                return slot, held
-        try:
-            buffer = self.copier.alloc(self.size)
-        except BaseException:
-            self.release(slot)
-            raise
-        self._buffers[slot] = buffer  # only the slot's holder touches its entry
-        return slot, None
-
-    def buffer(self, slot: int) -> Any:
-        return self._buffers[slot]
-
-    def release(self, slot: int) -> None:
-        with self._cond:
-            self._free.add(slot)
-            self._cond.notify_all()
-
-    def settle(self, slot: int, owner: object, held: Held) -> None:
-        """`owner`'s save committed: its slot holds `held`, unless a later save has taken the slot since."""
-        with self._cond:
-            if self._owner.get(slot) is owner:
-                self._held[slot] = held
-
-    def forget(self) -> None:
-        """Nothing held is to be compared with any more (a restore starts another chain)."""
-        with self._cond:
-            self._held.clear()
-
-    @property
-    def allocated_bytes(self) -> int:
-        return sum(b is not None for b in self._buffers) * self.size
-
-    def clear(self) -> None:
-        """Frees the buffers not in use."""
-        with self._cond:
-            for slot in self._free:
-                self._buffers[slot] = None
-                self._held.pop(slot, None)
-
-
-# ---- incremental saves ---------------------------------------------------------------------------------------
-
-# An incremental save cuts every array into pieces of at most this many bytes (four checksum blocks at the default
-# block size), each written or referenced whole: smaller finds more unchanged bytes in sparse updates, and costs a
-# table entry and a manifest chunk (~300 bytes) per piece. docs/BENCHMARKS.md, "Incremental checkpoints".
-REUSE_BYTES = 1 << 20
-AUTO = "auto"
-# "auto" stops comparing for the rest of a chain after a save that found less than this share of its bytes
-# unchanged (hashing then costs more than it saves); the chain's next full save compares again.
-AUTO_MIN_REUSE = 0.125
-
-
-@dataclasses.dataclass(frozen=True)
-class Chain:
-    """What this rank's next save may reference: the newest step it committed (`step`, in which this rank's file
-    was `shard`), how many incremental saves since the last full one (`length`: 0 after a full one), and each
-    piece it recorded there by entry name: (dtype, global shape, its manifest chunk, with BLAKE3 per block)."""
-
-    step: int
-    shard: str
-    length: int
-    records: dict[str, tuple[str, tuple[int, ...], dict[str, Any]]]
-    comparing: bool = True
-
-
-def reusable(base: Chain, entry: str, dtype: str, global_shape: tuple[int, ...], record: dict[str, Any],
-             keys: tuple[str, ...] = ("crc32c", "blocks", "digests")) -> dict[str, Any] | None:
-    """The base's chunk that holds the bytes of a piece (`record`: its box, length and checksums), as this save's
-    chunk referencing it, or None: the base has the same entry with the same dtype, global shape, box and length,
-    and the same `keys` (a piece just hashed: its block CRC32Cs and BLAKE3s; a piece found equal byte for byte
-    to what the base saved: its CRC32C)."""
-    known = base.records.get(entry)
-    if known is None or known[0] != dtype or known[1] != global_shape or known[2].get("digests") is None:
-        return None
-    old = known[2]
-    if any(old.get(k) != record.get(k) for k in ("offset", "shape", "nbytes", *keys)):
-        return None
-    return {**old, "shard": record["shard"], "from": list(manifest_codec.reference(old) or (base.step, base.shard))}
-
-
-# ---- the background writer ---------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Job:
-    step: int
-    kind: str = "mapping"
-    specs: list[plan.TensorSpec] = dataclasses.field(default_factory=list)  # the tensors this rank writes
-    declared: str = ""  # plan.replicated_declaration of this rank's state
-    pieces: list[plan.Piece] = dataclasses.field(default_factory=list)
-    values: list[tuple[tuple[str, ...], Any]] = dataclasses.field(default_factory=list)
-    training_state: Any = None
-    # This rank can't contribute the step (its own error, raised once the group has the step's outcome).
-    failed: bool = False
-    error: BaseException | None = None
-    raised: bool = False  # save() raised `error` itself: the writer reports it to the group, never raises it again
-    # The group agreed that the step began (rank 0 claimed it): every rank then takes part in its end.
-    began: bool = False
-    committed: bool = False
-    # Set when the snapshot is done, or when it waits for a buffer: until then the writer stays idle, so on
-    # a small machine it doesn't compete with the copy that save() is blocked on.
-    may_write: threading.Event = dataclasses.field(default_factory=threading.Event)
-    pending: storage.PendingStep | None = None
-    writer: file.CheckpointWriter | None = None
-    # CRC32C of every piece as it was staged; the writer checks its own against it, so on success these
-    # are also the CRCs in the shard, and the manifest lists them.
-    snapshot_crcs: dict[str, int] = dataclasses.field(default_factory=dict)
-    # Each written piece as a manifest chunk (plan.chunk_record), by entry name.
-    records: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    # Producer streams (of CUDA tensors) the copier's stream was already ordered after during this snapshot.
-    ordered_streams: set[int] = dataclasses.field(default_factory=set)
-    # Incremental saves: the chain this save may reference (None: a full save), whether it hashes every block
-    # with BLAKE3 (to be compared now, or next time), and the bytes it referenced instead of writing.
-    base: Chain | None = None
-    hashing: bool = False
-    reused_bytes: int = 0
-    state_bytes: int = 0
-    # The staging slots this save filled, with their pieces (what they hold once it commits), and the pieces the
-    # snapshot found equal, byte for byte, to what a slot held since committed step S (entry -> S): not copied.
-    slots: list[tuple[int, list[plan.Piece]]] = dataclasses.field(default_factory=list)
-    same: dict[str, int] = dataclasses.field(default_factory=dict)
-    token: object = dataclasses.field(default_factory=object)  # this save, as the owner of staging slots
-
-    def fail(self, error: BaseException) -> None:
-        """This rank's part of the step failed: kept, the writer dropped; the step's end still runs."""
-        # The error outlives the call that raised it: its frames must not keep staging views and the arrays over
-        # them (a memoryview with an array exporting from it, freed by the cycle collector, crashed CPython 3.11
-        # in _memory_release: seen when a write failed inside _write_buffer).
-        traceback.clear_frames(error.__traceback__)
-        if self.error is None:
-            self.error = error
-        self.failed = True
-        if self.writer is not None:
-            writer, self.writer = self.writer, None
-            writer.abort()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +123,24 @@ class Engine:
         else:  # a full save: the start of the next chain, hashed so the saves after it can compare
             job.hashing = True
 
+    def staging_pool(self, copier: _native.Copier, state_bytes: int, staging_bytes: int) -> StagingPool:
+        """The staging pool, made by the first save: buffers sized for that save's state
+        (plan.choose_buffer_bytes), as many as `staging_bytes` holds; every later save gets the same pool."""
+        if self.pool is None:
+            size = plan.choose_buffer_bytes(state_bytes, staging_bytes)
+            self.pool = StagingPool(copier, size, staging_bytes // size)
+        return self.pool
+
+    @property
+    def staging_allocated_bytes(self) -> int:
+        """Host memory the staging pool holds now (0 before the first save)."""
+        return self.pool.allocated_bytes if self.pool is not None else 0
+
+    def free_staging(self) -> None:
+        """Frees the staging buffers not in use (close())."""
+        if self.pool is not None:
+            self.pool.clear()
+
     def claim_step(self, step: int) -> bool:
         """Takes `step` for a save; False when this coordinator saved it (or is saving it) already."""
         with self._idle:
@@ -339,6 +171,12 @@ class Engine:
         with self._idle:
             self._outstanding += 1
         self.queue.put(task)
+
+    @property
+    def idle(self) -> bool:
+        """Every task submitted so far is done (what wait() waits for), asked without waiting."""
+        with self._idle:
+            return not self._outstanding
 
     def wait(self) -> None:
         with self._idle:
@@ -415,9 +253,10 @@ class Engine:
             try:
                 # Before any rank writes: steps a restore abandoned are moved aside (the fence), and so is an
                 # invalid committed step of this number, so that nothing of theirs is overwritten or lost.
-                self._apply_fences()
+                upkeep.apply_fences(self.known, stored=not self._stored_fence_checked)
+                self._stored_fence_checked = True
                 if job.step in self.store.committed_steps():
-                    self._set_aside_if_invalid(job.step)
+                    upkeep.set_aside_if_invalid(self.known, job.step)
                 job.pending = self.store.begin(job.step)
             except Exception as e:
                 if group.world_size == 1:
@@ -555,7 +394,7 @@ class Engine:
             self._extend_chain(job)
             self._drop(job, remove=False)
             if group.rank == 0:
-                self._retain(job.step)
+                upkeep.retain(self.known, job.step, *self.retention)
             return
         self._drop(job, remove=outcome["state"] == "failed")
         if outcome["state"] == "unknown":
@@ -641,96 +480,6 @@ class Engine:
             raise
         return {"state": "committed"}
 
-    def _apply_fences(self) -> None:
-        """Before a commit: the steps a restore abandoned (and those of a fence record an interrupted
-        process left) are moved aside, listed first in the durable fence record (docs/FORMAT.md,
-        "Timelines and fencing"), so they are never visible again, even if this is cut short."""
-        fences = []
-        if not self._stored_fence_checked:
-            stored = self.known.stored_fence()
-            fences += [stored] if stored is not None else []
-        pending = self.known.pending_fence()
-        fences += [pending] if pending is not None else []
-        for fence in fences:
-            self.store.write_record(timeline.FENCE_RECORD, timeline.encode_fence(fence))
-            for step in reversed(fence.abandoned):
-                reason = "invalid" if step in fence.invalid else "abandoned"
-                try:
-                    aside = self.store.set_aside(step, reason)
-                except errors.CheckpointNotFoundError:
-                    continue  # moved already (a fence record finished by a later process), or deleted
-                log.info("new timeline from step %d: step %d set aside as %s", fence.restored, step, aside)
-            self.store.remove_record(timeline.FENCE_RECORD)
-            self.known.fence_applied(fence)
-        self._stored_fence_checked = True
-
-    def _retain(self, new_step: int) -> None:
-        """Retention after `new_step` committed (plan_retention, then apply_retention). A step that can't be
-        read now stops retention for this save: nothing is deleted on a guess."""
-        max_to_keep, keep_every = self.retention
-        try:
-            plan = self.plan_retention(new_step, max_to_keep, keep_every)
-        except errors.CheckpointUnreadableError as e:
-            log.warning("retention skipped after step %d: %s", new_step, e)
-            return
-        self.apply_retention(plan)
-        invalid = plan.invalid.get(new_step, [])
-        if invalid:
-            raise errors.CommittedStepInvalidError(
-                f"step {new_step} was committed but does not validate when read back: {'; '.join(invalid[:3])}. "
-                "Retention kept the newest step that does.", path=self.store.uri)
-
-    def plan_retention(self, new_step: int | None, max_to_keep: int | None,
-                       keep_every_n_steps: int | None) -> retention.Plan:
-        """What retention deletes after `new_step` committed (None: the newest visible step): what
-        retention.steps_to_delete says, never the newest step that validates, and set-aside steps beyond
-        max_to_keep. The one rule for the writer after each save and for `sneppx gc`.
-
-        Which step is the newest valid one is learned by reading it, and only when a deletion could touch
-        it: when this process knows (from a read) of a valid step newer than every step to delete, nothing
-        is read. Otherwise the steps are validated newest first (the new step first: usually it is valid)
-        until one validates. In the steady state that is one read-back every max_to_keep saves (a step
-        validated stays known valid until it is the oldest kept); with max_to_keep=1 it is every save:
-        keeping a single copy means proving the new one good before the old one goes. Raises
-        CheckpointUnreadableError when a step can't be read now."""
-        committed = self.known.visible()
-        if new_step is None:
-            new_step = committed[-1] if committed else None
-        doomed: list[int] = []
-        protected, rejected = None, {}
-        if new_step is not None:
-            doomed = retention.steps_to_delete(committed, new_step=new_step, max_to_keep=max_to_keep,
-                                               keep_every_n_steps=keep_every_n_steps)
-            known = self.known.known_valid
-            if doomed and (known is None or known not in committed or known <= max(doomed)):
-                protected, rejected = self.known.newest_valid(committed)
-                doomed = retention.steps_to_delete(
-                    committed, new_step=new_step, max_to_keep=max_to_keep, keep_every_n_steps=keep_every_n_steps,
-                    protected=frozenset() if protected is None else frozenset({protected}))
-        pinned: set[int] = set()
-        if doomed:  # never a step that a kept one references (incremental steps): it would break that step
-            pinned = retention.referenced([s for s in committed if s not in doomed], self.known.uses) & set(doomed)
-            doomed = [s for s in doomed if s not in pinned]
-        return retention.Plan(keep=[s for s in committed if s not in doomed], delete=doomed,
-                              remove_set_aside=retention.set_aside_to_delete(self.store.set_aside_steps(),
-                                                                             max_to_keep=max_to_keep),
-                              protected=protected, invalid=rejected, pinned=sorted(pinned))
-
-    def apply_retention(self, plan: retention.Plan) -> None:
-        """Deletes the steps and set-aside steps `plan` names (one already gone is passed over), newest first: a
-        step is referenced only by newer ones, so a deletion cut short never leaves a step whose references are
-        gone (the kill harness found the oldest-first order doing that)."""
-        for step in sorted(plan.delete, reverse=True):
-            try:
-                self.store.delete(step)
-            except errors.CheckpointNotFoundError:
-                continue
-            log.info("retention: deleted checkpoint step %d", step)
-        self.known.forget(plan.delete)
-        for name in plan.remove_set_aside:
-            self.store.remove_set_aside(name)
-            log.info("retention: removed set-aside step %s", name)
-
     @staticmethod
     def _file_record(job: Job, name: str) -> dict[str, Any]:
         """Size and digest of a finished shard, for a signed manifest.
@@ -743,18 +492,6 @@ class Engine:
         path = os.path.join(job.pending.local_dir, name)
         return {"size": os.path.getsize(path),
                 "digest": signing.readback_digest(path, threads=signing.write_threads())}
-
-    def _set_aside_if_invalid(self, step: int) -> None:
-        """A committed step being saved again (after a rollback past it): an invalid copy is moved aside so
-        the new one can commit; a valid one stays and finalize() refuses to overwrite it."""
-        try:
-            problems = self.known.check(step)[1]
-        except errors.CheckpointNotFoundError:
-            return
-        if problems:
-            aside = self.store.set_aside(step, "invalid")
-            self.known.forget([step])
-            log.warning("step %d was committed but invalid (%s); moved to %s", step, problems[0], aside)
 
     def _drop(self, job: Job, *, remove: bool = True) -> None:
         """Ends this rank's part of a step that is over: the writer aborted, and the step in flight either taken

@@ -3,10 +3,10 @@
 Why it exists: a training loop wants `coord.save(model, step)` to cost about one memory copy, never a disk or
 network write, and it wants whatever it finds after a crash to be a whole checkpoint. So a save is split:
 
-1. **Snapshot** (on the caller's thread, `save()` returns after it): the state is copied into staging
+1. **Snapshot** (snapshot.py, on the caller's thread; `save()` returns after it): the state is copied into staging
    buffers by the native copy engine (plain threads on the CPU; pinned memory, its own CUDA stream and one
    event per piece for GPU tensors), and the CRC32C of every piece is taken as it lands.
-2. **Persist** (one background thread): each staging buffer is streamed into an SNPX shard file, the CRC
+2. **Persist** (engine.py, one background thread): each staging buffer is streamed into an SNPX shard file, the CRC
    the writer computes is checked against the snapshot's (staging memory can't silently change bytes),
    the buffer goes back to the pool, and at the end the step is committed through `storage` (local rename
    or S3 marker with If-None-Match) and retention runs.
@@ -62,8 +62,19 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from SneppX_ALG import _native, errors, storage
 from SneppX_ALG.checkpoint import manifest as manifest_codec
 from SneppX_ALG.checkpoint import reshard, signing
-from SneppX_ALG.coordinator import engine, plan, retention, state, steps, timeline
+from SneppX_ALG.coordinator import (
+    engine,
+    increments,
+    plan,
+    retention,
+    snapshot,
+    state,
+    steps,
+    timeline,
+    upkeep,
+)
 from SneppX_ALG.coordinator import group as group_lib
+from SneppX_ALG.coordinator import job as job_lib
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +154,9 @@ class CheckpointCoordinator:
                  signing_key: Any = None, trusted_keys: Any = None, read_only: bool = False,
                  group: group_lib.Group | None = None,
                  checksum_block_bytes: int = manifest_codec.BLOCK_BYTES,
-                 commit_fence: Callable[[], None] | None = None, incremental: bool | str = engine.AUTO,
+                 commit_fence: Callable[[], None] | None = None, incremental: bool | str = increments.AUTO,
                  full_every: int = 10):
-        if incremental not in (True, False, engine.AUTO):
+        if incremental not in (True, False, increments.AUTO):
             raise ValueError(f"incremental must be True, False or 'auto', not {incremental!r}")
         if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
             raise ValueError(f"full_every must be an int >= 1, not {full_every!r}")
@@ -219,8 +230,7 @@ class CheckpointCoordinator:
     @property
     def staging_allocated_bytes(self) -> int:
         """Host memory held for staging right now (bounded by staging_bytes)."""
-        pool = self._engine.pool
-        return pool.allocated_bytes if pool else 0
+        return self._engine.staging_allocated_bytes
 
     # -- context manager --
 
@@ -271,12 +281,12 @@ class CheckpointCoordinator:
                                                    path=self.checkpoint_root)
             # From here on this rank takes part in the step's protocol whatever happens (coordinator/engine.py):
             # what fails below is reported to the group by the writer, at the step's end.
-            job = engine.Job(step, training_state=training_state)
+            job = job_lib.Job(step, training_state=training_state)
             if not self.async_save:  # save() waits for the commit anyway: the writer starts with the snapshot
                 job.may_write.set()
             worker.begin(job)
             try:
-                self._stage(job, obj)
+                snapshot.stage(job, obj, worker, self._copier, self.group, self.staging_bytes)
             except BaseException as e:
                 job.error, job.failed, job.raised = e, True, True
                 job.may_write.set()
@@ -288,78 +298,6 @@ class CheckpointCoordinator:
             self.last_saved_step = step
         if not self.async_save:
             self.wait()
-
-    def _stage(self, job: engine.Job, obj: Any) -> None:
-        """Plans this rank's part of the step and copies it into staging buffers, handing each to the writer."""
-        worker = self._engine
-        state.check_json_safe(job.training_state, "training_state")
-        kind, leaves, values = state.flatten_state(obj)
-        state.check_json_safe([v for _, v in values], "the state's plain (non-array) values")
-        specs = [state.tensor_spec(path, leaf, shard) for path, leaf, shard in leaves]
-        owners = plan.replicated_owners(specs, self.group.world_size)
-        mine = [i for i, spec in enumerate(specs) if spec.sharded or owners[spec.path] == self.group.rank]
-        job.kind, job.values, job.declared = kind, values, plan.replicated_declaration(specs)
-        job.specs = [specs[i] for i in mine]
-        leaves = [leaves[i] for i in mine]
-        if worker.pool is None:
-            size = plan.choose_buffer_bytes(sum(s.nbytes for s in job.specs), self.staging_bytes)
-            worker.pool = engine.StagingPool(self._copier, size, self.staging_bytes // size)
-        buffers = plan.plan_pieces(job.specs, worker.pool.size, worker.unit_bytes)
-        state.check_entry_names(p for b in buffers for p in b)
-        job.pieces = [p for b in buffers for p in b]
-        # An incremental save whose state fits the staging area puts its i-th buffer in slot i every time, so the
-        # slot still holds what the last save staged there: a host piece equal to that is not copied (engine.Held).
-        slotted = worker.unit_bytes is not None and len(buffers) <= worker.pool.limit
-        for index, pieces in enumerate(buffers):
-            slot, held = worker.pool.acquire(job.token, on_wait=job.may_write.set, slot=index if slotted else None)
-            try:
-                self._snapshot(job, leaves, slot, pieces, held)
-            except BaseException:
-                worker.pool.release(slot)
-                raise
-            if slotted:
-                job.slots.append((slot, pieces))
-            worker.write(job, slot, pieces)
-
-    def _snapshot(self, job: engine.Job, leaves: list[state.Leaf], slot: int, pieces: list[plan.Piece],
-                  held: engine.Held | None) -> None:
-        pool = self._engine.pool
-        assert pool is not None
-        view = self._copier.view(pool.buffer(slot), pool.size)
-        staged = self._unchanged(view, leaves, pieces, held) if held is not None else {}
-        for piece in pieces:
-            leaf = leaves[piece.tensor][1]
-            dst = view[piece.offset:piece.offset + piece.nbytes]
-            if piece.entry in staged:  # unchanged since step held.step: staged already
-                assert held is not None
-                job.same[piece.entry] = held.step
-                crc = staged[piece.entry]
-            elif isinstance(leaf, state.DeviceArray):
-                if not self.uses_gpu:
-                    raise errors.AcceleratorUnavailableError(
-                        "the state holds CUDA tensors but this coordinator has no CUDA device (device='cpu' "
-                        "or none found)")
-                if leaf.stream is not None and leaf.stream not in job.ordered_streams:
-                    # the producer may still be writing the tensor on its stream: the copy waits for that
-                    self._copier.wait_stream(leaf.stream)
-                    job.ordered_streams.add(leaf.stream)
-                crc = self._copier.copy(dst, leaf.pointer + piece.start, piece.nbytes, kind=_native.COPY_D2H)
-            else:
-                crc = self._copier.copy(dst, engine.host_piece(leaf, piece))
-            job.snapshot_crcs[piece.entry] = int(crc or 0)
-        del view
-
-    @staticmethod
-    def _unchanged(view: memoryview, leaves: list[state.Leaf], pieces: list[plan.Piece], held: engine.Held,
-                   ) -> dict[str, int]:
-        """The host pieces whose bytes equal what the staging buffer (`view`) holds of them (`held`), with the CRC32C
-        recorded for those bytes: compared in one call over every core."""
-        known = [(p, held.pieces[p.entry]) for p in pieces
-                 if p.entry in held.pieces and held.pieces[p.entry][:2] == (p.offset, p.nbytes)
-                 and not isinstance(leaves[p.tensor][1], state.DeviceArray)]
-        same = _native.equal_pairs([(view[p.offset:p.offset + p.nbytes], engine.host_piece(leaves[p.tensor][1], p))
-                                    for p, _ in known])
-        return {p.entry: crc for (p, (_, _, crc)), equal in zip(known, same, strict=True) if equal}
 
     def wait(self) -> None:
         """Blocks until every save so far is committed (or failed); raises a background error."""
@@ -378,8 +316,7 @@ class CheckpointCoordinator:
             finally:
                 self._closed = True
                 self._finalizer()
-                if self._engine.pool is not None:
-                    self._engine.pool.clear()
+                self._engine.free_staging()
         self._raise_background_error()
 
     def _check_open(self) -> None:
@@ -513,7 +450,7 @@ class CheckpointCoordinator:
         """What retention would delete now with these settings, as if the newest committed step had just
         been saved (`sneppx gc`): the rule the writer applies after each save (never the newest step that
         validates). Reads steps only as that rule does; changes nothing."""
-        return self._engine.plan_retention(None, max_to_keep, keep_every_n_steps)
+        return upkeep.plan_retention(self._steps, None, max_to_keep, keep_every_n_steps)
 
     def apply_retention(self, plan: retention.Plan) -> None:
         """Deletes what `plan` (from retention_plan) names, after this coordinator's own saves finish."""
@@ -523,7 +460,7 @@ class CheckpointCoordinator:
                 raise errors.ReadOnlyCoordinatorError(f"this coordinator reads {self.checkpoint_root} only "
                                                       "(read_only=True): it can't delete")
             self._engine.wait()
-            self._engine.apply_retention(plan)
+            upkeep.apply_retention(self._steps, plan)
 
     def _info(self, step: int, manifest: dict[str, Any], read: reshard.ReadStats | None = None) -> CheckpointInfo:
         location = (f"{self._storage.uri}/{storage.step_name(step)}")

@@ -3,7 +3,10 @@ AdamW, generated data with a saveable position, and the train loop.
 
 Modules (each imports only those before it):
 
-    transformer   ModelConfig, Transformer (forward, backward, SNPX checkpoints)
+    config        ModelConfig: the architecture, every parameter's name and shape, their initialisation
+    layers        the pieces of the forward and backward passes (LayerNorm, GELU, cross-entropy, ...), Workspace
+    parts         a batch cut into parts, one per BLAS thread
+    transformer   Transformer (forward, backward, SNPX checkpoints)
     optimizer     AdamW
     data          SyntheticLanguage, DataStream
     training      Trainer, ProgressBar

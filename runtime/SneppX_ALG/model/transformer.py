@@ -17,289 +17,45 @@ tests rely on it). float64 mode (`dtype="float64"`) exists for the finite-differ
 Checkpoints use the SNPX format (`SneppX_ALG.checkpoint`), never pickle: tensors `params/<name>` plus, when a
 `training.Trainer` is attached and asked for, its optimizer, data-position and RNG tensors; the model config is the
 file's JSON config, so `Transformer.from_checkpoint` can rebuild the right model.
+
+Beside it: the architecture and its initialisation (config.py), the pieces of the forward and backward passes
+(layers.py), and the batch cut into parts for the cores (parts.py); the names moved there are still importable
+from here.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import itertools
 import math
 import os
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import numpy as np
-import threadpoolctl
 
 from SneppX_ALG import errors
 from SneppX_ALG.checkpoint import file
+from SneppX_ALG.model.config import MODEL_KIND, ModelConfig, init_params, param_shapes
+from SneppX_ALG.model.layers import (  # noqa: F401 - LAYERNORM_EPS: re-exported
+    LAYERNORM_EPS,
+    Workspace,
+    causal_mask,
+    embedding_grad,
+    gelu,
+    gelu_backward,
+    layer_norm,
+    layer_norm_backward,
+    softmax_cross_entropy,
+)
+from SneppX_ALG.model.parts import (  # noqa: F401 - MIN_PART_TOKENS: re-exported
+    MIN_PART_TOKENS,
+    batch_parts,
+    blas_threads,
+    one_blas_thread,
+)
 
 PARAM_PREFIX = "params/"
-MODEL_KIND = "sneppx.Transformer"
-LAYERNORM_EPS = 1e-5
-_GELU_C = math.sqrt(2.0 / math.pi)
-_DTYPES = ("float32", "float64")
-
-
-# --- configuration -------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """The architecture: everything needed to rebuild a model that a checkpoint's parameters fit."""
-
-    vocab_size: int = 1000
-    dim: int = 128
-    num_heads: int = 4
-    num_layers: int = 2
-    ffn_dim: int = 512
-    max_seq_len: int = 64
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        for field in ("vocab_size", "dim", "num_heads", "num_layers", "ffn_dim", "max_seq_len"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise errors.ModelConfigError(f"{field} must be a positive int, got {value!r}")
-        if self.dim % self.num_heads:
-            raise errors.ModelConfigError(
-                f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads}) so heads have equal width")
-        if self.dtype not in _DTYPES:
-            raise errors.ModelConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.num_heads
-
-    def to_json(self) -> dict[str, Any]:
-        """The JSON config stored in a checkpoint."""
-        return {"kind": MODEL_KIND, **dataclasses.asdict(self)}
-
-    @classmethod
-    def from_json(cls, value: Any, *, source: str = "checkpoint") -> ModelConfig:
-        """Parses a checkpoint's config; a config that isn't a Transformer's is a ModelConfigError."""
-        if not isinstance(value, dict) or value.get("kind") != MODEL_KIND:
-            kind = value.get("kind") if isinstance(value, dict) else type(value).__name__
-            raise errors.ModelConfigError(
-                f"{source}: config is not a {MODEL_KIND} config (kind {kind!r}); it was not written by "
-                "Transformer.save_checkpoint")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - fields - {"kind"})
-        missing = sorted(fields - set(value))
-        if unknown or missing:
-            raise errors.ModelConfigError(f"{source}: config has unknown keys {unknown} / lacks keys {missing}")
-        return cls(**{name: value[name] for name in fields})
-
-    def differences(self, other: ModelConfig) -> list[tuple[str, Any, Any]]:
-        """(field, self's value, other's value) for each field that differs; empty when the configs match."""
-        return [(f.name, getattr(self, f.name), getattr(other, f.name))
-                for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
-
-
-def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's name and shape, in the model's canonical order (the order checkpoints are written in)."""
-    d, f = config.dim, config.ffn_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "tok_emb": (config.vocab_size, d),
-        "pos_emb": (config.max_seq_len, d),
-    }
-    for i in range(config.num_layers):
-        p = f"blocks.{i}."
-        shapes.update({
-            p + "ln1.weight": (d,), p + "ln1.bias": (d,),
-            p + "attn.qkv.weight": (d, 3 * d), p + "attn.qkv.bias": (3 * d,),
-            p + "attn.out.weight": (d, d), p + "attn.out.bias": (d,),
-            p + "ln2.weight": (d,), p + "ln2.bias": (d,),
-            p + "ffn.in.weight": (d, f), p + "ffn.in.bias": (f,),
-            p + "ffn.out.weight": (f, d), p + "ffn.out.bias": (d,),
-        })
-    shapes.update({"ln_f.weight": (d,), "ln_f.bias": (d,), "head.weight": (d, config.vocab_size)})
-    return shapes
-
-
-def init_params(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
-    """GPT-2 initialisation: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2 * layers), LN = identity."""
-    rng = np.random.Generator(np.random.PCG64(seed))
-    dtype = np.dtype(config.dtype)
-    residual_std = 0.02 / math.sqrt(2 * config.num_layers)
-    params: dict[str, np.ndarray] = {}
-    for name, shape in param_shapes(config).items():
-        if name.endswith(".bias"):
-            value = np.zeros(shape, dtype)
-        elif name.endswith((".ln1.weight", ".ln2.weight")) or name == "ln_f.weight":
-            value = np.ones(shape, dtype)
-        else:
-            std = residual_std if name.endswith(("attn.out.weight", "ffn.out.weight")) else 0.02
-            value = rng.standard_normal(shape).astype(dtype) * dtype.type(std)
-        params[name] = np.ascontiguousarray(value)
-    return params
-
-
-# --- the pieces of the forward and backward passes ----------------------------------------------------------------
-
-
-class Workspace:
-    """Batch-sized buffers kept from one training step to the next, by name.
-
-    Why: one step of the recipe-1 model at batch 16 makes ~40 MB of temporaries. Freed, glibc returns them to the
-    kernel, and the next step pays a page fault per 4 KiB to touch them again: measured at half of the step time
-    on these VMs. Writing every batch-sized result into a named buffer (`out=`) makes a step allocation-free
-    except for the gradients it returns. Not thread-safe: one forward/backward at a time per model.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, np.ndarray] = {}
-
-    def __call__(self, key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
-            buffer = self._buffers[key] = np.empty(shape, dtype)
-        return buffer
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._buffers.values())
-
-
-def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, ws: Workspace,
-               key: str) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-    """LayerNorm over the last axis of a 2-D array; returns (y, cache for layer_norm_backward)."""
-    xhat = ws(key + ".xhat", x.shape, x.dtype)
-    np.subtract(x, x.mean(axis=-1, keepdims=True), out=xhat)
-    square = ws("ln.scratch", x.shape, x.dtype)
-    np.multiply(xhat, xhat, out=square)
-    rstd = square.mean(axis=-1, keepdims=True)
-    rstd += LAYERNORM_EPS
-    np.sqrt(rstd, out=rstd)
-    np.reciprocal(rstd, out=rstd)
-    xhat *= rstd
-    y = ws(key + ".y", x.shape, x.dtype)
-    np.multiply(xhat, weight, out=y)
-    y += bias
-    return y, (xhat, rstd, weight)
-
-
-def layer_norm_backward(dy: np.ndarray, cache: tuple[np.ndarray, ...],
-                        ws: Workspace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Returns (dx, dweight, dbias); dx is computed in place in dy's memory."""
-    xhat, rstd, weight = cache
-    scratch = ws("ln.scratch", dy.shape, dy.dtype)
-    dweight = np.multiply(dy, xhat, out=scratch).sum(axis=0)
-    dbias = dy.sum(axis=0)
-    dxhat = np.multiply(dy, weight, out=dy)
-    mean_dxhat = dxhat.mean(axis=-1, keepdims=True)
-    mean_dxhat_xhat = np.multiply(dxhat, xhat, out=scratch).mean(axis=-1, keepdims=True)
-    dx = dxhat
-    dx -= mean_dxhat
-    dx -= np.multiply(xhat, mean_dxhat_xhat, out=scratch)
-    dx *= rstd
-    return dx, dweight, dbias
-
-
-def gelu(u: np.ndarray, out: np.ndarray, tanh_out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """tanh-approximate GELU (as in GPT-2) into `out`; the tanh term goes to `tanh_out` for the backward pass."""
-    t = np.multiply(u, u, out=tanh_out)
-    t *= 0.044715
-    t += 1.0
-    t *= u
-    t *= _GELU_C
-    np.tanh(t, out=t)
-    np.add(t, 1.0, out=out)
-    out *= u
-    out *= 0.5
-    return out, t
-
-
-def gelu_backward(dout: np.ndarray, u: np.ndarray, tanh_term: np.ndarray, ws: Workspace) -> np.ndarray:
-    """d gelu(u) / du times dout, from the forward's tanh term; computed in place in dout's memory."""
-    # d/du [0.5 u (1 + t)] = 0.5 (1 + t) + 0.5 u (1 - t^2) c (1 + 3 * 0.044715 u^2)
-    inner = np.multiply(u, u, out=ws("gelu.scratch1", u.shape, u.dtype))
-    inner *= 3 * 0.044715
-    inner += 1.0
-    inner *= _GELU_C
-    sech2 = np.multiply(tanh_term, tanh_term, out=ws("gelu.scratch2", u.shape, u.dtype))
-    np.subtract(1.0, sech2, out=sech2)
-    inner *= sech2
-    inner *= u
-    inner += tanh_term
-    inner += 1.0
-    inner *= 0.5
-    dout *= inner
-    return dout
-
-
-def embedding_grad(table: np.ndarray, ids: np.ndarray, grad_rows: np.ndarray) -> np.ndarray:
-    """d loss / d table for rows gathered by `ids`: each row's gradients summed into its id's row. By sorting
-    the ids and summing runs (np.add.reduceat): np.add.at, the obvious way, took ~1 ms a step (~3%)."""
-    grad = np.zeros_like(table)
-    order = np.argsort(ids, kind="stable")
-    sorted_ids = ids[order]
-    starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
-    if starts.size:
-        grad[sorted_ids[starts]] = np.add.reduceat(grad_rows[order], starts, axis=0)
-    return grad
-
-
-def causal_mask(seq_len: int, dtype: np.dtype) -> np.ndarray:
-    """Additive (T, T) mask: 0 on and below the diagonal, -inf above it (a token never sees the future)."""
-    mask = np.zeros((seq_len, seq_len), dtype)
-    mask[np.triu_indices(seq_len, k=1)] = -np.inf
-    return mask
-
-
-def softmax_cross_entropy(logits: np.ndarray, targets: np.ndarray, total: int | None = None,
-                          ) -> tuple[float, np.ndarray]:
-    """Next-token cross-entropy of (N, V) logits summed and divided by `total` tokens (default N: the mean; a
-    part of a batch passes the batch's count); returns (loss, dloss/dlogits), the latter in logits' memory."""
-    n = logits.shape[0]
-    total = n if total is None else total
-    rows = np.arange(n)
-    logits -= logits.max(axis=-1, keepdims=True)
-    target_logits = logits[rows, targets]
-    probs = np.exp(logits, out=logits)
-    sums = probs.sum(axis=-1, keepdims=True)
-    loss = -float(np.sum(target_logits - np.log(sums[:, 0]), dtype=np.float64)) / total
-    sums *= total
-    probs /= sums  # softmax / total
-    probs[rows, targets] -= probs.dtype.type(1.0 / total)
-    return loss, probs
-
-
-# --- running a step on several cores -----------------------------------------------------------------------
-
-
-def _blas() -> Any:
-    """threadpoolctl's controller of the BLAS libraries numpy loaded, made once (finding them costs ~1 ms)."""
-    global _BLAS
-    if _BLAS is None:
-        _BLAS = threadpoolctl.ThreadpoolController().select(user_api="blas")
-    return _BLAS
-
-
-_BLAS: Any = None
-
-
-def blas_threads() -> int:
-    """How many threads BLAS may use now (OPENBLAS_NUM_THREADS, threadpoolctl limits): the cores a step uses."""
-    counts = [lib.num_threads for lib in _blas().lib_controllers]
-    return max(counts) if counts else 1
-
-
-# A part of a batch gets at least this many tokens: below it, handing a part to a thread costs about what
-# running it there saves (and tiny test batches keep the numerics of one part).
-MIN_PART_TOKENS = 256
-
-
-def batch_parts(batch: int, seq: int, threads: int) -> list[tuple[int, int]]:
-    """The (start, stop) rows of each part a (batch, seq) batch is split into, at most one part per thread and
-    at least MIN_PART_TOKENS tokens a part: as equal as can be."""
-    parts = max(1, min(batch, threads, batch * seq // MIN_PART_TOKENS))
-    bounds = [batch * i // parts for i in range(parts + 1)]
-    return list(itertools.pairwise(bounds))
-
-
-# --- the model ------------------------------------------------------------------------------------------------
 
 
 class TrainingStateOwner(Protocol):
@@ -474,7 +230,7 @@ class Transformer:
                 self._pool.shutdown(wait=False)
             self._pool = concurrent.futures.ThreadPoolExecutor(len(jobs) - 1, thread_name_prefix="sneppx-model")
             self._pool_threads = len(jobs) - 1
-        with _blas().limit(limits=1):
+        with one_blas_thread():
             futures = [self._pool.submit(work, *job) for job in jobs[1:]]
             first = work(*jobs[0])  # this thread takes the first part
             return [first] + [f.result() for f in futures]

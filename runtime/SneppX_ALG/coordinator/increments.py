@@ -1,0 +1,50 @@
+"""Incremental saves: the chain of steps a save may reference, and the rule for referencing a piece.
+
+Why a module of its own: which piece of an earlier step a save may point at instead of writing it again is a
+pure rule over manifest chunks (the same dtype, global shape, box, length and checksums), apart from the writer
+thread that applies it (coordinator/engine.py) and the manager that chooses the mode (`incremental=`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from SneppX_ALG.checkpoint import manifest as manifest_codec
+
+# An incremental save cuts every array into pieces of at most this many bytes (four checksum blocks at the default
+# block size), each written or referenced whole: smaller finds more unchanged bytes in sparse updates, and costs a
+# table entry and a manifest chunk (~300 bytes) per piece. docs/BENCHMARKS.md, "Incremental checkpoints".
+REUSE_BYTES = 1 << 20
+AUTO = "auto"
+# "auto" stops comparing for the rest of a chain after a save that found less than this share of its bytes
+# unchanged (hashing then costs more than it saves); the chain's next full save compares again.
+AUTO_MIN_REUSE = 0.125
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """What this rank's next save may reference: the newest step it committed (`step`, in which this rank's file
+    was `shard`), how many incremental saves since the last full one (`length`: 0 after a full one), and each
+    piece it recorded there by entry name: (dtype, global shape, its manifest chunk, with BLAKE3 per block)."""
+
+    step: int
+    shard: str
+    length: int
+    records: dict[str, tuple[str, tuple[int, ...], dict[str, Any]]]
+    comparing: bool = True
+
+
+def reusable(base: Chain, entry: str, dtype: str, global_shape: tuple[int, ...], record: dict[str, Any],
+             keys: tuple[str, ...] = ("crc32c", "blocks", "digests")) -> dict[str, Any] | None:
+    """The base's chunk that holds the bytes of a piece (`record`: its box, length and checksums), as this save's
+    chunk referencing it, or None: the base has the same entry with the same dtype, global shape, box and length,
+    and the same `keys` (a piece just hashed: its block CRC32Cs and BLAKE3s; a piece found equal byte for byte
+    to what the base saved: its CRC32C)."""
+    known = base.records.get(entry)
+    if known is None or known[0] != dtype or known[1] != global_shape or known[2].get("digests") is None:
+        return None
+    old = known[2]
+    if any(old.get(k) != record.get(k) for k in ("offset", "shape", "nbytes", *keys)):
+        return None
+    return {**old, "shard": record["shard"], "from": list(manifest_codec.reference(old) or (base.step, base.shard))}
