@@ -18,9 +18,11 @@ demo: $(INSTALLED)
 k8s-tools:
 	bash tests/tools/build.sh >/dev/null
 
-# The linters: ruff (exceptions in pyproject.toml, each with its reason) and the import layers (.importlinter).
+# The linters: ruff and mypy (exceptions in pyproject.toml, each with its reason) and the import layers
+# (.importlinter).
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
 test: lint k8s-tools

@@ -373,7 +373,8 @@ class Engine:
             # (rank 0 may have had all reports): its part stays, for rank 0's step or for cleanup.
             self._drop(job, remove=group.rank == 0)
             raise
-        outcome, commit_error = None, None
+        outcome: dict[str, Any] | None = None
+        commit_error: Exception | None = None
         if group.rank == 0:
             try:
                 outcome = self._commit(job, reports)
@@ -521,7 +522,9 @@ def _drain_at_exit() -> None:
         log.error("pending checkpoint saves were not finished at exit: %s: %s", type(e).__name__, e)
 
 
-threading._register_atexit(_drain_at_exit)
+# threading's own exit hooks run before the interpreter joins non-daemon threads (atexit runs after: too late for
+# the writer pools); a private CPython function, so typeshed does not declare it.
+threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]
 
 
 def _describe(error: BaseException | None) -> str | None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from SneppX_ALG import _native, errors
 from SneppX_ALG.coordinator import engine, plan, staging, state
 from SneppX_ALG.coordinator import group as group_lib
@@ -57,7 +59,7 @@ def _snapshot(job: job_lib.Job, leaves: list[state.Leaf], copier: _native.Copier
         if piece.entry in staged:  # unchanged since step held.step: staged already
             assert held is not None
             job.same[piece.entry] = held.step
-            crc = staged[piece.entry]
+            crc: int | None = staged[piece.entry]
         elif isinstance(leaf, state.DeviceArray):
             if copier.device < 0:
                 raise errors.AcceleratorUnavailableError(
@@ -69,6 +71,7 @@ def _snapshot(job: job_lib.Job, leaves: list[state.Leaf], copier: _native.Copier
                 job.ordered_streams.add(leaf.stream)
             crc = copier.copy(dst, leaf.pointer + piece.start, piece.nbytes, kind=_native.COPY_D2H)
         else:
+            assert isinstance(leaf, np.ndarray)  # state.Leaf: a host array when not a DeviceArray
             crc = copier.copy(dst, staging.host_piece(leaf, piece))
         job.snapshot_crcs[piece.entry] = int(crc or 0)
     del view
@@ -78,9 +81,11 @@ def _unchanged(view: memoryview, leaves: list[state.Leaf], pieces: list[plan.Pie
                ) -> dict[str, int]:
     """The host pieces whose bytes equal what the staging buffer (`view`) holds of them (`held`), with the CRC32C
     recorded for those bytes: compared in one call over every core."""
-    known = [(p, held.pieces[p.entry]) for p in pieces
-             if p.entry in held.pieces and held.pieces[p.entry][:2] == (p.offset, p.nbytes)
-             and not isinstance(leaves[p.tensor][1], state.DeviceArray)]
-    same = _native.equal_pairs([(view[p.offset:p.offset + p.nbytes], staging.host_piece(leaves[p.tensor][1], p))
-                                for p, _ in known])
-    return {p.entry: crc for (p, (_, _, crc)), equal in zip(known, same, strict=True) if equal}
+    known: list[tuple[plan.Piece, np.ndarray, int]] = []  # host pieces staged at the same place last time
+    for p in pieces:
+        leaf, recorded = leaves[p.tensor][1], held.pieces.get(p.entry)
+        if recorded is not None and recorded[:2] == (p.offset, p.nbytes) and isinstance(leaf, np.ndarray):
+            known.append((p, leaf, recorded[2]))
+    same = _native.equal_pairs([(view[p.offset:p.offset + p.nbytes], staging.host_piece(leaf, p))
+                                for p, leaf, _ in known])
+    return {p.entry: crc for (p, _, crc), equal in zip(known, same, strict=True) if equal}

@@ -11,7 +11,7 @@ import argparse
 import os
 from typing import Any
 
-from SneppX_ALG import coordinator
+from SneppX_ALG import coordinator, storage
 from SneppX_ALG.demo.events import recovery_after
 from SneppX_ALG.demo.phases import KILLED_NODE, NODES, WORKERS_PER_NODE
 
@@ -27,7 +27,9 @@ def validate_checkpoints(checkpoints: coordinator.CheckpointCoordinator, console
     for step in checkpoints.committed_steps():
         problems = checkpoints.validate(step)
         all_valid &= not problems
-        location = checkpoints.storage.step_path(step)  # the demo's roots are local
+        store = checkpoints.storage
+        assert isinstance(store, storage.LocalStorage)  # the demo's roots are local
+        location = store.step_path(step)
         size = sum(os.path.getsize(os.path.join(location, f)) for f in os.listdir(location))
         shown = os.path.relpath(location) if not os.path.relpath(location).startswith("..") else location
         results.add_row(str(step), shown, f"{size / 2**20:.1f} MiB", "yes" if not problems else "NO",

@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from SneppX_ALG import coordinator, errors
 from SneppX_ALG.elastic import trainer as elastic_trainer
@@ -32,7 +33,7 @@ def _package_doc() -> str:
 
 
 # The recipe-1 model, and a tiny one for quick runs (tests).
-MODEL_SIZES: dict[str, dict[str, int]] = {
+MODEL_SIZES: dict[str, dict[str, Any]] = {
     "recipe": {"vocab_size": 1000, "dim": 128, "num_heads": 4, "num_layers": 2, "ffn_dim": 512, "max_seq_len": 64},
     "small": {"vocab_size": 64, "dim": 32, "num_heads": 4, "num_layers": 2, "ffn_dim": 64, "max_seq_len": 16},
 }

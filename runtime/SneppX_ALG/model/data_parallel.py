@@ -86,7 +86,8 @@ class FlatLayout:
             raise errors.ModelConfigError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         offsets: dict[str, int] = {}
         buckets: list[Bucket] = []
-        size, bucket_start, names = 0, 0, []
+        size, bucket_start = 0, 0
+        names: list[str] = []
         for name, shape in shapes.items():
             count = math.prod(shape)
             if names and (size + count - bucket_start) * itemsize > bucket_bytes:

@@ -29,7 +29,7 @@ import concurrent.futures
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -215,7 +215,7 @@ class Transformer:
                 grads[name] += grad
         return loss, grads
 
-    def _in_parts(self, ids: np.ndarray, tgt: np.ndarray, work: Any) -> list[Any]:
+    def _in_parts(self, ids: np.ndarray, tgt: np.ndarray, work: Callable[..., Any]) -> list[Any]:
         """work(ids part, targets part, token total, workspace) for each part of the batch, the parts on their
         own threads with single-threaded BLAS (see the class docstring); the results in part order."""
         parts = batch_parts(ids.shape[0], ids.shape[1], blas_threads())
@@ -230,8 +230,10 @@ class Transformer:
                 self._pool.shutdown(wait=False)
             self._pool = concurrent.futures.ThreadPoolExecutor(len(jobs) - 1, thread_name_prefix="sneppx-model")
             self._pool_threads = len(jobs) - 1
+        pool = self._pool
+        assert pool is not None
         with one_blas_thread():
-            futures = [self._pool.submit(work, *job) for job in jobs[1:]]
+            futures = [pool.submit(work, *job) for job in jobs[1:]]
             first = work(*jobs[0])  # this thread takes the first part
             return [first] + [f.result() for f in futures]
 
