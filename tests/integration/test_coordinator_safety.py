@@ -569,7 +569,7 @@ def test_s3_cleanup_leaves_the_fence_record_and_set_aside_steps_alone(s3_bucket,
     kwargs = {"s3_client": client, "staging_dir": str(tmp_path)}
     save_steps(root, [1, 2, 3], **kwargs)
     store = storage.S3Storage(root, client=client, staging_dir=str(tmp_path))
-    store.write_record(timeline.FENCE_RECORD, timeline.encode_fence(timeline.Fence(1, (2, 3))))
+    store.write_root_file(timeline.FENCE_RECORD, timeline.encode_fence(timeline.Fence(1, (2, 3))))
     store.set_aside(3, "abandoned")
     crashed = f"fc/{storage.step_name(9)}/{SHARD}"
     client.put_object(Bucket=s3_bucket, Key=crashed, Body=b"a crashed save's shard")

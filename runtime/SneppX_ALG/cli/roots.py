@@ -128,7 +128,7 @@ def list_root(coord: CheckpointCoordinator, *, full: bool = False, quick: bool =
 
 
 def _stored_fence(store: storage.Storage) -> timeline.Fence | None:
-    raw = store.read_record(timeline.FENCE_RECORD)
+    raw = store.read_root_file(timeline.FENCE_RECORD)
     return timeline.decode_fence(raw, where=f"{store.uri}/{timeline.FENCE_RECORD}") if raw is not None else None
 
 

@@ -45,7 +45,7 @@ class Steps:
 
     def stored_fence(self) -> timeline.Fence | None:
         """The fence record at the root: a fence whose steps are not all moved aside yet."""
-        raw = self.store.read_record(timeline.FENCE_RECORD)
+        raw = self.store.read_root_file(timeline.FENCE_RECORD)
         if raw is None:
             return None
         return timeline.decode_fence(raw, where=f"{self.store.uri}/{timeline.FENCE_RECORD}")

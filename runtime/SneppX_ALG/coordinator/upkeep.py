@@ -28,7 +28,7 @@ def apply_fences(root: steps.Steps, *, stored: bool) -> None:
     pending = root.pending_fence()
     fences += [pending] if pending is not None else []
     for fence in fences:
-        store.write_record(timeline.FENCE_RECORD, timeline.encode_fence(fence))
+        store.write_root_file(timeline.FENCE_RECORD, timeline.encode_fence(fence))
         for step in reversed(fence.abandoned):
             reason = "invalid" if step in fence.invalid else "abandoned"
             try:
@@ -36,7 +36,7 @@ def apply_fences(root: steps.Steps, *, stored: bool) -> None:
             except errors.CheckpointNotFoundError:
                 continue  # moved already (a fence record finished by a later process), or deleted
             log.info("new timeline from step %d: step %d set aside as %s", fence.restored, step, aside)
-        store.remove_record(timeline.FENCE_RECORD)
+        store.remove_root_file(timeline.FENCE_RECORD)
         root.fence_applied(fence)
 
 
@@ -86,7 +86,8 @@ def plan_retention(root: steps.Steps, new_step: int | None, max_to_keep: int | N
     if new_step is None:
         new_step = committed[-1] if committed else None
     doomed: list[int] = []
-    protected, rejected = None, {}
+    protected: int | None = None
+    rejected: dict[int, list[str]] = {}
     if new_step is not None:
         doomed = retention.steps_to_delete(committed, new_step=new_step, max_to_keep=max_to_keep,
                                            keep_every_n_steps=keep_every_n_steps)

@@ -40,12 +40,12 @@ claim while the step is in flight, and `cleanup()` removes only leftovers no liv
 processes on this machine at once, those of other machines after LEASE_EXPIRY_S (10 minutes) without a sign of
 life. A commit checks that every part it wrote is still there first, so a writer whose claim expired under it
 (stalled for ten minutes) fails instead of committing a step with parts missing. Readers never clean up
-(`CheckpointCoordinator(read_only=True)`). Cleanup never touches set-aside steps or records (below).
+(`CheckpointCoordinator(read_only=True)`). Cleanup never touches set-aside steps or the files at the root (below).
 
 Setting aside (a committed step moved out of the step namespace, kept for inspection until retention removes
 it): local, one durable rename to `.<reason>-step-...`; S3, a server-side copy under that name, then the marker
 deleted, then the step's other objects (its manifest.json too, so the number can be saved again). Small durable
-records at the root (the coordinator's `FENCE`, docs/FORMAT.md "Coordinator roots: timelines and fencing"):
+files at the root (the coordinator's `FENCE`, docs/FORMAT.md "Coordinator roots: timelines and fencing"):
 local, written through `_fs.write_durable`; S3, one PUT.
 
 What is still assumed on S3: one writer per *step*. Two writers saving the same step upload its shards to the

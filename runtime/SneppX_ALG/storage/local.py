@@ -208,13 +208,13 @@ class LocalStorage:
             raise ValueError(f"{name!r} is not a set-aside step")
         _fs.remove_tree(os.path.join(self.root, name))
 
-    def read_record(self, name: str) -> bytes | None:
+    def read_root_file(self, name: str) -> bytes | None:
         return _fs.read_small(os.path.join(self.root, name), layout.MAX_MANIFEST_BYTES)
 
-    def write_record(self, name: str, data: bytes) -> None:
+    def write_root_file(self, name: str, data: bytes) -> None:
         _fs.write_durable(os.path.join(self.root, name), data)
 
-    def remove_record(self, name: str) -> None:
+    def remove_root_file(self, name: str) -> None:
         _fs.unlink_quietly(os.path.join(self.root, name))
         _native.fsync_path(self.root)
 

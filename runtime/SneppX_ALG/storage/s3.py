@@ -422,7 +422,7 @@ class S3Storage:
         self._delete_keys([self.key(name, layout.COMMITTED)])  # invisible from here on
         self._delete_keys([obj["Key"] for obj in self._list(self.key(name) + "/")])
 
-    # -- setting steps aside, and records at the root (coordinator/timeline.py) --
+    # -- setting steps aside, and small files at the root (coordinator/timeline.py) --
 
     def set_aside(self, step: int, reason: str) -> str:
         """Moves a committed step out of the step namespace: its objects are copied (server-side) under
@@ -471,14 +471,14 @@ class S3Storage:
             self.abort_upload(key, upload_id)
         self._delete_keys([obj["Key"] for obj in self._list(prefix)])
 
-    def read_record(self, name: str) -> bytes | None:
+    def read_root_file(self, name: str) -> bytes | None:
         got = self._get(self.key(name), limit=layout.MAX_MANIFEST_BYTES + 1)
         return None if got is None else got[0]
 
-    def write_record(self, name: str, data: bytes) -> None:
+    def write_root_file(self, name: str, data: bytes) -> None:
         self.put(self.key(name), data)
 
-    def remove_record(self, name: str) -> None:
+    def remove_root_file(self, name: str) -> None:
         self._delete_keys([self.key(name)])
 
     def _uploads(self, prefix: str) -> list[tuple[str, str]]:
