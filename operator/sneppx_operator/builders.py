@@ -31,6 +31,8 @@ pods run as that account, and only the first container (the agent) gets its toke
 at the standard path (so the Kubernetes client's in-cluster configuration finds it); a template that would give
 a token to any other container (by mounting the operator's token volume or projecting a token of its own) is
 refused.
+
+One concept, hence just over 500 lines: the Kubernetes objects of a job, built from its spec (pure).
 """
 
 from __future__ import annotations

@@ -34,6 +34,10 @@ is wedged stays Running and Ready, and only that report gets it replaced (pod.Ab
 only this agent (its restart budget, a join timeout) exit with EXIT_NODE_FAILED without marking the run
 finished: the pod fails and the operator's failurePolicy decides (a replacement pod, counted against
 maxRestarts).
+
+One concept, hence over 500 lines: a node's agent (its settings, its view of each worker process and the loop
+that drives them through generations); the rules it applies (rendezvous, fault tolerance, the lifecycle table) are
+the modules below it.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ Environment (what the operator sets in every rank's pod, see operator/sneppx_ope
                                 loopback address, else on every interface)
     SNEPPX_JOB                  the job id carried in each datagram (default "sneppx")
     SNEPPX_GENERATION           the initial membership generation (default 0)
+
+One concept, hence just over 500 lines: the monitor's Python face (its configuration, addresses, key and the
+events and statistics the C thread reports); the detector itself is native/src/heartbeat.c.
 """
 
 from __future__ import annotations
