@@ -19,7 +19,7 @@ from s3_servers import S3Server, free_port
 # (checkpoint/write_mode.py). A probe inside a test would write files the test doesn't expect and pass the fault
 # hook's write sites, so the session pins the mode: O_DIRECT, the default before the probe existed, unless the
 # run sets SNEPPX_WRITE_MODE itself (`SNEPPX_WRITE_MODE=buffered pytest ...` runs every test in the other mode;
-# tests/unit/test_write_mode.py covers the probe). Set here, it reaches the processes tests start too.
+# tests/unit/checkpoint/test_write_mode.py covers the probe). Set here, it reaches the processes tests start too.
 os.environ.setdefault("SNEPPX_WRITE_MODE", "direct")
 
 

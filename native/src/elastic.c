@@ -3,7 +3,7 @@
  * Why a table in C: every component that reacts to membership (heartbeats,
  * rendezvous, the trainer, the operator's view of a rank) must agree on what
  * may follow what. One table, no I/O, no clock, so it can be checked
- * exhaustively against a model (tests/unit/test_elastic_lifecycle.py) and
+ * exhaustively against a model (tests/unit/elastic/test_elastic_lifecycle.py) and
  * shared by anything that links the core. Illegal events change nothing and
  * return SX_ESTATE: a late timer or a duplicate "reconfigured" is a bug to
  * see, not a state to drift into. The node agent (runtime/SneppX_ALG/elastic/agent.py)

@@ -87,7 +87,7 @@ def _core() -> kubernetes.client.CoreV1Api:
     return kubernetes.client.CoreV1Api(_client())
 
 
-# The kinds each verb is used on, and so the chart's RBAC (charts/.../_helpers.tpl; tests/unit/test_rbac.py
+# The kinds each verb is used on, and so the chart's RBAC (charts/.../_helpers.tpl; tests/k8s/test_helm.py
 # holds the two to each other). A name already taken is read to name its holder; Secrets are never read (a
 # Secret's name carries the job's uid instead); only pods are deleted (the garbage collector removes the rest
 # with the job, by their owner references).

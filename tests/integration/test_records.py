@@ -1,6 +1,6 @@
 """The compare-and-swap records on a directory and on both real S3 servers: semantics, and writers racing.
 
-Hostile files on a directory are in tests/unit/test_record_store.py; the rendezvous built on these records
+Hostile files on a directory are in tests/unit/records/test_record_store.py; the rendezvous built on these records
 is in test_rendezvous.py.
 """
 

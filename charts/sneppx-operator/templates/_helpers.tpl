@@ -49,7 +49,7 @@ app.kubernetes.io/part-of: sneppx
 
 {{/*
 What the operator does inside a namespace it watches: exactly the calls it makes (operator/sneppx_operator/k8s.py
-and the watches in handlers.py; tests/unit/test_rbac.py holds the two to each other), no wildcards. Pods, nodes
+and the watches in handlers.py; tests/k8s/test_helm.py holds the two to each other), no wildcards. Pods, nodes
 and the jobs' rendezvous ConfigMaps are watched through one label-selected watch each; a name already taken is
 read to name its holder; Secrets are only created (a job's Secret is recognised by its name, which carries the
 job's uid); only pods (restarts) and jobs (ttlSecondsAfterFinished) are deleted: the garbage collector removes

@@ -12,7 +12,7 @@ Setup is abortable from its first step (`aborted=`): a generation that ends whil
 that will never come must not cost that rank its process (the agent kills a worker that does not stop soon).
 
 Separate because it is a wire protocol of its own (the messages, their MACs, who may connect), with its own
-attacks to resist (tests/unit/test_comm_ring.py); `ProcessGroup` connects every TCP ring through it, a whole
+attacks to resist (tests/unit/native/test_comm_ring.py); `ProcessGroup` connects every TCP ring through it, a whole
 group's or one between the hosts of a shared-memory group.
 """
 

@@ -8,7 +8,7 @@ import fnmatch
 import pathlib
 import re
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 
 

@@ -4,7 +4,7 @@ really goes through it, the rendezvous' generation numbers recorded, its state i
 A one-node agent runs in this process with a stand-in worker (a few lines speaking the control channel, no
 training) that fails generation 0 and completes generation 1: a failure, a re-formation, the end. The other
 runs end the other ways a node's life ends: its restart budget, a join timeout, a run another agent marked
-finished. tests/unit/test_elastic_lifecycle.py checks the table itself.
+finished. tests/unit/elastic/test_elastic_lifecycle.py checks the table itself.
 """
 
 from __future__ import annotations

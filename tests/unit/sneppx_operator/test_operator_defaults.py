@@ -11,7 +11,7 @@ import yaml
 
 from sneppx_operator import defaults
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 OPERATOR = REPO / "operator" / "sneppx_operator"
 CRDS = [REPO / "crds" / "sneppx.io_elastictrainingjobs.yaml",
         REPO / "charts" / "sneppx-operator" / "crds" / "sneppx.io_elastictrainingjobs.yaml"]

@@ -13,7 +13,7 @@ from sneppx_operator import __main__ as entry
 from sneppx_operator import config
 from sneppx_operator.errors import OperatorConfigError
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 OPERATOR = REPO / "operator" / "sneppx_operator"
 RUNTIME = REPO / "runtime" / "SneppX_ALG"
 

@@ -166,7 +166,7 @@ def test_backoff_stays_at_the_cap_however_many_failures() -> None:
 
 def test_one_rollback_rule_for_the_manager_and_the_workers() -> None:
     """fault_tolerance.check_rollback is the rule; FaultToleranceManager.resume_point and the ElasticTrainer's
-    TrainContext.restore both call it (tests/unit/test_elastic_trainer_parts.py checks the worker's side)."""
+    TrainContext.restore both call it (tests/unit/elastic/test_elastic_trainer_parts.py checks the worker's side)."""
     bad = [SkippedCheckpoint(3, ("crc",)), SkippedCheckpoint(2, ("crc",))]
     fault_tolerance.check_rollback([], None, rollback_depth=0)  # nothing committed: a fresh start
     fault_tolerance.check_rollback(bad, 1, rollback_depth=2)
