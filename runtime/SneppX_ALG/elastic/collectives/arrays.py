@@ -16,31 +16,31 @@ import numpy as np
 from SneppX_ALG import _native, errors
 
 
-def _dtype_name(array: Any, allowed: Mapping[str, int] | tuple[str, ...]) -> str:
-    name = np.dtype(_array_dtype(array)).name
+def dtype_name(array: Any, allowed: Mapping[str, int] | tuple[str, ...]) -> str:
+    name = np.dtype(array_dtype(array)).name
     if name not in allowed:
         raise errors.UnsupportedTensorError(f"collectives take {', '.join(allowed)} arrays, not {name}")
     return name
 
 
-def _reduce_dtype(array: Any, op: str) -> str:
+def reduce_dtype(array: Any, op: str) -> str:
     if op not in _native.REDUCE_OPS:
         raise ValueError(f"op must be one of {sorted(_native.REDUCE_OPS)}, got {op!r}")
-    return _dtype_name(array, _native.REDUCE_DTYPES)
+    return dtype_name(array, _native.REDUCE_DTYPES)
 
 
-def _array_dtype(array: Any) -> Any:
+def array_dtype(array: Any) -> Any:
     interface = getattr(array, "__cuda_array_interface__", None)
     return np.dtype(interface["typestr"]) if interface is not None else array.dtype
 
 
-def _count(array: Any) -> int:
+def element_count(array: Any) -> int:
     """Elements of a numpy array or a device array (whose `size` may be a method, as torch's is)."""
     interface = getattr(array, "__cuda_array_interface__", None)
     return math.prod(interface["shape"]) if interface is not None else int(array.size)
 
 
-def _host(array: Any) -> np.ndarray:
+def host_array(array: Any) -> np.ndarray:
     """The array itself if collectives can write into it in place; UnsupportedTensorError otherwise."""
     if not isinstance(array, np.ndarray):
         raise errors.UnsupportedTensorError(f"collectives take numpy arrays, not {type(array).__name__}")
@@ -49,7 +49,7 @@ def _host(array: Any) -> np.ndarray:
     return array
 
 
-def _device_pointer(array: Any) -> int | None:
+def device_pointer(array: Any) -> int | None:
     """The device address of an object with __cuda_array_interface__ (CuPy, PyTorch, Numba), else None."""
     interface = getattr(array, "__cuda_array_interface__", None)
     if interface is None:

@@ -22,19 +22,19 @@ from SneppX_ALG import _native, errors
 from SneppX_ALG.elastic import heartbeat
 from SneppX_ALG.elastic import store as store_lib
 from SneppX_ALG.elastic.collectives.arrays import (
-    _array_dtype,
-    _count,
-    _device_pointer,
-    _dtype_name,
-    _host,
-    _reduce_dtype,
+    array_dtype,
+    device_pointer,
+    dtype_name,
+    element_count,
+    host_array,
+    reduce_dtype,
 )
 from SneppX_ALG.elastic.collectives.ring import (
-    _SETUP_POLL,
     MAX_PENDING_HANDSHAKES,
-    _check_setup_aborted,
-    _Identity,
+    SETUP_POLL,
+    Identity,
     address_key,
+    check_setup_aborted,
     connect_ring,
 )
 from SneppX_ALG.elastic.collectives.shm import host_identity, shm_key, shm_name
@@ -70,7 +70,7 @@ class ProcessGroup:
 
     aborted: an Event another thread may set while the constructor still connects (there is no group yet to
     call abort() on): setup then raises CollectiveAbortedError, as a collective that abort() ends does. The
-    tcp backend sees it within _SETUP_POLL seconds at any step of setup; nccl while rank > 0 waits for rank 0's
+    tcp backend sees it within SETUP_POLL seconds at any step of setup; nccl while rank > 0 waits for rank 0's
     id, not inside NCCL's own initialisation.
     """
 
@@ -99,7 +99,7 @@ class ProcessGroup:
         self._staging: dict[str, Any] = {}  # nccl: device buffer for host arrays
         self.device = device
         deadline = time.monotonic() + timeout
-        _check_setup_aborted(aborted, rank, generation)
+        check_setup_aborted(aborted, rank, generation)
         if backend == "nccl":
             self._comm: Any = self._connect_nccl(store, device, deadline, aborted)
             return
@@ -123,7 +123,7 @@ class ProcessGroup:
 
     def _connect_tcp(self, store: store_lib.Store, key: bytes, host: str, chunk_bytes: int,
                      deadline: float, aborted: threading.Event | None) -> _native.Comm:
-        me = _Identity(key, self.generation, self.rank, self.world_size, chunk_bytes)
+        me = Identity(key, self.generation, self.rank, self.world_size, chunk_bytes)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
             listener.bind((host, 0))
             listener.listen(MAX_PENDING_HANDSHAKES)
@@ -224,10 +224,10 @@ class ProcessGroup:
         try:
             while True:  # in slices: an abort must end the wait
                 try:
-                    comm.wait_attached(min(_SETUP_POLL, max(deadline - time.monotonic(), 1e-3)))
+                    comm.wait_attached(min(SETUP_POLL, max(deadline - time.monotonic(), 1e-3)))
                     return comm
                 except errors.CollectiveTimeoutError:
-                    _check_setup_aborted(aborted, self.rank, self.generation)
+                    check_setup_aborted(aborted, self.rank, self.generation)
                     if time.monotonic() >= deadline:
                         raise errors.CollectiveTimeoutError(
                             f"setup of generation {self.generation}: not every rank mapped the shared-memory "
@@ -242,7 +242,7 @@ class ProcessGroup:
         end the wait."""
         interval = 0.01
         while True:
-            _check_setup_aborted(aborted, self.rank, self.generation)
+            check_setup_aborted(aborted, self.rank, self.generation)
             try:
                 return store.get(key, 0)
             except errors.StoreTimeoutError:
@@ -277,32 +277,32 @@ class ProcessGroup:
 
     def allreduce(self, array: np.ndarray, op: str = "sum", timeout: float | None = None) -> np.ndarray:
         """Reduces `array` over all ranks, in place; every rank ends with the same bits. Returns `array`."""
-        dtype = _reduce_dtype(array, op)
+        dtype = reduce_dtype(array, op)
         if self.backend == "nccl":
-            return self._nccl(array, lambda p: self._comm.allreduce(p, _count(array), dtype, op, self._t(timeout)))
-        self._comm.allreduce(_host(array), array.size, dtype, op, self._t(timeout))
+            return self._nccl(array, lambda p: self._comm.allreduce(p, element_count(array), dtype, op, self._t(timeout)))
+        self._comm.allreduce(host_array(array), array.size, dtype, op, self._t(timeout))
         return array
 
     def reduce_scatter(self, array: np.ndarray, op: str = "sum", timeout: float | None = None) -> np.ndarray:
         """Reduces this rank's shard of the flattened `array` (see shard_range) over all ranks, in place, and
         returns a view of it; the rest of `array` is left unspecified."""
-        dtype = _reduce_dtype(array, op)
+        dtype = reduce_dtype(array, op)
         start, stop = self.shard_range(array.size)
         if self.backend == "nccl":
             self._nccl_sharded(array, "reduce_scatter", lambda p, n: self._comm.reduce_scatter(
                 p, n, dtype, op, self._t(timeout)))
         else:
-            self._comm.reduce_scatter(_host(array), array.size, dtype, op, self._t(timeout))
+            self._comm.reduce_scatter(host_array(array), array.size, dtype, op, self._t(timeout))
         return array.reshape(-1)[start:stop]
 
     def allgather(self, array: np.ndarray, timeout: float | None = None) -> np.ndarray:
         """Fills every rank's shard of the flattened `array` from the rank that owns it, in place; returns `array`.
         With a first axis of world_size, row r comes from rank r (torch's all_gather_into_tensor)."""
-        dtype = _dtype_name(array, _native.COMM_DTYPES)
+        dtype = dtype_name(array, _native.COMM_DTYPES)
         if self.backend == "nccl":
             self._nccl_sharded(array, "allgather", lambda p, n: self._comm.allgather(p, n, dtype, self._t(timeout)))
         else:
-            self._comm.allgather(_host(array), array.size, dtype, self._t(timeout))
+            self._comm.allgather(host_array(array), array.size, dtype, self._t(timeout))
         return array
 
     def broadcast(self, array: np.ndarray, root: int = 0, timeout: float | None = None) -> np.ndarray:
@@ -310,9 +310,9 @@ class ProcessGroup:
         if not 0 <= root < self.world_size:
             raise ValueError(f"root {root} is outside world size {self.world_size}")
         if self.backend == "nccl":
-            nbytes = _count(array) * np.dtype(_array_dtype(array)).itemsize
+            nbytes = element_count(array) * np.dtype(array_dtype(array)).itemsize
             return self._nccl(array, lambda p: self._comm.broadcast(p, nbytes, root, self._t(timeout)))
-        self._comm.broadcast(_host(array), root, self._t(timeout))
+        self._comm.broadcast(host_array(array), root, self._t(timeout))
         return array
 
     def shift(self, send: np.ndarray, recv: np.ndarray, timeout: float | None = None) -> np.ndarray:
@@ -321,7 +321,7 @@ class ProcessGroup:
         host group of their own."""
         if self.backend != "tcp":
             raise ValueError("shift runs on a tcp group")
-        self._comm.shift(_host(send), _host(recv), self._t(timeout))
+        self._comm.shift(host_array(send), host_array(recv), self._t(timeout))
         return recv
 
     def barrier(self, timeout: float | None = None) -> None:
@@ -368,11 +368,11 @@ class ProcessGroup:
         return int(self._staging["buffer"][0])
 
     def _nccl(self, array: Any, run: Any) -> Any:
-        pointer = _device_pointer(array)
+        pointer = device_pointer(array)
         if pointer is not None:
             run(pointer)
             return array
-        host = _host(array)
+        host = host_array(array)
         device = self._device_buffer(host.nbytes)
         _native.cuda_memcpy(self.device, device, _native.address_of(host), host.nbytes, _native.COPY_H2D)
         run(device)
@@ -383,15 +383,15 @@ class ProcessGroup:
         """NCCL shards are equal: a host array is laid out in world_size slots of ceil(size / world_size)
         elements on the device, each holding one shard_range shard, so results match the TCP ring's layout."""
         world = self.world_size
-        pointer = _device_pointer(array)
+        pointer = device_pointer(array)
         if pointer is not None:
-            count = _count(array)
+            count = element_count(array)
             if count % world:
                 raise errors.UnsupportedTensorError(
                     f"{what} of a device array needs a size divisible by world size {world}, got {count}")
             run(pointer, count)
             return
-        flat = _host(array).reshape(-1)
+        flat = host_array(array).reshape(-1)
         slot = -(-flat.size // world)
         device = self._device_buffer(slot * world * flat.itemsize)
         shards = [_native.shard_range(flat.size, world, r) for r in range(world)]

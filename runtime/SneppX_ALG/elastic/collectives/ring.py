@@ -33,7 +33,7 @@ from collections.abc import Generator
 from SneppX_ALG import errors
 from SneppX_ALG.elastic import store as store_lib
 
-_SETUP_POLL = 0.05  # setup's loops wake this often: to look for an address, to retry a connect, to see an abort
+SETUP_POLL = 0.05  # setup's loops wake this often: to look for an address, to retry a connect, to see an abort
 MAX_PENDING_HANDSHAKES = 64  # connections being vetted at once; beyond this the oldest is dropped
 
 PROTOCOL_VERSION = 1
@@ -59,7 +59,7 @@ def address_key(generation: int, rank: int) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Identity:
+class Identity:
     """What a rank asserts, and checks of its neighbours, on a connection."""
 
     key: bytes
@@ -92,7 +92,7 @@ def _send_small(sock: socket.socket, data: bytes) -> None:
 Steps = Generator[int, bytes, None]
 
 
-def _server_steps(sock: socket.socket, me: _Identity) -> Steps:
+def _server_steps(sock: socket.socket, me: Identity) -> Steps:
     hello = yield HELLO.size
     magic, version, _, generation, rank, world_size, chunk_bytes, _nonce = HELLO.unpack(hello)
     if magic != HELLO_MAGIC or version != PROTOCOL_VERSION:
@@ -116,7 +116,7 @@ def _server_steps(sock: socket.socket, me: _Identity) -> Steps:
         raise _Refused(reason)
 
 
-def _client_steps(sock: socket.socket, me: _Identity, right: int) -> Steps:
+def _client_steps(sock: socket.socket, me: Identity, right: int) -> Steps:
     def fail(kind: type[errors.CollectiveError], why: str) -> errors.CollectiveError:
         return kind(f"setup of generation {me.generation}: rank {me.rank} -> rank {right}: {why}",
                     rank=me.rank, generation=me.generation, peer=right)
@@ -181,20 +181,20 @@ def _tune(sock: socket.socket) -> socket.socket:
     return sock
 
 
-def _check_setup_aborted(aborted: threading.Event | None, rank: int, generation: int) -> None:
+def check_setup_aborted(aborted: threading.Event | None, rank: int, generation: int) -> None:
     if aborted is not None and aborted.is_set():
         raise errors.CollectiveAbortedError(f"setup of generation {generation}: rank {rank} was aborted",
                                             rank=rank, generation=generation)
 
 
-def connect_ring(listener: socket.socket, store: store_lib.Store, me: _Identity, deadline: float,
+def connect_ring(listener: socket.socket, store: store_lib.Store, me: Identity, deadline: float,
                  refused: Counter[str], aborted: threading.Event | None = None,
                  ) -> tuple[socket.socket, socket.socket]:
     """(send socket to rank+1, receive socket from rank-1), both authenticated; see the module docstring.
 
     The listener is served from the start, also while rank+1's address is not yet in the store, so a connection
     never waits on anything but its own handshake. CollectiveAbortedError once `aborted` is set (seen within
-    _SETUP_POLL seconds), the sockets closed."""
+    SETUP_POLL seconds), the sockets closed."""
     right, left = (me.rank + 1) % me.world_size, (me.rank - 1) % me.world_size
     right_address: tuple[str, int] | None = None
     lookup_at, lookup_every = 0.0, 0.01
@@ -215,7 +215,7 @@ def connect_ring(listener: socket.socket, store: store_lib.Store, me: _Identity,
 
     try:
         while send_sock is None or recv_sock is None:
-            _check_setup_aborted(aborted, me.rank, me.generation)
+            check_setup_aborted(aborted, me.rank, me.generation)
             now = time.monotonic()
             if now >= deadline:
                 missing = [f"reach rank {right}" + ("" if right_address else " (it never published its address)")
@@ -232,7 +232,7 @@ def connect_ring(listener: socket.socket, store: store_lib.Store, me: _Identity,
                 outgoing.setblocking(False)
                 outgoing.connect_ex(right_address)
                 selector.register(outgoing, selectors.EVENT_WRITE)
-            for selected, _ in selector.select(min(deadline - now, _SETUP_POLL)):
+            for selected, _ in selector.select(min(deadline - now, SETUP_POLL)):
                 sock = selected.fileobj
                 assert isinstance(sock, socket.socket)
                 if sock is listener:
@@ -249,7 +249,7 @@ def connect_ring(listener: socket.socket, store: store_lib.Store, me: _Identity,
                     if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):  # nobody listening: try again soon
                         selector.unregister(sock)
                         sock.close()
-                        outgoing, next_attempt = None, time.monotonic() + _SETUP_POLL
+                        outgoing, next_attempt = None, time.monotonic() + SETUP_POLL
                         continue
                     selector.modify(sock, selectors.EVENT_READ)
                     client = _Conversation(sock, _client_steps(sock, me, right))
