@@ -322,7 +322,8 @@ const char *sx_hb_drop_name(int reason);
 #define SX_EL_TIMEOUT 3
 #define SX_EL_RECONFIGURED 4
 #define SX_EL_BUDGET_EXHAUSTED 5
-#define SX_EL_NEVENTS 6
+#define SX_EL_FATAL 6
+#define SX_EL_NEVENTS 7
 
 typedef struct {
     int state;

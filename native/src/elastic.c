@@ -13,26 +13,27 @@
 
 #define X (-1) /* illegal */
 
-/* NEXT[state][event]; events: join, leave, peer_failed, timeout, reconfigured, budget_exhausted */
+/* NEXT[state][event]; events: join, leave, peer_failed, timeout, reconfigured, budget_exhausted, fatal */
 static const int NEXT[SX_EL_NSTATES][SX_EL_NEVENTS] = {
-    /* INIT: not yet part of any membership */
-    [SX_EL_INIT] = {SX_EL_JOINING, SX_EL_STOPPED, X, X, X, SX_EL_FAILED},
+    /* INIT: not yet part of any membership. From any live state, `leave` ends cleanly and `budget_exhausted` or
+     * `fatal` (an error no restart fixes: a rollback limit, a worker's fatal error, the OOM killer) ends in failure */
+    [SX_EL_INIT] = {SX_EL_JOINING, SX_EL_STOPPED, X, X, X, SX_EL_FAILED, SX_EL_FAILED},
     /* JOINING: waiting in a rendezvous; peers dropping out is part of forming, a timeout ends it */
-    [SX_EL_JOINING] = {X, SX_EL_STOPPED, SX_EL_JOINING, SX_EL_FAILED, SX_EL_RUNNING, SX_EL_FAILED},
+    [SX_EL_JOINING] = {X, SX_EL_STOPPED, SX_EL_JOINING, SX_EL_FAILED, SX_EL_RUNNING, SX_EL_FAILED, SX_EL_FAILED},
     /* RUNNING: training in generation g; a lost peer or a node asking to join re-forms the membership */
-    [SX_EL_RUNNING] = {SX_EL_RECONFIGURING, SX_EL_STOPPED, SX_EL_RECONFIGURING, X, X, SX_EL_FAILED},
+    [SX_EL_RUNNING] = {SX_EL_RECONFIGURING, SX_EL_STOPPED, SX_EL_RECONFIGURING, X, X, SX_EL_FAILED, SX_EL_FAILED},
     /* RECONFIGURING: forming generation g+1 with the survivors; too few before the deadline fails */
     [SX_EL_RECONFIGURING] = {SX_EL_RECONFIGURING, SX_EL_STOPPED, SX_EL_RECONFIGURING, SX_EL_FAILED, SX_EL_RUNNING,
-                             SX_EL_FAILED},
+                             SX_EL_FAILED, SX_EL_FAILED},
     /* STOPPED and FAILED are final: a node that comes back starts a new machine (and joins a new generation) */
-    [SX_EL_STOPPED] = {X, X, X, X, X, X},
-    [SX_EL_FAILED] = {X, X, X, X, X, X},
+    [SX_EL_STOPPED] = {X, X, X, X, X, X, X},
+    [SX_EL_FAILED] = {X, X, X, X, X, X, X},
 };
 
 static const char *const STATE_NAMES[SX_EL_NSTATES] = {"init", "joining", "running", "reconfiguring", "stopped",
                                                        "failed"};
 static const char *const EVENT_NAMES[SX_EL_NEVENTS] = {"join", "leave", "peer_failed", "timeout", "reconfigured",
-                                                       "budget_exhausted"};
+                                                       "budget_exhausted", "fatal"};
 
 void sx_elastic_init(sx_elastic *m) {
     m->state = SX_EL_INIT;

@@ -221,8 +221,8 @@ class NodeAgent:
             membership = self._join(None, frozenset())
             while True:
                 outcome = self._run_generation(membership)
-                if outcome.kind in ("done", "fatal"):  # the run is over: this node leaves it
-                    self._transition("leave")
+                if outcome.kind in ("done", "fatal"):  # the run is over: this node leaves it, or fails with it
+                    self._transition("leave" if outcome.kind == "done" else "fatal")
                 if outcome.kind == "done":
                     if self.link is not None and membership.node_rank(self.s.agent_id) == 0:
                         self.link.report(membership, self.resumed_from, self.resumed_source, force=True)  # the last step saved
@@ -265,7 +265,7 @@ class NodeAgent:
                 w.kill()
             return code
         except OutOfMemory as e:
-            self._transition("leave")  # the pod ends: it is not retried here (see OutOfMemory)
+            self._transition("fatal")  # the pod ends: it is not retried here (see OutOfMemory)
             code, reason = EXIT_OOM_KILLED, f"failed: {e}"
             for w in self.workers:
                 w.kill()

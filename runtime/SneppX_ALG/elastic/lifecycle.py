@@ -5,11 +5,12 @@ them; this class is their Python face. Each node agent (elastic/agent.py, `NodeA
 node and fires its events where it goes through them: `join` when it first joins the rendezvous, `reconfigured`
 (with the rendezvous' generation) each time a generation including it is sealed, `peer_failed` when a generation
 fails, `join` when it stops at a checkpoint boundary for agents waiting to join, `leave` when the run is over
-for it, `timeout` when no generation formed in time, `budget_exhausted` when its restart budget is gone. Its
+for it, `timeout` when no generation formed in time, `budget_exhausted` when its restart budget is gone, `fatal`
+when an error no restart fixes ends it (a worker's fatal error, the OOM killer). Its
 state is in every event the agent writes. (The agent's workers have states of their own, `agent.WorkerState`.)
 
 States: init, joining, running, reconfiguring, stopped, failed. Events: join, leave, peer_failed, timeout,
-reconfigured, budget_exhausted. Each `reconfigured` starts a new membership generation. An event the current
+reconfigured, budget_exhausted, fatal. Each `reconfigured` starts a new membership generation. An event the current
 state doesn't allow raises LifecycleError and changes nothing. The table, with the reason for each entry and
 where the agent fires each event, is in docs/ELASTIC.md ("Node lifecycle").
 """

@@ -3,8 +3,8 @@ really goes through it, the rendezvous' generation numbers recorded, its state i
 
 A one-node agent runs in this process with a stand-in worker (a few lines speaking the control channel, no
 training) that fails generation 0 and completes generation 1: a failure, a re-formation, the end. The other
-runs end the other ways a node's life ends: its restart budget, a join timeout, a run another agent marked
-finished. tests/unit/elastic/test_elastic_lifecycle.py checks the table itself.
+runs end the other ways a node's life ends: its restart budget, a worker's fatal error, a join timeout, a run
+another agent marked finished. tests/unit/elastic/test_elastic_lifecycle.py checks the table itself.
 """
 
 from __future__ import annotations
@@ -95,6 +95,20 @@ def test_an_exhausted_restart_budget_fails_the_node(tmp_path: Path) -> None:
         ("join", "init", "joining"), ("reconfigured", "joining", "running"),
         ("peer_failed", "running", "reconfiguring"), ("budget_exhausted", "reconfiguring", "failed")]
     assert (node.lifecycle.state, node.lifecycle.generation) == ("failed", 0)
+
+
+def test_a_workers_fatal_error_fails_the_node_instead_of_stopping_it(tmp_path: Path) -> None:
+    """A fatal error (a rollback limit, a train_fn error no restart fixes) ends the run: the node ends `failed`,
+    so its state says how it ended, where a completed run ends `stopped`."""
+    fatal_worker = WORKER.replace('send("failed", generation=generation, error="CollectiveError: planted")',
+                                  'send("fatal", generation=generation, error="RollbackLimitError: planted")')
+    assert fatal_worker != WORKER
+    code, node = run(tmp_path, worker_command=[sys.executable, "-c", fatal_worker])
+    assert code == agent_lib.EXIT_FAILED
+    assert [step[:3] for step in walk(tmp_path)] == [
+        ("join", "init", "joining"), ("reconfigured", "joining", "running"), ("fatal", "running", "failed")]
+    assert (node.lifecycle.state, node.lifecycle.generation) == ("failed", 0)
+    assert json.loads((tmp_path / "result.json").read_text())["lifecycle"]["state"] == "failed"
 
 
 def test_no_generation_in_time_is_a_timeout(tmp_path: Path) -> None:

@@ -24,8 +24,8 @@ def model_next(state: str, event: str) -> str | None:
         return None                                  # final: a returning node starts a new machine
     if event == "leave":
         return "stopped"                             # anyone may leave, cleanly
-    if event == "budget_exhausted":
-        return "failed"                              # out of restarts: give up from anywhere
+    if event in ("budget_exhausted", "fatal"):
+        return "failed"                              # out of restarts, or an error no restart fixes: give up
     if event == "join":
         if state == "init":
             return "joining"
