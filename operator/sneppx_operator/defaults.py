@@ -2,8 +2,9 @@
 
 Why: the API server fills a field's `default:` (crds/sneppx.io_elastictrainingjobs.yaml) in when it stores a job,
 but the operator must not depend on that (a job stored before a default existed; a spec in a test); where a field
-is absent it uses the same value, from here. tests/unit/sneppx_operator/test_operator_defaults.py checks every value against the
-CRD, and that no operator module writes one of these fields' defaults itself. Reads nothing from disk.
+is absent it uses the same value, from here. tests/unit/sneppx_operator/test_operator_defaults.py checks every
+value against the CRD, and that no operator module writes one of these fields' defaults itself. Reads nothing
+from disk.
 """
 
 from __future__ import annotations
