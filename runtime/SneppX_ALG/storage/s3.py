@@ -151,7 +151,7 @@ class S3Storage:
             if not os.path.isfile(path):
                 raise errors.StorageError(f"{path} was not written", path=path)
             size = os.path.getsize(path)
-            etag = s3_upload.upload_file(self, path, key)
+            etag = self.upload_file(path, key)
             pending.uploaded[key] = parts[leaf] = (size, etag)
         return parts
 
