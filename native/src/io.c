@@ -232,21 +232,30 @@ struct sx_file {
     int status, status_errno;    /* first failure, sticky */
 };
 
+/* Turns O_DIRECT off on the write fd (idempotent: another writer may have done it already). */
+static int go_buffered(sx_file *f) {
+    pthread_mutex_lock(&f->lock);
+    int fl = fcntl(f->fd, F_GETFL);
+    int rc = fl < 0 ? -1 : (fl & O_DIRECT) ? fcntl(f->fd, F_SETFL, fl & ~O_DIRECT) : 0;
+    if (rc == 0) f->direct = 0;
+    pthread_mutex_unlock(&f->lock);
+    return rc;
+}
+
 static int write_all(sx_file *f, int fd, const unsigned char *p, size_t len, uint64_t off, int *err) {
+    int fell_back = 0;
     while (len) {
+        /* read before the write: two writers may both be refused under O_DIRECT, and the
+         * second must fall back too even though the first already turned it off */
+        int direct = fd == f->fd && sx_file_is_direct(f);
         int inj = fault_point(SX_SITE_WRITE);
         ssize_t n = inj ? (errno = inj, -1) : pwrite(fd, p, len, (off_t)off);
         if (n < 0) {
             if (errno == EINTR) continue;
-            if (errno == EINVAL && fd == f->fd && sx_file_is_direct(f)) {
-                /* the filesystem took O_DIRECT at open but not at write: go buffered */
-                int fl = fcntl(fd, F_GETFL);
-                if (fl >= 0 && fcntl(fd, F_SETFL, fl & ~O_DIRECT) == 0) {
-                    pthread_mutex_lock(&f->lock);
-                    f->direct = 0;
-                    pthread_mutex_unlock(&f->lock);
-                    continue;
-                }
+            if (errno == EINVAL && direct && !fell_back && go_buffered(f) == 0) {
+                /* the filesystem took O_DIRECT at open but not at write: retry buffered, once */
+                fell_back = 1;
+                continue;
             }
             *err = errno;
             return errno == ENOSPC || errno == EDQUOT ? SX_ENOSPC : SX_EIO;

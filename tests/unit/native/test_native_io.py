@@ -102,7 +102,11 @@ int fcntl64(int fd, int cmd, ...) {
 static ssize_t shim_pwrite(int fd, const void *buf, size_t len, off_t off) {
     static ssize_t (*real)(int, const void *, size_t, off_t);
     if (!real) *(void **)&real = dlsym(RTLD_NEXT, "pwrite");
-    if (refuses("write") && (real_fcntl(fd, F_GETFL, 0) & O_DIRECT)) { errno = EINVAL; return -1; }
+    if (refuses("write") && (real_fcntl(fd, F_GETFL, 0) & O_DIRECT)) {
+        usleep(20000); /* slow to refuse, so every writer thread is refused before the first falls back */
+        errno = EINVAL;
+        return -1;
+    }
     return real(fd, buf, len, off);
 }
 
