@@ -50,6 +50,7 @@ from SneppX_ALG.contract.env import (
     ENV_HEARTBEAT_KEY_FILE,
     ENV_HOST,
     ENV_JOB,
+    ENV_LAST_CALL,
     ENV_MAX_NODES,
     ENV_MAX_TO_KEEP,
     ENV_MIN_NODES,
@@ -58,6 +59,7 @@ from SneppX_ALG.contract.env import (
     ENV_OBJECT,
     ENV_POD_NAME,
     ENV_PROCS_PER_NODE,
+    ENV_RENDEZVOUS_TIMEOUT,
     ENV_ROLLBACK_DEPTH,
     ENV_SAVE_EVERY,
     ENV_SNAPSHOT_EVERY,
@@ -341,6 +343,8 @@ def rank_env(
         _env(ENV_OBJECT, job_object.object_name(job_name)),
         _env(ENV_MIN_NODES, elastic["minNodes"]),
         _env(ENV_MAX_NODES, elastic["maxNodes"]),
+        _env(ENV_RENDEZVOUS_TIMEOUT, defaults.field(elastic, "elastic.rendezvousTimeoutSeconds")),
+        _env(ENV_LAST_CALL, defaults.field(elastic, "elastic.joinTimeoutSeconds")),
         _env(ENV_HANG_TIMEOUT, defaults.field(policy, "failurePolicy.hangTimeoutSeconds")),
     ]
     s3 = checkpoint["storage"].get("s3")

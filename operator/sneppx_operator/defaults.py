@@ -16,6 +16,8 @@ from typing import Any
 DEFAULTS: Mapping[str, object] = {
     "elastic.procsPerNode": 1,
     "elastic.port": 29500,
+    "elastic.rendezvousTimeoutSeconds": 600,
+    "elastic.joinTimeoutSeconds": 30,
     "quorum.actionOnLoss": "Pause",
     "failurePolicy.maxRestarts": 3,
     "failurePolicy.restartDelay.initialSeconds": 10,

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from SneppX_ALG import CheckpointCoordinator, storage
+from SneppX_ALG import CheckpointCoordinator, ElasticTrainer, storage
+from SneppX_ALG.elastic import pod
 from sneppx_operator import builders
 
 S3_SECRET_VALUES = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
@@ -129,3 +130,24 @@ def test_jobs_sharing_a_bucket_without_a_prefix_never_see_each_others_steps(
 def test_a_file_uri_needs_an_absolute_path(uri: str) -> None:
     with pytest.raises(ValueError, match="absolute path"):
         storage.open_storage(uri)
+
+
+def test_the_jobs_rendezvous_times_reach_the_pods_agent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """elastic.rendezvousTimeoutSeconds and joinTimeoutSeconds, written by the operator, are the times the agent
+    in the pod runs its rendezvous with, over what the training script passed (the job spec wins)."""
+    spec = job_spec({"pvc": {"claimName": "ckpt"}})
+    spec["elastic"].update(rendezvousTimeoutSeconds=900, joinTimeoutSeconds=45)
+    env = {**rank_environment("train", "team-a", spec), "SNEPPX_HEARTBEAT_KEY": "00" * 32}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    in_pod = pod.PodEnvironment.from_environ(env)
+    assert in_pod is not None
+    trainer = ElasticTrainer(train_fn=print, checkpoint_dir="/elsewhere", join_timeout=60, last_call=5)
+    config = trainer._pod_agent_settings(in_pod).rendezvous
+    assert (config.join_timeout, config.last_call) == (900.0, 45.0)
+    assert (config.min_nodes, config.max_nodes) == (1, 2)
+    del env["SNEPPX_RENDEZVOUS_TIMEOUT_SECONDS"], env["SNEPPX_LAST_CALL_SECONDS"]  # a pod of an older operator
+    older = pod.PodEnvironment.from_environ(env)
+    assert older is not None
+    config = trainer._pod_agent_settings(older).rendezvous
+    assert (config.join_timeout, config.last_call) == (60, 5)

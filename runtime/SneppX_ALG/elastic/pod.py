@@ -36,12 +36,14 @@ from SneppX_ALG.contract.env import (
     ENV_HANG_TIMEOUT,
     ENV_HOST,
     ENV_JOB,
+    ENV_LAST_CALL,
     ENV_MAX_NODES,
     ENV_MAX_TO_KEEP,
     ENV_MIN_NODES,
     ENV_OBJECT,
     ENV_POD_NAME,
     ENV_PROCS_PER_NODE,
+    ENV_RENDEZVOUS_TIMEOUT,
     ENV_ROLLBACK_DEPTH,
     ENV_SNAPSHOT_EVERY,
     ENV_SNAPSHOT_REPLICAS,
@@ -75,6 +77,9 @@ class PodEnvironment:
     rollback_depth: int
     snapshot_every: int = 0
     snapshot_replicas: int = 1
+    # The job's rendezvous times (None: a pod made by an operator that did not set them; the trainer's own apply)
+    join_timeout: float | None = None  # SNEPPX_RENDEZVOUS_TIMEOUT_SECONDS (elastic.rendezvousTimeoutSeconds)
+    last_call: float | None = None  # SNEPPX_LAST_CALL_SECONDS (elastic.joinTimeoutSeconds)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> PodEnvironment | None:
@@ -103,6 +108,9 @@ class PodEnvironment:
         for name, value in ((ENV_JOB, job), (ENV_POD_NAME, pod)):
             if not record.is_segment(value):
                 raise errors.ElasticLaunchError(f"{name}={value!r} is not a Kubernetes name")
+        def optional(name: str, low: int) -> float | None:
+            return float(number(name, low)) if environ.get(name) else None
+
         hang = number(ENV_HANG_TIMEOUT, 0)
         keep = number(ENV_MAX_TO_KEEP, 0) if environ.get(ENV_MAX_TO_KEEP) else 5
         return cls(
@@ -114,7 +122,8 @@ class PodEnvironment:
             else 2,
             snapshot_every=number(ENV_SNAPSHOT_EVERY, 0) if environ.get(ENV_SNAPSHOT_EVERY) else 0,
             snapshot_replicas=number(ENV_SNAPSHOT_REPLICAS, 1)
-            if environ.get(ENV_SNAPSHOT_REPLICAS) else 1)
+            if environ.get(ENV_SNAPSHOT_REPLICAS) else 1,
+            join_timeout=optional(ENV_RENDEZVOUS_TIMEOUT, 1), last_call=optional(ENV_LAST_CALL, 0))
 
 
 def rendezvous_store(elastic_root: str, environ: Mapping[str, str] = os.environ) -> record.RecordStore:

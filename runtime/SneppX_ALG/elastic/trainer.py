@@ -99,6 +99,8 @@ class ElasticTrainer:
     join_timeout: how long an agent waits for a generation that includes it (RendezvousTimeoutError after).
     min_nodes: the fewest nodes a generation may have (default 1: survivors go on alone).
     last_call: after min_nodes joined, how long a forming generation waits for the others (at the start).
+        In an operator's pod the job's spec.elastic gives both instead (rendezvousTimeoutSeconds is join_timeout,
+        joinTimeoutSeconds is last_call), as it gives min_nodes.
     hang_timeout: a worker that sends no heartbeat (a thread, every 0.1 s) for this long is stopped or wedged,
         and is killed (raise it if train_fn calls C code that holds the GIL longer than that). step_timeout: a worker that reports no step (ctx.save/ctx.report) for this long is
         killed (None: no limit). heartbeat_timeout: an agent silent this long is gone, with its node.
@@ -212,8 +214,10 @@ class ElasticTrainer:
         return agent.AgentSettings(
             run_id=p.job, agent_id=p.pod_name, host=p.host, workers=p.procs_per_node,
             elastic_root=elastic_root(p.checkpoint_uri), worker_command=script_command(), worker_env=env,
-            rendezvous=rendezvous.RendezvousConfig(min_nodes=min(p.min_nodes, p.max_nodes), max_nodes=p.max_nodes,
-                                                   last_call=self.last_call, join_timeout=self.join_timeout),
+            rendezvous=rendezvous.RendezvousConfig(
+                min_nodes=min(p.min_nodes, p.max_nodes), max_nodes=p.max_nodes,  # the job spec's times win
+                last_call=self.last_call if p.last_call is None else p.last_call,
+                join_timeout=self.join_timeout if p.join_timeout is None else p.join_timeout),
             max_restarts=self.max_restarts, restart_delay=self.restart_delay,
             heartbeat_timeout=self.heartbeat_timeout, hang_timeout=self.hang_timeout, step_timeout=p.step_timeout,
             poll_period=1.0, events_path=os.environ.get(ENV_EVENTS) or "-", operator_mode=True,

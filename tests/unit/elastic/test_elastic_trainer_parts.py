@@ -125,6 +125,9 @@ def test_the_pods_environment_is_the_word_on_the_jobs_shape() -> None:
                                    max_nodes=4, step_timeout=90.0, checkpoint_uri="file:///var/lib/sneppx/checkpoints",
                                    max_to_keep=3, rollback_depth=1)
     assert pod.PodEnvironment.from_environ({**POD_ENV, "SNEPPX_HANG_TIMEOUT_SECONDS": "0"}).step_timeout is None
+    timed = pod.PodEnvironment.from_environ({**POD_ENV, "SNEPPX_RENDEZVOUS_TIMEOUT_SECONDS": "900",
+                                             "SNEPPX_LAST_CALL_SECONDS": "0"})
+    assert (timed.join_timeout, timed.last_call) == (900.0, 0.0)
     snapshots = pod.PodEnvironment.from_environ({**POD_ENV, "SNEPPX_SNAPSHOT_EVERY_N_STEPS": "1",
                                                  "SNEPPX_SNAPSHOT_REPLICAS": "2"})
     assert (snapshots.snapshot_every, snapshots.snapshot_replicas) == (1, 2)
@@ -134,7 +137,9 @@ def test_the_pods_environment_is_the_word_on_the_jobs_shape() -> None:
     for name, value, problem in [("SNEPPX_POD_NAME", "", "SNEPPX_POD_NAME is not"),
                                  ("SNEPPX_PROCS_PER_NODE", "eight", "not an integer"),
                                  ("SNEPPX_MAX_NODES", "0", "below 1"), ("SNEPPX_JOB", "../x", "not a Kubernetes name"),
-                                 ("SNEPPX_SNAPSHOT_REPLICAS", "0", "below 1")]:
+                                 ("SNEPPX_SNAPSHOT_REPLICAS", "0", "below 1"),
+                                 ("SNEPPX_RENDEZVOUS_TIMEOUT_SECONDS", "0", "below 1"),
+                                 ("SNEPPX_LAST_CALL_SECONDS", "soon", "not an integer")]:
         with pytest.raises(errors.ElasticLaunchError, match=problem):
             pod.PodEnvironment.from_environ({**POD_ENV, name: value})
 

@@ -397,6 +397,12 @@ def test_the_agent_gets_the_rendezvous_object_and_the_lifecycle_knobs_in_its_env
     assert env["SNEPPX_HANG_TIMEOUT_SECONDS"] == "90"
     assert env["SNEPPX_MIN_NODES"] == "1" and env["SNEPPX_MAX_NODES"] == "4"
     assert env["SNEPPX_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}  # where its agent listens
+    # the rendezvous times: the CRD's defaults when absent, the spec's when given
+    assert (env["SNEPPX_RENDEZVOUS_TIMEOUT_SECONDS"], env["SNEPPX_LAST_CALL_SECONDS"]) == ("600", "30")
+    timed = spec()
+    timed["elastic"].update(rendezvousTimeoutSeconds=900, joinTimeoutSeconds=0)
+    env = env_of(pod(timed)["spec"]["containers"][0])
+    assert (env["SNEPPX_RENDEZVOUS_TIMEOUT_SECONDS"], env["SNEPPX_LAST_CALL_SECONDS"]) == ("900", "0")
 
 
 @pytest.mark.parametrize("field", ["serviceAccountName", "serviceAccount"])

@@ -15,8 +15,6 @@ REPO = pathlib.Path(__file__).resolve().parents[3]
 OPERATOR = REPO / "operator" / "sneppx_operator"
 CRDS = [REPO / "crds" / "sneppx.io_elastictrainingjobs.yaml",
         REPO / "charts" / "sneppx-operator" / "crds" / "sneppx.io_elastictrainingjobs.yaml"]
-# CRD defaults of fields the operator never reads, so it needs no fallback for them.
-UNREAD = {"elastic.rendezvousTimeoutSeconds", "elastic.joinTimeoutSeconds"}
 
 
 def crd_defaults(path: pathlib.Path) -> dict[str, Any]:
@@ -43,10 +41,7 @@ def crd_defaults(path: pathlib.Path) -> dict[str, Any]:
 @pytest.mark.parametrize("crd", CRDS, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_default_the_operator_uses_is_the_crds(crd: pathlib.Path) -> None:
     in_crd = crd_defaults(crd)
-    assert {k: (type(v), v) for k, v in defaults.DEFAULTS.items()} == {
-        k: (type(v), v) for k, v in in_crd.items() if k not in UNREAD
-    }
-    assert UNREAD <= in_crd.keys()
+    assert {k: (type(v), v) for k, v in defaults.DEFAULTS.items()} == {k: (type(v), v) for k, v in in_crd.items()}
 
 
 def test_no_operator_module_writes_a_default_of_its_own() -> None:
