@@ -129,8 +129,7 @@ def bench_size(total_mib: int, root: str) -> dict[str, float]:
     reset_peak()
     rss1 = status_kib("VmRSS")
     coord.save(state, step=5)
-    engine = coord._engine
-    during = step_times(train, lambda: engine.idle, 3)
+    during = step_times(train, lambda: not coord.saving, 3)
     coord.wait()
     out["peak_steady"] = (status_kib("VmHWM") - rss1) * 1024 / total
     alone += step_times(train, lambda: True, 15)  # before and after, so drift in machine load evens out

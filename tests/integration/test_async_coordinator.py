@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import threading
+import time
 import tracemalloc
 
 import numpy as np
@@ -183,7 +184,8 @@ def test_background_errors_are_raised_by_the_next_save(tmp_path) -> None:
     coord = CheckpointCoordinator(tmp_path)
     _native.fault_arm("fsync", 1, "ENOSPC")
     coord.save(state_for(1), step=1)
-    coord._engine.wait()  # let it fail without consuming the error
+    while coord.saving:  # let it fail without consuming the error (pytest-timeout bounds this)
+        time.sleep(0.01)
     with pytest.raises(errors.DiskFullError):
         coord.save(state_for(2), step=2)
     coord.close()
@@ -330,6 +332,24 @@ def test_a_tensor_name_the_format_refuses_fails_the_save_that_passed_it(tmp_path
     with CheckpointCoordinator(tmp_path) as resumed:
         assert resumed.restore(restored).step == 2
     np.testing.assert_array_equal(restored["ok"], np.ones(4))
+
+
+def test_saving_says_whether_a_save_is_still_in_flight(tmp_path) -> None:
+    at_commit, go_on = threading.Event(), threading.Event()
+
+    def held_commit() -> None:  # the writer thread, right before the commit point
+        at_commit.set()
+        assert go_on.wait(60)
+
+    coord = CheckpointCoordinator(tmp_path, commit_fence=held_commit, device="cpu")
+    assert not coord.saving
+    coord.save(state_for(1), step=1)  # returns once staged: the write and the commit go on
+    assert at_commit.wait(60)
+    assert coord.saving
+    go_on.set()
+    coord.wait()
+    assert not coord.saving and coord.committed_steps() == [1]
+    coord.close()
 
 
 def test_close_on_another_thread_waits_for_a_save_in_progress(tmp_path) -> None:

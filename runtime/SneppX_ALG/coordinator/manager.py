@@ -228,6 +228,12 @@ class CheckpointCoordinator:
         return self._storage
 
     @property
+    def saving(self) -> bool:
+        """True while an earlier save is still being written or committed in the background. Its error, if it
+        fails, is raised by the next save(), wait() or close()."""
+        return not self._engine.idle
+
+    @property
     def staging_allocated_bytes(self) -> int:
         """Host memory held for staging right now (bounded by staging_bytes)."""
         return self._engine.staging_allocated_bytes

@@ -5,6 +5,7 @@ the whole trainer runs in tests/integration/test_elastic_worker_rules.py."""
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -111,7 +112,8 @@ def test_saving_a_step_committed_already_counts_as_saved_and_training_goes_on(so
     commit(s.checkpoints, [3])
     state = {"w": np.full(2048, 7, dtype=np.float32)}
     s.ctx.save(state, 3)
-    s.coordinator._engine.wait()  # step 3's outcome is decided, not taken: the next save is the call that learns it
+    while s.coordinator.saving:  # step 3's outcome is decided, not taken: the next save is the call that learns it
+        time.sleep(0.01)
     s.ctx.save(state, 4)
     worker.call_counting_committed_as_saved(s.coordinator.close)
     saved = [r["step"] for r in s.reports() if r["kind"] == "saved"]
