@@ -24,9 +24,9 @@ EVERY = 10  # the durable checkpoint interval
 @pytest.fixture
 def runs(launched: list[Run]) -> Any:
     def start(out: Path, **knobs: Any) -> Run:
-        # hang_timeout 5: a worker starved of CPU on a loaded 2-core box is not taken for a hung one (killing it
-        # would take its snapshots with it and hide what the test looks at)
-        defaults = {"steps": STEPS, "every": EVERY, "snapshot": 1, "hang_timeout": 5}
+        # recovery_script's hang_timeout (5 s) keeps a starved worker from being killed as hung, which would take
+        # its snapshots with it and hide what the test looks at
+        defaults = {"steps": STEPS, "every": EVERY, "snapshot": 1}
         run = Run(out, str(out.parent / "ckpts"), **{**defaults, **knobs})
         launched.append(run)
         return run
