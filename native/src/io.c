@@ -251,14 +251,15 @@ static int write_all(sx_file *f, int fd, const unsigned char *p, size_t len, uin
         int inj = fault_point(SX_SITE_WRITE);
         ssize_t n = inj ? (errno = inj, -1) : pwrite(fd, p, len, (off_t)off);
         if (n < 0) {
-            if (errno == EINTR) continue;
-            if (errno == EINVAL && direct && !fell_back && go_buffered(f) == 0) {
+            int e = errno; /* the write's, whatever the fall back's fcntl leaves */
+            if (e == EINTR) continue;
+            if (e == EINVAL && direct && !fell_back && go_buffered(f) == 0) {
                 /* the filesystem took O_DIRECT at open but not at write: retry buffered, once */
                 fell_back = 1;
                 continue;
             }
-            *err = errno;
-            return errno == ENOSPC || errno == EDQUOT ? SX_ENOSPC : SX_EIO;
+            *err = e;
+            return e == ENOSPC || e == EDQUOT ? SX_ENOSPC : SX_EIO;
         }
         if (n == 0) { *err = EIO; return SX_EIO; }
         p += n; len -= (size_t)n; off += (uint64_t)n;
