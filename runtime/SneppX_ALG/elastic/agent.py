@@ -435,7 +435,7 @@ class NodeAgent:
                 if gone and self._run_completed():
                     return Outcome("done")  # the others finished and left first
                 if gone:
-                    return self._failure(f"node {', '.join(sorted(gone))} fell silent on the heartbeat",
+                    return self._failure(heartbeat_reason(hb.status(), others, hb.stats().stalls),
                                          suspects=frozenset(gone))
             if now >= next_poll:
                 next_poll = now + self.s.poll_period
@@ -639,6 +639,23 @@ class NodeAgent:
             return
         with open(self.s.events_path, "a") as f:
             f.write(line + "\n")
+
+
+def heartbeat_reason(status: Mapping[str, heartbeat.PeerStatus], others: Mapping[str, str], stalls: int) -> str:
+    """Why the heartbeat failed a generation, told apart: a peer heard from that fell silent (for how long), and
+    one never heard from this generation (it never started beating, or started later than the first contact
+    grace). Whether this monitor's own thread stalled meanwhile is said too: a loaded machine, not a dead peer."""
+    gone = {peer: s for peer, s in status.items() if peer in others and s.state in ("suspected", "confirmed")}
+    silent = sorted((others[p], s.last_alive) for p, s in gone.items() if s.last_alive is not None)
+    never = sorted(others[p] for p, s in gone.items() if s.last_alive is None)
+    parts = []
+    if silent:
+        ago = ", ".join(f"{seconds:.1f}s" for _, seconds in silent)
+        parts.append(f"node {', '.join(n for n, _ in silent)} fell silent on the heartbeat (last alive {ago} ago)")
+    if never:
+        parts.append(f"node {', '.join(never)} was never heard from on the heartbeat this generation")
+    return "; ".join(parts or ["the heartbeat suspected a peer"]) + (f" ({stalls} stalls of this monitor)"
+                                                                      if stalls else "")
 
 
 def at_boundary(nxt: rendezvous.NextGeneration) -> bool:

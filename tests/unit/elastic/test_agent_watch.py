@@ -11,7 +11,15 @@ from typing import Any
 import pytest
 
 from SneppX_ALG.elastic import pod
-from SneppX_ALG.elastic.agent import AgentSettings, NodeAgent, OutOfMemory, WorkerProcess, WorkerState
+from SneppX_ALG.elastic.agent import (
+    AgentSettings,
+    NodeAgent,
+    OutOfMemory,
+    WorkerProcess,
+    WorkerState,
+    heartbeat_reason,
+)
+from SneppX_ALG.elastic.heartbeat import PeerStatus
 from SneppX_ALG.elastic.rendezvous import RendezvousConfig
 
 # waits for the agent's word, then says its last words and exits, as a worker does when train_fn raises
@@ -92,3 +100,21 @@ def test_the_oom_counter_is_read_from_cgroup_v2_or_v1(tmp_path: Path) -> None:
     assert pod.oom_kills([str(v2), str(v1)]) == 2
     assert pod.oom_kills([str(tmp_path / "absent"), str(v1)]) == 5
     assert pod.oom_kills([str(tmp_path / "absent")]) is None
+
+
+def peer(state: str, last_alive: float | None) -> PeerStatus:
+    return PeerStatus(peer="", state=state, since=0.0, last_seen=last_alive, last_alive=last_alive, rtt=None,
+                      rtt_var=None, probes_sent=0, acks_received=0, pings_received=0, accepted=0, suspicions=1,
+                      restarts=0, incarnation=0)
+
+
+def test_a_heartbeat_failure_tells_a_peer_that_fell_silent_from_one_never_heard_from() -> None:
+    """A generation failed at its first contact (a peer that never started beating, or a loaded machine where it
+    started late) reads differently from a peer lost mid-run: CI once saw node-0 suspect all three peers."""
+    others = {"10.0.0.2:1": "node-1", "10.0.0.3:1": "node-2", "10.0.0.4:1": "node-3"}
+    status = {"10.0.0.2:1": peer("suspected", 0.93), "10.0.0.3:1": peer("suspected", None),
+              "10.0.0.4:1": peer("healthy", 0.01)}
+    assert heartbeat_reason(status, others, 0) == ("node node-1 fell silent on the heartbeat (last alive 0.9s ago); "
+                                                   "node node-2 was never heard from on the heartbeat this generation")
+    assert heartbeat_reason({"10.0.0.4:1": peer("confirmed", 2.0)}, others, 3) == (
+        "node node-3 fell silent on the heartbeat (last alive 2.0s ago) (3 stalls of this monitor)")
