@@ -3,12 +3,13 @@ step allreduces a vector over the world and adds its mean, so after N steps the 
 whatever the world size, the failures and the restores. Cheap enough to run a job of 4 nodes on 2 cores.
 
 Knobs (environment, R_*): NODES, GPUS, LOCAL_NODES, STEPS, UNTIL_WORLD (train past STEPS until the world is
-this big), EVERY (checkpoint interval), SLEEP (per step), MAX_RESTARTS,
-RESTART_DELAY, NODE_RESTART_DELAY, JOIN_TIMEOUT, HANG_TIMEOUT (default 5 s), RAISE ("" | "once": the last rank raises at step 3 of the first generation |
-"always": it raises at every start). Peer-memory snapshots: SNAPSHOT (snapshot_every, 0: off), REPLICAS,
-SNAPSHOT_LIMIT (bytes), FLIP_AT (at that step of the first generation rank 0 flips a byte in every peer's copy
-it holds, and the last rank raises: its part survives only in a corrupt copy, with REPLICAS=1), DIVERGE_AT (at that
-step of the first generation rank 1's replicated array drifts by one ulp: silent data corruption).
+this big), EVERY (checkpoint interval), SLEEP (per step), MAX_RESTARTS, RESTART_DELAY, NODE_RESTART_DELAY,
+JOIN_TIMEOUT, HANG_TIMEOUT (default 5 s), HEARTBEAT_TIMEOUT (2 s), LAST_CALL (10 s), RAISE ("" | "once": the
+last rank raises at step 3 of the first generation | "always": it raises at every start). Peer-memory
+snapshots: SNAPSHOT (snapshot_every, 0: off), REPLICAS, SNAPSHOT_LIMIT (bytes), FLIP_AT (at that step of the
+first generation rank 0 flips a byte in every peer's copy it holds, and the last rank raises: its part
+survives only in a corrupt copy, with REPLICAS=1), DIVERGE_AT (at that step of the first generation rank 1's
+replicated array drifts by one ulp: silent data corruption).
 Rank 0 writes OUT/progress.json after each step, a line to OUT/restores.jsonl per generation (the step it
 resumed from, where from, and the last step done before: steps redone = before - step) and OUT/final.json at
 the end (the restart count the worker saw; the spread of w over the ranks); the launcher writes
@@ -102,9 +103,14 @@ def main() -> None:
     trainer = ElasticTrainer(
         train_fn=train_loop, checkpoint_dir=checkpoint_dir, max_restarts=int(knob("MAX_RESTARTS", "3")),
         restart_delay=float(knob("RESTART_DELAY", "0.1")), join_timeout=float(knob("JOIN_TIMEOUT", "120")),
-        # hang_timeout 5 unless a test sets it: a worker starved of CPU on a loaded 2-core box running 4 nodes
-        # is not taken for a hung one, which would be a failure the test did not plant
-        last_call=3, hang_timeout=float(knob("HANG_TIMEOUT", "5")),
+        # Generous times unless a test sets them, for a loaded 2-core box running 4 nodes: hang_timeout 5, so a
+        # worker starved of CPU is not taken for a hung one; heartbeat_timeout 2 (first contact: 2 + 1.5 s), so a
+        # node that learns of its generation late is not taken for a dead one (CI saw node-0 suspect all three
+        # peers at 0.8 s); last_call 10, so the last node to start, or to reach a boundary, is waited for rather
+        # than left out. Each would be a failure or a generation the test did not plant. (A generation with every
+        # node in seals at once.)
+        last_call=float(knob("LAST_CALL", "10")), hang_timeout=float(knob("HANG_TIMEOUT", "5")),
+        heartbeat_timeout=float(knob("HEARTBEAT_TIMEOUT", "2")),
         node_restart_delay=float(knob("NODE_RESTART_DELAY", "0.2")), events_dir=str(out / "events"),
         snapshot_every=int(knob("SNAPSHOT", "0")), snapshot_replicas=int(knob("REPLICAS", "1")),
         snapshot_memory_limit=int(knob("SNAPSHOT_LIMIT", "0")) or None)
