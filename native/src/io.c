@@ -243,19 +243,18 @@ static int go_buffered(sx_file *f) {
 }
 
 static int write_all(sx_file *f, int fd, const unsigned char *p, size_t len, uint64_t off, int *err) {
-    int fell_back = 0;
+    /* read before writing: two writers may both be refused under O_DIRECT, and the
+     * second must fall back too even though the first already turned it off */
+    int direct = fd == f->fd && sx_file_is_direct(f);
     while (len) {
-        /* read before the write: two writers may both be refused under O_DIRECT, and the
-         * second must fall back too even though the first already turned it off */
-        int direct = fd == f->fd && sx_file_is_direct(f);
         int inj = fault_point(SX_SITE_WRITE);
         ssize_t n = inj ? (errno = inj, -1) : pwrite(fd, p, len, (off_t)off);
         if (n < 0) {
             int e = errno; /* the write's, whatever the fall back's fcntl leaves */
             if (e == EINTR) continue;
-            if (e == EINVAL && direct && !fell_back && go_buffered(f) == 0) {
+            if (e == EINVAL && direct && go_buffered(f) == 0) {
                 /* the filesystem took O_DIRECT at open but not at write: retry buffered, once */
-                fell_back = 1;
+                direct = 0;
                 continue;
             }
             *err = e;

@@ -431,12 +431,12 @@ class NodeAgent:
                     return self._failure(f"worker {w.local_rank} (rank {w.rank}) of {self.s.agent_id} finished no "
                                          f"step for {stuck:.1f}s (step_timeout): killed")
             if hb is not None:
-                gone = [others[p] for p in hb.suspected_peers() if p in others]
+                gone = {p: s for p, s in hb.status().items() if p in others and s.suspected}
                 if gone and self._run_completed():
                     return Outcome("done")  # the others finished and left first
                 if gone:
-                    return self._failure(heartbeat_reason(hb.status(), others, hb.stats().stalls),
-                                         suspects=frozenset(gone))
+                    return self._failure(heartbeat_reason(gone, others, hb.stats().stalls),
+                                         suspects=frozenset(others[p] for p in gone))
             if now >= next_poll:
                 next_poll = now + self.s.poll_period
                 try:
@@ -641,11 +641,11 @@ class NodeAgent:
             f.write(line + "\n")
 
 
-def heartbeat_reason(status: Mapping[str, heartbeat.PeerStatus], others: Mapping[str, str], stalls: int) -> str:
-    """Why the heartbeat failed a generation, told apart: a peer heard from that fell silent (for how long), and
-    one never heard from this generation (it never started beating, or started later than the first contact
-    grace). Whether this monitor's own thread stalled meanwhile is said too: a loaded machine, not a dead peer."""
-    gone = {peer: s for peer, s in status.items() if peer in others and s.state in ("suspected", "confirmed")}
+def heartbeat_reason(gone: Mapping[str, heartbeat.PeerStatus], others: Mapping[str, str], stalls: int) -> str:
+    """Why the heartbeat failed a generation (`gone`: the suspected peers' status), told apart: a peer heard from
+    that fell silent (for how long), and one never heard from this generation (it never started beating, or
+    started later than the first contact grace). Whether this monitor's own thread stalled meanwhile is said too:
+    a loaded machine, not a dead peer."""
     silent = sorted((others[p], s.last_alive) for p, s in gone.items() if s.last_alive is not None)
     never = sorted(others[p] for p, s in gone.items() if s.last_alive is None)
     parts = []
@@ -654,8 +654,7 @@ def heartbeat_reason(status: Mapping[str, heartbeat.PeerStatus], others: Mapping
         parts.append(f"node {', '.join(n for n, _ in silent)} fell silent on the heartbeat (last alive {ago} ago)")
     if never:
         parts.append(f"node {', '.join(never)} was never heard from on the heartbeat this generation")
-    return "; ".join(parts or ["the heartbeat suspected a peer"]) + (f" ({stalls} stalls of this monitor)"
-                                                                      if stalls else "")
+    return "; ".join(parts) + (f" ({stalls} stalls of this monitor)" if stalls else "")
 
 
 def at_boundary(nxt: rendezvous.NextGeneration) -> bool:

@@ -194,6 +194,11 @@ class PeerStatus:
     def healthy(self) -> bool:
         return self.state == "healthy"
 
+    @property
+    def suspected(self) -> bool:
+        """Suspected (or, in gossip mode, confirmed) to have failed."""
+        return self.state in ("suspected", "confirmed")
+
 
 @dataclasses.dataclass(frozen=True)
 class MonitorStats:
@@ -454,7 +459,7 @@ class HeartbeatMonitor:
 
     def suspected_peers(self) -> list[str]:
         """Peers suspected (or, in gossip mode, confirmed) to have failed."""
-        return [name for name, s in self.status().items() if s.state in ("suspected", "confirmed")]
+        return [name for name, s in self.status().items() if s.suspected]
 
     def stats(self) -> MonitorStats:
         """Monitor-wide counters: datagrams sent, received, accepted, dropped by reason, stalls..."""

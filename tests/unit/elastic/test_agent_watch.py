@@ -111,10 +111,9 @@ def peer(state: str, last_alive: float | None) -> PeerStatus:
 def test_a_heartbeat_failure_tells_a_peer_that_fell_silent_from_one_never_heard_from() -> None:
     """A generation failed at its first contact (a peer that never started beating, or a loaded machine where it
     started late) reads differently from a peer lost mid-run: CI once saw node-0 suspect all three peers."""
-    others = {"10.0.0.2:1": "node-1", "10.0.0.3:1": "node-2", "10.0.0.4:1": "node-3"}
-    status = {"10.0.0.2:1": peer("suspected", 0.93), "10.0.0.3:1": peer("suspected", None),
-              "10.0.0.4:1": peer("healthy", 0.01)}
-    assert heartbeat_reason(status, others, 0) == ("node node-1 fell silent on the heartbeat (last alive 0.9s ago); "
+    others = {"127.0.0.2:1": "node-1", "127.0.0.3:1": "node-2", "127.0.0.4:1": "node-3"}
+    gone = {"127.0.0.2:1": peer("suspected", 0.93), "127.0.0.3:1": peer("suspected", None)}
+    assert heartbeat_reason(gone, others, 0) == ("node node-1 fell silent on the heartbeat (last alive 0.9s ago); "
                                                    "node node-2 was never heard from on the heartbeat this generation")
-    assert heartbeat_reason({"10.0.0.4:1": peer("confirmed", 2.0)}, others, 3) == (
+    assert heartbeat_reason({"127.0.0.4:1": peer("confirmed", 2.0)}, others, 3) == (
         "node node-3 fell silent on the heartbeat (last alive 2.0s ago) (3 stalls of this monitor)")
