@@ -445,6 +445,22 @@ def _token_volume() -> dict[str, Any]:
     }
 
 
+SPREAD_WEIGHT = 100  # the most a preferred term may weigh: node spread before the scheduler's other preferences
+
+
+def _spread_ranks(job_name: str, affinity: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The template's affinity plus a preference (not a rule: a cluster of one node still runs the job) for a node
+    no other rank of the job is on. Peer-memory snapshots keep each rank's copies on other nodes: ranks sharing
+    a node leave fewer places for them, and a node alone with all ranks leaves none (the agents report it)."""
+    spread = {"weight": SPREAD_WEIGHT, "podAffinityTerm": {"labelSelector": {"matchLabels": {LABEL_JOB: job_name}},
+                                                           "topologyKey": "kubernetes.io/hostname"}}
+    merged = copy.deepcopy(dict(affinity or {}))
+    anti = merged.setdefault("podAntiAffinity", {})
+    anti["preferredDuringSchedulingIgnoredDuringExecution"] = [
+        *(anti.get("preferredDuringSchedulingIgnoredDuringExecution") or []), spread]
+    return merged
+
+
 def build_pod(
     job_name: str,
     namespace: str,
@@ -499,6 +515,8 @@ def build_pod(
     # OnRootMismatch: a checkpoint volume already owned so is not walked again at every pod start.
     pod_spec["securityContext"].setdefault("fsGroup", KEY_GROUP)
     pod_spec["securityContext"].setdefault("fsGroupChangePolicy", "OnRootMismatch")
+    if defaults.field(spec["checkpoint"], "checkpoint.snapshotEveryNSteps"):
+        pod_spec["affinity"] = _spread_ranks(job_name, pod_spec.get("affinity"))
     pod_spec["hostname"] = pod_name(job_name, rank)
     pod_spec["subdomain"] = service_name(job_name)
     pod_spec["restartPolicy"] = "Never"

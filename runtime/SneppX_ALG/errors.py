@@ -308,7 +308,8 @@ class SnapshotError(SneppXError):
 
 class SnapshotMemoryError(SnapshotError, MemoryError):
     """Snapshots would need more host memory than `snapshot_memory_limit` allows: `.needed` and `.limit` in
-    bytes. Raised by the first `ctx.snapshot()`, before anything is allocated, never mid-run."""
+    bytes. Raised by `ctx.snapshot()` (at every snapshot: the layout changes with the world size) before its buffer
+    is allocated or a copy is sent."""
 
     def __init__(self, message: str, *, needed: int, limit: int):
         super().__init__(message)

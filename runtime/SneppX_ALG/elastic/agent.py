@@ -529,6 +529,10 @@ class NodeAgent:
         elif kind == "snapshot_corrupt":  # a copy that failed its CRCs: dropped, another copy or storage used
             self._event("snapshot_corrupt", generation=m.generation, rank=w.rank, step=message.get("step"),
                         source=message.get("source"), problems=message.get("problems", []))
+        elif kind == "snapshot_unprotected":  # a part with fewer copies off its node than asked: its node's loss
+            self._event("snapshot_unprotected", generation=m.generation, rank=w.rank,  # costs storage's steps
+                        place=message.get("place"), copies=message.get("copies"), replicas=message.get("replicas"),
+                        nodes=message.get("nodes"))
         elif kind in ("done", "boundary"):
             w.state = WorkerState(kind)
         elif kind == "failed":

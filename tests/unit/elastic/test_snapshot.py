@@ -8,8 +8,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import hypothesis
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 from SneppX_ALG import _native, errors
 from SneppX_ALG.coordinator import Shard
@@ -103,7 +105,8 @@ def test_the_snapshot_ring_visits_the_nodes_in_turn() -> None:
     assert snapshot.ring_order([4]) == [0, 1, 2, 3]
     places = ["a", "a", "b", "b", "c", "c"]
     order = snapshot.ring_order([2, 2, 2])
-    assert snapshot.placement_hop([places[r] for r in order]) == 1  # h = 2 in rank order
+    holders = snapshot.copy_holders([places[r] for r in order], 1)
+    assert [snapshot.copy_distance(holders, p) for p in range(6)] == [1] * 6  # the next node, one hop away
 
 
 @pytest.mark.parametrize("new_world", [1, 3, 4])
@@ -259,11 +262,36 @@ def test_a_0_d_array_keeps_its_shape() -> None:
 
 
 def test_copies_go_as_far_around_the_ring_as_it_takes_to_leave_the_node() -> None:
-    assert snapshot.placement_hop(["a", "b", "c"]) == 1
-    assert snapshot.placement_hop(["a", "a", "b", "b"]) == 2  # 2 workers a node: rank r's copy on r + 2
-    assert snapshot.placement_hop(["a", "a", "a", "b"]) == 0  # rank 0 + any h lands on its own node somewhere
-    assert snapshot.placement_hop(["a", "a"]) == 0  # one node: no copy survives its loss
-    assert snapshot.placement_hop(["a"]) == 0
+    assert snapshot.copy_holders(["a", "b", "c"], 1) == [[1], [2], [0]]
+    assert snapshot.copy_holders(["a", "a", "b", "b"], 1) == [[2], [3], [0], [1]]  # 2 workers a node: r + 2
+    assert snapshot.copy_holders(["a", "a", "b"], 1) == [[2], [2], [0]]  # pods sharing a node: each part placed
+    assert snapshot.copy_holders(["a", "a", "b"], 2) == [[2], [2], [0, 1]]  # as many as there are off its node
+    assert snapshot.copy_holders(["a", "a"], 1) == [[], []]  # one node: no copy survives its loss
+    assert snapshot.copy_holders(["a"], 1) == [[]]
+
+
+@hypothesis.given(places=st.lists(st.sampled_from("abcd"), min_size=1, max_size=7),
+                  replicas=st.integers(1, 3))
+def test_every_part_gets_its_copies_off_its_node_on_as_many_nodes_as_there_are(places: list[str],
+                                                                                replicas: int) -> None:
+    holders = snapshot.copy_holders(places, replicas)
+    for source, chosen in enumerate(holders):
+        elsewhere = [q for q in range(len(places)) if places[q] != places[source]]
+        other_nodes = {places[q] for q in elsewhere}
+        assert all(places[q] != places[source] for q in chosen), (source, chosen)
+        assert len(set(chosen)) == len(chosen) == min(replicas, len(elsewhere))
+        assert len({places[q] for q in chosen}) == min(len(chosen), len(other_nodes))  # spread over nodes first
+    if len(set(places)) == len(places):  # a node each: a copy a rank, the next ones around the ring
+        assert holders == [[(s + h) % len(places) for h in range(1, min(replicas, len(places) - 1) + 1)]
+                           for s in range(len(places))]
+
+
+def test_the_memory_each_rank_needs_counts_the_parts_it_keeps_and_those_passing_through() -> None:
+    # parts of 10, 20, 30 bytes, states of 100 each; rank 2 keeps parts 0 and 1, part 0 passing rank 1 on its way
+    assert snapshot.needed_by_rank([100, 100, 100], [10, 20, 30], [[2], [2], [0]]) == [
+        2 * (100 + 30) + 2 * 30, 2 * 100 + 2 * 10, 2 * (100 + 30) + 2 * 20]
+    # a node each, parts alike: the estimate a rank makes alone is exact
+    assert snapshot.needed_by_rank([100] * 3, [10] * 3, [[1], [2], [0]]) == [snapshot.needed_bytes(100, 10, 1)] * 3
 
 
 def test_pods_on_one_kubernetes_node_keep_no_copies_of_each_other() -> None:
@@ -275,6 +303,101 @@ def test_pods_on_one_kubernetes_node_keep_no_copies_of_each_other() -> None:
                                                      place=places[r]), keepers[r].wait())) == [(None, None)] * 4
     assert [[s.source for s in k.held] for k in keepers] == [[2], [3], [0], [1]]
     for g in old:
+        g.close()
+
+
+def take_everywhere(keepers: list[snapshot.Keeper], made: list[collectives.ProcessGroup], places: list[str],
+                    states: Callable[[int], Any], steps: range, generation: int = 0) -> list[Any]:
+    def train(rank: int) -> None:
+        for step in steps:
+            keepers[rank].take(states(rank), step, made[rank], instance="i", generation=generation,
+                               place=places[rank])
+        keepers[rank].wait()
+
+    return on_threads(len(keepers), train)
+
+
+def test_co_located_pods_still_get_a_copy_off_their_node_and_a_node_alone_is_reported() -> None:
+    # 2 of 3 pods on one Kubernetes node: no single distance works, each part is placed on its own
+    root = tempfile.mkdtemp()
+    old = groups(3, 0, root)
+    reports: list[list[tuple[str, dict[str, Any]]]] = [[] for _ in range(3)]
+    keepers = [snapshot.Keeper(report=lambda kind, r=r, **f: reports[r].append((kind, f))) for r in range(3)]
+    places = ["node-x", "node-x", "node-y"]
+    assert take_everywhere(keepers, old, places, lambda r: state(r, 3, 1), range(1, 2)) == [None] * 3
+    assert [sorted(s.source for s in k.held) for k in keepers] == [[2], [], [0, 1]]
+    assert reports == [[], [], []]
+    for g in old:
+        g.close()
+    # the node-x pods alone (node-y is gone): their parts can't leave the node, and each says so
+    alone = groups(2, 1, root)
+    assert take_everywhere(keepers[:2], alone, places[:2], lambda r: state(r, 2, 2), range(2, 3), 1) == [None] * 2
+    assert [k.held for k in keepers[:2]] == [[], []]
+    assert [[(kind, f["rank"], f["copies"], f["nodes"]) for kind, f in r] for r in reports[:2]] == [
+        [("snapshot_unprotected", 0, 0, 1)], [("snapshot_unprotected", 1, 0, 1)]]
+    for g in alone:
+        g.close()
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_two_replicas_with_two_workers_a_node_keep_no_copy_from_their_own_node(nodes: int) -> None:
+    # the ring visits the nodes in turn: with 2 nodes the part 2 hops on is from the rank's own node
+    world = 2 * nodes
+    root = tempfile.mkdtemp()
+    old = groups(world, 0, root)
+    keepers = [snapshot.Keeper(replicas=2) for _ in range(world)]
+    places = [f"node-{n}" for n in range(nodes)] * 2
+    assert take_everywhere(keepers, old, places, lambda r: state(r, world, 1), range(1, 3)) == [None] * world
+    held_by = {s: [q for q, k in enumerate(keepers) if s in [c.source for c in k.held]] for s in range(world)}
+    for source, holders in held_by.items():  # 2 copies, none on its node, on as many other nodes as there are
+        assert len(holders) == 2 and all(places[q] != places[source] for q in holders), held_by
+        assert {places[q] for q in holders} == set(places) - {places[source]}, held_by
+    assert all(k.held and all(c.meta["step"] == 2 for c in k.held) for k in keepers)
+    for g in old:
+        g.close()
+
+
+def big_state(rank: int, world: int, elements: int, step: int = 1) -> dict[str, Any]:
+    start, stop = elements * rank // world, elements * (rank + 1) // world
+    return {"w": np.full(3, float(step)), "m": Shard(np.full(stop - start, float(step)), (elements,), (start,))}
+
+
+def test_the_memory_bound_is_checked_again_when_a_shrink_doubles_each_shard() -> None:
+    # 8 MiB of Shards: 2 MiB a rank at world 4 (12 MiB needed), 4 MiB at world 2 (24 MiB): the limit is 16 MiB
+    elements, limit = 1 << 20, 16 << 20
+    root = tempfile.mkdtemp()
+    keepers = [snapshot.Keeper(memory_limit=limit) for _ in range(4)]
+    four = groups(4, 0, root)
+    places = [f"node-{r}" for r in range(4)]
+    assert take_everywhere(keepers, four, places, lambda r: big_state(r, 4, elements), range(1, 3)) == [None] * 4
+    for g in four:
+        g.close()
+    two = groups(2, 1, root)
+    owned = [list(k.own) for k in keepers[:2]]
+    got = take_everywhere(keepers[:2], two, places[:2], lambda r: big_state(r, 2, elements, 3), range(3, 4), 1)
+    assert all(isinstance(e, errors.SnapshotMemoryError) and e.limit == limit and e.needed > limit for e in got), got
+    assert [k.own for k in keepers[:2]] == owned  # refused before the new buffer: step 2 stays the one held
+    for g in two:
+        g.close()
+
+
+def test_a_rank_that_keeps_a_larger_peers_part_is_checked_with_its_size_not_its_own() -> None:
+    # uneven shards: rank 0 holds 1/16 of "m" and keeps rank 1's 15/16, on a smaller host (a lower limit)
+    elements = 1 << 20
+    small, large = 4 << 20, 64 << 20  # rank 0 alone estimates 3 MiB; it needs 31 MiB
+    root = tempfile.mkdtemp()
+    made = groups(2, 0, root)
+    keepers = [snapshot.Keeper(memory_limit=small), snapshot.Keeper(memory_limit=large)]
+
+    def uneven(rank: int) -> dict[str, Any]:
+        cut = elements // 16
+        start, stop = (0, cut) if rank == 0 else (cut, elements)
+        return {"m": Shard(np.ones(stop - start), (elements,), (start,))}
+
+    got = take_everywhere(keepers, made, ["node-0", "node-1"], uneven, range(1, 2))
+    assert all(isinstance(e, errors.SnapshotMemoryError) and "on rank 0" in str(e) for e in got), got
+    assert [k.held for k in keepers] == [[], []] and [k.sent_bytes for k in keepers] == [0, 0]
+    for g in made:
         g.close()
 
 

@@ -516,3 +516,34 @@ def test_the_heartbeat_key_is_readable_by_a_non_root_agent_through_the_pods_fs_g
     job = spec()
     job["template"]["spec"]["securityContext"] = {"fsGroup": 1000}
     assert pod(job)["spec"]["securityContext"]["fsGroup"] == 1000
+
+
+SPREAD = {"weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": {"sneppx.io/job": "train"}},
+                                             "topologyKey": "kubernetes.io/hostname"}}
+
+
+@pytest.mark.parametrize("every", [0, 1, 5])
+def test_with_snapshots_on_ranks_prefer_nodes_no_other_rank_of_the_job_is_on(every: int) -> None:
+    job = spec()
+    job["checkpoint"]["snapshotEveryNSteps"] = every
+    built = pod(job)["spec"]
+    if not every:  # no copies to place: the scheduler's choice stands
+        assert "affinity" not in built
+        return
+    assert built["affinity"] == {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [SPREAD]}}
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in built["affinity"]["podAntiAffinity"]  # one node runs
+
+
+def test_the_spread_preference_is_added_to_the_templates_affinity_not_over_it() -> None:
+    job = spec()
+    job["checkpoint"]["snapshotEveryNSteps"] = 1
+    zone = {"weight": 5, "podAffinityTerm": {"labelSelector": {"matchLabels": {"x": "y"}},
+                                             "topologyKey": "topology.kubernetes.io/zone"}}
+    gpus = {"nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}
+    job["template"]["spec"]["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": gpus},
+                                           "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [zone]}}
+    before = copy.deepcopy(job)
+    affinity = pod(job)["spec"]["affinity"]
+    assert affinity["nodeAffinity"] == {"requiredDuringSchedulingIgnoredDuringExecution": gpus}
+    assert affinity["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] == [zone, SPREAD]
+    assert job == before

@@ -17,14 +17,18 @@ the digests compared at each snapshot say so), so any one survivor's restores th
 Per snapshot of step s (the generation's `snapshot` group, a TCP ring of its own, docs/ELASTIC.md):
 1. the training thread copies the state into a free buffer: the only part it waits for;
 2. a background thread computes the CRCs; one allgather of (bytes to send, a CRC of the replicated arrays) tells
-   every rank what it will receive and catches replicas that disagree (silent data corruption) before anything
-   is sent; then the unique bytes and their description travel around the ring, h ranks per copy, each rank
-   keeping what arrives from h, 2h, .. replicas x h ranks back: h is the smallest distance at which no rank has
-   a neighbour on its own node (`placement_hop`; the first snapshot of a generation allgathers where each rank
-   is: its agent, or its Kubernetes node in a pod). The snapshot group's ring visits the nodes in turn
-   (`ring_order`), so with as many workers on every node h is 1: each part crosses the network once;
+   every rank what it will receive, checks every rank's memory bound with the sizes as they are, and catches
+   replicas that disagree (silent data corruption) before anything is sent; then the unique bytes and their
+   description travel around the ring, each part as far as its farthest holder, each rank forwarding what it
+   does not keep. Each part is placed on its own (`copy_holders`; the first snapshot of a generation allgathers
+   where each rank is: its agent, or its Kubernetes node in a pod): `replicas` copies on ranks of other nodes,
+   other nodes first, the load even; a part with fewer copies off its node than asked is reported
+   (`snapshot_unprotected`). The snapshot group's ring visits the nodes in turn (`ring_order`), so with as many
+   workers on every node each part crosses the network once;
 3. a barrier: every rank holds its copies, the step is complete, and older snapshots go.
-One is in flight at a time: the next snapshot waits for it.
+One is in flight at a time: the next snapshot waits for it. The memory bound (`snapshot_memory_limit`) is checked
+at every snapshot, before its buffer is allocated (the layout changes with the world size), and again with every
+rank's sizes before any copy arrives.
 
 Recovery (`recover`, every rank of the new generation, before train_fn resumes): each rank checks every CRC of
 what it holds and lists it; the lists are allgathered; the newest step for which every old rank's unique part
@@ -38,7 +42,7 @@ The package, one concept a module (each imports only those below it; `.importlin
     keeper.py    `Keeper`: a worker's snapshots across generations; taking one (the background thread, the
                  ring) and `recover`
     restore.py   `apply`: the chosen parts copied into the target's boxes, resharded to the new world size
-    plan.py      the pure decisions every rank makes alike: the ring's order, the hop to copy at, divergent
+    plan.py      the pure decisions every rank makes alike: the ring's order, who keeps each part's copies, divergent
                  replicas, which snapshot to restore (`choose`)
     memory.py    how much host memory snapshots need, and how much the process may use
     image.py     one snapshot: `Snapshot`, `capture` into a buffer, its CRCs (`seal`), its wire form
@@ -62,9 +66,18 @@ from SneppX_ALG.elastic.snapshot.memory import (
     CGROUP_LIMITS,
     DEFAULT_MEMORY_FRACTION,
     host_memory,
+    needed_by_rank,
     needed_bytes,
+    recovery_bytes,
 )
-from SneppX_ALG.elastic.snapshot.plan import Choice, choose, divergent, placement_hop, ring_order
+from SneppX_ALG.elastic.snapshot.plan import (
+    Choice,
+    choose,
+    copy_distance,
+    copy_holders,
+    divergent,
+    ring_order,
+)
 from SneppX_ALG.elastic.snapshot.restore import apply
 
 __all__ = [
@@ -80,11 +93,14 @@ __all__ = [
     "apply",
     "capture",
     "choose",
+    "copy_distance",
+    "copy_holders",
     "divergent",
     "from_wire",
     "host_memory",
+    "needed_by_rank",
     "needed_bytes",
-    "placement_hop",
+    "recovery_bytes",
     "replicated_digest",
     "ring_order",
     "seal",

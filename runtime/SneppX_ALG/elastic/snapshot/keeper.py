@@ -9,8 +9,10 @@ what each rank holds); the format, the decisions, the memory bound and the resha
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -21,8 +23,13 @@ import numpy as np
 from SneppX_ALG import _native, errors
 from SneppX_ALG.elastic import collectives
 from SneppX_ALG.elastic.snapshot.image import Snapshot, capture, from_wire, replicated_digest, seal, wire_view
-from SneppX_ALG.elastic.snapshot.memory import DEFAULT_MEMORY_FRACTION, host_memory, needed_bytes
-from SneppX_ALG.elastic.snapshot.plan import choose, divergent, placement_hop
+from SneppX_ALG.elastic.snapshot.memory import (
+    DEFAULT_MEMORY_FRACTION,
+    host_memory,
+    needed_by_rank,
+    needed_bytes,
+)
+from SneppX_ALG.elastic.snapshot.plan import choose, copy_distance, copy_holders, divergent
 from SneppX_ALG.elastic.snapshot.restore import apply
 
 log = logging.getLogger(__name__)
@@ -33,8 +40,9 @@ MAX_FREE_BUFFERS = 8  # buffers kept for reuse: a snapshot cycle frees its own, 
 class Keeper:
     """A worker's snapshots (its own and its peers'), which outlive a generation: the worker process does.
 
-    `take` (training thread) copies and hands the rest to a background thread; `recover` (every rank, at the
-    start of a generation) restores the newest complete snapshot."""
+    `take` (training thread) copies and hands the rest to the keeper's background thread (one, started with the
+    first snapshot, for the life of the process); `recover` (every rank, at the start of a generation) restores
+    the newest complete snapshot."""
 
     def __init__(self, *, replicas: int = 1, memory_limit: int | None = None,
                  report: Callable[..., None] = lambda *a, **k: None):
@@ -47,13 +55,15 @@ class Keeper:
         self.held: list[Snapshot] = []
         self.complete: tuple[str, int, int] | None = None  # the newest key every rank holds copies of
         self.sent_bytes = 0  # unique bytes this rank sent to peers (all hops), since it started
-        self.costs: dict[str, float] = {}  # of the newest snapshot: see _replicate
+        self.costs: dict[str, float] = {}  # of the newest snapshot: see take and _replicate
         self._free: list[np.ndarray] = []
         self._copiers: dict[int, Any] = {}  # a copy engine per CUDA device the state lives on
+        self._jobs: queue.SimpleQueue[tuple[Snapshot, collectives.ProcessGroup]] = queue.SimpleQueue()
+        self._idle = threading.Event()  # no snapshot in flight
+        self._idle.set()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._checked_memory = False
-        self._placed: tuple[Any, list[str], int] = (None, [], 0)  # (group, each rank's place, the hop to copy at)
+        self._placed: tuple[Any, list[list[int]]] = (None, [])  # (group, each position's copy holders)
 
     # -- taking a snapshot --
 
@@ -61,42 +71,73 @@ class Keeper:
              place: str, rank: int | None = None, training_state: Any = None) -> None:
         """Snapshot `step` (every rank of the generation, same step; `place`: the node this rank is on, whose
         loss takes it; `rank`: its rank in the generation, when the group's ring visits the ranks in another
-        order, `ring_order`). Waits for the previous one first and raises what it failed with."""
+        order, `ring_order`). Waits for the previous one first and raises what it failed with. `costs` then says
+        what it cost this (the training) thread: waiting, the copy, and all of take (`take_ms`)."""
         began = time.perf_counter()
         self.wait()
         waited = time.perf_counter()
-        if self._placed[0] is not group:  # a new generation: where is everyone?
-            places = allgather_json(group, place) if group.world_size > 1 else [place]
-            self._placed = (group, places, placement_hop(places))
+        if self._placed[0] is not group:  # a new generation: where is everyone, and where do their copies go?
+            self._place(group, place, group.rank if rank is None else rank)
         snapshot = capture(obj, step, instance=instance, generation=generation,
                            rank=group.rank if rank is None else rank,
                            world=group.world_size, into=self._buffer, training_state=training_state,
-                           admit=None if self._checked_memory else self._check_memory, copier=self._copier)
-        self.costs = {"wait_ms": 1e3 * (waited - began), "copy_ms": 1e3 * (time.perf_counter() - waited)}
-        self._thread = threading.Thread(target=self._replicate, args=(snapshot, group),
-                                        name="sneppx-snapshot", daemon=True)
-        self._thread.start()
+                           admit=functools.partial(self._check_memory, kept=self._kept_count(group.rank)),
+                           copier=self._copier)
+        copied = time.perf_counter()
+        if self._thread is None:  # one thread for the life of the process: starting one costs a step's worth
+            self._thread = threading.Thread(target=self._serve, name="sneppx-snapshot", daemon=True)
+            self._thread.start()
+        self._idle.clear()
+        self.costs = {"wait_ms": 1e3 * (waited - began), "copy_ms": 1e3 * (copied - waited),
+                      "take_ms": 1e3 * (time.perf_counter() - began)}  # before the thread may add its own
+        self._jobs.put((snapshot, group))
 
     def wait(self) -> None:
         """Until the snapshot in flight is complete (or failed: its error is raised here, once)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._idle.wait()
         error, self._error = self._error, None
         if isinstance(error, errors.SneppXError):
             raise error
         if error is not None:  # not the user's code: the generation ends, not the process with its snapshots
             raise errors.SnapshotError(f"the snapshot in flight failed: {type(error).__name__}: {error}") from error
 
-    def _check_memory(self, total: int, unique: int) -> None:
-        needed = needed_bytes(total, unique, self.replicas)
+    def _serve(self) -> None:
+        while True:
+            snapshot, group = self._jobs.get()
+            try:
+                self._replicate(snapshot, group)
+            finally:
+                self._idle.set()
+
+    def _place(self, group: collectives.ProcessGroup, place: str, rank: int) -> None:
+        """Where every position of the group is, and so which positions keep copies of each part; a part with
+        fewer copies off its node than asked for is reported (the node's loss loses it: storage then)."""
+        places = allgather_json(group, place) if group.world_size > 1 else [place]
+        holders = copy_holders(places, self.replicas)
+        self._placed = (group, holders)
+        mine = holders[group.rank]
+        if len(mine) < self.replicas:
+            log.warning("rank %d's snapshots have %d of %d copies off its node %s: %s", rank, len(mine),
+                        self.replicas, place, "losing that node loses its part (storage then)" if not mine else
+                        "fewer nodes than copies")
+            self.report("snapshot_unprotected", rank=rank, place=place, copies=len(mine), replicas=self.replicas,
+                        nodes=len(set(places)))
+
+    def _kept_count(self, position: int) -> int:
+        return sum(position in h for h in self._placed[1])
+
+    def _check_memory(self, total: int, unique: int, *, kept: int) -> None:
+        """Before the snapshot's buffer is allocated: this rank's own estimate (its peers' parts as large as its
+        own); `_replicate` checks again with every rank's sizes before any copy arrives."""
+        needed = needed_bytes(total, unique, kept)
         if needed > self.memory_limit:
-            raise errors.SnapshotMemoryError(
-                f"peer-memory snapshots need {needed / 2**20:.1f} MiB of host memory on this rank "
-                f"(2 x (state {total / 2**20:.1f} MiB + {self.replicas} peer copies) + 2 in transit), over "
-                f"snapshot_memory_limit {self.memory_limit / 2**20:.1f} MiB: raise the limit, or snapshot less "
-                "state", needed=needed, limit=self.memory_limit)
-        self._checked_memory = True
+            raise self._over(needed, self.memory_limit, f"state {total / 2**20:.1f} MiB + {kept} peer copies")
+
+    def _over(self, needed: int, limit: int, what: str, rank: str = "this rank") -> errors.SnapshotMemoryError:
+        return errors.SnapshotMemoryError(
+            f"peer-memory snapshots need {needed / 2**20:.1f} MiB of host memory on {rank} (2 x ({what}) + 2 in "
+            f"transit), over snapshot_memory_limit {limit / 2**20:.1f} MiB: raise the limit, or snapshot less "
+            "state", needed=needed, limit=limit)
 
     def _copier(self, device: int) -> Any:
         if device not in self._copiers:
@@ -112,49 +153,72 @@ class Keeper:
         return np.empty(nbytes, np.uint8)
 
     def _replicate(self, snapshot: Snapshot, group: collectives.ProcessGroup) -> None:
-        """The background thread: CRCs; one allgather of (wire bytes, replicated digest) per rank, which tells each
-        rank what it will receive and catches replicas that disagree before anything is sent; the shifts; a
-        barrier, after which every rank holds its copies. 2 + h ring rounds in all. Records what it cost in
-        `costs` (the training thread's wait and copy, the background's wall and CPU time, the bytes sent)."""
+        """The background thread: CRCs; one allgather of each rank's sizes, replicated digest and memory limit,
+        which tells each rank what it will receive, checks every rank's memory bound with the sizes as they are
+        and catches replicas that disagree, before anything is sent; the shifts; a barrier, after which every
+        rank holds its copies. Records what it cost in `costs` (the background's wall and CPU time, the bytes
+        sent)."""
         began, cpu, sent = time.perf_counter(), time.thread_time(), self.sent_bytes
         try:
             seal(snapshot)
-            self.own.append(snapshot)
             if group.world_size > 1:
-                _, places, hops = self._placed
-                wire = wire_view(snapshot) if hops else np.zeros(0, np.uint8)
-                sizes = np.zeros((group.world_size, 3), np.int64)  # ring position: wire bytes, digest, rank
-                sizes[group.rank] = (len(wire), replicated_digest(snapshot), snapshot.source)
+                holders = self._placed[1]
+                wire = wire_view(snapshot) if holders[group.rank] else np.zeros(0, np.uint8)
+                sizes = np.zeros((group.world_size, 5), np.int64)  # ring position: wire, digest, rank, state, limit
+                sizes[group.rank] = (len(wire), replicated_digest(snapshot), snapshot.source, len(snapshot.payload),
+                                     self.memory_limit)
                 group.allgather(sizes)
+                self._check_every_rank(sizes, holders)
                 different = sorted(int(sizes[p, 2]) for p in divergent(sizes[:, 1]))
                 if different:
-                    self.own.remove(snapshot)
                     raise errors.ReplicaDivergenceError(
                         f"step {snapshot.meta['step']}: the replicated arrays of rank(s) "
                         f"{', '.join(map(str, different))} differ from the other ranks' (silent data corruption "
                         "in a core or memory): the step is not kept. Arrays meant to differ between ranks are "
                         "not replicated: give them as Shards", step=snapshot.meta["step"], ranks=different)
-                if hops:  # 0: every rank on one node, none to hold a copy
-                    self._send_to_peers(wire, group, sizes[:, 0], places, hops)
+                self.own.append(snapshot)
+                self._send_to_peers(wire, group, sizes[:, 0], holders)
                 group.barrier()  # every rank holds its copies: the step is complete
+            else:
+                self.own.append(snapshot)
             self._completed(snapshot.key)
             self.costs = {**self.costs, "background_ms": 1e3 * (time.perf_counter() - began),
                           "background_cpu_ms": 1e3 * (time.thread_time() - cpu), "sent_bytes": self.sent_bytes - sent}
         except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
+            if snapshot not in self.own:
+                self._release(snapshot.payload)  # refused: its buffer serves again
             self._error = e
 
+    def _check_every_rank(self, sizes: np.ndarray, holders: list[list[int]]) -> None:
+        """Every rank's bound, from every rank's sizes: all raise alike, before a byte is sent, when any is over
+        (a rank alone refusing would leave the others waiting in the ring)."""
+        needed = needed_by_rank([int(n) for n in sizes[:, 3]], [int(n) for n in sizes[:, 0]], holders)
+        over = [p for p in range(len(needed)) if needed[p] > int(sizes[p, 4])]
+        if over:
+            p = over[0]
+            kept = sum(int(sizes[s, 0]) for s in range(len(holders)) if p in holders[s])
+            raise self._over(needed[p], int(sizes[p, 4]), f"state {int(sizes[p, 3]) / 2**20:.1f} MiB + peer copies "
+                             f"{kept / 2**20:.1f} MiB", rank=f"rank {int(sizes[p, 2])}")
+
     def _send_to_peers(self, wire: np.ndarray, group: collectives.ProcessGroup, sizes: np.ndarray,
-                       places: list[str], hops: int) -> None:
-        """Shifts this rank's wire `replicas x h` ranks around the ring, forwarding what arrives; keeps the copies
-        from h, 2h, .. ranks back that come from another node."""
+                       holders: list[list[int]]) -> None:
+        """Shifts every part around the ring as far as its farthest holder (`plan.copy_holders`), each rank
+        forwarding what arrives while it still has a holder ahead, and keeping what is its to keep. Each round
+        every rank sends (an empty array once the part it forwards has arrived everywhere it goes)."""
+        world, me = group.world_size, group.rank
+        distance = [copy_distance(holders, s) for s in range(world)]
         outgoing, kept = wire, True  # the first to go is the rank's own snapshot: its buffer is not free
-        for hop in range(1, min(self.replicas * hops, group.world_size - 1) + 1):
-            source = (group.rank - hop) % group.world_size
-            incoming = group.shift(outgoing, self._buffer(int(sizes[source])))
+        for hop in range(1, max(distance) + 1):
+            sending = (me - hop + 1) % world  # whose part goes out this round
+            source = (me - hop) % world  # whose arrives
+            if hop > distance[sending]:
+                outgoing = outgoing[:0]
+            arriving = int(sizes[source]) if hop <= distance[source] else 0
+            incoming = group.shift(outgoing, self._buffer(arriving) if arriving else np.empty(0, np.uint8))
             self.sent_bytes += len(outgoing)
             if not kept:
                 self._release(outgoing)  # sent, and not a copy this rank keeps: its buffer serves again
-            kept = hop % hops == 0 and places[source] != places[group.rank]
+            kept = hop <= distance[source] and me in holders[source]
             if kept:
                 self.held.append(from_wire(incoming))
             outgoing = incoming
@@ -162,6 +226,8 @@ class Keeper:
             self._release(outgoing)
 
     def _release(self, buffer: np.ndarray) -> None:
+        if buffer.base is None and not len(buffer):
+            return  # an empty one of a round with nothing to send: no buffer of the keeper's
         self._free.append(buffer.base if buffer.base is not None else buffer)
         if len(self._free) > MAX_FREE_BUFFERS:  # a layout that changed: the smallest are least likely to serve
             self._free.pop(min(range(len(self._free)), key=lambda i: len(self._free[i])))

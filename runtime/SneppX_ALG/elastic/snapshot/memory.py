@@ -1,5 +1,6 @@
-"""How much host memory peer-memory snapshots need (`needed_bytes`), and how much this process may use
-(`host_memory`: the machine's, or its container's cgroup limit).
+"""How much host memory peer-memory snapshots need (`needed_bytes` before a snapshot is taken, `needed_by_rank` once
+every rank's sizes are known, `recovery_bytes` for a recovery), and how much this process may use (`host_memory`:
+the machine's, or its container's cgroup limit).
 
 Separate because it is the one part that asks the operating system, and the bound a `Keeper` enforces before it
 allocates anything.
@@ -17,6 +18,29 @@ def needed_bytes(state_bytes: int, unique_bytes: int, replicas: int) -> int:
     taken), two of each peer's unique part it keeps (assumed as large as its own), and two parts in transit
     (what it sends, what it forwards)."""
     return 2 * (state_bytes + replicas * unique_bytes) + 2 * unique_bytes
+
+
+def needed_by_rank(states: list[int], parts: list[int], holders: list[list[int]]) -> list[int]:
+    """Host memory each ring position's snapshots hold at most, from every position's sizes (`states[p]`: its own
+    snapshot's bytes; `parts[p]`: its unique part's, as it travels; `holders[p]`: the positions that keep a copy
+    of it, `plan.copy_holders`): two of its own, two of each part it keeps (the complete step's and the new
+    one's), and two of the largest part that passes through it (the one arriving, the one going on). Exact where
+    `needed_bytes` must guess: parts of uneven shards differ, and a position may keep more or fewer than
+    `replicas` copies."""
+    world = len(states)
+    needed = []
+    for q in range(world):
+        kept = sum(parts[s] for s in range(world) if q in holders[s])
+        passing = [parts[s] for s in range(world) for q2 in holders[s]
+                   if 0 < (q - s) % world <= (q2 - s) % world]
+        needed.append(2 * (states[q] + kept) + 2 * max(passing, default=0))
+    return needed
+
+
+def recovery_bytes(held: int, received: int, largest_transit: int) -> int:
+    """Host memory a recovery holds at most on a rank: the snapshots it holds, the boxes it receives for its new
+    shards, and two bundles in transit (one arriving, one going on)."""
+    return held + received + 2 * largest_transit
 
 
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1

@@ -1,6 +1,6 @@
 """The decisions every rank of a generation makes alike, pure: the order the snapshot group's ring visits the
-ranks (`ring_order`), the hop at which a copy lands on another node (`placement_hop`), the ranks whose replicated
-arrays disagree (`divergent`), and which snapshot to restore and who sends each part (`choose`).
+ranks (`ring_order`), which ranks keep a copy of each part, on other nodes (`copy_holders`), the ranks whose
+replicated arrays disagree (`divergent`), and which snapshot to restore and who sends each part (`choose`).
 
 Separate because they take what was allgathered and return a verdict, with no buffers or group: tests check
 them alone, and every rank reaching the same one is what keeps recovery consistent.
@@ -23,11 +23,32 @@ def ring_order(workers: list[int]) -> list[int]:
             for node in range(len(workers)) if local < workers[node]]
 
 
-def placement_hop(places: list[str]) -> int:
-    """The smallest h such that rank r + h (around the ring) is on another node than rank r, for every r: each
-    rank's copy then never shares its node. 0 when there is none (one node: no copy can survive its loss)."""
+def copy_holders(places: list[str], replicas: int) -> list[list[int]]:
+    """For each ring position, the positions that keep a copy of its unique part: up to `replicas` of them, each
+    on another node than the part's own (a copy on its own node dies with it), per part, so that pods sharing a
+    node cost only their own copies, not everyone's. Each copy goes first to a node holding no copy of that part
+    yet, then to the position holding the fewest copies so far (the memory they cost is spread), then to the
+    nearest downstream (fewer ring rounds). A part of a node with no other node has none. Pure, and parts are
+    placed in ring order, a copy of each at a time: every rank computes the same answer."""
     world = len(places)
-    return next((h for h in range(1, world) if all(places[r] != places[(r + h) % world] for r in range(world))), 0)
+    load = [0] * world
+    holders: list[list[int]] = [[] for _ in range(world)]
+    for _ in range(replicas):  # every part's first copy, then every part's second: the load stays even
+        for source, chosen in enumerate(holders):
+            candidates = [q for q in range(world) if places[q] != places[source] and q not in chosen]
+            if not candidates:
+                continue
+            best = min(candidates, key=lambda q: (any(places[q] == places[c] for c in chosen), load[q],
+                                                  (q - source) % world))
+            chosen.append(best)
+            load[best] += 1
+    return holders
+
+
+def copy_distance(holders: list[list[int]], source: int) -> int:
+    """How far around the ring `source`'s part travels: to its farthest holder (0: it keeps no copy)."""
+    world = len(holders)
+    return max(((q - source) % world for q in holders[source]), default=0)
 
 
 def divergent(digests: np.ndarray) -> list[int]:
