@@ -121,6 +121,37 @@ def test_apply_reshards_the_old_ranks_parts_into_the_new_ones(new_world: int) ->
         assert np.array_equal(target["m"].data, want)
 
 
+@hypothesis.given(old_world=st.integers(1, 4), new_world=st.integers(1, 4), whole=st.integers(0, 3))
+def test_the_boxes_a_rank_wants_cut_from_every_part_restore_exactly_its_new_shard(old_world: int, new_world: int,
+                                                                               whole: int) -> None:
+    whole %= old_world
+    parts = [taken(r, old_world, 7) for r in range(old_world)]
+    parts = [p if r == whole else p.unique() for r, p in enumerate(parts)]
+    order = [whole] + [r for r in range(old_world) if r != whole]
+    for rank in range(new_world):
+        target = {"w": np.zeros(3), "m": shard_of(rank, new_world), "epoch": 0}
+        cuts = [snapshot.cut(parts[r], snapshot.wanted_boxes(target), whole=r == whole) for r in order]
+        wire = snapshot.bundle(cuts, np.empty(snapshot.bundle_bytes(cuts), np.uint8))
+        pieces = snapshot.unbundle(wire.copy())
+        assert [p.source for p in pieces] == order and all(p.problems() == [] for p in pieces)
+        mine = shard_of(rank, new_world).data.nbytes
+        assert sum(t["nbytes"] for p in pieces for t in p.meta["tensors"] if t["offset"] is not None) == mine
+        snapshot.apply(target, pieces)
+        assert np.array_equal(target["m"].data, shard_of(rank, new_world, fill=7000.0).data)
+        assert np.array_equal(target["w"], np.full(3, 7.0)) and target["epoch"] == 1
+
+
+def test_a_byte_flipped_in_a_bundle_on_its_way_is_named_by_its_crcs() -> None:
+    parts = [taken(0, 2, 3), taken(1, 2, 3).unique()]
+    target = {"w": np.zeros(3), "m": shard_of(0, 1), "epoch": 0}
+    cuts = [snapshot.cut(p, snapshot.wanted_boxes(target), whole=i == 0) for i, p in enumerate(parts)]
+    wire = snapshot.bundle(cuts, np.empty(snapshot.bundle_bytes(cuts), np.uint8))
+    pieces = snapshot.unbundle(wire)
+    at = pieces[1].meta["tensors"][0]["at"]
+    wire[at] ^= 0x01
+    assert pieces[0].problems() == [] and "rank 1's snapshot of step 3" in pieces[1].problems()[0]
+
+
 def test_apply_fills_a_target_without_shards_whole() -> None:
     parts = [taken(0, 2, 3), taken(1, 2, 3).unique()]
     target: dict[str, Any] = {"w": np.zeros(3), "m": np.zeros(M), "epoch": 0}
@@ -399,6 +430,61 @@ def test_a_rank_that_keeps_a_larger_peers_part_is_checked_with_its_size_not_its_
     assert [k.held for k in keepers] == [[], []] and [k.sent_bytes for k in keepers] == [0, 0]
     for g in made:
         g.close()
+
+
+@pytest.mark.parametrize("lost, new_world", [(2, 4), (3, 3), (1, 2)])
+def test_a_recovery_sends_each_rank_only_the_boxes_its_new_shards_need(lost: int, new_world: int) -> None:
+    # 8 MiB of Shards over 4 ranks; rank `lost` is gone (replaced by an empty keeper when the world stays 4)
+    elements = 1 << 20
+    root = tempfile.mkdtemp()
+    keepers = [snapshot.Keeper() for _ in range(4)]
+    old = groups(4, 0, root)
+    places = [f"node-{r}" for r in range(4)]
+    assert take_everywhere(keepers, old, places, lambda r: big_state(r, 4, elements, 5), range(5, 6)) == [None] * 4
+    for g in old:
+        g.close()
+    alive = [k for r, k in enumerate(keepers) if r != lost]
+    if new_world == 2:  # two lost: rank 0 holds rank 3's copy, rank 2 rank 1's
+        alive = [keepers[0], keepers[2]]
+    ranks = alive + [snapshot.Keeper()] * (new_world - len(alive))
+    new = groups(new_world, 1, root)
+    targets = [big_state(r, new_world, elements, 0) for r in range(new_world)]
+    got = on_threads(new_world, lambda r: ranks[r].recover(targets[r], new[r], durable_step=None))
+    assert [g.step for g in got] == [5] * new_world, got
+    for rank in range(new_world):
+        want = big_state(rank, new_world, elements, 5)
+        assert np.array_equal(targets[rank]["m"].data, want["m"].data) and np.array_equal(targets[rank]["w"], want["w"])
+        # at most what its new state is (its shard and the replicated w), and the pieces' descriptions
+        assert got[rank].received <= want["m"].data.nbytes + want["w"].nbytes + (16 << 10), (rank, got[rank].received)
+    for g in new:
+        g.close()
+
+
+def test_a_recovery_that_would_hold_more_than_the_limit_goes_to_storage_on_every_rank_and_says_why() -> None:
+    # the replacement of rank 1 runs on a smaller host: its 4 MiB shard does not fit its 1 MiB
+    elements = 1 << 20
+    root = tempfile.mkdtemp()
+    keepers = [snapshot.Keeper() for _ in range(2)]
+    old = groups(2, 0, root)
+    assert take_everywhere(keepers, old, ["node-0", "node-1"], lambda r: big_state(r, 2, elements, 5),
+                           range(5, 6)) == [None] * 2
+    for g in old:
+        g.close()
+    ranks = [keepers[0], snapshot.Keeper(memory_limit=1 << 20)]
+    new = groups(2, 1, root)
+    targets = [big_state(r, 2, elements, 0) for r in range(2)]
+    got = on_threads(2, lambda r: ranks[r].recover(targets[r], new[r], durable_step=None))
+    assert [g.step for g in got] == [None, None], got
+    assert all("snapshot_memory_limit 1.0 MiB" in g.why and "on rank 1" in g.why for g in got), got
+    assert not targets[1]["m"].data.any()  # nothing was written
+    for g in new:
+        g.close()
+
+
+def test_the_memory_a_recovery_holds_counts_what_passes_through_each_rank() -> None:
+    # position 0 sends 10 bytes to 2 (through 1), 2 sends 5 to 1 (through 0); each holds 100
+    bundles = [[1, 0, 10], [0, 2, 0], [0, 5, 3]]
+    assert snapshot.recovery_by_rank(bundles, [100, 100, 100]) == [101 + 2 * 5, 107 + 2 * 10, 113]
 
 
 def test_the_default_limit_follows_a_containers_memory_limit(tmp_path: Any) -> None:

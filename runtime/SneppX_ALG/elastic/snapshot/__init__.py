@@ -33,9 +33,10 @@ rank's sizes before any copy arrives.
 Recovery (`recover`, every rank of the new generation, before train_fn resumes): each rank checks every CRC of
 what it holds and lists it; the lists are allgathered; the newest step for which every old rank's unique part
 survives somewhere, and one old rank's own snapshot whole (the replicated arrays), wins when it is newer than the
-newest durable checkpoint (`choose`, pure); for each old rank the lowest new rank that holds it broadcasts it, and
-each rank copies out the boxes it needs, resharding to the new world size, after checking the CRCs of what
-arrived.
+newest durable checkpoint (`choose`, pure); for each old rank the lowest new rank that holds it sends each new rank
+only the boxes that rank's targets need (`wanted_boxes`, `cut`, `bundle`: its new shards' boxes, and the whole
+part's replicated arrays), after every rank's recovery memory is checked against the bound; each rank checks the
+CRCs of what arrived and copies its boxes into its targets, resharding to the new world size.
 
 The package, one concept a module (each imports only those below it; `.importlinter` checks it):
 
@@ -45,7 +46,8 @@ The package, one concept a module (each imports only those below it; `.importlin
     plan.py      the pure decisions every rank makes alike: the ring's order, who keeps each part's copies, divergent
                  replicas, which snapshot to restore (`choose`)
     memory.py    how much host memory snapshots need, and how much the process may use
-    image.py     one snapshot: `Snapshot`, `capture` into a buffer, its CRCs (`seal`), its wire form
+    image.py     one snapshot: `Snapshot`, `capture` into a buffer, its CRCs (`seal`), its wire form, and the
+                 boxes of it a recovery sends (`cut`, `bundle`)
 
 Every name is re-exported here: callers import `SneppX_ALG.elastic.snapshot` and nothing below it.
 """
@@ -54,11 +56,17 @@ from __future__ import annotations
 
 from SneppX_ALG.elastic.snapshot.image import (
     PIECE,
+    Cut,
     Snapshot,
+    bundle,
+    bundle_bytes,
     capture,
+    cut,
     from_wire,
     replicated_digest,
     seal,
+    unbundle,
+    wanted_boxes,
     wire_view,
 )
 from SneppX_ALG.elastic.snapshot.keeper import MAX_FREE_BUFFERS, Keeper, Recovered, allgather_json
@@ -68,7 +76,7 @@ from SneppX_ALG.elastic.snapshot.memory import (
     host_memory,
     needed_by_rank,
     needed_bytes,
-    recovery_bytes,
+    recovery_by_rank,
 )
 from SneppX_ALG.elastic.snapshot.plan import (
     Choice,
@@ -86,23 +94,29 @@ __all__ = [
     "MAX_FREE_BUFFERS",
     "PIECE",
     "Choice",
+    "Cut",
     "Keeper",
     "Recovered",
     "Snapshot",
     "allgather_json",
     "apply",
+    "bundle",
+    "bundle_bytes",
     "capture",
     "choose",
     "copy_distance",
     "copy_holders",
+    "cut",
     "divergent",
     "from_wire",
     "host_memory",
     "needed_by_rank",
     "needed_bytes",
-    "recovery_bytes",
+    "recovery_by_rank",
     "replicated_digest",
     "ring_order",
     "seal",
+    "unbundle",
+    "wanted_boxes",
     "wire_view",
 ]

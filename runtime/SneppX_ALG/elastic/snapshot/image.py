@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from SneppX_ALG import _native, errors
-from SneppX_ALG.checkpoint import format
+from SneppX_ALG.checkpoint import chunks, format
 from SneppX_ALG.coordinator import state as state_lib
 
 PIECE = 4 << 20  # bytes per CRC32C
@@ -190,3 +190,119 @@ def from_wire(wire: np.ndarray) -> Snapshot:
     meta_len = int.from_bytes(wire[-8:].tobytes(), "little")
     end = len(wire) - 8 - meta_len
     return Snapshot(json.loads(wire[end:-8].tobytes()), wire[:end])
+
+
+# -- what a recovery sends: only the boxes each new rank's targets need --
+
+Wanted = list[dict[str, Any]] | None  # [{"path": [..], "box": [offset, shape] | None (whole)}]; None: everything
+
+
+def wanted_boxes(obj: Any) -> Wanted:
+    """What a restore into `obj` needs of each tensor, as JSON (it is allgathered): each target's box of its
+    tensor (a plain array: the whole, of whatever shape the snapshot has, so a restore still compares shapes).
+    None for a target without Shards, which is filled whole from everything."""
+    targets = state_lib.restore_targets(obj)
+    if targets is None:
+        return None
+    return [{"path": list(need.path),
+             "box": None if need.box is None else [list(need.box.offset), list(need.box.shape)]}
+            for need in targets.needs]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """The boxes of one part one new rank needs: (the part's tensor, the box it holds, the box cut), and whether
+    it brings the part's plain values and training state (the whole part's, which also gives the replicated
+    arrays)."""
+
+    part: Snapshot
+    boxes: list[tuple[dict[str, Any], chunks.Box, chunks.Box]]
+    whole: bool
+
+
+def cut(part: Snapshot, wanted: Wanted, *, whole: bool) -> Cut:
+    """The boxes of `part` a rank wanting `wanted` needs: of its Shards, where they meet the wanted boxes; of its
+    replicated arrays only when it is the `whole` part (every other rank's are the same, and a copy has none)."""
+    boxes = []
+    for t in part.meta["tensors"]:
+        if t["offset"] is None and not whole:
+            continue
+        have = chunks.Box(tuple(t["offset"] or [0] * len(t["shape"])), tuple(t["local"]))
+        if wanted is None:
+            boxes.append((t, have, have))
+            continue
+        for w in wanted:
+            if w["path"] != t["path"]:
+                continue
+            want = chunks.Box.whole(tuple(t["shape"])) if w["box"] is None else chunks.Box(*map(tuple, w["box"]))
+            common = chunks.intersect(have, want) if have.volume else None
+            if common is not None:
+                boxes.append((t, have, common))
+            elif not have.volume and want == have:  # an empty tensor wanted whole: it is there, as empty
+                boxes.append((t, have, have))
+    return Cut(part, boxes, whole)
+
+
+def _piece_meta(c: Cut, at: int, crcs: list[list[int]] | None) -> tuple[dict[str, Any], int]:
+    """The description of a cut as a snapshot of its own, its tensors laid out from `at` (`crcs`: each box's, or
+    the widest a CRC is written, to size the description before they are known)."""
+    tensors = []
+    for i, (t, _, box) in enumerate(c.boxes):
+        nbytes = box.volume * format.numpy_dtype(t["dtype"]).itemsize
+        widest = [_MAX_CRC] * max(1, -(-nbytes // PIECE))
+        tensors.append({"path": t["path"], "dtype": t["dtype"], "local": list(box.shape), "shape": t["shape"],
+                        "offset": None if t["offset"] is None else list(box.offset), "at": at, "nbytes": nbytes,
+                        "crcs": widest if crcs is None else crcs[i]})
+        at += _aligned(nbytes)
+    meta = {**{k: c.part.meta[k] for k in ("instance", "generation", "step", "rank", "world", "kind")},
+            "tensors": tensors, "values": c.part.meta["values"] if c.whole else [],
+            "training_state": c.part.meta.get("training_state") if c.whole else None, "unique_end": 0, "slot": 0}
+    return meta, at
+
+
+def bundle_bytes(cuts: list[Cut]) -> int:
+    """The size of `bundle(cuts)`, known before a byte is copied: every rank learns what it will receive."""
+    if not cuts:
+        return 0
+    metas, at = [], 0
+    for c in cuts:
+        meta, at = _piece_meta(c, at, None)
+        metas.append(meta)
+    return at + len(json.dumps(metas, separators=(",", ":"))) + _LENGTH
+
+
+def bundle(cuts: list[Cut], into: np.ndarray) -> np.ndarray:
+    """The boxes of `cuts` copied into `into` (bundle_bytes long), their CRCs, and their descriptions padded to
+    the size bundle_bytes counted: [boxes][descriptions][their length, 8 bytes]; `unbundle` reads it. The parts
+    were checked against their CRCs when listed; each box gets CRCs of its own, checked where it arrives."""
+    if not cuts:
+        return into[:0]
+    metas, at = [], 0
+    for c in cuts:
+        meta, end = _piece_meta(c, at, None)
+        for (t, have, box), placed in zip(c.boxes, meta["tensors"], strict=True):
+            dtype = format.numpy_dtype(t["dtype"])
+            source = c.part.payload[t["at"]:t["at"] + t["nbytes"]].view(dtype).reshape(t["local"])
+            out = into[placed["at"]:placed["at"] + placed["nbytes"]].view(dtype).reshape(box.shape)
+            np.copyto(out, source[box.slices(have.offset)])
+            ranges = [(placed["at"] + i * PIECE, max(0, min(PIECE, placed["nbytes"] - i * PIECE)))
+                      for i in range(len(placed["crcs"]))]
+            placed["crcs"] = [int(x) for x in _native.crc32c_ranges(into, ranges)]
+        metas.append(meta)
+        at = end
+    text = json.dumps(metas, separators=(",", ":")).encode()
+    slot = len(into) - at - _LENGTH
+    if len(text) > slot:
+        raise errors.SnapshotError(f"a recovery bundle's description ({len(text)} bytes) outgrew its slot ({slot})")
+    into[at:at + slot] = np.frombuffer(text.ljust(slot), np.uint8)
+    into[-_LENGTH:] = np.frombuffer(slot.to_bytes(_LENGTH, "little"), np.uint8)
+    return into
+
+
+def unbundle(wire: np.ndarray) -> list[Snapshot]:
+    """The pieces of a bundle, one per part it brings, each a view of `wire` (`problems()` checks their CRCs)."""
+    if not len(wire):
+        return []
+    meta_len = int.from_bytes(wire[-_LENGTH:].tobytes(), "little")
+    end = len(wire) - _LENGTH - meta_len
+    return [Snapshot(meta, wire[:end]) for meta in json.loads(wire[end:-_LENGTH].tobytes())]

@@ -22,12 +22,27 @@ import numpy as np
 
 from SneppX_ALG import _native, errors
 from SneppX_ALG.elastic import collectives
-from SneppX_ALG.elastic.snapshot.image import Snapshot, capture, from_wire, replicated_digest, seal, wire_view
+from SneppX_ALG.elastic.snapshot.image import (
+    Cut,
+    Snapshot,
+    Wanted,
+    bundle,
+    bundle_bytes,
+    capture,
+    cut,
+    from_wire,
+    replicated_digest,
+    seal,
+    unbundle,
+    wanted_boxes,
+    wire_view,
+)
 from SneppX_ALG.elastic.snapshot.memory import (
     DEFAULT_MEMORY_FRACTION,
     host_memory,
     needed_by_rank,
     needed_bytes,
+    recovery_by_rank,
 )
 from SneppX_ALG.elastic.snapshot.plan import choose, copy_distance, copy_holders, divergent
 from SneppX_ALG.elastic.snapshot.restore import apply
@@ -279,27 +294,11 @@ class Keeper:
         if isinstance(plan, str):
             return Recovered(None, plan, 0)
         key, holders, whole = plan
-        parts, received = [], 0
-        for source in [whole] + [s for s in range(len(holders)) if s != whole]:  # the whole one first: apply()
-            holder = holders[source]
-            entry = next(e for e in lists[holder] if (e["instance"], e["generation"], e["step"]) == key
-                         and e["source"] == source)
-            if group.rank == holder:
-                mine = self.find(key, source)
-                meta = np.frombuffer(json.dumps(mine.meta, separators=(",", ":")).encode(), np.uint8).copy()
-                payload = mine.payload
-            else:
-                meta, payload = np.empty(entry["meta"], np.uint8), np.empty(entry["payload"], np.uint8)
-            group.broadcast(meta, root=holder)
-            group.broadcast(payload, root=holder)
-            part = Snapshot(json.loads(meta.tobytes()), payload)
-            problems = part.problems()
-            if problems:  # it checked out where it was held: it was corrupted on the way; the next generation
-                raise errors.CommProtocolError(  # tries again, without that copy if it was the holder's memory
-                    f"a snapshot part received from rank {holder}: {problems[0]}", rank=group.rank,
-                    generation=group.generation, peer=holder)
-            parts.append(part if source == whole else part.unique())
-            received += len(payload) if group.rank != holder else 0
+        moved = self._transfer(obj, group, key, holders, whole)
+        if isinstance(moved, str):
+            log.warning("the snapshot of step %d is not restored: %s", key[2], moved)
+            return Recovered(None, moved, 0)
+        parts, received = moved
         try:
             apply(obj, parts)
             failure = ""
@@ -314,6 +313,58 @@ class Keeper:
                              + (f" ({failure[:300]})" if failure else ""), received)
         return Recovered(key[2], f"restored from peer memory (step {key[2]})", received,
                          training_state=parts[0].meta.get("training_state"))
+
+
+    def _transfer(self, obj: Any, group: collectives.ProcessGroup, key: tuple[str, int, int], holders: list[int],
+                  whole: int) -> tuple[list[Snapshot], int] | str:
+        """Each rank receives, of each old rank's part, only the boxes its own targets need (`wanted_boxes`; the
+        whole part's replicated arrays and plain values too): one piece per old rank, the whole part's first, as
+        `apply` takes them. One allgather of what each rank wants, one of what each sends each (and holds, and may
+        use): every rank checks every rank's memory bound alike before a byte moves (a reason when one is over:
+        storage then). Then, for each distance k around the ring, each holder's bundle for the rank k on is
+        shifted k times; the CRCs of what arrives are checked."""
+        world, me = group.world_size, group.rank
+        try:
+            mine: Wanted = wanted_boxes(obj)
+        except (errors.SneppXError, ValueError, TypeError):  # apply says what is wrong with the target, alike
+            mine = None
+        wanted = allgather_json(group, mine)
+        sources = [whole] + [s for s in range(len(holders)) if s != whole]  # the whole one first: apply()
+
+        def cuts_for(dest: int) -> list[Cut]:
+            return [cut(self.find(key, s), wanted[dest], whole=s == whole) for s in sources if holders[s] == me]
+
+        sizes = np.zeros((world, world + 2), np.int64)  # per position: bytes to each position, held, its limit
+        sizes[me, :world] = [bundle_bytes(cuts_for(d)) for d in range(world)]
+        sizes[me, world:] = (sum(len(s.payload) for kept in (self.own, self.held) for s in kept), self.memory_limit)
+        group.allgather(sizes)
+        needed = recovery_by_rank([[int(n) for n in row[:world]] for row in sizes], [int(n) for n in sizes[:, world]])
+        over = [q for q in range(world) if needed[q] > sizes[q, world + 1]]
+        if over:
+            q = over[0]
+            return (f"recovering the snapshot of step {key[2]} would hold {needed[q] / 2**20:.1f} MiB on rank {q} of "
+                    f"the snapshot group (its snapshots, the boxes it receives, 2 in transit), over "
+                    f"snapshot_memory_limit {int(sizes[q, world + 1]) / 2**20:.1f} MiB")
+        pieces = unbundle(bundle(cuts_for(me), np.empty(int(sizes[me, me]), np.uint8)))
+        received = 0
+        for k in range(1, world):
+            if not any(sizes[h, (h + k) % world] for h in range(world)):
+                continue  # nothing travels this far
+            outgoing = bundle(cuts_for((me + k) % world), np.empty(int(sizes[me, (me + k) % world]), np.uint8))
+            for hop in range(1, k + 1):
+                origin = (me - hop) % world
+                outgoing = group.shift(outgoing, np.empty(int(sizes[origin, (origin + k) % world]), np.uint8))
+            arrived = unbundle(outgoing)
+            for piece in arrived:
+                problems = piece.problems()
+                if problems:  # it checked out where it was held: it was corrupted on the way; the next
+                    raise errors.CommProtocolError(  # generation tries again
+                        f"a snapshot piece received from rank {(me - k) % world}: {problems[0]}", rank=me,
+                        generation=group.generation, peer=(me - k) % world)
+            pieces += arrived
+            received += len(outgoing)
+        by_source = {piece.source: piece for piece in pieces}
+        return [by_source[s] for s in sources], received
 
 
 @dataclasses.dataclass(frozen=True)

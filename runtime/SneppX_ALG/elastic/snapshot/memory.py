@@ -1,5 +1,5 @@
 """How much host memory peer-memory snapshots need (`needed_bytes` before a snapshot is taken, `needed_by_rank` once
-every rank's sizes are known, `recovery_bytes` for a recovery), and how much this process may use (`host_memory`:
+every rank's sizes are known, `recovery_by_rank` for a recovery), and how much this process may use (`host_memory`:
 the machine's, or its container's cgroup limit).
 
 Separate because it is the one part that asks the operating system, and the bound a `Keeper` enforces before it
@@ -37,10 +37,18 @@ def needed_by_rank(states: list[int], parts: list[int], holders: list[list[int]]
     return needed
 
 
-def recovery_bytes(held: int, received: int, largest_transit: int) -> int:
-    """Host memory a recovery holds at most on a rank: the snapshots it holds, the boxes it receives for its new
-    shards, and two bundles in transit (one arriving, one going on)."""
-    return held + received + 2 * largest_transit
+def recovery_by_rank(bundles: list[list[int]], held: list[int]) -> list[int]:
+    """Host memory a recovery holds at most on each ring position, from every position's sizes (`bundles[h][d]`:
+    the bytes position h sends position d, the boxes of d's new shards in the parts h holds; `held[q]`: what q's
+    snapshots hold already): what it holds, what it receives (its own boxes cut from its own parts too), and two
+    bundles passing through it on their way (one arriving, one going on)."""
+    world = len(held)
+    needed = []
+    for q in range(world):
+        received = sum(bundles[h][q] for h in range(world))
+        passing = [bundles[h][d] for h in range(world) for d in range(world) if 0 < (q - h) % world < (d - h) % world]
+        needed.append(held[q] + received + 2 * max(passing, default=0))
+    return needed
 
 
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
