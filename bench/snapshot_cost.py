@@ -8,11 +8,17 @@
   bound the Keeper checks. Side by side, in the same run: a memcpy of the same bytes and a loopback TCP transfer
   (the physical limits of the copy and of the network on this machine), and what a user would do instead to
   survive a failure at every step: a durable checkpoint of the same state every step (CheckpointCoordinator,
-  sync, fsync'ed to the local disk).
+  sync, fsync'ed to the local disk);
+- what a snapshot every step costs the training thread (`measure_training`): the demo's model trained by 2 rank
+  processes (data parallel, ZeRO-1, over TCP on 127.0.0.1), blocks of steps with a snapshot after every step
+  and blocks without, interleaved in the same run: the step with its snapshot against the step alone, and what
+  the keeper's `take` reports of it (`take_ms`, of which the copy and the wait).
 """
 
 from __future__ import annotations
 
+import math
+import multiprocessing
 import shutil
 import socket
 import statistics
@@ -181,3 +187,85 @@ def measure(state_mib: int = 256, repeats: int = 7) -> None:
     print(f"Host memory: {used / MIB:.0f} MiB more resident after the snapshots (both ranks, this process), the bound "
           f"Keeper checks is {bound / MIB:.0f} MiB ({100 * used / bound:.0f}% of it).")
     shutil.rmtree(root, ignore_errors=True)
+
+
+def _training_rank(rank: int, world: int, root: str, small: bool, blocks: int, block_steps: int,
+                   out: Any) -> None:
+    """One rank of measure_training: blocks of steps, every odd block with a snapshot after each step."""
+    from SneppX_ALG import demo
+    from SneppX_ALG.model import data, data_parallel, transformer
+
+    records = open_record_store(root)
+    made = [collectives.ProcessGroup(store_lib.RecordKeyStore(records, name), rank, world, 0, key=b"k" * 32,
+                                     timeout=300, backend="tcp") for name in ("train", "snapshot")]
+    sizes = demo.MODEL_SIZES["small" if small else "recipe"]
+    language = data.SyntheticLanguage(vocab_size=sizes["vocab_size"], seq_len=sizes["max_seq_len"],
+                                      num_sequences=256, seed=0)
+    trainer = data_parallel.DataParallelTrainer(transformer.Transformer(**sizes, seed=0), language, made[0],
+                                                batch_size=16, lr=1e-2, seed=0)
+    keeper = snapshot.Keeper()
+    rows = []
+    for block in range(blocks):
+        on = block % 2 == 1
+        for _ in range(block_steps):
+            began, cpu, process = time.perf_counter(), time.thread_time(), time.process_time()
+            trainer.train_step()
+            trained, trained_cpu = time.perf_counter(), time.thread_time()
+            if on:
+                keeper.take(trainer, trainer.step, made[1], instance="bench", generation=0, place=f"node-{rank}")
+            rows.append({"on": on, "block": block, "train": trained - began, "snapshot": time.perf_counter() - trained,
+                         "train_cpu": trained_cpu - cpu, "snapshot_cpu": time.thread_time() - trained_cpu,
+                         "process_cpu": time.process_time() - process,  # the background thread's too
+                         **({k: keeper.costs.get(k, math.nan) for k in ("take_ms", "copy_ms", "wait_ms")} if on else {})})
+    keeper.wait()
+    for g in made:
+        g.close()
+    out.put((rank, rows))
+
+
+def measure_training(small: bool, blocks: int = 21, block_steps: int = 10) -> dict[str, float]:
+    """The demo's model, 2 rank processes, a snapshot every step in every other block of steps (the first block,
+    a warm-up, is left out): medians of rank 1's steps, with snapshots against without, side by side."""
+    world = 2
+    root = tempfile.mkdtemp(prefix="sneppx-bench-snapshot-training-")
+    context = multiprocessing.get_context("fork")  # before any thread: the ranks start from this process as is
+    out = context.Queue()
+    procs = [context.Process(target=_training_rank, args=(r, world, root, small, blocks, block_steps, out))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join()
+    shutil.rmtree(root, ignore_errors=True)
+    rows = [r for r in results[1] if r["block"] > 0]
+    on, off = [r for r in rows if r["on"]], [r for r in rows if not r["on"]]
+    med = statistics.median
+    step_on, step_off = med(r["train"] + r["snapshot"] for r in on), med(r["train"] for r in off)
+    figures = {"step_on_ms": 1e3 * step_on, "step_off_ms": 1e3 * step_off,
+               "train_on_ms": 1e3 * med(r["train"] for r in on), "snapshot_call_ms": 1e3 * med(r["snapshot"] for r in on),
+               "take_ms": med(r["take_ms"] for r in on), "copy_ms": med(r["copy_ms"] for r in on),
+               "wait_ms": med(r["wait_ms"] for r in on), "overhead": step_on / step_off - 1,
+               "cpu_on_ms": 1e3 * med(r["train_cpu"] + r["snapshot_cpu"] for r in on),
+               "cpu_off_ms": 1e3 * med(r["train_cpu"] for r in off),
+               "snapshot_cpu_ms": 1e3 * med(r["snapshot_cpu"] for r in on),
+               "process_on_ms": 1e3 * med(r["process_cpu"] for r in on),
+               "process_off_ms": 1e3 * med(r["process_cpu"] for r in off)}
+    f = figures
+    print(f"\nWhat a snapshot every step costs the training thread: the {'tiny' if small else 'recipe-1'} model, "
+          f"{world} rank processes on 127.0.0.1, {len(on)} steps with a snapshot and {len(off)} without, in "
+          f"interleaved blocks of {block_steps}; rank 1's medians:")
+    print("| | with a snapshot every step | without | ratio |")
+    print("|---|---:|---:|---:|")
+    print(f"| a step (train_step, then the snapshot call) | {f['step_on_ms']:.2f} ms | {f['step_off_ms']:.2f} ms | "
+          f"{step_on / step_off:.3f}x ({100 * f['overhead']:+.1f}%) |")
+    print(f"| train_step alone | {f['train_on_ms']:.2f} ms | {f['step_off_ms']:.2f} ms | "
+          f"{f['train_on_ms'] / f['step_off_ms']:.3f}x |")
+    print(f"| the snapshot call (Keeper.take), timed outside | {f['snapshot_call_ms']:.3f} ms | | |")
+    print(f"| what take reports: take_ms (of it copy_ms, wait_ms) | {f['take_ms']:.3f} ms ({f['copy_ms']:.3f}, "
+          f"{f['wait_ms']:.3f}) | | |")
+    print(f"| the training thread's CPU time a step (of it the snapshot call) | {f['cpu_on_ms']:.2f} ms "
+          f"({f['snapshot_cpu_ms']:.3f}) | {f['cpu_off_ms']:.2f} ms | {f['cpu_on_ms'] / f['cpu_off_ms']:.3f}x |")
+    print(f"| the process's CPU time a step (the snapshot thread's too) | {f['process_on_ms']:.2f} ms | "
+          f"{f['process_off_ms']:.2f} ms | {f['process_on_ms'] / f['process_off_ms']:.3f}x |")
+    return figures

@@ -516,6 +516,27 @@ def test_many_snapshots_two_workers_a_node_reuse_a_bounded_set_of_buffers() -> N
         g.close()
 
 
+def test_one_background_thread_serves_every_snapshot_and_take_reports_all_it_spent(monkeypatch: Any) -> None:
+    started: list[str] = []
+    start = threading.Thread.start
+
+    def counting(thread: threading.Thread) -> None:
+        started.append(thread.name)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", counting)
+    group = groups(1, 0, tempfile.mkdtemp())[0]
+    keeper = snapshot.Keeper()
+    for step in range(1, 11):
+        keeper.take(state(0, 1, step), step, group, instance="i", generation=0, place="node-0")
+        costs = keeper.costs
+        assert costs["take_ms"] >= costs["copy_ms"] + costs["wait_ms"], costs
+    keeper.wait()
+    assert started.count("sneppx-snapshot") == 1, started  # a thread a snapshot cost the training thread ~2 ms
+    assert [s.meta["step"] for s in keeper.own] == [10] and "background_cpu_ms" in keeper.costs
+    group.close()
+
+
 # ---- state on a CUDA device ------------------------------------------------------------------------------------
 
 

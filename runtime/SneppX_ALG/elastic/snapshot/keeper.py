@@ -70,7 +70,8 @@ class Keeper:
         self.held: list[Snapshot] = []
         self.complete: tuple[str, int, int] | None = None  # the newest key every rank holds copies of
         self.sent_bytes = 0  # unique bytes this rank sent to peers (all hops), since it started
-        self.costs: dict[str, float] = {}  # of the newest snapshot: see take and _replicate
+        self._taken: dict[str, float] = {}  # what the newest snapshot cost the training thread (take)
+        self._background: dict[str, float] = {}  # and its background thread, once done (_replicate)
         self._free: list[np.ndarray] = []
         self._copiers: dict[int, Any] = {}  # a copy engine per CUDA device the state lives on
         self._jobs: queue.SimpleQueue[tuple[Snapshot, collectives.ProcessGroup]] = queue.SimpleQueue()
@@ -103,9 +104,17 @@ class Keeper:
             self._thread = threading.Thread(target=self._serve, name="sneppx-snapshot", daemon=True)
             self._thread.start()
         self._idle.clear()
-        self.costs = {"wait_ms": 1e3 * (waited - began), "copy_ms": 1e3 * (copied - waited),
-                      "take_ms": 1e3 * (time.perf_counter() - began)}  # before the thread may add its own
+        self._background = {}
         self._jobs.put((snapshot, group))
+        self._taken = {"wait_ms": 1e3 * (waited - began), "copy_ms": 1e3 * (copied - waited),
+                       "take_ms": 1e3 * (time.perf_counter() - began)}  # the hand-off (a thread woken) too
+
+    @property
+    def costs(self) -> dict[str, float]:
+        """What the newest snapshot cost: the training thread (`take_ms`, all of take; of it `copy_ms` and
+        `wait_ms`) and, once it is done, the background thread (`background_ms`, `background_cpu_ms`,
+        `sent_bytes`)."""
+        return {**self._taken, **self._background}
 
     def wait(self) -> None:
         """Until the snapshot in flight is complete (or failed: its error is raised here, once)."""
@@ -197,8 +206,9 @@ class Keeper:
             else:
                 self.own.append(snapshot)
             self._completed(snapshot.key)
-            self.costs = {**self.costs, "background_ms": 1e3 * (time.perf_counter() - began),
-                          "background_cpu_ms": 1e3 * (time.thread_time() - cpu), "sent_bytes": self.sent_bytes - sent}
+            self._background = {"background_ms": 1e3 * (time.perf_counter() - began),
+                                "background_cpu_ms": 1e3 * (time.thread_time() - cpu),
+                                "sent_bytes": self.sent_bytes - sent}
         except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
             if snapshot not in self.own:
                 self._release(snapshot.payload)  # refused: its buffer serves again
