@@ -8,13 +8,18 @@ to 9 here).
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import recovery_script
 from recovery_script import M, Run
 
 STEPS = 40
@@ -172,3 +177,56 @@ def test_a_node_killed_while_the_next_generation_recovers_from_memory_still_lose
     assert_trained_to_the_end(run, result)
     assert_from_memory_redoing_at_most_one_step(run, result)
     assert len(result["generations"]) >= 3, result["generations"]
+
+
+def test_pods_sharing_a_kubernetes_node_still_lose_no_steps_when_the_lone_one_goes(tmp_path: Path) -> None:
+    # node-0 and node-1 are pods on Kubernetes node host-a, node-2 alone on host-b: no one distance around the
+    # ring leaves every node, and no copy was sent at all (issue 37, defect 4). Each part is placed on its own:
+    # node-2's on host-a, host-a's on node-2. node-2 is killed: its part comes from host-a's memory. Then the
+    # two left share one node: their parts have no copy off it, and each says so.
+    env = {**os.environ, "SNEPPX_RUN_ID": f"colocated-{secrets.token_hex(4)}", "SNEPPX_HEARTBEAT_KEY":
+           secrets.token_hex(32), "R_NODES": "3", "R_LOCAL_NODES": "1", "R_STEPS": "60", "R_EVERY": "10",
+           "R_SNAPSHOT": "1", "R_HANG_TIMEOUT": "5"}
+    hosts = {"node-0": "host-a", "node-1": "host-a", "node-2": "host-b"}
+    procs = {}
+    try:
+        for agent, host in hosts.items():
+            out = tmp_path / agent
+            out.mkdir()
+            with open(out / "log.txt", "wb") as log:
+                procs[agent] = subprocess.Popen(
+                    [sys.executable, recovery_script.__file__, str(out), str(tmp_path / "ckpts")],
+                    env={**env, "SNEPPX_AGENT_ID": agent, "SNEPPX_NODE_NAME": host}, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True)
+
+        def progress() -> dict[str, Any]:
+            for path in tmp_path.glob("node-*/progress.json"):
+                try:
+                    return dict(json.loads(path.read_text()))
+                except ValueError:  # being written
+                    pass
+            return {"step": 0, "world_size": 0}
+
+        deadline = time.monotonic() + 180
+        while not (progress()["world_size"] == 3 and progress()["step"] >= 13):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values()), progress()
+            time.sleep(0.05)
+        os.killpg(procs["node-2"].pid, signal.SIGKILL)
+        codes = {agent: procs[agent].wait(240) for agent in ("node-0", "node-1")}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    logs = {agent: (tmp_path / agent / "log.txt").read_text()[-3000:] for agent in hosts}
+    assert codes == {"node-0": 0, "node-1": 0}, logs
+    restores = [json.loads(line) for path in tmp_path.glob("node-*/restores.jsonl")
+                for line in path.read_text().splitlines() if line.strip()]
+    after = [r for r in restores if r["generation"] > 0 and r["before"] > 0]
+    assert after and all(r["source"] == "memory" and r["before"] - r["step"] <= 1 for r in after), restores
+    final = next(json.loads(p.read_text()) for p in tmp_path.glob("node-*/final.json"))
+    assert final["step"] == 60 and final["m_total"] == M * 60 and final["spread"] == 0.0, final
+    events = [e for agent in ("node-0", "node-1")
+              for e in json.loads((tmp_path / agent / "result.json").read_text()).get("events", [])]
+    unprotected = [e for e in events if e["kind"] == "snapshot_unprotected"]
+    assert {e["rank"] for e in unprotected} == {0, 1} and all(e["copies"] == 0 for e in unprotected), unprotected
