@@ -125,7 +125,7 @@ class CheckpointCoordinator:
         and validate() then also require a signature by one of them and every shard to match its digest, and
         treat a step that fails like any invalid step (skipped, reported in `skipped`, rolled back past).
         None (the default): signatures are not checked.
-    group: the ranks that save and restore this root together (coordinator.Group: an elastic ProcessGroup
+    group: the ranks that save and restore this root together (coordinator.Group: a collectives.ProcessGroup
         fits): each rank writes its own shard file, rank 0 commits once every rank's file is durable, and a
         restore loads, at any world size, only what each rank's Shards and arrays ask for. With
         async_save, the writer thread runs the group's collectives while training goes on, so pass a group

@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from SneppX_ALG import collectives, errors
 from SneppX_ALG import coordinator as coordinator_lib
-from SneppX_ALG import errors
+from SneppX_ALG.collectives import store as store_lib
 from SneppX_ALG.contract.env import ENV_CONTROL_FD, ENV_GENERATION, ENV_NODE_NAME
-from SneppX_ALG.elastic import collectives, control, fault_tolerance, pod, rendezvous, snapshot
-from SneppX_ALG.elastic import store as store_lib
+from SneppX_ALG.elastic import control, fault_tolerance, pod, rendezvous, snapshot
 from SneppX_ALG.elastic.rendezvous import fence
 
 log = logging.getLogger(__name__)

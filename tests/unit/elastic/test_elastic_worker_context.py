@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from directory_store import DirectoryStore
 
-from SneppX_ALG import CheckpointCoordinator, errors
-from SneppX_ALG.elastic import collectives, control, rendezvous, worker
+from SneppX_ALG import CheckpointCoordinator, collectives, errors
+from SneppX_ALG.elastic import control, rendezvous, worker
 
 RUN = "run-1"
 

@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from SneppX_ALG import _native, errors
+from SneppX_ALG import _native, collectives, errors
+from SneppX_ALG.collectives import store as store_lib
 from SneppX_ALG.coordinator import Shard
-from SneppX_ALG.elastic import collectives, snapshot
-from SneppX_ALG.elastic import store as store_lib
+from SneppX_ALG.elastic import snapshot
 from SneppX_ALG.records import open_record_store
 
 M = 10  # elements of the sharded vector "m"

@@ -18,8 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from SneppX_ALG import _native, errors
-from SneppX_ALG.elastic import collectives
+from SneppX_ALG import _native, collectives, errors
 from SneppX_ALG.elastic.snapshot.image import Snapshot, capture, from_wire, replicated_digest, seal, wire_view
 from SneppX_ALG.elastic.snapshot.memory import DEFAULT_MEMORY_FRACTION, host_memory, needed_bytes
 from SneppX_ALG.elastic.snapshot.plan import choose, divergent, placement_hop
