@@ -71,30 +71,32 @@ def test_a_state_without_shards_sends_only_its_description() -> None:
     assert len(arrived.payload) == 0 and arrived.meta["tensors"] == [] and arrived.meta["step"] == 1
 
 
-def entry(source: int, step: int, world: int = 2, generation: int = 0, whole: bool = True) -> dict[str, Any]:
-    return {"instance": "i", "generation": generation, "step": step, "world": world, "source": source,
-            "whole": whole, "meta": 1, "payload": 1}
+def held(holder: int, source: int, step: int, world: int = 2, whole: bool = True) -> snapshot.Held:
+    return snapshot.Held(holder, "i", 0, step, world, source, whole, True, 7, "t")
+
+
+def chosen(parts: list[snapshot.Held], durable: list[snapshot.Durable] | None = None) -> Any:
+    decision = snapshot.choose(parts, durable or [], [], [], "t")
+    return (decision.key, list(decision.senders), decision.whole) if decision.source == "memory" else decision.why
 
 
 def test_choose_takes_the_newest_step_every_old_rank_survives_in() -> None:
     # step 6 lost rank 1's part; step 5 is whole: rank 0 holds its own, rank 1 (a new rank) holds rank 1's copy
-    lists = [[entry(0, 6), entry(0, 5)], [entry(1, 5, whole=False)]]
-    assert snapshot.choose(lists, durable_step=None) == (("i", 0, 5), [0, 1], 0)
-    assert snapshot.choose(lists, durable_step=5) == (("i", 0, 5), [0, 1], 0)  # as new: memory is faster
-    assert "newer than any snapshot" in snapshot.choose(lists, durable_step=6)
-    lost = snapshot.choose([[entry(0, 6)], []], durable_step=None)
-    assert "lost the part of rank(s) 1" in lost
-    assert "no snapshot survives" in snapshot.choose([[], []], durable_step=3)
+    parts = [held(0, 0, 6), held(0, 0, 5), held(1, 1, 5, whole=False)]
+    assert chosen(parts) == (("i", 0, 5), [0, 1], 0)
+    assert chosen(parts, [snapshot.Durable(5, 0, ())]) == (("i", 0, 5), [0, 1], 0)  # as new: memory is faster
+    assert "newer than the newest usable snapshot" in chosen(parts, [snapshot.Durable(6, 0, ())])
+    assert "lost the part of rank(s) 1" in chosen([held(0, 0, 6)])
+    assert "no snapshot survives" in chosen([], [snapshot.Durable(3, 0, ())])
 
 
 def test_the_lowest_rank_holding_a_part_sends_it_and_an_own_snapshot_sends_the_replicated_arrays() -> None:
-    lists = [[entry(1, 4, whole=False)], [entry(0, 4, whole=False), entry(1, 4)]]
-    assert snapshot.choose(lists, None) == (("i", 0, 4), [1, 1], 1)  # rank 1's own, whole, not rank 0's copy
+    parts = [held(0, 1, 4, whole=False), held(1, 0, 4, whole=False), held(1, 1, 4)]
+    assert chosen(parts) == (("i", 0, 4), [1, 1], 1)  # rank 1's own, whole, not rank 0's copy
 
 
 def test_only_copies_left_are_not_enough_the_replicated_arrays_died_with_every_own_snapshot() -> None:
-    lists = [[entry(1, 4, whole=False)], [entry(0, 4, whole=False)]]
-    assert "no rank's own snapshot left" in snapshot.choose(lists, None)
+    assert "no rank's own snapshot left" in chosen([held(0, 1, 4, whole=False), held(1, 0, 4, whole=False)])
 
 
 def test_the_snapshot_ring_visits_the_nodes_in_turn() -> None:
@@ -138,6 +140,11 @@ def test_divergent_names_the_ranks_off_the_majority() -> None:
 
 
 # ---- Keepers over real process groups -------------------------------------------------------------------------
+
+
+def durable_at(step: int) -> Callable[..., tuple[list[snapshot.Durable], list[int]]]:
+    """What TrainContext.restore hands `recover`: committed step `step`, checked and valid."""
+    return lambda floor, verdicts: ([snapshot.Durable(step, 0, ())], [])
 
 
 def groups(world: int, generation: int, root: str) -> list[collectives.ProcessGroup]:
@@ -191,7 +198,7 @@ def test_keepers_replicate_to_the_next_rank_free_old_steps_and_recover_after_a_r
     survivors = [keepers[r] for r in range(3) if r != lost]
     new = groups(2, 1, root)
     targets = [{"w": np.zeros(3), "m": shard_of(r, 2), "epoch": 0} for r in range(2)]
-    got = on_threads(2, lambda r: survivors[r].recover(targets[r], new[r], durable_step=2))
+    got = on_threads(2, lambda r: survivors[r].recover(targets[r], new[r], durable_at(2)))
     assert [g.step for g in got] == [3, 3], got
     for rank in range(2):
         assert np.array_equal(targets[rank]["m"].data, shard_of(rank, 2, fill=3000.0).data)
@@ -211,7 +218,7 @@ def test_a_copy_that_fails_its_crcs_is_dropped_reported_and_not_used() -> None:
         g.close()
     keepers[0].held[0].payload[1] ^= 0x01  # rank 1's part, as rank 0 holds it
     alone = groups(1, 1, root)[0]  # rank 1 is gone
-    got = keepers[0].recover({"w": np.zeros(3), "m": shard_of(0, 1), "epoch": 0}, alone, durable_step=None)
+    got = keepers[0].recover({"w": np.zeros(3), "m": shard_of(0, 1), "epoch": 0}, alone)
     assert got.step is None and "lost the part of rank(s) 1" in got.why
     assert reports and reports[0][0] == "snapshot_corrupt" and reports[0][1]["source"] == 1
     alone.close()

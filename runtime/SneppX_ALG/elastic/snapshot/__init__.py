@@ -53,6 +53,8 @@ from SneppX_ALG.elastic.snapshot.image import (
     Snapshot,
     capture,
     from_wire,
+    layout,
+    layout_of,
     replicated_digest,
     seal,
     wire_view,
@@ -64,7 +66,17 @@ from SneppX_ALG.elastic.snapshot.memory import (
     host_memory,
     needed_bytes,
 )
-from SneppX_ALG.elastic.snapshot.plan import Choice, choose, divergent, placement_hop, ring_order
+from SneppX_ALG.elastic.snapshot.plan import (
+    Decision,
+    Divergence,
+    Durable,
+    Held,
+    binds,
+    choose,
+    divergent,
+    placement_hop,
+    ring_order,
+)
 from SneppX_ALG.elastic.snapshot.restore import apply
 
 __all__ = [
@@ -72,17 +84,23 @@ __all__ = [
     "DEFAULT_MEMORY_FRACTION",
     "MAX_FREE_BUFFERS",
     "PIECE",
-    "Choice",
+    "Decision",
+    "Divergence",
+    "Durable",
+    "Held",
     "Keeper",
     "Recovered",
     "Snapshot",
     "allgather_json",
     "apply",
+    "binds",
     "capture",
     "choose",
     "divergent",
     "from_wire",
     "host_memory",
+    "layout",
+    "layout_of",
     "needed_bytes",
     "placement_hop",
     "replicated_digest",
