@@ -39,12 +39,12 @@ def oracle(held: list[Held], durable: list[Durable], unchecked: list[int], verdi
 
     usable = []
     for step in STEPS:
-        parts = [h for h in held if h.step == step]
+        parts = [h for h in held if h.step == step and h.holds == TARGET]
         wholes = [h for h in parts if h.whole]
         sources = {h.source for h in parts}
         agreed = any(h.agreed for h in wholes) or (
             {h.source for h in wholes} == set(range(world)) and len({h.digest for h in wholes}) == 1)
-        if (parts and all(h.holds == TARGET for h in parts) and not bound(0, step)
+        if (parts and not bound(0, step)
                 and sources == set(range(world)) and wholes and agreed):
             usable.append(step)
     good = [d.step for d in durable if not d.problems and not bound(d.generation, d.step)]

@@ -158,10 +158,15 @@ def _snapshots(held: Sequence[Held], divergences: Sequence[Divergence], target: 
                ) -> tuple[list[tuple[tuple[str, int, int], list[int], int]], str]:
     """The snapshots that count, as (key, senders, whole), and why the newest that does not count does not."""
     by_key: dict[tuple[str, int, int], list[Held]] = {}
-    for h in held:
-        by_key.setdefault(h.key, []).append(h)
+    for h in held:  # another object's snapshots of a step (`ctx.snapshot`) never stand in for the target's
+        by_key.setdefault(h.key, [])
+        if h.holds == target:
+            by_key[h.key].append(h)
     usable, reasons = [], {}
     for key, parts in by_key.items():
+        if not parts:
+            reasons[key] = f"the snapshot of step {key[2]} holds another object than the one restored"
+            continue
         world = parts[0].world
         holders = {r: min(h.holder for h in parts if h.source == r) for r in {h.source for h in parts}}
         wholes = [h for h in parts if h.whole]
@@ -170,9 +175,7 @@ def _snapshots(held: Sequence[Held], divergences: Sequence[Divergence], target: 
             len(own_digests) == world and len(set(own_digests.values())) == 1)
         verdict = binds(divergences, key[1], key[2], key[0])
         lost = [r for r in range(world) if r not in holders]
-        why = (f"the snapshot of step {key[2]} holds another object than the one restored"
-               if any(h.holds != target for h in parts)
-               else f"the replicated arrays of step {key[2]} disagreed (rank(s) diverged at step {verdict.step})"
+        why = (f"the replicated arrays of step {key[2]} disagreed (rank(s) diverged at step {verdict.step})"
                if verdict is not None
                else f"the newest snapshot, step {key[2]}, lost the part of rank(s) {', '.join(map(str, lost))} "
                     "with every copy" if lost
