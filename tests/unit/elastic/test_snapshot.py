@@ -382,3 +382,78 @@ def test_a_snapshot_of_real_device_memory_restores_into_host_arrays() -> None:
         assert np.array_equal(target["w"], values)
     finally:
         _native.cuda_free(0, pointer)
+
+
+# ---- all or nothing; verdicts that bind ---------------------------------------------------------------------
+
+
+def test_apply_refuses_a_replicated_array_of_another_shape_before_writing_anything() -> None:
+    """A (world,)-shaped replicated array saved at world 2 restored at world 1 was cut to (1,); a grown one
+    failed only after earlier tensors were written. Now nothing is written, and the error is typed."""
+    def shot(rank: int) -> snapshot.Snapshot:
+        taken = snapshot.capture({"m": shard_of(rank, 2, 5.0), "r": np.arange(2.0)}, 5, instance="i",
+                                 generation=0, rank=rank, world=2, into=lambda n: np.empty(n, np.uint8))
+        snapshot.seal(taken)
+        return taken
+
+    parts = [shot(0), shot(1).unique()]
+    for size in (1, 3):
+        target = {"m": shard_of(0, 1), "r": np.zeros(size)}
+        with pytest.raises(errors.ShardingMismatchError, match="shape"):
+            snapshot.apply(target, parts)
+        assert np.array_equal(target["m"].data, shard_of(0, 1).data) and not target["r"].any()
+    dtype = {"m": shard_of(0, 1), "r": np.zeros(2, np.float32)}
+    with pytest.raises(errors.ShardingMismatchError, match="float"):
+        snapshot.apply(dtype, parts)
+    assert np.array_equal(dtype["m"].data, shard_of(0, 1).data)
+
+
+def test_a_divergence_is_kept_as_a_verdict_on_every_rank() -> None:
+    root = tempfile.mkdtemp()
+    old = groups(2, 0, root)
+    keepers = [snapshot.Keeper() for _ in range(2)]
+
+    def train(rank: int) -> None:
+        drifted = state(rank, 2, 3)
+        drifted["w"][0] += rank
+        keepers[rank].take(drifted, 3, old[rank], instance="i", generation=0, place=f"node-{rank}")
+        keepers[rank].wait()
+
+    assert all(isinstance(r, errors.ReplicaDivergenceError) for r in on_threads(2, train))
+    assert [k.divergences for k in keepers] == [[snapshot.Divergence("i", 0, 3)]] * 2
+    for g in old:
+        g.close()
+
+
+@pytest.mark.parametrize("diverged", [True, False])
+def test_a_step_cut_off_before_its_allgather_restores_only_if_every_own_snapshot_agrees(diverged: bool) -> None:
+    """Suspicion 2 of issue 37, confirmed: step 2's snapshot was cut off before its allgather (the group
+    aborted), so no one compared its replicated arrays; every rank survives with its own. Recovery took rank 0's
+    unchecked arrays. Now their digests are compared at recovery: equal, step 2 is restored; not, step 1."""
+    root = tempfile.mkdtemp()
+    old = groups(2, 0, root)
+    keepers = [snapshot.Keeper() for _ in range(2)]
+    assert on_threads(2, lambda r: (keepers[r].take(state(r, 2, 1), 1, old[r], instance="i", generation=0,
+                                                     place=f"node-{r}"), keepers[r].wait())) == [(None, None)] * 2
+    for g in old:
+        g.abort()
+
+    def cut_off(rank: int) -> None:
+        shot = state(rank, 2, 2)
+        if diverged and rank == 0:
+            shot["w"][1] = -1.0
+        keepers[rank].take(shot, 2, old[rank], instance="i", generation=0, place=f"node-{rank}")
+        keepers[rank].wait()
+
+    assert all(isinstance(r, errors.SneppXError) for r in on_threads(2, cut_off))
+    assert [[s.meta["step"] for s in k.own] for k in keepers] == [[1, 2]] * 2
+    for g in old:
+        g.close()
+    new = groups(2, 1, root)
+    targets = [{"w": np.zeros(3), "m": shard_of(r, 2), "epoch": 0} for r in range(2)]
+    got = on_threads(2, lambda r: keepers[r].recover(targets[r], new[r]))
+    want = 1 if diverged else 2
+    assert [g.step for g in got] == [want, want], got
+    assert np.array_equal(targets[0]["w"], np.full(3, float(want)))
+    for g in new:
+        g.close()
