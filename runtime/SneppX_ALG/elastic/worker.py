@@ -388,7 +388,7 @@ class Worker:
                                                             rank=a.rank, generation=a.generation)
             coordinator = coordinator_lib.CheckpointCoordinator(
                 s.checkpoint_dir, max_to_keep=s.max_to_keep, async_save=s.async_save, device="cpu",
-                group=groups[1], commit_fence=lambda: fence.check(fence_store, a.membership))
+                group=groups[1], commit_fence=lambda: commit_fence(fence_store, a.membership, self.snapshots))
             self.train_fn(TrainContext(a, s, groups[0], coordinator, self, groups[2] if len(groups) > 2 else None))
             call_counting_committed_as_saved(coordinator.close)  # the last save commits (or fails) on every rank
             coordinator = None
@@ -421,6 +421,20 @@ class Worker:
                     coordinator.close()
                 except errors.SneppXError as e:
                     log.info("generation %d: its unfinished save ends with the generation: %s", a.generation, e)
+
+
+def commit_fence(store: Any, membership: rendezvous.Membership, keeper: snapshot.Keeper | None) -> None:
+    """What rank 0 checks right before a step's commit point: the generation is not over (`fence.check`), and
+    no snapshot of this generation found its ranks' replicated arrays unequal (rank 0 writes them: the step
+    would hold whichever copy rank 0 has). A verdict that comes after a commit binds that step at restore
+    instead (`snapshot.choose`)."""
+    fence.check(store, membership)
+    diverged = [d for d in (keeper.divergences if keeper is not None else [])
+                if (d.instance, d.generation) == (membership.instance, membership.generation)]
+    if diverged:
+        raise errors.ReplicaDivergenceError(
+            f"generation {membership.generation}: the replicated arrays of its ranks diverged at step "
+            f"{diverged[0].step}: nothing it saves is committed", step=diverged[0].step, ranks=[])
 
 
 def _skipped(d: snapshot.Durable) -> coordinator_lib.SkippedCheckpoint:

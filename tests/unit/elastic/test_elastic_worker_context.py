@@ -16,6 +16,7 @@ from directory_store import DirectoryStore
 
 from SneppX_ALG import CheckpointCoordinator, errors
 from SneppX_ALG.elastic import collectives, control, rendezvous, snapshot, worker
+from SneppX_ALG.records import open_record_store
 
 RUN = "run-1"
 
@@ -221,3 +222,27 @@ def test_a_snapshot_of_other_state_neither_displaces_the_restore_state_nor_is_re
     snapshot_of(alone, {"o": np.ones(3)}, 5)
     assert alone.ctx.restore({"w": np.zeros(4)}) is None
     assert "another object" in restored_report(alone)["why"]
+
+
+def test_a_generation_whose_replicas_diverged_commits_nothing_more(tmp_path: Path) -> None:
+    """Defect 1 of issue 37: the snapshot of step 2 found the replicas unequal, and rank 0's copy went into the
+    checkpoint of step 2. The worker's commit fence now refuses every commit of that generation once its keeper
+    holds the verdict; another generation's verdict does not stop this one."""
+    records = open_record_store(str(tmp_path / "rec"))
+    member = rendezvous.Member("node-0", "0" * 32, "127.0.0.1", "127.0.0.1:9", 1, 0.0)
+    m = rendezvous.Membership(RUN, 0, (member,), "node-0")
+    keeper = snapshot.Keeper()
+    coord = CheckpointCoordinator(tmp_path / "ckpts", async_save=False, device="cpu",
+                                  commit_fence=lambda: worker.commit_fence(records, m, keeper))
+    try:
+        keeper.divergences.append(snapshot.Divergence("an earlier generation", 0, 1))
+        coord.save({"w": np.ones(8)}, step=1)
+        keeper.divergences.append(snapshot.Divergence(m.instance, 0, 2))
+        with pytest.raises(errors.ReplicaDivergenceError, match="nothing it saves is committed"):
+            coord.save({"w": np.ones(8)}, step=2)
+        assert coord.committed_steps() == [1]
+    finally:
+        try:
+            coord.close()
+        except errors.SneppXError:
+            pass
