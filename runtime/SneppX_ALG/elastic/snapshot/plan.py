@@ -1,6 +1,7 @@
 """The decisions every rank of a generation makes alike, pure: the order the snapshot group's ring visits the
 ranks (`ring_order`), the hop at which a copy lands on another node (`placement_hop`), the ranks whose replicated
-arrays disagree (`divergent`), and which snapshot to restore and who sends each part (`choose`).
+arrays disagree (`divergent`), and the restore arbiter (`choose`): memory or storage, which step, who sends each
+old rank's part, and why, from checked inputs only.
 
 Separate because they take what was allgathered and return a verdict, with no buffers or group: tests check
 them alone, and every rank reaching the same one is what keeps recovery consistent.
