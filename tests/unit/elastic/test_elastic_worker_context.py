@@ -179,24 +179,27 @@ def test_a_checked_snapshot_outranks_a_newer_committed_step_that_does_not_valida
     assert report["source"] == "memory" and [b["step"] for b in report["rolled_back"]] == [12]
 
 
-def test_a_committed_step_saved_after_replicas_diverged_is_never_restored(solo: Any) -> None:
+@pytest.mark.parametrize(("since", "passed"), [(12, [12]), (10, [12, 10])])
+def test_a_committed_step_saved_after_replicas_diverged_is_never_restored(solo: Any, since: int,
+                                                                          passed: list[int]) -> None:
     """The snapshot of step 12 found rank 0's replicated arrays unlike the others'; rank 0 wrote them into the
-    checkpoint of step 12, which validates. The verdict binds storage too: step 9 is restored, and says why."""
+    checkpoint of step 12, which validates. The verdict binds storage too, from the step after the last
+    snapshot that agreed: step 9 is restored, and says why."""
     s = solo(rollback_depth=2, snapshot_every=1)
-    commit(s.checkpoints, [9, 12])
-    s.worker.snapshots.divergences.append(snapshot.Divergence(s.instance, 0, 12))
+    commit(s.checkpoints, [9, 10, 12] if since == 10 else [9, 12])
+    s.worker.snapshots.divergences.append(snapshot.Divergence(s.instance, 0, 12, since))
     state = {"w": np.zeros(2048, dtype=np.float32)}
     info = s.ctx.restore(state)
     assert info is not None and info.step == 9 and float(state["w"][0]) == 9.0
     report = restored_report(s)
-    assert report["source"] == "storage" and [b["step"] for b in report["rolled_back"]] == [12]
+    assert report["source"] == "storage" and [b["step"] for b in report["rolled_back"]] == passed
     assert "diverged" in report["rolled_back"][0]["problems"][0]
 
 
 def test_a_divergence_verdict_with_every_committed_step_bound_ends_the_run_with_a_typed_reason(solo: Any) -> None:
     s = solo(rollback_depth=2, snapshot_every=1)
     commit(s.checkpoints, [12])
-    s.worker.snapshots.divergences.append(snapshot.Divergence(s.instance, 0, 12))
+    s.worker.snapshots.divergences.append(snapshot.Divergence(s.instance, 0, 12, 12))
     with pytest.raises(errors.RollbackLimitError, match="divergence"):
         s.ctx.restore({"w": np.zeros(2048, dtype=np.float32)})
 
@@ -235,9 +238,9 @@ def test_a_generation_whose_replicas_diverged_commits_nothing_more(tmp_path: Pat
     coord = CheckpointCoordinator(tmp_path / "ckpts", async_save=False, device="cpu",
                                   commit_fence=lambda: worker.commit_fence(records, m, keeper))
     try:
-        keeper.divergences.append(snapshot.Divergence("an earlier generation", 0, 1))
+        keeper.divergences.append(snapshot.Divergence("an earlier generation", 0, 1, 1))
         coord.save({"w": np.ones(8)}, step=1)
-        keeper.divergences.append(snapshot.Divergence(m.instance, 0, 2))
+        keeper.divergences.append(snapshot.Divergence(m.instance, 0, 2, 2))
         with pytest.raises(errors.ReplicaDivergenceError, match="nothing it saves is committed"):
             coord.save({"w": np.ones(8)}, step=2)
         assert coord.committed_steps() == [1]

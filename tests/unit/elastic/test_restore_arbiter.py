@@ -35,7 +35,7 @@ def oracle(held: list[Held], durable: list[Durable], unchecked: list[int], verdi
            world: int) -> tuple[str, int | None]:
     """The rules, plainly: which source and step a correct arbiter picks."""
     def bound(generation: int | None, step: int) -> bool:
-        return any(v.generation == generation and v.step <= step for v in verdicts)
+        return any(v.generation == generation and v.since <= step for v in verdicts)
 
     usable = []
     for step in STEPS:
@@ -94,8 +94,8 @@ def test_every_combination_of_parts_verdicts_and_committed_steps_up_to_a_bound()
             for other in (None, *STEPS):  # one step's snapshot of another object
                 held = [h for step, states in zip(STEPS, per_step, strict=True)
                         for h in parts_for(world, step, states, OTHER if step == other else TARGET)]
-                for verdict_step in (None, 1, 2):
-                    verdicts = [] if verdict_step is None else [Divergence("i", 0, verdict_step)]
+                for verdict in (None, (1, 1), (2, 2), (2, 1)):  # (found at, since)
+                    verdicts = [] if verdict is None else [Divergence("i", 0, *verdict)]
                     for durable_state in itertools.product(durable_states, repeat=2):
                         durable, unchecked = durable_inputs(durable_state)
                         decision = snapshot.choose(held, durable, unchecked, verdicts, TARGET)
@@ -105,7 +105,7 @@ def test_every_combination_of_parts_verdicts_and_committed_steps_up_to_a_bound()
                             shuffle.shuffle(shuffled)  # every rank decides alike, whatever order it lists in
                             assert snapshot.choose(shuffled, durable, unchecked, verdicts, TARGET) == decision
                         cases += 1
-    assert cases == (25 * 3 + 625 * 3) * 3 * 25
+    assert cases == (25 * 3 + 625 * 3) * 4 * 25
 
 
 def test_the_reason_names_what_ruled_each_source_out() -> None:
@@ -116,8 +116,9 @@ def test_the_reason_names_what_ruled_each_source_out() -> None:
     other = parts_for(2, 2, ("own", "copy"), OTHER)
     assert "another object" in snapshot.choose(other, [], [], [], TARGET).why
     whole = parts_for(2, 2, ("own", "copy"), TARGET)
-    diverged = snapshot.choose(whole, [Durable(3, 0, ())], [], [Divergence("i", 0, 2)], TARGET)
-    assert diverged.source == "none" and "disagreed" in diverged.why and "replicas diverged" in diverged.why
+    diverged = snapshot.choose(whole, [Durable(3, 0, ())], [], [Divergence("i", 0, 2, 2)], TARGET)
+    assert diverged.source == "none" and "may differ between ranks" in diverged.why
+    assert "saved after replicas may have diverged" in diverged.why
     newer = snapshot.choose(whole, [Durable(3, 0, ())], [], [], TARGET)
     assert (newer.source, newer.step) == ("storage", 3) and "newer than the newest usable snapshot" in newer.why
     corrupt = snapshot.choose(whole, [Durable(3, None, ("bad CRC",))], [], [], TARGET)

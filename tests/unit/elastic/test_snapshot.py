@@ -241,6 +241,7 @@ def test_replicated_arrays_that_differ_fail_the_snapshot_naming_the_rank() -> No
     results = on_threads(3, train)
     assert all(isinstance(r, errors.ReplicaDivergenceError) and r.ranks == [2] and r.step == 2 for r in results)
     assert [[s.meta["step"] for s in k.own] for k in keepers] == [[1]] * 3  # step 2 kept nowhere
+    assert [k.divergences for k in keepers] == [[snapshot.Divergence("i", 0, 2, since=2)]] * 3  # 1 agreed
     for g in old:
         g.close()
 
@@ -420,7 +421,7 @@ def test_a_divergence_is_kept_as_a_verdict_on_every_rank() -> None:
         keepers[rank].wait()
 
     assert all(isinstance(r, errors.ReplicaDivergenceError) for r in on_threads(2, train))
-    assert [k.divergences for k in keepers] == [[snapshot.Divergence("i", 0, 3)]] * 2
+    assert [k.divergences for k in keepers] == [[snapshot.Divergence("i", 0, 3, since=0)]] * 2  # none agreed
     for g in old:
         g.close()
 

@@ -147,7 +147,9 @@ class Keeper:
                 different = sorted(int(sizes[p, 2]) for p in divergent(sizes[:, 1]))
                 if different:
                     self.own.remove(snapshot)
-                    self.divergences.append(Divergence(*snapshot.key))
+                    agreed = [s.meta["step"] for s in self.own if s.key[:2] == snapshot.key[:2]
+                              and s.meta["holds"] == snapshot.meta["holds"] and s.meta["agreed"]]
+                    self.divergences.append(Divergence(*snapshot.key, since=max(agreed, default=-1) + 1))
                     raise errors.ReplicaDivergenceError(
                         f"step {snapshot.meta['step']}: the replicated arrays of rank(s) "
                         f"{', '.join(map(str, different))} differ from the other ranks' (silent data corruption "

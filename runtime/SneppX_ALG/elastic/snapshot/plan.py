@@ -74,13 +74,15 @@ class Durable:
 
 @dataclasses.dataclass(frozen=True)
 class Divergence:
-    """A snapshot's allgather found ranks' replicated arrays unequal at `step` of `generation`: from that step on,
-    nothing that generation kept is trusted, in memory or on storage (rank 0 writes the replicated arrays of a
-    checkpoint, whichever copy is the bad one)."""
+    """A snapshot's allgather found ranks' replicated arrays unequal at `step` of `generation`: from `since` on (the
+    step after the newest snapshot of that generation that agreed, 0 when none did: where they may have begun to
+    differ), nothing that generation kept is trusted, in memory or on storage (rank 0 writes the replicated
+    arrays of a checkpoint, whichever copy is the bad one)."""
 
     instance: str
     generation: int
     step: int
+    since: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +113,7 @@ def binds(divergences: Iterable[Divergence], generation: int | None, step: int, 
           ) -> Divergence | None:
     """The divergence verdict that rules out what `generation` kept of `step` (None: none does). A durable
     step's instance is not known: the verdicts a worker holds are of its own run instance."""
-    return next((d for d in divergences if d.generation == generation and d.step <= step
+    return next((d for d in divergences if d.generation == generation and d.since <= step
                  and (instance is None or d.instance == instance)), None)
 
 
@@ -176,7 +178,8 @@ def _snapshots(held: Sequence[Held], divergences: Sequence[Divergence], target: 
             len(own_digests) == world and len(set(own_digests.values())) == 1)
         verdict = binds(divergences, key[1], key[2], key[0])
         lost = [r for r in range(world) if r not in holders]
-        why = (f"the replicated arrays of step {key[2]} disagreed (rank(s) diverged at step {verdict.step})"
+        why = (f"the replicated arrays of step {key[2]} may differ between ranks (found unequal at step "
+               f"{verdict.step}, after agreeing last before step {verdict.since})"
                if verdict is not None
                else f"the newest snapshot, step {key[2]}, lost the part of rank(s) {', '.join(map(str, lost))} "
                     "with every copy" if lost
@@ -208,5 +211,6 @@ def _skipped(durable: Sequence[Durable], divergences: Sequence[Divergence]) -> s
         if d.problems:
             out.append(f"step {d.step} is invalid: {d.problems[0]}")
         elif verdict is not None:
-            out.append(f"step {d.step} was saved after replicas diverged (step {verdict.step})")
+            out.append(f"step {d.step} was saved after replicas may have diverged (found unequal at step "
+                       f"{verdict.step}, after agreeing last before step {verdict.since})")
     return "; ".join(out)
