@@ -180,7 +180,7 @@ class TrainContext:
     def _check_durable(self, listed: list[int], floor: int | None, verdicts: Sequence[snapshot.Divergence],
                        ) -> tuple[list[snapshot.Durable], list[int]]:
         """The committed steps the restore decision depends on, each checked byte by byte (rank 0 checks, every
-        rank learns the result): those at or above `floor` (the newest usable snapshot's step), newest first
+        rank learns the result, and rank 0's listing): those at or above `floor` (the newest usable snapshot's step), newest first
         until one counts; with divergence verdicts, newest first until one counts whatever the floor. None
         without either: storage's own search then checks each step as it loads it. (checked, unchecked)."""
         group = self._snapshot_group
@@ -204,7 +204,8 @@ class TrainContext:
                     found.append([step, generation, problems[:5]])
                     if not problems and snapshot.binds(verdicts, generation, step) is None:
                         break
-                result = {"checked": found, "gone": gone}
+                seen = {step for step, _, _ in found} | set(gone)
+                result = {"checked": found, "unchecked": [s for s in listed if s not in seen]}
             except errors.SneppXError as e:
                 result = {"error": f"{type(e).__name__}: {e}"}
         answer = snapshot.allgather_json(group, result)[0]
@@ -213,8 +214,7 @@ class TrainContext:
                                        f"{answer['error']}")
         checked = [snapshot.Durable(step, generation, tuple(problems))
                    for step, generation, problems in answer["checked"]]
-        seen = {d.step for d in checked} | set(answer["gone"])
-        return checked, [s for s in listed if s not in seen]
+        return checked, answer["unchecked"]  # rank 0's listing for all: a late commit may land between listings
 
     def snapshot(self, obj: Any, step: int, *, training_state: Any = None) -> None:
         """Keeps `obj` (what save() takes) at `step` in host memory, with a copy on another node (in the
@@ -440,7 +440,7 @@ def commit_fence(store: Any, membership: rendezvous.Membership, keeper: snapshot
 def _skipped(d: snapshot.Durable) -> coordinator_lib.SkippedCheckpoint:
     """A checked committed step a restore passed over: invalid, or saved after replicas diverged."""
     return coordinator_lib.SkippedCheckpoint(d.step, d.problems or (
-        "saved by a generation whose replicated arrays had diverged at or before this step",))
+        "saved after its generation's replicated arrays may have diverged (a snapshot found them unequal)",))
 
 
 def _described(skipped: list[coordinator_lib.SkippedCheckpoint]) -> list[dict[str, Any]]:

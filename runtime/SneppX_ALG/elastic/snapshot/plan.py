@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -95,7 +96,7 @@ class Decision:
     no divergence verdict can mislead: there is none) or, with nothing committed, a fresh start.
     source "none": nothing that can be trusted is left: the run ends with this reason."""
 
-    source: str
+    source: Literal["memory", "storage", "none"]
     step: int | None
     why: str
     key: tuple[str, int, int] | None = None
