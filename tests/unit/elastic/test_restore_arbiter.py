@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import itertools
 import random
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from SneppX_ALG.elastic import snapshot
 from SneppX_ALG.elastic.snapshot import Decision, Divergence, Durable, Held
@@ -123,3 +127,77 @@ def test_the_reason_names_what_ruled_each_source_out() -> None:
     assert (newer.source, newer.step) == ("storage", 3) and "newer than the newest usable snapshot" in newer.why
     corrupt = snapshot.choose(whole, [Durable(3, None, ("bad CRC",))], [], [], TARGET)
     assert (corrupt.source, corrupt.step) == ("memory", 2)
+
+
+# ---- beyond the bound: more ranks, steps and generations, drawn at random -----------------------------------
+
+
+def general_oracle(held: list[Held], durable: list[Durable], unchecked: list[int], verdicts: list[Divergence],
+                   target: str) -> tuple[str, int | None, tuple[str, int, int] | None]:
+    """The same rules over any keys: (source, step, snapshot key)."""
+    def bound(instance: str | None, generation: int | None, step: int) -> bool:
+        return any(v.generation == generation and v.since <= step and instance in (None, v.instance)
+                   for v in verdicts)
+
+    usable = []
+    for key in {h.key for h in held}:
+        parts = [h for h in held if h.key == key and h.holds == target]
+        if not parts:
+            continue
+        world = parts[0].world
+        wholes = [h for h in parts if h.whole]
+        agreed = any(h.agreed for h in wholes) or (
+            {h.source for h in wholes} == set(range(world)) and len({h.digest for h in wholes}) == 1)
+        if not bound(*key) and {h.source for h in parts} == set(range(world)) and agreed:
+            usable.append(key)
+    best = max(usable, key=lambda k: (k[2], k[1]), default=None)
+    good = [d.step for d in durable if not d.problems and not bound(None, d.generation, d.step)]
+    if best is not None and all(s <= best[2] for s in good + unchecked):
+        return "memory", best[2], best
+    if good and all(u < max(good) for u in unchecked):
+        return "storage", max(good), None
+    return ("storage" if not verdicts else "none"), None, None
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_any_inputs_get_the_oracles_decision_and_every_part_from_a_rank_that_holds_it(data: Any) -> None:
+    worlds = {g: data.draw(st.integers(1, 3)) for g in (0, 1)}
+    held = []
+    for generation, step in data.draw(st.sets(st.tuples(st.integers(0, 1), st.integers(1, 4)), max_size=4)):
+        world = worlds[generation]
+        for source in range(world):
+            for holder in data.draw(st.sets(st.integers(0, 2), max_size=2)):
+                whole = data.draw(st.booleans())
+                held.append(Held(holder, "i", generation, step, world, source, whole,
+                                 data.draw(st.booleans()) if whole else True,
+                                 data.draw(st.sampled_from([7, 7, 13])), data.draw(st.sampled_from([TARGET] * 3
+                                                                                                    + [OTHER]))))
+    steps = data.draw(st.sets(st.integers(1, 5), max_size=3))
+    durable, unchecked = [], []
+    for step in sorted(steps):
+        kind = data.draw(st.sampled_from(["valid", "invalid", "unchecked"]))
+        if kind == "unchecked":
+            unchecked.append(step)
+        else:
+            durable.append(Durable(step, data.draw(st.integers(0, 1)) if kind == "valid" else None,
+                                   () if kind == "valid" else ("bad",)))
+    verdicts = [Divergence("i", g, s, min(s, since)) for g, s, since in data.draw(
+        st.lists(st.tuples(st.integers(0, 1), st.integers(1, 5), st.integers(0, 5)), max_size=2))]
+    decision = snapshot.choose(held, durable, unchecked, verdicts, TARGET)
+    assert (decision.source, decision.step, decision.key) == general_oracle(held, durable, unchecked, verdicts,
+                                                                             TARGET), decision
+    if decision.source == "memory":
+        assert decision.key is not None
+        for source, holder in decision.parts():
+            assert any(h.key == decision.key and h.source == source and h.holder == holder and h.holds == TARGET
+                       for h in held)
+        assert any(h.key == decision.key and h.whole and h.source == decision.whole for h in held)
+
+
+def test_of_two_snapshots_of_one_step_the_newer_generations_wins() -> None:
+    older = parts_for(1, 2, ("own",), TARGET)
+    newer = [Held(h.holder, h.instance, 1, h.step, h.world, h.source, h.whole, h.agreed, h.digest, h.holds)
+             for h in older]
+    assert snapshot.choose(older + newer, [], [], [], TARGET).key == ("i", 1, 2)
+    assert snapshot.choose(newer + older, [], [], [], TARGET).key == ("i", 1, 2)
