@@ -344,7 +344,11 @@ class CheckpointCoordinator:
     def validate(self, step: int) -> list[str]:
         """Problems with committed step `step` ([] when it is whole and every byte checks).
         CheckpointUnreadableError when it can't be read (an I/O error, retried first)."""
-        return self._steps.check(step)[1]
+        return self.checked(step)[1]
+
+    def checked(self, step: int) -> tuple[dict[str, Any] | None, list[str]]:
+        """`validate`, with the manifest of a step that validates (what generation saved it, for one)."""
+        return self._steps.check(step)
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint on the current timeline that validates, or None. Committed steps

@@ -27,11 +27,12 @@ Per snapshot of step s (the generation's `snapshot` group, a TCP ring of its own
 One is in flight at a time: the next snapshot waits for it.
 
 Recovery (`recover`, every rank of the new generation, before train_fn resumes): each rank checks every CRC of
-what it holds and lists it; the lists are allgathered; the newest step for which every old rank's unique part
-survives somewhere, and one old rank's own snapshot whole (the replicated arrays), wins when it is newer than the
-newest durable checkpoint (`choose`, pure); for each old rank the lowest new rank that holds it broadcasts it, and
-each rank copies out the boxes it needs, resharding to the new world size, after checking the CRCs of what
-arrived.
+what it holds and lists it (with whether its allgather agreed, its replicated digest, the layout of the object it
+holds); the lists and the divergence verdicts are allgathered; `choose`, one pure arbiter, picks memory or storage
+from checked inputs only (snapshot parts, committed steps checked byte by byte, verdicts that bind both) and says
+why; for memory, for each old rank the lowest new rank that holds its part broadcasts it, and each rank copies
+out the boxes it needs, resharding to the new world size, after checking the CRCs of what arrived and every
+target's shape, dtype and coverage (`apply`: all or nothing).
 
 The package, one concept a module (each imports only those below it; `.importlinter` checks it):
 
@@ -39,7 +40,7 @@ The package, one concept a module (each imports only those below it; `.importlin
                  ring) and `recover`
     restore.py   `apply`: the chosen parts copied into the target's boxes, resharded to the new world size
     plan.py      the pure decisions every rank makes alike: the ring's order, the hop to copy at, divergent
-                 replicas, which snapshot to restore (`choose`)
+                 replicas, the restore arbiter (`choose`)
     memory.py    how much host memory snapshots need, and how much the process may use
     image.py     one snapshot: `Snapshot`, `capture` into a buffer, its CRCs (`seal`), its wire form
 
@@ -53,6 +54,8 @@ from SneppX_ALG.elastic.snapshot.image import (
     Snapshot,
     capture,
     from_wire,
+    layout,
+    layout_of,
     replicated_digest,
     seal,
     wire_view,
@@ -64,7 +67,17 @@ from SneppX_ALG.elastic.snapshot.memory import (
     host_memory,
     needed_bytes,
 )
-from SneppX_ALG.elastic.snapshot.plan import Choice, choose, divergent, placement_hop, ring_order
+from SneppX_ALG.elastic.snapshot.plan import (
+    Decision,
+    Divergence,
+    Durable,
+    Held,
+    binds,
+    choose,
+    divergent,
+    placement_hop,
+    ring_order,
+)
 from SneppX_ALG.elastic.snapshot.restore import apply
 
 __all__ = [
@@ -72,17 +85,23 @@ __all__ = [
     "DEFAULT_MEMORY_FRACTION",
     "MAX_FREE_BUFFERS",
     "PIECE",
-    "Choice",
+    "Decision",
+    "Divergence",
+    "Durable",
+    "Held",
     "Keeper",
     "Recovered",
     "Snapshot",
     "allgather_json",
     "apply",
+    "binds",
     "capture",
     "choose",
     "divergent",
     "from_wire",
     "host_memory",
+    "layout",
+    "layout_of",
     "needed_bytes",
     "placement_hop",
     "replicated_digest",

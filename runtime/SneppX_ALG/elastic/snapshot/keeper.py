@@ -13,15 +13,31 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from SneppX_ALG import _native, collectives, errors
-from SneppX_ALG.elastic.snapshot.image import Snapshot, capture, from_wire, replicated_digest, seal, wire_view
+from SneppX_ALG.elastic.snapshot.image import (
+    Snapshot,
+    capture,
+    from_wire,
+    layout_of,
+    replicated_digest,
+    seal,
+    wire_view,
+)
 from SneppX_ALG.elastic.snapshot.memory import DEFAULT_MEMORY_FRACTION, host_memory, needed_bytes
-from SneppX_ALG.elastic.snapshot.plan import choose, divergent, placement_hop
+from SneppX_ALG.elastic.snapshot.plan import (
+    Decision,
+    Divergence,
+    Durable,
+    Held,
+    choose,
+    divergent,
+    placement_hop,
+)
 from SneppX_ALG.elastic.snapshot.restore import apply
 
 log = logging.getLogger(__name__)
@@ -45,6 +61,7 @@ class Keeper:
         self.own: list[Snapshot] = []
         self.held: list[Snapshot] = []
         self.complete: tuple[str, int, int] | None = None  # the newest key every rank holds copies of
+        self.divergences: list[Divergence] = []  # steps whose replicas disagreed: they bind every source
         self.sent_bytes = 0  # unique bytes this rank sent to peers (all hops), since it started
         self.costs: dict[str, float] = {}  # of the newest snapshot: see _replicate
         self._free: list[np.ndarray] = []
@@ -118,7 +135,8 @@ class Keeper:
         began, cpu, sent = time.perf_counter(), time.thread_time(), self.sent_bytes
         try:
             seal(snapshot)
-            self.own.append(snapshot)
+            self.own.append(snapshot)  # unchecked until the allgather agrees: cut off before it, it says so
+            snapshot.meta["agreed"] = group.world_size == 1
             if group.world_size > 1:
                 _, places, hops = self._placed
                 wire = wire_view(snapshot) if hops else np.zeros(0, np.uint8)
@@ -128,15 +146,19 @@ class Keeper:
                 different = sorted(int(sizes[p, 2]) for p in divergent(sizes[:, 1]))
                 if different:
                     self.own.remove(snapshot)
+                    agreed = [s.meta["step"] for s in self.own if s.key[:2] == snapshot.key[:2]
+                              and s.meta["holds"] == snapshot.meta["holds"] and s.meta["agreed"]]
+                    self.divergences.append(Divergence(*snapshot.key, since=max(agreed, default=-1) + 1))
                     raise errors.ReplicaDivergenceError(
                         f"step {snapshot.meta['step']}: the replicated arrays of rank(s) "
                         f"{', '.join(map(str, different))} differ from the other ranks' (silent data corruption "
                         "in a core or memory): the step is not kept. Arrays meant to differ between ranks are "
                         "not replicated: give them as Shards", step=snapshot.meta["step"], ranks=different)
+                snapshot.meta["agreed"] = True
                 if hops:  # 0: every rank on one node, none to hold a copy
                     self._send_to_peers(wire, group, sizes[:, 0], places, hops)
                 group.barrier()  # every rank holds its copies: the step is complete
-            self._completed(snapshot.key)
+            self._completed(snapshot)
             self.costs = {**self.costs, "background_ms": 1e3 * (time.perf_counter() - began),
                           "background_cpu_ms": 1e3 * (time.thread_time() - cpu), "sent_bytes": self.sent_bytes - sent}
         except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
@@ -165,11 +187,13 @@ class Keeper:
         if len(self._free) > MAX_FREE_BUFFERS:  # a layout that changed: the smallest are least likely to serve
             self._free.pop(min(range(len(self._free)), key=lambda i: len(self._free[i])))
 
-    def _completed(self, key: tuple[str, int, int]) -> None:
-        """`key` is held everywhere: older snapshots are no longer needed (their buffers are reused)."""
+    def _completed(self, done: Snapshot) -> None:
+        """`done` is held everywhere: older snapshots of the same object are no longer needed (their buffers are
+        reused); another object's (`ctx.snapshot` of state not given to restore) stay."""
+        key, holds = done.key, done.meta["holds"]
         self.complete = key
         for kept in (self.own, self.held):
-            for snapshot in [s for s in kept if s.key != key]:
+            for snapshot in [s for s in kept if s.key != key and s.meta["holds"] == holds]:
                 kept.remove(snapshot)
                 self._release(snapshot.payload)
 
@@ -188,37 +212,54 @@ class Keeper:
                                 problems=problems[:3])
                     continue
                 meta = json.dumps(snapshot.meta, separators=(",", ":")).encode()
+                whole = kept is self.own
                 listed.append({"instance": snapshot.meta["instance"], "generation": snapshot.meta["generation"],
                                "step": snapshot.meta["step"], "world": snapshot.meta["world"],
-                               "source": snapshot.source, "whole": kept is self.own, "meta": len(meta),
-                               "payload": len(snapshot.payload)})
+                               "source": snapshot.source, "whole": whole, "meta": len(meta),
+                               "payload": len(snapshot.payload), "holds": snapshot.meta["holds"],
+                               # a copy was sent only once the allgather agreed; an own one says what it found
+                               "agreed": not whole or bool(snapshot.meta["agreed"]),
+                               "digest": replicated_digest(snapshot) if whole else 0})
         return listed
 
-    def find(self, key: tuple[str, int, int], source: int) -> Snapshot:
-        return next(s for kept in (self.own, self.held) for s in kept if s.key == key and s.source == source)
+    def find(self, key: tuple[str, int, int], source: int, holds: str) -> Snapshot:
+        return next(s for kept in (self.own, self.held) for s in kept
+                    if s.key == key and s.source == source and s.meta["holds"] == holds)
 
-    def recover(self, obj: Any, group: collectives.ProcessGroup, durable_step: int | None) -> Recovered:
-        """Restores the newest snapshot every old rank's part of survives into `obj`, if newer than the newest
-        durable checkpoint (every rank of the new generation calls it). Recovered.step is None when there is
-        none, with the reason: restore from storage then."""
+    def recover(self, obj: Any, group: collectives.ProcessGroup,
+                durable: Callable[[int | None, Sequence[Divergence]], tuple[list[Durable], list[int]]]
+                = lambda floor, verdicts: ([], [])) -> Recovered:
+        """Decides where `obj` is restored from (`choose`, over what every rank holds, the divergence verdicts every
+        rank knows, and the committed steps `durable(floor, verdicts)` checked: at least every one at or above
+        `floor`, the newest usable snapshot's step; with verdicts, newest first until one counts) and, when it is
+        memory, restores it (every rank of the new generation calls it). Recovered.step is None when storage is
+        to be used, Recovered.decision says which step and why."""
         try:
             self.wait()
         except errors.SneppXError as e:  # the last generation's snapshot in flight: it ended with it
             log.info("the snapshot in flight when the generation ended: %s", e)
-        views = allgather_json(group, {"held": self.inventory(), "durable": durable_step})
+        views = allgather_json(group, {"held": self.inventory(),
+                                       "divergences": [dataclasses.astuple(d) for d in self.divergences]})
         lists = [v["held"] for v in views]
-        durable = [v["durable"] for v in views if v["durable"] is not None]  # a commit may land between listings
-        plan = choose(lists, max(durable, default=None))
-        if isinstance(plan, str):
-            return Recovered(None, plan, 0)
-        key, holders, whole = plan
+        held = [Held(holder, e["instance"], e["generation"], e["step"], e["world"], e["source"], e["whole"],
+                     e["agreed"], e["digest"], e["holds"]) for holder, listed in enumerate(lists) for e in listed]
+        # every rank keeps every verdict: a rank new to the job learns what the old ones found
+        self.divergences = sorted({Divergence(*d) for v in views for d in v["divergences"]},
+                                  key=dataclasses.astuple)
+        target = layout_of(obj)
+        first = choose(held, [], [], self.divergences, target)
+        checked, unchecked = durable(first.step if first.source == "memory" else None, self.divergences)
+        decision = choose(held, checked, unchecked, self.divergences, target)
+        if decision.source != "memory":
+            return Recovered(None, decision.why, 0, decision=decision)
+        assert decision.key is not None
+        key = decision.key
         parts, received = [], 0
-        for source in [whole] + [s for s in range(len(holders)) if s != whole]:  # the whole one first: apply()
-            holder = holders[source]
+        for source, holder in decision.parts():  # the whole one first: apply() takes the plain values from it
             entry = next(e for e in lists[holder] if (e["instance"], e["generation"], e["step"]) == key
-                         and e["source"] == source)
+                         and e["source"] == source and e["holds"] == target)
             if group.rank == holder:
-                mine = self.find(key, source)
+                mine = self.find(key, source, target)
                 meta = np.frombuffer(json.dumps(mine.meta, separators=(",", ":")).encode(), np.uint8).copy()
                 payload = mine.payload
             else:
@@ -231,7 +272,7 @@ class Keeper:
                 raise errors.CommProtocolError(  # tries again, without that copy if it was the holder's memory
                     f"a snapshot part received from rank {holder}: {problems[0]}", rank=group.rank,
                     generation=group.generation, peer=holder)
-            parts.append(part if source == whole else part.unique())
+            parts.append(part if source == decision.whole else part.unique())
             received += len(payload) if group.rank != holder else 0
         try:
             apply(obj, parts)
@@ -243,21 +284,24 @@ class Keeper:
         if not agreed[0]:
             log.warning("the snapshot of step %d did not apply here (%s): restoring from storage", key[2],
                         failure or "on another rank")
+            fallback = choose([], checked, unchecked, self.divergences, target)  # apply() wrote nothing
             return Recovered(None, f"the snapshot of step {key[2]} did not apply on every rank"
-                             + (f" ({failure[:300]})" if failure else ""), received)
-        return Recovered(key[2], f"restored from peer memory (step {key[2]})", received,
-                         training_state=parts[0].meta.get("training_state"))
+                             + (f" ({failure[:300]})" if failure else "") + f"; {fallback.why}", received,
+                             decision=fallback)
+        return Recovered(key[2], decision.why, received, training_state=parts[0].meta.get("training_state"),
+                         decision=decision)
 
 
 @dataclasses.dataclass(frozen=True)
 class Recovered:
-    """What `recover` did: the step restored (None: no snapshot could be used, `why` says why), the bytes
-    this rank received from peers."""
+    """What `recover` did: the step restored from memory (None: storage is to be used, `decision` says which step
+    and why), the bytes this rank received from peers."""
 
     step: int | None
     why: str
     received: int
     training_state: Any = None
+    decision: Decision | None = None
 
 
 def allgather_json(group: collectives.ProcessGroup, value: Any) -> list[Any]:
