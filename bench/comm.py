@@ -82,7 +82,7 @@ def time_allreduces(group: Any, sizes: list[int], iterations: int) -> dict[int, 
 
 def ring_rank(store_dir: str, rank: int, world: int, sizes: list[int], iterations: int, backend: str,
               results: Any) -> None:
-    from SneppX_ALG.elastic import collectives
+    from SneppX_ALG import collectives
     from tests.directory_store import DirectoryStore
 
     group = collectives.ProcessGroup(DirectoryStore(store_dir), rank, world, key=KEY, timeout=300,
@@ -94,8 +94,7 @@ def ring_rank(store_dir: str, rank: int, world: int, sizes: list[int], iteration
 def doomed_rank(store_dir: str, rank: int, world: int, backend: str, results: Any) -> None:
     """Allreduces without end until a collective fails; reports ("ready", rank, pid) first, then ("failed", rank,
     time.time() at the failure, the error's class name)."""
-    from SneppX_ALG import errors
-    from SneppX_ALG.elastic import collectives
+    from SneppX_ALG import collectives, errors
     from tests.directory_store import DirectoryStore
 
     group = collectives.ProcessGroup(DirectoryStore(store_dir), rank, world, key=KEY, timeout=300,
@@ -200,7 +199,7 @@ def run_gloo(world: int, sizes: list[int], iterations: int,
 def netns_rank(report: str, store_dir: str, rank: int, world: int, backend: str, host_key: str, address: str,
                sizes: list[int], iterations: int) -> None:
     """One rank inside a network namespace (started by `ip netns exec`): the allreduce loop; its times as JSON."""
-    from SneppX_ALG.elastic import collectives
+    from SneppX_ALG import collectives
     from tests.directory_store import DirectoryStore
 
     os.environ[ENV_HOST_KEY] = host_key
@@ -382,7 +381,7 @@ def memcpy_seconds(size: int, iterations: int) -> float:
 
 
 def dp_rank(store_dir: str, rank: int, world: int, steps: int, results: Any) -> None:
-    from SneppX_ALG.elastic import collectives
+    from SneppX_ALG import collectives
     from SneppX_ALG.model import data, data_parallel, transformer
     from tests.directory_store import DirectoryStore
 

@@ -163,8 +163,7 @@ def measure_failures(run: Run, kills: int, rng: random.Random, step_s: float) ->
 def floor_process(checkpoint_dir: str, demo_argv: list[str]) -> None:
     """The floor's process (`--floor`): builds what a new worker builds and restores the newest checkpoint, whole;
     prints how long each took. Its caller times it from spawn to exit."""
-    from SneppX_ALG import coordinator
-    from SneppX_ALG.elastic import collectives
+    from SneppX_ALG import collectives, coordinator
     from SneppX_ALG.model import data, data_parallel, transformer
     from tests.directory_store import DirectoryStore
 

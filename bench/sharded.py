@@ -90,8 +90,7 @@ def targets(params: dict[str, np.ndarray], rank: int, world: int) -> dict[str, A
 
 def rank_main(store_dir: str, root: str, rank: int, world: int, task: dict[str, Any], results: Any) -> None:
     os.environ.update(ONE_THREAD)
-    from SneppX_ALG import CheckpointCoordinator, _native
-    from SneppX_ALG.elastic import collectives
+    from SneppX_ALG import CheckpointCoordinator, _native, collectives
     from tests.directory_store import DirectoryStore
 
     group = collectives.ProcessGroup(DirectoryStore(store_dir), rank, world, key=KEY, timeout=600)

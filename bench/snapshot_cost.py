@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from SneppX_ALG import coordinator
+from SneppX_ALG import collectives, coordinator
+from SneppX_ALG.collectives import store as store_lib
 from SneppX_ALG.coordinator import Shard
-from SneppX_ALG.elastic import collectives, snapshot
-from SneppX_ALG.elastic import store as store_lib
+from SneppX_ALG.elastic import snapshot
 from SneppX_ALG.records import open_record_store
 
 MIB = 1 << 20

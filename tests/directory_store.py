@@ -1,7 +1,8 @@
 """A process-group store in a local (or shared, NFS) directory, one file per key, for tests and benchmarks.
 
 Why here and not in the runtime: an ElasticTrainer's process groups keep their keys in the run's record store
-(`elastic.store.RecordKeyStore`, beside the rendezvous), so nothing in the runtime needs a second directory store.
+(`collectives.store.RecordKeyStore`, beside the rendezvous), so nothing in the runtime needs a second directory
+store.
 Tests and benchmarks that build a `ProcessGroup` outside any run (a scratch directory, ranks on threads or
 spawned processes) use this one. Tests import it as `directory_store` (tests/ is on sys.path under pytest, and
 scripts run from tests/integration put it there themselves); benchmarks as `tests.directory_store`.
@@ -14,7 +15,7 @@ import tempfile
 import time
 
 from SneppX_ALG import errors
-from SneppX_ALG.elastic import store
+from SneppX_ALG.collectives import store
 
 
 class DirectoryStore:

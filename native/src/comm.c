@@ -3,7 +3,7 @@
  * Why our own: elastic training needs CPU collectives whose membership changes from one generation to
  * the next, that fail fast and typed when a peer dies or hangs, and that can be aborted from the
  * heartbeat's thread. MPI worlds are fixed and gloo comes only inside torch, so this is the small core
- * that does exactly that; connection setup and authentication stay in Python (elastic/collectives.py),
+ * that does exactly that; connection setup and authentication stay in Python (SneppX_ALG/collectives/),
  * which hands this file two connected sockets per rank.
  *
  * The ring: rank r sends to r+1 on send_fd and receives from r-1 on recv_fd. A collective is a plan of

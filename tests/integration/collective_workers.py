@@ -17,9 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for dire
 
 from directory_store import DirectoryStore
 
-from SneppX_ALG import _native, errors
+from SneppX_ALG import _native, collectives, errors
 from SneppX_ALG.contract.env import ENV_HOST_KEY
-from SneppX_ALG.elastic import collectives
 
 KEY = b"collectives-test-job-key-32bytes"
 NUMPY_OPS = {"sum": np.sum, "max": np.max, "min": np.min}

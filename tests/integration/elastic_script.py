@@ -232,7 +232,7 @@ def reference_params(steps: int) -> tuple[dict[str, np.ndarray], dict[str, np.nd
 
     from directory_store import DirectoryStore
 
-    from SneppX_ALG.elastic import collectives
+    from SneppX_ALG import collectives
     from SneppX_ALG.model import DataParallelTrainer, SyntheticLanguage, Transformer
 
     model = Transformer(**MODEL)

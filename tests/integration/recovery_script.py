@@ -8,7 +8,7 @@ JOIN_TIMEOUT, HANG_TIMEOUT (default 5 s), HEARTBEAT_TIMEOUT (2 s), LAST_CALL (10
 last rank raises at step 3 of the first generation | "always": it raises at every start). Peer-memory
 snapshots: SNAPSHOT (snapshot_every, 0: off), REPLICAS, SNAPSHOT_LIMIT (bytes), FLIP_AT (at that step of the
 first generation rank 0 flips a byte in every peer's copy it holds, and the last rank raises: its part
-survives only in a corrupt copy, with REPLICAS=1), DIVERGE_AT (at that step of the first generation rank 1's
+survives only in a corrupt copy, with REPLICAS=1), DIVERGE_AT (at that step of the first generation rank DIVERGE_RANK's (1)
 replicated array drifts by one ulp: silent data corruption).
 Rank 0 writes OUT/progress.json after each step, a line to OUT/restores.jsonl per generation (the step it
 resumed from, where from, and the last step done before: steps redone = before - step) and OUT/final.json at
@@ -56,6 +56,7 @@ def train_loop(ctx: Any) -> None:
     fail = knob("RAISE", "")
     until_world = int(knob("UNTIL_WORLD", "0"))  # train on (past STEPS) until the world has this many ranks
     flip_at, diverge_at = int(knob("FLIP_AT", "-1")), int(knob("DIVERGE_AT", "-1"))
+    diverge_rank = int(knob("DIVERGE_RANK", "1"))
     while step < steps or ctx.world_size < until_world:
         if ctx.rank == ctx.world_size - 1 and step == 3 and (fail == "always" or (fail == "once" and ctx.restarts == 0)):
             raise RuntimeError(f"planted failure at step {step}, generation {ctx.generation}")
@@ -68,7 +69,7 @@ def train_loop(ctx: Any) -> None:
             elif ctx.rank == ctx.world_size - 1:
                 time.sleep(0.5)  # rank 0 flips first
                 raise RuntimeError(f"planted failure at step {step} after a flipped byte")
-        if step == diverge_at and ctx.generation == 0 and ctx.rank == 1:
+        if step == diverge_at and ctx.generation == 0 and ctx.rank == diverge_rank:
             state["w"][0] = np.nextafter(state["w"][0], np.inf)  # a bad core: this rank's replica drifts
         contribution = np.ones(4)
         ctx.group.allreduce(contribution)

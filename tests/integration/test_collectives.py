@@ -22,8 +22,7 @@ import numpy as np
 import pytest
 from directory_store import DirectoryStore
 
-from SneppX_ALG import errors
-from SneppX_ALG.elastic import collectives
+from SneppX_ALG import collectives, errors
 
 if TYPE_CHECKING:
     from conftest import Ranks

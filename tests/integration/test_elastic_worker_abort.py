@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
+from SneppX_ALG import collectives
+from SneppX_ALG.collectives import store as store_lib
 from SneppX_ALG.contract.env import ENV_CONTROL_FD
-from SneppX_ALG.elastic import collectives, control, rendezvous
-from SneppX_ALG.elastic import store as store_lib
+from SneppX_ALG.elastic import control, rendezvous
 from SneppX_ALG.records import open_record_store
 
 pytestmark = pytest.mark.timeout(300)

@@ -153,6 +153,20 @@ def test_replicas_that_disagree_are_named_and_the_job_rolls_back_to_where_they_a
     assert first["source"] == "memory" and first["step"] == 13, run.restores()  # the last step they agreed on
 
 
+def test_a_step_saved_while_rank_0s_replica_drifted_is_not_restored_from_storage(tmp_path: Path, runs: Any) -> None:
+    """Defect 1 of issue 37: rank 0 of 3 drifts at step 13, so the snapshot of 14 names it; rank 0 writes the
+    replicated arrays of the checkpoint of 14, saved right after. On main that step was committed and, newer than
+    the last good snapshot (13), restored to every rank: the run ended off the uninterrupted parameters, with a
+    report that all was well. The verdict binds storage: the commit is refused (or the step rolled past)."""
+    run = runs(tmp_path / "out", nodes=3, every=7, diverge_at=13, diverge_rank=0)
+    result = run.finish()
+    assert_trained_to_the_end(run, result)
+    reasons = [f["reason"] for f in result["failures"]]
+    assert any("ReplicaDivergenceError" in r and "rank(s) 0 differ" in r for r in reasons), reasons
+    first = resumed(run)[0]
+    assert first["source"] == "memory" and first["step"] == 13, run.restores()
+
+
 def test_snapshots_over_the_memory_limit_end_the_run_at_the_first_snapshot(tmp_path: Path, runs: Any) -> None:
     run = runs(tmp_path / "out", nodes=2, snapshot_limit=64)
     result = run.finish()

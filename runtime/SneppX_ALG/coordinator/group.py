@@ -1,8 +1,7 @@
 """The ranks that save and restore one checkpoint together, as the coordinator sees them: a small Protocol.
 
-Why a Protocol, not the ProcessGroup: the coordinator sits below the elastic layer (it must not import it), and
-needs very little of a group: who this rank is, and two collectives over small messages (who wrote what, and
-what rank 0 decided). `elastic.collectives.ProcessGroup` has exactly this shape, so it is passed as it is
+Why a Protocol, not the ProcessGroup: the coordinator needs very little of a group: who this rank is, and two
+collectives over small messages (who wrote what, and what rank 0 decided). `collectives.ProcessGroup` has exactly this shape, so it is passed as it is
 (`CheckpointCoordinator(..., group=pg)`); a test or another runtime can pass anything else that has it.
 
 Without a group the coordinator is one rank of one (`SOLO`): the same code path, no collectives.

@@ -125,7 +125,7 @@ class CheckpointCoordinator:
         and validate() then also require a signature by one of them and every shard to match its digest, and
         treat a step that fails like any invalid step (skipped, reported in `skipped`, rolled back past).
         None (the default): signatures are not checked.
-    group: the ranks that save and restore this root together (coordinator.Group: an elastic ProcessGroup
+    group: the ranks that save and restore this root together (coordinator.Group: a collectives.ProcessGroup
         fits): each rank writes its own shard file, rank 0 commits once every rank's file is durable, and a
         restore loads, at any world size, only what each rank's Shards and arrays ask for. With
         async_save, the writer thread runs the group's collectives while training goes on, so pass a group
@@ -344,7 +344,11 @@ class CheckpointCoordinator:
     def validate(self, step: int) -> list[str]:
         """Problems with committed step `step` ([] when it is whole and every byte checks).
         CheckpointUnreadableError when it can't be read (an I/O error, retried first)."""
-        return self._steps.check(step)[1]
+        return self.checked(step)[1]
+
+    def checked(self, step: int) -> tuple[dict[str, Any] | None, list[str]]:
+        """`validate`, with the manifest of a step that validates (what generation saved it, for one)."""
+        return self._steps.check(step)
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint on the current timeline that validates, or None. Committed steps

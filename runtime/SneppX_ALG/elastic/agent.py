@@ -126,6 +126,7 @@ class WorkerProcess:
         self.idle = False  # it said it waits for an `assign` (after starting, or once a generation ended)
         self.generation: int | None = None
         self.rank: int | None = None
+        self.fatal: str | None = None  # its fatal error, whenever it was read: it ends the run
         self.last_beat = self.last_progress = time.monotonic()
 
     @property
@@ -389,6 +390,9 @@ class NodeAgent:
             if outcome.kind in ("failure", "fatal"):
                 outcome = dataclasses.replace(outcome, suspects=self._settle(m, hb, others, outcome.suspects))
                 self._abort_workers(m)
+                fatal = next((w.fatal for w in self.workers if w.fatal), None)
+                if fatal is not None and outcome.kind != "fatal":  # read while the generation ended: it still ends
+                    outcome = Outcome("fatal", fatal, outcome.suspects)  # the run, not only the generation
             return outcome
         finally:
             if hb is not None:
@@ -476,7 +480,8 @@ class NodeAgent:
                 continue
             for message in messages:  # all of them: a worker's `failed` and `idle` may come in one read
                 outcome = self._on_message(w, message, m, assign)
-                first = first or outcome
+                if first is None or (outcome is not None and outcome.kind == "fatal" and first.kind != "fatal"):
+                    first = outcome or first  # a fatal error outranks the failures it caused in the same read
         if first is not None:
             return self._failure(first.reason) if first.kind == "failure" else first
         states = {w.state for w in self.workers}
@@ -504,6 +509,9 @@ class NodeAgent:
             w.idle = True
             if w.generation != m.generation:
                 self._assign(w, m, assign)
+        elif kind == "fatal":  # of whichever generation: an error no restart fixes is not an old generation's alone
+            w.fatal = fatal_reason(w, message)
+            return Outcome("fatal", w.fatal)
         elif message.get("generation") != m.generation:
             return None  # beats, and the last words of a generation that is over
         elif kind == "saved":
@@ -540,8 +548,6 @@ class NodeAgent:
             return Outcome("failure", f"rank {w.rank}'s collectives failed: {message.get('error', '')[:500]}")
         elif kind == "error":
             return Outcome("failure", f"rank {w.rank}'s train_fn raised: {message.get('error', '')[-1500:]}")
-        elif kind == "fatal":
-            return Outcome("fatal", f"rank {w.rank}: {message.get('error', '')[:1500]}")
         return None
 
     def _assign(self, w: WorkerProcess, m: rendezvous.Membership, assign: dict[str, Any]) -> None:
@@ -607,6 +613,8 @@ class NodeAgent:
                     for message in w.channel.receive(0) if w.channel is not None else []:
                         w.last_beat = time.monotonic()
                         w.idle = w.idle or message["kind"] == "idle"
+                        if message["kind"] == "fatal":
+                            w.fatal = fatal_reason(w, message)
                 except control.ChannelClosed:
                     w.kill()
         for w in self.workers:
@@ -643,6 +651,11 @@ class NodeAgent:
             return
         with open(self.s.events_path, "a") as f:
             f.write(line + "\n")
+
+
+def fatal_reason(w: WorkerProcess, message: dict[str, Any]) -> str:
+    """What a worker's `fatal` report says, as the run's reason."""
+    return f"rank {w.rank}: {str(message.get('error', ''))[:1500]}"
 
 
 def heartbeat_reason(gone: Mapping[str, heartbeat.PeerStatus], others: Mapping[str, str], stalls: int) -> str:

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from SneppX_ALG import errors
+from SneppX_ALG.collectives import Backend
 from SneppX_ALG.contract.env import (
     ENV_AGENT_ID,
     ENV_EVENTS,
@@ -54,7 +55,6 @@ from SneppX_ALG.contract.env import (
     ENV_RUN_ID,
 )
 from SneppX_ALG.elastic import agent, pod, rendezvous, worker
-from SneppX_ALG.elastic.collectives import Backend
 from SneppX_ALG.records import RecordStore
 
 log = logging.getLogger(__name__)

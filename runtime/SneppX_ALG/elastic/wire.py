@@ -55,7 +55,7 @@ def mac(key: bytes, body: bytes) -> bytes:
 
 
 def encode(d: Datagram, key: bytes) -> bytes:
-    """The datagram's bytes, MAC included (key: the 32-byte MAC key, see heartbeat.load_key)."""
+    """The datagram's bytes, MAC included (key: the 32-byte MAC key, see job_key.load_key)."""
     body = HEADER.pack(MAGIC, d.version, d.type, len(d.entries), d.flags, d.job_tag, d.instance, d.incarnation,
                        d.generation, d.seq, d.send_time, d.probe_seq, d.probe_time, d.target)
     body += b"".join(ENTRY.pack(i, inc, state, 0) for i, inc, state in d.entries)

@@ -20,16 +20,16 @@ import queue
 import socket
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from SneppX_ALG import collectives, errors
 from SneppX_ALG import coordinator as coordinator_lib
-from SneppX_ALG import errors
+from SneppX_ALG.collectives import store as store_lib
 from SneppX_ALG.contract.env import ENV_CONTROL_FD, ENV_GENERATION, ENV_NODE_NAME
-from SneppX_ALG.elastic import collectives, control, fault_tolerance, pod, rendezvous, snapshot
-from SneppX_ALG.elastic import store as store_lib
+from SneppX_ALG.elastic import control, fault_tolerance, pod, rendezvous, snapshot
 from SneppX_ALG.elastic.rendezvous import fence
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class TrainContext:
         self._assignment = assignment
         self._snapshot_group = snapshot_group
         self._live_state: Any = None  # what restore() filled: report(step) snapshots it when snapshot_every is set
-        self._snapshot_step: int | None = None
+        self._snapshot_steps: dict[int, int] = {}  # id of an object snapshot in this generation: its last step
 
     @property
     def membership_changing(self) -> bool:
@@ -141,27 +141,80 @@ class TrainContext:
         somewhere (resharded to this world size, every CRC checked), when no durable checkpoint is newer. The
         `restored` report says which it was, and why storage was used."""
         self._live_state = obj
-        why = ""
-        if self._worker.snapshots is not None and self._snapshot_group is not None:
-            committed = self.coordinator.committed_steps()
-            got = self._worker.snapshots.recover(obj, self._snapshot_group, max(committed, default=None))
+        keeper = self._worker.snapshots
+        listed = self.coordinator.committed_steps()
+        checked: list[snapshot.Durable] = []
+        decision = None
+        if keeper is not None and self._snapshot_group is not None:
+            def durable(floor: int | None, verdicts: Sequence[snapshot.Divergence],
+                        ) -> tuple[list[snapshot.Durable], list[int]]:
+                checked[:], unchecked = self._check_durable(listed, floor, verdicts)
+                return checked, unchecked
+
+            got = keeper.recover(obj, self._snapshot_group, durable)
+            decision = got.decision
             if got.step is not None:
                 from_memory = coordinator_lib.CheckpointInfo(got.step, "memory", got.training_state, {})
-                self.restored, self.rolled_back, self._snapshot_step = from_memory, [], got.step
+                self.restored, self.rolled_back = from_memory, [_skipped(d) for d in checked if d.step > got.step]
+                self._snapshot_steps[id(obj)] = got.step
                 self._worker.report("restored", generation=self.generation, rank=self.rank, step=got.step,
-                                    source="memory", why=got.why, received=got.received, rolled_back=[])
+                                    source="memory", why=got.why, received=got.received,
+                                    rolled_back=_described(self.rolled_back))
                 return from_memory
-            why = got.why
+        step = decision.step if decision is not None and decision.source == "storage" else None
+        passed = [_skipped(d) for d in checked if step is None or d.step > step]  # newest first, as checked
+        if decision is not None and decision.source == "none":  # every committed step is ruled out: a person's call
+            raise errors.RollbackLimitError(decision.why, skipped=list(passed))
         before = len(self.coordinator.skipped)
-        info = self.coordinator.restore(obj)
-        skipped = list(self.coordinator.skipped[before:])
+        info = self.coordinator.restore(obj, step)
+        skipped = passed + [s for s in self.coordinator.skipped[before:] if s.step not in {p.step for p in passed}]
         fault_tolerance.check_rollback(skipped, None if info is None else info.step,
                                        rollback_depth=self._settings.rollback_depth)
         self.restored, self.rolled_back = info, skipped
+        why = decision.why if decision is not None else "peer-memory snapshots are off"
         self._worker.report("restored", generation=self.generation, rank=self.rank,
                             step=None if info is None else info.step, source="storage", why=why,
-                            rolled_back=[{"step": s.step, "problems": list(s.problems[:3])} for s in skipped])
+                            rolled_back=_described(skipped))
         return info
+
+    def _check_durable(self, listed: list[int], floor: int | None, verdicts: Sequence[snapshot.Divergence],
+                       ) -> tuple[list[snapshot.Durable], list[int]]:
+        """The committed steps the restore decision depends on, each checked byte by byte (rank 0 checks, every
+        rank learns the result, and rank 0's listing): those at or above `floor` (the newest usable snapshot's step), newest first
+        until one counts; with divergence verdicts, newest first until one counts whatever the floor. None
+        without either: storage's own search then checks each step as it loads it. (checked, unchecked)."""
+        group = self._snapshot_group
+        assert group is not None
+        if floor is None and not verdicts:
+            return [], list(listed)
+        result: dict[str, Any] | None = None
+        if group.rank == 0:
+            found: list[list[Any]] = []
+            gone: list[int] = []
+            try:
+                for step in reversed(listed):
+                    if floor is not None and step < floor and not verdicts:
+                        break
+                    try:
+                        manifest, problems = self.coordinator.checked(step)
+                    except errors.CheckpointNotFoundError:
+                        gone.append(step)  # deleted by retention since it was listed
+                        continue
+                    generation = manifest.get("generation") if manifest is not None and not problems else None
+                    found.append([step, generation, problems[:5]])
+                    if not problems and snapshot.binds(verdicts, generation, step) is None:
+                        break
+                seen = {step for step, _, _ in found} | set(gone)
+                result = {"checked": found, "unchecked": [s for s in listed if s not in seen]}
+            except errors.SneppXError as e:
+                result = {"error": f"{type(e).__name__}: {e}"}
+        answer = snapshot.allgather_json(group, result)[0]
+        if "error" in answer:
+            raise errors.SnapshotError(f"rank 0 could not check the committed steps a restore depends on: "
+                                       f"{answer['error']}")
+        checked = [snapshot.Durable(step, generation, tuple(problems))
+                   for step, generation, problems in answer["checked"]]
+        return checked, answer["unchecked"]  # rank 0's listing for all: a late commit may land between listings
 
     def snapshot(self, obj: Any, step: int, *, training_state: Any = None) -> None:
         """Keeps `obj` (what save() takes) at `step` in host memory, with a copy on another node (in the
@@ -171,13 +224,14 @@ class TrainContext:
         snapshot_every set, report(step) snapshots the state given to restore() by itself."""
         every = self._settings.snapshot_every
         keeper = self._worker.snapshots
-        if keeper is None or self._snapshot_group is None or step % every or step == self._snapshot_step:
+        if (keeper is None or self._snapshot_group is None or step % every
+                or step == self._snapshot_steps.get(id(obj))):
             return
         a = self._assignment
         place = os.environ.get(ENV_NODE_NAME) or a.agent_id  # a pod's Kubernetes node, else its agent
         keeper.take(obj, step, self._snapshot_group, instance=a.membership.instance, generation=a.generation,
                     place=place, rank=a.rank, training_state=training_state)
-        self._snapshot_step = step
+        self._snapshot_steps[id(obj)] = step
 
     def save(self, obj: Any, step: int, *, training_state: Any = None) -> None:
         """Saves checkpoint `step` (every rank, same step; it commits in the background) and reports progress.
@@ -334,7 +388,7 @@ class Worker:
                                                             rank=a.rank, generation=a.generation)
             coordinator = coordinator_lib.CheckpointCoordinator(
                 s.checkpoint_dir, max_to_keep=s.max_to_keep, async_save=s.async_save, device="cpu",
-                group=groups[1], commit_fence=lambda: fence.check(fence_store, a.membership))
+                group=groups[1], commit_fence=lambda: commit_fence(fence_store, a.membership, self.snapshots))
             self.train_fn(TrainContext(a, s, groups[0], coordinator, self, groups[2] if len(groups) > 2 else None))
             call_counting_committed_as_saved(coordinator.close)  # the last save commits (or fails) on every rank
             coordinator = None
@@ -367,6 +421,30 @@ class Worker:
                     coordinator.close()
                 except errors.SneppXError as e:
                     log.info("generation %d: its unfinished save ends with the generation: %s", a.generation, e)
+
+
+def commit_fence(store: Any, membership: rendezvous.Membership, keeper: snapshot.Keeper | None) -> None:
+    """What rank 0 checks right before a step's commit point: the generation is not over (`fence.check`), and
+    no snapshot of this generation found its ranks' replicated arrays unequal (rank 0 writes them: the step
+    would hold whichever copy rank 0 has). A verdict that comes after a commit binds that step at restore
+    instead (`snapshot.choose`)."""
+    fence.check(store, membership)
+    diverged = [d for d in (keeper.divergences if keeper is not None else [])
+                if (d.instance, d.generation) == (membership.instance, membership.generation)]
+    if diverged:
+        raise errors.ReplicaDivergenceError(
+            f"generation {membership.generation}: the replicated arrays of its ranks diverged at step "
+            f"{diverged[0].step}: nothing it saves is committed", step=diverged[0].step, ranks=[])
+
+
+def _skipped(d: snapshot.Durable) -> coordinator_lib.SkippedCheckpoint:
+    """A checked committed step a restore passed over: invalid, or saved after replicas diverged."""
+    return coordinator_lib.SkippedCheckpoint(d.step, d.problems or (
+        "saved after its generation's replicated arrays may have diverged (a snapshot found them unequal)",))
+
+
+def _described(skipped: list[coordinator_lib.SkippedCheckpoint]) -> list[dict[str, Any]]:
+    return [{"step": s.step, "problems": list(s.problems[:3])} for s in skipped]
 
 
 def is_committed_already(error: BaseException) -> bool:

@@ -35,8 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from SneppX_ALG import _native, coordinator, errors
-from SneppX_ALG.elastic import collectives
+from SneppX_ALG import _native, collectives, coordinator, errors
 from SneppX_ALG.model import data as data_lib
 from SneppX_ALG.model import optimizer as optimizer_lib
 from SneppX_ALG.model import training

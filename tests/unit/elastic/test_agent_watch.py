@@ -4,7 +4,10 @@ processes, the failure is still the error, not "exited with code 1" (seen under 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +90,75 @@ def test_a_worker_the_oom_killer_took_ends_the_pod_137_and_any_other_sigkill_is_
         else:
             outcome = agent._watch(membership, None, {})
             assert outcome.kind == "failure" and outcome.reason.endswith("was killed by SIGKILL"), outcome
+    finally:
+        for w in agent.workers:
+            w.kill()
+        agent.heartbeat_socket.close()
+
+
+# says its words at once (each given as JSON in argv), marks that it did, and waits (on "abort": says the rest)
+SPEAKER = """
+import json, os, socket, sys
+channel = socket.socket(fileno=int(os.environ["SNEPPX_CONTROL_FD"]))
+now, on_abort, marker = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+channel.sendall(b"".join(json.dumps(m).encode() + b"\\n" for m in now))
+open(marker, "w").close()
+while channel.recv(1 << 16):
+    channel.sendall(b"".join(json.dumps(m).encode() + b"\\n" for m in on_abort))
+"""
+
+
+def speakers(tmp_path: Path, words: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]) -> list[WorkerProcess]:
+    """Workers that have said their first words (all of them in their channels) before this returns."""
+    made = []
+    for local_rank, (now, on_abort) in enumerate(words):
+        marker = tmp_path / f"said-{local_rank}"
+        w = WorkerProcess(local_rank)
+        w.spawn([sys.executable, "-c", SPEAKER, json.dumps(now), json.dumps(on_abort), str(marker)], {})
+        w.state, w.generation, w.rank = WorkerState.RUNNING, 0, local_rank
+        made.append(w)
+        while not marker.exists():  # the process' own word that it wrote them
+            assert w.proc is not None and w.proc.poll() is None
+            time.sleep(0.01)
+    return made
+
+
+FAILED = {"kind": "failed", "generation": 0, "error": "PeerLostError: rank 1 is gone"}
+FATAL = {"kind": "fatal", "generation": 0, "error": "RollbackLimitError: planted"}
+IDLE = {"kind": "idle", "generation": 0}
+
+
+@pytest.mark.parametrize("fatal_rank", [0, 1])
+def test_a_fatal_error_read_in_the_same_tick_as_the_failures_it_caused_ends_the_run(tmp_path: Path,
+                                                                                    fatal_rank: int) -> None:
+    """Suspicion 1 of issue 37, confirmed: a `failed` read first in a tick hid a `fatal` read in the same one
+    (the generation was retried, and the fatal error lost)."""
+    agent = NodeAgent(settings(tmp_path))
+    try:
+        membership = agent.rdzv.join()
+        agent.workers = speakers(tmp_path, [([FATAL if r == fatal_rank else FAILED], []) for r in range(2)])
+        outcome = agent._read_workers(membership, {})
+        assert outcome is not None and outcome.kind == "fatal" and "RollbackLimitError: planted" in outcome.reason
+    finally:
+        for w in agent.workers:
+            w.kill()
+        agent.heartbeat_socket.close()
+
+
+def test_a_fatal_error_that_comes_after_its_generation_ended_still_ends_the_run(tmp_path: Path) -> None:
+    """...and a `fatal` that came while the generation was being aborted, or after it (read in the next one),
+    was dropped as the old generation's last words."""
+    agent = NodeAgent(settings(tmp_path))
+    try:
+        membership = agent.rdzv.join()
+        agent.workers = speakers(tmp_path, [([FAILED], [IDLE]), ([], [FATAL, IDLE])])
+        agent.s = dataclasses.replace(agent.s, abort_grace=30.0)
+        assert agent._read_workers(membership, {}).kind == "failure"  # type: ignore[union-attr]
+        agent._abort_workers(membership)
+        assert agent.workers[1].fatal is not None and "RollbackLimitError: planted" in agent.workers[1].fatal
+        later = dataclasses.replace(membership, generation=1)
+        stale = agent._on_message(agent.workers[0], FATAL, later, {})
+        assert stale is not None and stale.kind == "fatal"
     finally:
         for w in agent.workers:
             w.kill()

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from SneppX_ALG import CheckpointCoordinator, ElasticTrainer, errors
+from SneppX_ALG.collectives.store import RecordKeyStore
 from SneppX_ALG.contract import job_object
 from SneppX_ALG.contract.env import ENV_OBJECT, ENV_ROLE
 from SneppX_ALG.elastic import control, pod, rendezvous
 from SneppX_ALG.elastic.agent import AgentSettings, NodeAgent
-from SneppX_ALG.elastic.store import RecordKeyStore
 from SneppX_ALG.records import kube, open_record_store
 
 

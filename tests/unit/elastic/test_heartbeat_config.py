@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from SneppX_ALG import HeartbeatMonitor, errors
+from SneppX_ALG import HeartbeatMonitor, errors, job_key
 from SneppX_ALG.contract.env import ENV_HEARTBEAT_BIND, ENV_HEARTBEAT_KEY, ENV_HEARTBEAT_KEY_FILE
 from SneppX_ALG.elastic import heartbeat
 
@@ -24,28 +24,28 @@ def test_key_sources_in_order(tmp_path: pathlib.Path) -> None:
     key_file = tmp_path / "heartbeat-key"
     key_file.write_bytes(b"\x01" * 32)  # raw bytes, as the operator mounts the Secret
     env = {ENV_HEARTBEAT_KEY_FILE: str(key_file), ENV_HEARTBEAT_KEY: "02" * 32}
-    assert heartbeat.load_key(b"\x03" * 32, env) == b"\x03" * 32
-    assert heartbeat.load_key("04" * 32, env) == b"\x04" * 32
-    assert heartbeat.load_key(None, env) == b"\x01" * 32
-    assert heartbeat.load_key(None, {ENV_HEARTBEAT_KEY: "02" * 32}) == b"\x02" * 32
+    assert job_key.load_key(b"\x03" * 32, env) == b"\x03" * 32
+    assert job_key.load_key("04" * 32, env) == b"\x04" * 32
+    assert job_key.load_key(None, env) == b"\x01" * 32
+    assert job_key.load_key(None, {ENV_HEARTBEAT_KEY: "02" * 32}) == b"\x02" * 32
 
 
 def test_keys_other_than_32_bytes_are_hashed_and_short_ones_refused(tmp_path: pathlib.Path) -> None:
-    assert heartbeat.load_key(b"k" * 16, {}) == hashlib.blake2s(b"k" * 16, digest_size=32).digest()
-    assert heartbeat.load_key(b"k" * 100, {}) == hashlib.blake2s(b"k" * 100, digest_size=32).digest()
+    assert job_key.load_key(b"k" * 16, {}) == hashlib.blake2s(b"k" * 16, digest_size=32).digest()
+    assert job_key.load_key(b"k" * 100, {}) == hashlib.blake2s(b"k" * 100, digest_size=32).digest()
     with pytest.raises(errors.HeartbeatKeyError, match="15 bytes; at least 16"):
-        heartbeat.load_key(b"k" * 15, {})
+        job_key.load_key(b"k" * 15, {})
     short = tmp_path / "short"
     short.write_bytes(b"tiny")
     with pytest.raises(errors.HeartbeatKeyError, match="SNEPPX_HEARTBEAT_KEY_FILE"):
-        heartbeat.load_key(None, {ENV_HEARTBEAT_KEY_FILE: str(short)})
+        job_key.load_key(None, {ENV_HEARTBEAT_KEY_FILE: str(short)})
 
 
 def test_unreadable_key_file_and_bad_hex_are_typed_errors(tmp_path: pathlib.Path) -> None:
     with pytest.raises(errors.HeartbeatKeyError, match="can't read"):
-        heartbeat.load_key(None, {ENV_HEARTBEAT_KEY_FILE: str(tmp_path / "missing")})
+        job_key.load_key(None, {ENV_HEARTBEAT_KEY_FILE: str(tmp_path / "missing")})
     with pytest.raises(errors.HeartbeatKeyError, match="SNEPPX_HEARTBEAT_KEY is not a hex"):
-        heartbeat.load_key(None, {ENV_HEARTBEAT_KEY: "not hex"})
+        job_key.load_key(None, {ENV_HEARTBEAT_KEY: "not hex"})
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
-from SneppX_ALG import _native, errors
+from SneppX_ALG import _native, collectives, errors
+from SneppX_ALG.collectives import store as store_lib
 from SneppX_ALG.coordinator import Shard
-from SneppX_ALG.elastic import collectives, snapshot
-from SneppX_ALG.elastic import store as store_lib
+from SneppX_ALG.elastic import snapshot
 from SneppX_ALG.records import open_record_store
 
 M = 10  # elements of the sharded vector "m"
@@ -73,30 +73,32 @@ def test_a_state_without_shards_sends_only_its_description() -> None:
     assert len(arrived.payload) == 0 and arrived.meta["tensors"] == [] and arrived.meta["step"] == 1
 
 
-def entry(source: int, step: int, world: int = 2, generation: int = 0, whole: bool = True) -> dict[str, Any]:
-    return {"instance": "i", "generation": generation, "step": step, "world": world, "source": source,
-            "whole": whole, "meta": 1, "payload": 1}
+def held(holder: int, source: int, step: int, world: int = 2, whole: bool = True) -> snapshot.Held:
+    return snapshot.Held(holder, "i", 0, step, world, source, whole, True, 7, "t")
+
+
+def chosen(parts: list[snapshot.Held], durable: list[snapshot.Durable] | None = None) -> Any:
+    decision = snapshot.choose(parts, durable or [], [], [], "t")
+    return (decision.key, list(decision.senders), decision.whole) if decision.source == "memory" else decision.why
 
 
 def test_choose_takes_the_newest_step_every_old_rank_survives_in() -> None:
     # step 6 lost rank 1's part; step 5 is whole: rank 0 holds its own, rank 1 (a new rank) holds rank 1's copy
-    lists = [[entry(0, 6), entry(0, 5)], [entry(1, 5, whole=False)]]
-    assert snapshot.choose(lists, durable_step=None) == (("i", 0, 5), [0, 1], 0)
-    assert snapshot.choose(lists, durable_step=5) == (("i", 0, 5), [0, 1], 0)  # as new: memory is faster
-    assert "newer than any snapshot" in snapshot.choose(lists, durable_step=6)
-    lost = snapshot.choose([[entry(0, 6)], []], durable_step=None)
-    assert "lost the part of rank(s) 1" in lost
-    assert "no snapshot survives" in snapshot.choose([[], []], durable_step=3)
+    parts = [held(0, 0, 6), held(0, 0, 5), held(1, 1, 5, whole=False)]
+    assert chosen(parts) == (("i", 0, 5), [0, 1], 0)
+    assert chosen(parts, [snapshot.Durable(5, 0, ())]) == (("i", 0, 5), [0, 1], 0)  # as new: memory is faster
+    assert "newer than the newest usable snapshot" in chosen(parts, [snapshot.Durable(6, 0, ())])
+    assert "lost the part of rank(s) 1" in chosen([held(0, 0, 6)])
+    assert "no snapshot survives" in chosen([], [snapshot.Durable(3, 0, ())])
 
 
 def test_the_lowest_rank_holding_a_part_sends_it_and_an_own_snapshot_sends_the_replicated_arrays() -> None:
-    lists = [[entry(1, 4, whole=False)], [entry(0, 4, whole=False), entry(1, 4)]]
-    assert snapshot.choose(lists, None) == (("i", 0, 4), [1, 1], 1)  # rank 1's own, whole, not rank 0's copy
+    parts = [held(0, 1, 4, whole=False), held(1, 0, 4, whole=False), held(1, 1, 4)]
+    assert chosen(parts) == (("i", 0, 4), [1, 1], 1)  # rank 1's own, whole, not rank 0's copy
 
 
 def test_only_copies_left_are_not_enough_the_replicated_arrays_died_with_every_own_snapshot() -> None:
-    lists = [[entry(1, 4, whole=False)], [entry(0, 4, whole=False)]]
-    assert "no rank's own snapshot left" in snapshot.choose(lists, None)
+    assert "no rank's own snapshot left" in chosen([held(0, 1, 4, whole=False), held(1, 0, 4, whole=False)])
 
 
 def test_the_snapshot_ring_visits_the_nodes_in_turn() -> None:
@@ -174,6 +176,11 @@ def test_divergent_names_the_ranks_off_the_majority() -> None:
 # ---- Keepers over real process groups -------------------------------------------------------------------------
 
 
+def durable_at(step: int) -> Callable[..., tuple[list[snapshot.Durable], list[int]]]:
+    """What TrainContext.restore hands `recover`: committed step `step`, checked and valid."""
+    return lambda floor, verdicts: ([snapshot.Durable(step, 0, ())], [])
+
+
 def groups(world: int, generation: int, root: str) -> list[collectives.ProcessGroup]:
     records = open_record_store(root)
     made: list[Any] = [None] * world
@@ -225,7 +232,7 @@ def test_keepers_replicate_to_the_next_rank_free_old_steps_and_recover_after_a_r
     survivors = [keepers[r] for r in range(3) if r != lost]
     new = groups(2, 1, root)
     targets = [{"w": np.zeros(3), "m": shard_of(r, 2), "epoch": 0} for r in range(2)]
-    got = on_threads(2, lambda r: survivors[r].recover(targets[r], new[r], durable_step=2))
+    got = on_threads(2, lambda r: survivors[r].recover(targets[r], new[r], durable_at(2)))
     assert [g.step for g in got] == [3, 3], got
     for rank in range(2):
         assert np.array_equal(targets[rank]["m"].data, shard_of(rank, 2, fill=3000.0).data)
@@ -245,7 +252,7 @@ def test_a_copy_that_fails_its_crcs_is_dropped_reported_and_not_used() -> None:
         g.close()
     keepers[0].held[0].payload[1] ^= 0x01  # rank 1's part, as rank 0 holds it
     alone = groups(1, 1, root)[0]  # rank 1 is gone
-    got = keepers[0].recover({"w": np.zeros(3), "m": shard_of(0, 1), "epoch": 0}, alone, durable_step=None)
+    got = keepers[0].recover({"w": np.zeros(3), "m": shard_of(0, 1), "epoch": 0}, alone)
     assert got.step is None and "lost the part of rank(s) 1" in got.why
     assert reports and reports[0][0] == "snapshot_corrupt" and reports[0][1]["source"] == 1
     alone.close()
@@ -268,6 +275,7 @@ def test_replicated_arrays_that_differ_fail_the_snapshot_naming_the_rank() -> No
     results = on_threads(3, train)
     assert all(isinstance(r, errors.ReplicaDivergenceError) and r.ranks == [2] and r.step == 2 for r in results)
     assert [[s.meta["step"] for s in k.own] for k in keepers] == [[1]] * 3  # step 2 kept nowhere
+    assert [k.divergences for k in keepers] == [[snapshot.Divergence("i", 0, 2, since=2)]] * 3  # 1 agreed
     for g in old:
         g.close()
 
@@ -410,7 +418,7 @@ def test_random_layouts_hold_exactly_the_planned_copies_and_survive_the_loss_of_
         return
     new = groups(len(left), 1, root)  # someone is left on another node: so is a copy of every part
     targets = [state(r, len(left), 0) for r in range(len(left))]
-    got = on_threads(len(left), lambda r: keepers[left[r]].recover(targets[r], new[r], durable_step=None))
+    got = on_threads(len(left), lambda r: keepers[left[r]].recover(targets[r], new[r]))
     assert [g.step for g in got] == [4] * len(left), (places, plan, lost, got)
     for r, target in enumerate(targets):
         assert np.array_equal(target["m"].data, shard_of(r, len(left), fill=4000.0).data)
@@ -480,7 +488,7 @@ def test_a_recovery_sends_each_rank_only_the_boxes_its_new_shards_need(lost: int
     ranks = alive + [snapshot.Keeper()] * (new_world - len(alive))
     new = groups(new_world, 1, root)
     targets = [big_state(r, new_world, elements, 0) for r in range(new_world)]
-    got = on_threads(new_world, lambda r: ranks[r].recover(targets[r], new[r], durable_step=None))
+    got = on_threads(new_world, lambda r: ranks[r].recover(targets[r], new[r]))
     assert [g.step for g in got] == [5] * new_world, got
     for rank in range(new_world):
         want = big_state(rank, new_world, elements, 5)
@@ -504,7 +512,7 @@ def test_a_recovery_that_would_hold_more_than_the_limit_goes_to_storage_on_every
     ranks = [keepers[0], snapshot.Keeper(memory_limit=1 << 20)]
     new = groups(2, 1, root)
     targets = [big_state(r, 2, elements, 0) for r in range(2)]
-    got = on_threads(2, lambda r: ranks[r].recover(targets[r], new[r], durable_step=None))
+    got = on_threads(2, lambda r: ranks[r].recover(targets[r], new[r]))
     assert [g.step for g in got] == [None, None], got
     assert all("snapshot_memory_limit 1.0 MiB" in g.why and "on rank 1" in g.why for g in got), got
     assert not targets[1]["m"].data.any()  # nothing was written
@@ -636,3 +644,78 @@ def test_a_snapshot_of_real_device_memory_restores_into_host_arrays() -> None:
         assert np.array_equal(target["w"], values)
     finally:
         _native.cuda_free(0, pointer)
+
+
+# ---- all or nothing; verdicts that bind ---------------------------------------------------------------------
+
+
+def test_apply_refuses_a_replicated_array_of_another_shape_before_writing_anything() -> None:
+    """A (world,)-shaped replicated array saved at world 2 restored at world 1 was cut to (1,); a grown one
+    failed only after earlier tensors were written. Now nothing is written, and the error is typed."""
+    def shot(rank: int) -> snapshot.Snapshot:
+        taken = snapshot.capture({"m": shard_of(rank, 2, 5.0), "r": np.arange(2.0)}, 5, instance="i",
+                                 generation=0, rank=rank, world=2, into=lambda n: np.empty(n, np.uint8))
+        snapshot.seal(taken)
+        return taken
+
+    parts = [shot(0), shot(1).unique()]
+    for size in (1, 3):
+        target = {"m": shard_of(0, 1), "r": np.zeros(size)}
+        with pytest.raises(errors.ShardingMismatchError, match="shape"):
+            snapshot.apply(target, parts)
+        assert np.array_equal(target["m"].data, shard_of(0, 1).data) and not target["r"].any()
+    dtype = {"m": shard_of(0, 1), "r": np.zeros(2, np.float32)}
+    with pytest.raises(errors.ShardingMismatchError, match="float"):
+        snapshot.apply(dtype, parts)
+    assert np.array_equal(dtype["m"].data, shard_of(0, 1).data)
+
+
+def test_a_divergence_is_kept_as_a_verdict_on_every_rank() -> None:
+    root = tempfile.mkdtemp()
+    old = groups(2, 0, root)
+    keepers = [snapshot.Keeper() for _ in range(2)]
+
+    def train(rank: int) -> None:
+        drifted = state(rank, 2, 3)
+        drifted["w"][0] += rank
+        keepers[rank].take(drifted, 3, old[rank], instance="i", generation=0, place=f"node-{rank}")
+        keepers[rank].wait()
+
+    assert all(isinstance(r, errors.ReplicaDivergenceError) for r in on_threads(2, train))
+    assert [k.divergences for k in keepers] == [[snapshot.Divergence("i", 0, 3, since=0)]] * 2  # none agreed
+    for g in old:
+        g.close()
+
+
+@pytest.mark.parametrize("diverged", [True, False])
+def test_a_step_cut_off_before_its_allgather_restores_only_if_every_own_snapshot_agrees(diverged: bool) -> None:
+    """Suspicion 2 of issue 37, confirmed: step 2's snapshot was cut off before its allgather (the group
+    aborted), so no one compared its replicated arrays; every rank survives with its own. Recovery took rank 0's
+    unchecked arrays. Now their digests are compared at recovery: equal, step 2 is restored; not, step 1."""
+    root = tempfile.mkdtemp()
+    old = groups(2, 0, root)
+    keepers = [snapshot.Keeper() for _ in range(2)]
+    assert on_threads(2, lambda r: (keepers[r].take(state(r, 2, 1), 1, old[r], instance="i", generation=0,
+                                                     place=f"node-{r}"), keepers[r].wait())) == [(None, None)] * 2
+    for g in old:
+        g.abort()
+
+    def cut_off(rank: int) -> None:
+        shot = state(rank, 2, 2)
+        if diverged and rank == 0:
+            shot["w"][1] = -1.0
+        keepers[rank].take(shot, 2, old[rank], instance="i", generation=0, place=f"node-{rank}")
+        keepers[rank].wait()
+
+    assert all(isinstance(r, errors.SneppXError) for r in on_threads(2, cut_off))
+    assert [[s.meta["step"] for s in k.own] for k in keepers] == [[1, 2]] * 2
+    for g in old:
+        g.close()
+    new = groups(2, 1, root)
+    targets = [{"w": np.zeros(3), "m": shard_of(r, 2), "epoch": 0} for r in range(2)]
+    got = on_threads(2, lambda r: keepers[r].recover(targets[r], new[r]))
+    want = 1 if diverged else 2
+    assert [g.step for g in got] == [want, want], got
+    assert np.array_equal(targets[0]["w"], np.full(3, float(want)))
+    for g in new:
+        g.close()

@@ -14,8 +14,7 @@ from directory_store import DirectoryStore
 from hypothesis import given
 from hypothesis import strategies as st
 
-from SneppX_ALG import errors
-from SneppX_ALG.elastic import collectives
+from SneppX_ALG import collectives, errors
 from SneppX_ALG.model import data, data_parallel, training, transformer
 
 KEY = b"data-parallel-unit-test-key-0123"

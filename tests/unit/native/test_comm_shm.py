@@ -121,7 +121,7 @@ def test_a_shm_group_with_a_rank_on_another_host_is_refused_by_every_rank(tmp_pa
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from directory_store import DirectoryStore
 
-    from SneppX_ALG.elastic import collectives
+    from SneppX_ALG import collectives
 
     # ranks as threads: each "runs" on the host its thread is named after
     monkeypatch.setattr(collectives.group, "host_identity", lambda: threading.current_thread().name.split("-")[0])
@@ -137,7 +137,7 @@ def test_a_shm_group_with_a_rank_on_another_host_is_refused_by_every_rank(tmp_pa
 
 
 def test_a_host_key_keeps_ranks_of_one_machine_apart(monkeypatch: pytest.MonkeyPatch) -> None:
-    from SneppX_ALG.elastic import collectives
+    from SneppX_ALG import collectives
 
     here = collectives.host_identity()
     monkeypatch.setenv(ENV_HOST_KEY, "numa-1")
@@ -147,7 +147,7 @@ def test_a_host_key_keeps_ranks_of_one_machine_apart(monkeypatch: pytest.MonkeyP
 def test_a_shm_group_is_a_process_group_like_any_other(tmp_path: Any) -> None:
     from directory_store import DirectoryStore
 
-    from SneppX_ALG.elastic import collectives
+    from SneppX_ALG import collectives
 
     def train(rank: int) -> list[float]:
         with collectives.ProcessGroup(DirectoryStore(tmp_path), rank, 3, 2, backend="shm", key=b"k" * 32,
@@ -166,7 +166,7 @@ def test_a_dev_shm_without_room_means_the_ring_or_a_clear_error(tmp_path: Any, m
                                                                  backend: str) -> None:
     from directory_store import DirectoryStore
 
-    from SneppX_ALG.elastic import collectives
+    from SneppX_ALG import collectives
 
     real = _native.ShmComm
 
@@ -197,7 +197,7 @@ def test_a_hierarchical_allgather_keeps_every_bit(tmp_path: Any, monkeypatch: py
     payloads and bytes come through exactly."""
     from directory_store import DirectoryStore
 
-    from SneppX_ALG.elastic import collectives
+    from SneppX_ALG import collectives
 
     monkeypatch.setattr(collectives.group, "host_identity", lambda: threading.current_thread().name.split("-")[0])
     count = 1003

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from directory_store import DirectoryStore
 
-from SneppX_ALG import _native, errors
-from SneppX_ALG.elastic import collectives
+from SneppX_ALG import _native, collectives, errors
 
 HAS_GPU = _native.cuda_available()
 gpu = pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")

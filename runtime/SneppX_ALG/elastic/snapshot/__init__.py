@@ -31,12 +31,14 @@ at every snapshot, before its buffer is allocated (the layout changes with the w
 rank's sizes before any copy arrives.
 
 Recovery (`recover`, every rank of the new generation, before train_fn resumes): each rank checks every CRC of
-what it holds and lists it; the lists are allgathered; the newest step for which every old rank's unique part
-survives somewhere, and one old rank's own snapshot whole (the replicated arrays), wins when it is newer than the
-newest durable checkpoint (`choose`, pure); for each old rank the lowest new rank that holds it sends each new rank
-only the boxes that rank's targets need (`wanted_boxes`, `cut`, `bundle`: its new shards' boxes, and the whole
-part's replicated arrays), after every rank's recovery memory is checked against the bound; each rank checks the
-CRCs of what arrived and copies its boxes into its targets, resharding to the new world size.
+what it holds and lists it (with whether its allgather agreed, its replicated digest, the layout of the object it
+holds); the lists and the divergence verdicts are allgathered; `choose`, one pure arbiter, picks memory or storage
+from checked inputs only (snapshot parts, committed steps checked byte by byte, verdicts that bind both) and says
+why; for memory, for each old rank the lowest new rank that holds its part sends each new rank only the boxes
+that rank's targets need (`wanted_boxes`, `cut`, `bundle`: its new shards' boxes, and the whole part's replicated
+arrays), after every rank's recovery memory is checked against the bound; each rank checks the CRCs of what
+arrived, and `apply` every target's shape, dtype and coverage before it copies the boxes in, resharding to the
+new world size (all or nothing).
 
 The package, one concept a module (each imports only those below it; `.importlinter` checks it):
 
@@ -44,7 +46,7 @@ The package, one concept a module (each imports only those below it; `.importlin
                  ring) and `recover`
     restore.py   `apply`: the chosen parts copied into the target's boxes, resharded to the new world size
     plan.py      the pure decisions every rank makes alike: the ring's order, who keeps each part's copies, divergent
-                 replicas, which snapshot to restore (`choose`)
+                 replicas, the restore arbiter (`choose`)
     memory.py    how much host memory snapshots need, and how much the process may use
     image.py     one snapshot: `Snapshot`, `capture` into a buffer, its CRCs (`seal`), its wire form, and the
                  boxes of it a recovery sends (`cut`, `bundle`)
@@ -63,6 +65,8 @@ from SneppX_ALG.elastic.snapshot.image import (
     capture,
     cut,
     from_wire,
+    layout,
+    layout_of,
     replicated_digest,
     seal,
     unbundle,
@@ -79,7 +83,11 @@ from SneppX_ALG.elastic.snapshot.memory import (
     recovery_by_rank,
 )
 from SneppX_ALG.elastic.snapshot.plan import (
-    Choice,
+    Decision,
+    Divergence,
+    Durable,
+    Held,
+    binds,
     choose,
     copy_distance,
     copy_holders,
@@ -93,13 +101,17 @@ __all__ = [
     "DEFAULT_MEMORY_FRACTION",
     "MAX_FREE_BUFFERS",
     "PIECE",
-    "Choice",
     "Cut",
+    "Decision",
+    "Divergence",
+    "Durable",
+    "Held",
     "Keeper",
     "Recovered",
     "Snapshot",
     "allgather_json",
     "apply",
+    "binds",
     "bundle",
     "bundle_bytes",
     "capture",
@@ -110,6 +122,8 @@ __all__ = [
     "divergent",
     "from_wire",
     "host_memory",
+    "layout",
+    "layout_of",
     "needed_by_rank",
     "needed_bytes",
     "recovery_by_rank",

@@ -76,7 +76,8 @@ def capture(obj: Any, step: int, *, instance: str, generation: int, rank: int, w
         state_lib.check_json_safe(value, "/".join(path))
     ordered = sorted(leaves, key=lambda leaf: leaf[2] is None)  # Shards first: the unique part is a prefix
     meta: dict[str, Any] = {"instance": instance, "generation": generation, "step": int(step), "rank": rank,
-                            "world": world, "kind": kind, "tensors": [], "unique_end": 0, "slot": 0}
+                            "world": world, "kind": kind, "tensors": [], "unique_end": 0, "slot": 0,
+                            "holds": "0" * 8, "agreed": False}  # filled in later, sized in the slot now
     at = 0
     for path, leaf, shard in ordered:
         if shard is None and not meta["slot"]:  # the Shards end here: the slot for their description
@@ -104,7 +105,22 @@ def capture(obj: Any, step: int, *, instance: str, generation: int, rank: int, w
         np.copyto(view.reshape(t["local"]), np.asarray(leaf), casting="no")
     meta["values"] = [{"path": list(p), "value": v} for p, v in values]
     meta["training_state"] = training_state
+    meta["holds"] = layout([(t["path"], t["dtype"], t["shape"]) for t in meta["tensors"]], [p for p, _ in values])
     return Snapshot(meta, payload)
+
+
+def layout(tensors: list[tuple[Any, str, Any]], values: list[Any]) -> str:
+    """What a snapshot holds, as a restore target is compared with it: a digest of its tensors' paths, dtypes and
+    global shapes and its plain values' paths (the same at every world size; the values themselves change)."""
+    text = json.dumps([sorted([list(p), d, list(s)] for p, d, s in tensors), sorted(list(p) for p in values)])
+    return f"{_native.crc32c(np.frombuffer(text.encode(), np.uint8)):08x}"
+
+
+def layout_of(obj: Any) -> str:
+    """`layout` of the object a restore fills (what `capture` would record of it)."""
+    _, leaves, values = state_lib.flatten_state(obj)
+    return layout([(path, _dtype_name(np.dtype(leaf.dtype)), shard.global_shape if shard else leaf.shape)
+                   for path, leaf, shard in leaves], [path for path, _ in values])
 
 
 _dtype_name = functools.lru_cache(maxsize=64)(format.dtype_name)  # numpy's dtype.name is slow, and asked per leaf

@@ -15,13 +15,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from SneppX_ALG import _native, errors
-from SneppX_ALG.elastic import collectives
+from SneppX_ALG import _native, collectives, errors
 from SneppX_ALG.elastic.snapshot.image import (
     Cut,
     Snapshot,
@@ -31,6 +30,7 @@ from SneppX_ALG.elastic.snapshot.image import (
     capture,
     cut,
     from_wire,
+    layout_of,
     replicated_digest,
     seal,
     unbundle,
@@ -44,7 +44,16 @@ from SneppX_ALG.elastic.snapshot.memory import (
     needed_bytes,
     recovery_by_rank,
 )
-from SneppX_ALG.elastic.snapshot.plan import choose, copy_distance, copy_holders, divergent
+from SneppX_ALG.elastic.snapshot.plan import (
+    Decision,
+    Divergence,
+    Durable,
+    Held,
+    choose,
+    copy_distance,
+    copy_holders,
+    divergent,
+)
 from SneppX_ALG.elastic.snapshot.restore import apply
 
 log = logging.getLogger(__name__)
@@ -69,6 +78,7 @@ class Keeper:
         self.own: list[Snapshot] = []
         self.held: list[Snapshot] = []
         self.complete: tuple[str, int, int] | None = None  # the newest key every rank holds copies of
+        self.divergences: list[Divergence] = []  # steps whose replicas disagreed: they bind every source
         self.sent_bytes = 0  # unique bytes this rank sent to peers (all hops), since it started
         self._taken: dict[str, float] = {}  # what the newest snapshot cost the training thread (take)
         self._background: dict[str, float] = {}  # and its background thread, once done (_replicate)
@@ -185,6 +195,8 @@ class Keeper:
         began, cpu, sent = time.perf_counter(), time.thread_time(), self.sent_bytes
         try:
             seal(snapshot)
+            self.own.append(snapshot)  # unchecked until the allgather agrees: cut off before it, it says so
+            snapshot.meta["agreed"] = group.world_size == 1
             if group.world_size > 1:
                 holders = self._placed[1]
                 wire = wire_view(snapshot) if holders[group.rank] else np.zeros(0, np.uint8)
@@ -192,20 +204,25 @@ class Keeper:
                 sizes[group.rank] = (len(wire), replicated_digest(snapshot), snapshot.source, len(snapshot.payload),
                                      self.memory_limit)
                 group.allgather(sizes)
-                self._check_every_rank(sizes, holders)
+                refused = self._refusal(sizes, holders)
+                if refused is not None:
+                    self.own.remove(snapshot)
+                    raise refused
                 different = sorted(int(sizes[p, 2]) for p in divergent(sizes[:, 1]))
                 if different:
+                    self.own.remove(snapshot)
+                    agreed = [s.meta["step"] for s in self.own if s.key[:2] == snapshot.key[:2]
+                              and s.meta["holds"] == snapshot.meta["holds"] and s.meta["agreed"]]
+                    self.divergences.append(Divergence(*snapshot.key, since=max(agreed, default=-1) + 1))
                     raise errors.ReplicaDivergenceError(
                         f"step {snapshot.meta['step']}: the replicated arrays of rank(s) "
                         f"{', '.join(map(str, different))} differ from the other ranks' (silent data corruption "
                         "in a core or memory): the step is not kept. Arrays meant to differ between ranks are "
                         "not replicated: give them as Shards", step=snapshot.meta["step"], ranks=different)
-                self.own.append(snapshot)
+                snapshot.meta["agreed"] = True
                 self._send_to_peers(wire, group, sizes[:, 0], holders)
                 group.barrier()  # every rank holds its copies: the step is complete
-            else:
-                self.own.append(snapshot)
-            self._completed(snapshot.key)
+            self._completed(snapshot)
             self._background = {"background_ms": 1e3 * (time.perf_counter() - began),
                                 "background_cpu_ms": 1e3 * (time.thread_time() - cpu),
                                 "sent_bytes": self.sent_bytes - sent}
@@ -214,16 +231,17 @@ class Keeper:
                 self._release(snapshot.payload)  # refused: its buffer serves again
             self._error = e
 
-    def _check_every_rank(self, sizes: np.ndarray, holders: list[list[int]]) -> None:
-        """Every rank's bound, from every rank's sizes: all raise alike, before a byte is sent, when any is over
+    def _refusal(self, sizes: np.ndarray, holders: list[list[int]]) -> errors.SnapshotMemoryError | None:
+        """Every rank's bound, from every rank's sizes: all refuse alike, before a byte is sent, when any is over
         (a rank alone refusing would leave the others waiting in the ring)."""
         needed = needed_by_rank([int(n) for n in sizes[:, 3]], [int(n) for n in sizes[:, 0]], holders)
         over = [p for p in range(len(needed)) if needed[p] > int(sizes[p, 4])]
         if over:
             p = over[0]
             kept = sum(int(sizes[s, 0]) for s in range(len(holders)) if p in holders[s])
-            raise self._over(needed[p], int(sizes[p, 4]), f"state {int(sizes[p, 3]) / 2**20:.1f} MiB + peer copies "
-                             f"{kept / 2**20:.1f} MiB", rank=f"rank {int(sizes[p, 2])}")
+            return self._over(needed[p], int(sizes[p, 4]), f"state {int(sizes[p, 3]) / 2**20:.1f} MiB + peer copies "
+                              f"{kept / 2**20:.1f} MiB", rank=f"rank {int(sizes[p, 2])}")
+        return None
 
     def _send_to_peers(self, wire: np.ndarray, group: collectives.ProcessGroup, sizes: np.ndarray,
                        holders: list[list[int]]) -> None:
@@ -257,11 +275,13 @@ class Keeper:
         if len(self._free) > MAX_FREE_BUFFERS:  # a layout that changed: the smallest are least likely to serve
             self._free.pop(min(range(len(self._free)), key=lambda i: len(self._free[i])))
 
-    def _completed(self, key: tuple[str, int, int]) -> None:
-        """`key` is held everywhere: older snapshots are no longer needed (their buffers are reused)."""
+    def _completed(self, done: Snapshot) -> None:
+        """`done` is held everywhere: older snapshots of the same object are no longer needed (their buffers are
+        reused); another object's (`ctx.snapshot` of state not given to restore) stay."""
+        key, holds = done.key, done.meta["holds"]
         self.complete = key
         for kept in (self.own, self.held):
-            for snapshot in [s for s in kept if s.key != key]:
+            for snapshot in [s for s in kept if s.key != key and s.meta["holds"] == holds]:
                 kept.remove(snapshot)
                 self._release(snapshot.payload)
 
@@ -280,34 +300,53 @@ class Keeper:
                                 problems=problems[:3])
                     continue
                 meta = json.dumps(snapshot.meta, separators=(",", ":")).encode()
+                whole = kept is self.own
                 listed.append({"instance": snapshot.meta["instance"], "generation": snapshot.meta["generation"],
                                "step": snapshot.meta["step"], "world": snapshot.meta["world"],
-                               "source": snapshot.source, "whole": kept is self.own, "meta": len(meta),
-                               "payload": len(snapshot.payload)})
+                               "source": snapshot.source, "whole": whole, "meta": len(meta),
+                               "payload": len(snapshot.payload), "holds": snapshot.meta["holds"],
+                               # a copy was sent only once the allgather agreed; an own one says what it found
+                               "agreed": not whole or bool(snapshot.meta["agreed"]),
+                               "digest": replicated_digest(snapshot) if whole else 0})
         return listed
 
-    def find(self, key: tuple[str, int, int], source: int) -> Snapshot:
-        return next(s for kept in (self.own, self.held) for s in kept if s.key == key and s.source == source)
+    def find(self, key: tuple[str, int, int], source: int, holds: str) -> Snapshot:
+        return next(s for kept in (self.own, self.held) for s in kept
+                    if s.key == key and s.source == source and s.meta["holds"] == holds)
 
-    def recover(self, obj: Any, group: collectives.ProcessGroup, durable_step: int | None) -> Recovered:
-        """Restores the newest snapshot every old rank's part of survives into `obj`, if newer than the newest
-        durable checkpoint (every rank of the new generation calls it). Recovered.step is None when there is
-        none, with the reason: restore from storage then."""
+    def recover(self, obj: Any, group: collectives.ProcessGroup,
+                durable: Callable[[int | None, Sequence[Divergence]], tuple[list[Durable], list[int]]]
+                = lambda floor, verdicts: ([], [])) -> Recovered:
+        """Decides where `obj` is restored from (`choose`, over what every rank holds, the divergence verdicts every
+        rank knows, and the committed steps `durable(floor, verdicts)` checked: at least every one at or above
+        `floor`, the newest usable snapshot's step; with verdicts, newest first until one counts) and, when it is
+        memory, restores it (every rank of the new generation calls it). Recovered.step is None when storage is
+        to be used, Recovered.decision says which step and why."""
         try:
             self.wait()
         except errors.SneppXError as e:  # the last generation's snapshot in flight: it ended with it
             log.info("the snapshot in flight when the generation ended: %s", e)
-        views = allgather_json(group, {"held": self.inventory(), "durable": durable_step})
+        views = allgather_json(group, {"held": self.inventory(),
+                                       "divergences": [dataclasses.astuple(d) for d in self.divergences]})
         lists = [v["held"] for v in views]
-        durable = [v["durable"] for v in views if v["durable"] is not None]  # a commit may land between listings
-        plan = choose(lists, max(durable, default=None))
-        if isinstance(plan, str):
-            return Recovered(None, plan, 0)
-        key, holders, whole = plan
-        moved = self._transfer(obj, group, key, holders, whole)
-        if isinstance(moved, str):
+        held = [Held(holder, e["instance"], e["generation"], e["step"], e["world"], e["source"], e["whole"],
+                     e["agreed"], e["digest"], e["holds"]) for holder, listed in enumerate(lists) for e in listed]
+        # every rank keeps every verdict: a rank new to the job learns what the old ones found
+        self.divergences = sorted({Divergence(*d) for v in views for d in v["divergences"]},
+                                  key=dataclasses.astuple)
+        target = layout_of(obj)
+        first = choose(held, [], [], self.divergences, target)
+        checked, unchecked = durable(first.step if first.source == "memory" else None, self.divergences)
+        decision = choose(held, checked, unchecked, self.divergences, target)
+        if decision.source != "memory":
+            return Recovered(None, decision.why, 0, decision=decision)
+        assert decision.key is not None
+        key = decision.key
+        moved = self._transfer(obj, group, key, decision.parts(), target)
+        if isinstance(moved, str):  # nothing was written
             log.warning("the snapshot of step %d is not restored: %s", key[2], moved)
-            return Recovered(None, moved, 0)
+            fallback = choose([], checked, unchecked, self.divergences, target)
+            return Recovered(None, f"{moved}; {fallback.why}", 0, decision=fallback)
         parts, received = moved
         try:
             apply(obj, parts)
@@ -319,14 +358,16 @@ class Keeper:
         if not agreed[0]:
             log.warning("the snapshot of step %d did not apply here (%s): restoring from storage", key[2],
                         failure or "on another rank")
+            fallback = choose([], checked, unchecked, self.divergences, target)  # apply() wrote nothing
             return Recovered(None, f"the snapshot of step {key[2]} did not apply on every rank"
-                             + (f" ({failure[:300]})" if failure else ""), received)
-        return Recovered(key[2], f"restored from peer memory (step {key[2]})", received,
-                         training_state=parts[0].meta.get("training_state"))
+                             + (f" ({failure[:300]})" if failure else "") + f"; {fallback.why}", received,
+                             decision=fallback)
+        return Recovered(key[2], decision.why, received, training_state=parts[0].meta.get("training_state"),
+                         decision=decision)
 
 
-    def _transfer(self, obj: Any, group: collectives.ProcessGroup, key: tuple[str, int, int], holders: list[int],
-                  whole: int) -> tuple[list[Snapshot], int] | str:
+    def _transfer(self, obj: Any, group: collectives.ProcessGroup, key: tuple[str, int, int],
+                  senders: list[tuple[int, int]], holds: str) -> tuple[list[Snapshot], int] | str:
         """Each rank receives, of each old rank's part, only the boxes its own targets need (`wanted_boxes`; the
         whole part's replicated arrays and plain values too): one piece per old rank, the whole part's first, as
         `apply` takes them. One allgather of what each rank wants, one of what each sends each (and holds, and may
@@ -339,10 +380,11 @@ class Keeper:
         except (errors.SneppXError, ValueError, TypeError):  # apply says what is wrong with the target, alike
             mine = None
         wanted = allgather_json(group, mine)
-        sources = [whole] + [s for s in range(len(holders)) if s != whole]  # the whole one first: apply()
+        sources = [source for source, _ in senders]  # the whole one first: apply()
+        holders, whole = dict(senders), sources[0]
 
         def cuts_for(dest: int) -> list[Cut]:
-            return [cut(self.find(key, s), wanted[dest], whole=s == whole) for s in sources if holders[s] == me]
+            return [cut(self.find(key, s, holds), wanted[dest], whole=s == whole) for s in sources if holders[s] == me]
 
         sizes = np.zeros((world, world + 2), np.int64)  # per position: bytes to each position, held, its limit
         sizes[me, :world] = [bundle_bytes(cuts_for(d)) for d in range(world)]
@@ -379,13 +421,14 @@ class Keeper:
 
 @dataclasses.dataclass(frozen=True)
 class Recovered:
-    """What `recover` did: the step restored (None: no snapshot could be used, `why` says why), the bytes
-    this rank received from peers."""
+    """What `recover` did: the step restored from memory (None: storage is to be used, `decision` says which step
+    and why), the bytes this rank received from peers."""
 
     step: int | None
     why: str
     received: int
     training_state: Any = None
+    decision: Decision | None = None
 
 
 def allgather_json(group: collectives.ProcessGroup, value: Any) -> list[Any]:

@@ -11,8 +11,8 @@ import hmac
 import os
 import struct
 
+from SneppX_ALG.collectives import store as store_lib
 from SneppX_ALG.contract.env import ENV_HOST_KEY
-from SneppX_ALG.elastic import store as store_lib
 
 
 def shm_key(generation: int, what: str) -> str:

@@ -18,10 +18,9 @@ from typing import Any, Literal, Self
 
 import numpy as np
 
-from SneppX_ALG import _native, errors
-from SneppX_ALG.elastic import heartbeat
-from SneppX_ALG.elastic import store as store_lib
-from SneppX_ALG.elastic.collectives.arrays import (
+from SneppX_ALG import _native, errors, job_key
+from SneppX_ALG.collectives import store as store_lib
+from SneppX_ALG.collectives.arrays import (
     array_dtype,
     device_pointer,
     dtype_name,
@@ -29,7 +28,7 @@ from SneppX_ALG.elastic.collectives.arrays import (
     host_array,
     reduce_dtype,
 )
-from SneppX_ALG.elastic.collectives.ring import (
+from SneppX_ALG.collectives.ring import (
     MAX_PENDING_HANDSHAKES,
     SETUP_POLL,
     Identity,
@@ -37,7 +36,7 @@ from SneppX_ALG.elastic.collectives.ring import (
     check_setup_aborted,
     connect_ring,
 )
-from SneppX_ALG.elastic.collectives.shm import host_identity, shm_key, shm_name
+from SneppX_ALG.collectives.shm import host_identity, shm_key, shm_name
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -108,18 +107,18 @@ class ProcessGroup:
             self._comm = _native.Comm(0, 1, generation, chunk_bytes=chunk_bytes & ~7)
             return
         # The job's one key, as the heartbeat reads it: key=, else $SNEPPX_HEARTBEAT_KEY_FILE, else the hex variable.
-        job_key = heartbeat.load_key(key, os.environ)
-        segment = self._open_segment(store, backend, job_key, chunk_bytes & ~63, deadline, aborted) \
+        mac_key = job_key.load_key(key, os.environ)
+        segment = self._open_segment(store, backend, mac_key, chunk_bytes & ~63, deadline, aborted) \
             if backend != "tcp" else None
         if isinstance(segment, list):  # several hosts, as many ranks on each
             self.backend = "shm"
-            self._comm = self._connect_hierarchical(store, segment, job_key, host, chunk_bytes, deadline, aborted)
+            self._comm = self._connect_hierarchical(store, segment, mac_key, host, chunk_bytes, deadline, aborted)
         elif segment is not None:
             self.backend = "shm"
             self._comm = self._attach(segment, deadline, aborted)
         else:
             self.backend = "tcp"
-            self._comm = self._connect_tcp(store, job_key, host, chunk_bytes & ~7, deadline, aborted)
+            self._comm = self._connect_tcp(store, mac_key, host, chunk_bytes & ~7, deadline, aborted)
 
     def _connect_tcp(self, store: store_lib.Store, key: bytes, host: str, chunk_bytes: int,
                      deadline: float, aborted: threading.Event | None) -> _native.Comm:

@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Generator
 
 from SneppX_ALG import errors
-from SneppX_ALG.elastic import store as store_lib
+from SneppX_ALG.collectives import store as store_lib
 
 SETUP_POLL = 0.05  # setup's loops wake this often: to look for an address, to retry a connect, to see an abort
 MAX_PENDING_HANDSHAKES = 64  # connections being vetted at once; beyond this the oldest is dropped

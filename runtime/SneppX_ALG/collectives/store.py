@@ -1,4 +1,5 @@
-"""The small key-value store through which the ranks of a membership generation find each other.
+"""The small key-value store through which the ranks of a process group (one membership generation) find each
+other.
 
 Why a Protocol of two calls: the same rendezvous must work on a laptop (a local directory), on a cluster with a
 shared filesystem, on S3 and inside Kubernetes: `RecordKeyStore` puts the keys in the compare-and-swap records the

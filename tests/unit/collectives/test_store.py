@@ -1,4 +1,4 @@
-"""The rendezvous store (elastic/store.py), and the job key a process group authenticates with."""
+"""The collectives' store (collectives/store.py), and the job key a process group authenticates with."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from directory_store import DirectoryStore
 
-from SneppX_ALG import errors
+from SneppX_ALG import collectives, errors
+from SneppX_ALG.collectives import store
 from SneppX_ALG.contract.env import ENV_HEARTBEAT_KEY, ENV_HEARTBEAT_KEY_FILE
-from SneppX_ALG.elastic import collectives, store
 
 
 def test_set_then_get_across_store_objects(tmp_path: os.PathLike[str]) -> None:
@@ -81,7 +81,7 @@ def test_generation_keys_are_namespaced() -> None:
         store.generation_key(-1, "x")
 
 
-# ---- the job key: the heartbeat's (heartbeat.load_key, tested there), read the same way by a group ---------------
+# ---- the job key: the heartbeat's (job_key.load_key, tested in test_heartbeat_config.py), read the same way by a group
 
 
 def test_a_tcp_group_refuses_to_start_without_a_key(tmp_path: os.PathLike[str],
