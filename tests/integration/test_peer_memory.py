@@ -64,8 +64,9 @@ def assert_from_memory_redoing_at_most_one_step(run: Run, result: dict[str, Any]
 @pytest.mark.parametrize("nodes", [2, 4])
 def test_a_killed_worker_is_replaced_and_resumes_from_peer_memory(tmp_path: Path, runs: Any, nodes: int) -> None:
     run = runs(tmp_path / "out", nodes=nodes)
+    victim = run.worker(f"node-{nodes - 1}", 0)  # found first: a /proc scan can outlast the run's last steps
     run.wait_for(lambda p: p["step"] >= 13)  # past the checkpoint of step 10: storage would redo 3+
-    os.kill(run.worker(f"node-{nodes - 1}", 0), signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL)
     result = run.finish()
     assert_trained_to_the_end(run, result)
     assert_from_memory_redoing_at_most_one_step(run, result)
@@ -74,8 +75,9 @@ def test_a_killed_worker_is_replaced_and_resumes_from_peer_memory(tmp_path: Path
 def test_a_killed_node_is_left_behind_and_its_part_comes_from_its_peer(tmp_path: Path, runs: Any) -> None:
     # node-1's only copy of its part is on node-0 (rank 1 -> rank 2 mod 2); the survivor goes on alone
     run = runs(tmp_path / "out", nodes=2, node_restart_delay=30)
+    victim = run.agent("node-1")
     run.wait_for(lambda p: p["step"] >= 13)
-    os.killpg(run.agent("node-1"), signal.SIGKILL)
+    os.killpg(victim, signal.SIGKILL)
     result = run.finish()
     assert assert_trained_to_the_end(run, result)["world_size"] == 1
     assert_from_memory_redoing_at_most_one_step(run, result)
@@ -83,8 +85,8 @@ def test_a_killed_node_is_left_behind_and_its_part_comes_from_its_peer(tmp_path:
 
 def test_a_stopped_node_is_left_behind_and_the_survivor_resumes_from_memory(tmp_path: Path, runs: Any) -> None:
     run = runs(tmp_path / "out", nodes=2, steps=60)
-    run.wait_for(lambda p: p["step"] >= 13)
     frozen = run.agent("node-1")
+    run.wait_for(lambda p: p["step"] >= 13)
     os.killpg(frozen, signal.SIGSTOP)
     try:
         run.wait_for(lambda p: p["world_size"] == 1)
@@ -100,9 +102,10 @@ def test_world_4_to_2_to_4_resumes_from_memory_each_time(tmp_path: Path, runs: A
     # restart well after the heartbeat timeout (2 s): a node back before the survivors judged it gone is waited
     # for, and the world never shrinks (it did every time at 1 s against 2 s, and once in CI against 0.8 s)
     run = runs(tmp_path / "out", nodes=4, steps=30, until_world=4, node_restart_delay=5)
+    victims = [run.agent(node) for node in ("node-1", "node-3")]
     run.wait_for(lambda p: p["step"] >= 13)
-    for node in ("node-1", "node-3"):
-        os.killpg(run.agent(node), signal.SIGKILL)
+    for victim in victims:
+        os.killpg(victim, signal.SIGKILL)
     run.wait_for(lambda p: p["world_size"] == 2)
     result = run.finish()  # until_world: it trains on until the nodes are back
     assert "error" not in result, result
@@ -116,9 +119,10 @@ def test_world_4_to_2_to_4_resumes_from_memory_each_time(tmp_path: Path, runs: A
 def test_two_neighbours_killed_at_once_fall_back_to_storage_and_say_why(tmp_path: Path, runs: Any) -> None:
     # rank 1's part lives on node-1 and its one copy on node-2: both gone
     run = runs(tmp_path / "out", nodes=4, node_restart_delay=30)
+    victims = [run.agent(node) for node in ("node-1", "node-2")]
     run.wait_for(lambda p: p["step"] >= 13)
-    for node in ("node-1", "node-2"):
-        os.killpg(run.agent(node), signal.SIGKILL)
+    for victim in victims:
+        os.killpg(victim, signal.SIGKILL)
     result = run.finish()
     assert_trained_to_the_end(run, result)
     first = resumed(run)[0]
@@ -180,13 +184,14 @@ def test_a_node_killed_while_the_next_generation_recovers_from_memory_still_lose
     # rank 3 dies; as soon as generation 1 is sealed (its ranks fetching their parts) node-1 dies too. Rank 3's
     # part is on node-0 and node-1's on node-2: the generation after that still finds every part
     run = runs(tmp_path / "out", nodes=4, node_restart_delay=30)
+    victim, second = run.worker("node-3", 0), run.agent("node-1")
     run.wait_for(lambda p: p["step"] >= 13)
-    os.kill(run.worker("node-3", 0), signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL)
     deadline = time.monotonic() + 60
     while not any(e["kind"] == "generation" and e["generation"] >= 1 for e in run.events("node-0")):
         assert time.monotonic() < deadline, run.tail()
         time.sleep(0.005)
-    os.killpg(run.agent("node-1"), signal.SIGKILL)
+    os.killpg(second, signal.SIGKILL)
     result = run.finish()
     assert_trained_to_the_end(run, result)
     assert_from_memory_redoing_at_most_one_step(run, result)
