@@ -268,10 +268,16 @@ class Engine:
                 if group.world_size == 1:
                     raise
                 error = e
+            # "full": rank 0 has no chain to reference (a read-back found it broken, say, which only rank 0 sees):
+            # no rank references one, so no step mixes a new chain with a broken one.
             answer = group_lib.broadcast_json(group, {
-                "token": job.pending.token if job.pending is not None else None, "error": _describe(error)})
+                "token": job.pending.token if job.pending is not None else None, "error": _describe(error),
+                "full": self.chain is None})
         else:
             answer = group_lib.broadcast_json(group, None)
+            if answer.get("full") and self.chain is not None:
+                self.chain = job.base = None
+                job.hashing = True  # the start of the next chain, as _plan_increment makes a full save
             if answer["token"] is None:
                 error = errors.ShardedCheckpointError(f"step {job.step}: rank 0 could not begin it: "
                                                       f"{answer['error']}", failures={0: answer["error"]})
