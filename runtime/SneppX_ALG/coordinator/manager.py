@@ -146,8 +146,8 @@ class CheckpointCoordinator:
         the restored step's chain (it may reference what that step holds or references), unless the step was
         saved at another world size or without block digests: then it is full.
     full_every: every full_every-th save of a chain is full (default 10, at most 1001), so a damaged step can spoil
-        at most the full_every - 1 saves after it. A save after one that failed, or whose read-back found it
-        invalid, is full too, as is one whose chain a gc deleted meanwhile.
+        at most the full_every - 1 saves after it. The save after a CommittedStepInvalidError (the read-back found
+        a referenced block changed) or a ReferencedStepGoneError is full too, as is one whose chain a gc deleted.
     """
 
     def __init__(self, checkpoint_root: str | os.PathLike[str], save_every_n_steps: int | None = None,
