@@ -1,6 +1,6 @@
 """Incremental checkpoints: bytes written and save time against a full save, and restore from a chain.
 
-    python -m bench incremental [-- --mib 1024 --rounds 3 --dir bench-output --s3-mib 256]
+    python -m bench incremental [-- --mib 1024 --rounds 3 --dir bench-output --s3-mib 256 --only restore ...]
 
 In one run, for a state of --mib MiB (16 float32 tensors):
 - a second save after 90%, 50% and 0% of the state's bytes stayed the same (the first 10%, 50%, 100% of every
@@ -192,48 +192,71 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where the roots go (default: a temporary directory)")
     parser.add_argument("--s3-mib", type=int, default=256)
+    parser.add_argument("--only", choices=("saves", "sparse", "restore", "s3"), action="append",
+                        help="run only these parts (repeatable; default: all)")
     args = parser.parse_args(argv)
+    parts = set(args.only or ("saves", "sparse", "restore", "s3"))
     total = args.mib * MiB
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench-incremental-", dir=args.dir))
     try:
         print(f"machine: {cpu_model()}, {os.cpu_count()} cores; state {args.mib} MiB in 16 float32 tensors; "
               f"median of {args.rounds} rounds\n")
-        safetensors_s = statistics.median(safetensors_save(workdir, total) for _ in range(args.rounds))
-        print("| unchanged | full save | incremental | auto | bytes full/incr | time full/incr | "
-              "floor (changed bytes, fsync) | safetensors (all) |")
-        print("|---|---|---|---|---|---|---|---|")
-        for unchanged in (0.9, 0.5, 0.0):
-            runs: dict[str, list[tuple[float, int]]] = {"full": [], "incr": [], "auto": []}
-            for _ in range(args.rounds):  # interleaved, so drift on this noisy machine hits all three alike
-                runs["full"].append(second_save(workdir, total, unchanged, False))
-                runs["incr"].append(second_save(workdir, total, unchanged, True))
-                runs["auto"].append(second_save(workdir, total, unchanged, "auto"))
-            seconds = {k: statistics.median(s for s, _ in v) for k, v in runs.items()}
-            written = {k: statistics.median(b for _, b in v) for k, v in runs.items()}
-            floor = statistics.median(floor_write(workdir, int(total * (1 - unchanged))) for _ in range(args.rounds))
-            print(f"| {unchanged:.0%} | {seconds['full']:.2f} s, {written['full'] / MiB:.0f} MiB "
-                  f"| {seconds['incr']:.2f} s, {written['incr'] / MiB:.0f} MiB "
-                  f"| {seconds['auto']:.2f} s, {written['auto'] / MiB:.0f} MiB "
-                  f"| {written['full'] / written['incr']:.1f}x | {seconds['full'] / seconds['incr']:.2f}x "
-                  f"| {floor:.2f} s ({seconds['incr'] / max(floor, 1e-9):.1f}x of it) | {safetensors_s:.2f} s |",
-                  flush=True)
-        print("\n| sparse table update (1% of 1 KiB rows) | bytes stored | of the table |")
-        print("|---|---|---|")
-        for clustered in (False, True):
-            got, size = sparse_table(workdir, total, clustered)
-            print(f"| {'clustered (the newest rows)' if clustered else 'random rows'} | {got / MiB:.1f} MiB "
-                  f"| {got / size:.1%} |", flush=True)
-        restores, chain_bytes = chain_restore(workdir, total, args.rounds)
-        print(f"\nrestore of the 10th step of a chain (each save 90% unchanged; the chain's 10 steps store "
-              f"{chain_bytes / MiB:.0f} MiB, {chain_bytes / total:.2f}x the state) vs a full step of the same state:")
-        for cache, got in restores.items():
-            print(f"- {cache} ({'files dropped from the page cache first' if cache == 'cold' else 'from the page cache'})"
-                  f": chain {got['chain']:.2f} s, full {got['full']:.2f} s, ratio {got['chain'] / got['full']:.2f}x")
-        s3 = s3_second_saves(workdir, args.s3_mib * MiB, args.rounds)
-        if isinstance(s3, str):
-            print(f"\nS3: not measured ({s3})")
-        else:
-            print(f"\nS3 (versitygw, 127.0.0.1), {args.s3_mib} MiB, second save 90% unchanged: full {s3['full']:.2f} s, "
-                  f"incremental {s3['incr']:.2f} s: {s3['full'] / s3['incr']:.2f}x")
+        if "saves" in parts:
+            second_saves(workdir, total, args.rounds)
+        if "sparse" in parts:
+            sparse_tables(workdir, total)
+        if "restore" in parts:
+            chain_restores(workdir, total, args.rounds)
+        if "s3" in parts:
+            s3_saves(workdir, args.s3_mib, args.rounds)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def second_saves(workdir: pathlib.Path, total: int, rounds: int) -> None:
+    safetensors_s = statistics.median(safetensors_save(workdir, total) for _ in range(rounds))
+    print("| unchanged | full save | incremental | auto | bytes full/incr | time full/incr | "
+          "floor (changed bytes, fsync) | safetensors (all) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for unchanged in (0.9, 0.5, 0.0):
+        runs: dict[str, list[tuple[float, int]]] = {"full": [], "incr": [], "auto": []}
+        for _ in range(rounds):  # interleaved, so drift on this noisy machine hits all three alike
+            runs["full"].append(second_save(workdir, total, unchanged, False))
+            runs["incr"].append(second_save(workdir, total, unchanged, True))
+            runs["auto"].append(second_save(workdir, total, unchanged, "auto"))
+        seconds = {k: statistics.median(s for s, _ in v) for k, v in runs.items()}
+        written = {k: statistics.median(b for _, b in v) for k, v in runs.items()}
+        floor = statistics.median(floor_write(workdir, int(total * (1 - unchanged))) for _ in range(rounds))
+        print(f"| {unchanged:.0%} | {seconds['full']:.2f} s, {written['full'] / MiB:.0f} MiB "
+              f"| {seconds['incr']:.2f} s, {written['incr'] / MiB:.0f} MiB "
+              f"| {seconds['auto']:.2f} s, {written['auto'] / MiB:.0f} MiB "
+              f"| {written['full'] / written['incr']:.1f}x | {seconds['full'] / seconds['incr']:.2f}x "
+              f"| {floor:.2f} s ({seconds['incr'] / max(floor, 1e-9):.1f}x of it) | {safetensors_s:.2f} s |",
+              flush=True)
+
+
+def sparse_tables(workdir: pathlib.Path, total: int) -> None:
+    print("\n| sparse table update (1% of 1 KiB rows) | bytes stored | of the table |")
+    print("|---|---|---|")
+    for clustered in (False, True):
+        got, size = sparse_table(workdir, total, clustered)
+        print(f"| {'clustered (the newest rows)' if clustered else 'random rows'} | {got / MiB:.1f} MiB "
+              f"| {got / size:.1%} |", flush=True)
+
+
+def chain_restores(workdir: pathlib.Path, total: int, rounds: int) -> None:
+    restores, chain_bytes = chain_restore(workdir, total, rounds)
+    print(f"\nrestore of the 10th step of a chain (each save 90% unchanged; the chain's 10 steps store "
+          f"{chain_bytes / MiB:.0f} MiB, {chain_bytes / total:.2f}x the state) vs a full step of the same state:")
+    for cache, got in restores.items():
+        print(f"- {cache} ({'files dropped from the page cache first' if cache == 'cold' else 'from the page cache'})"
+              f": chain {got['chain']:.2f} s, full {got['full']:.2f} s, ratio {got['chain'] / got['full']:.2f}x")
+
+
+def s3_saves(workdir: pathlib.Path, s3_mib: int, rounds: int) -> None:
+    s3 = s3_second_saves(workdir, s3_mib * MiB, rounds)
+    if isinstance(s3, str):
+        print(f"\nS3: not measured ({s3})")
+    else:
+        print(f"\nS3 (versitygw, 127.0.0.1), {s3_mib} MiB, second save 90% unchanged: full {s3['full']:.2f} s, "
+              f"incremental {s3['incr']:.2f} s: {s3['full'] / s3['incr']:.2f}x")

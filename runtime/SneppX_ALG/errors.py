@@ -244,6 +244,16 @@ class CommittedStepInvalidError(StorageError):
     written. Retention kept the newest step that does validate."""
 
 
+class ReferencedStepGoneError(StorageError):
+    """An incremental save references a step (or a file of it) that is gone or no longer on the timeline (a gc,
+    or another writer, deleted it since): nothing was committed, and this coordinator's next save is full."""
+
+
+class ManifestTooLargeError(StorageError):
+    """A step's manifest would be larger than readers accept (storage.MAX_MANIFEST_BYTES): nothing was
+    committed. Fewer, larger chunks (a larger checksum_block_bytes, incremental=False) make it smaller."""
+
+
 class FenceRecordError(CheckpointFormatError):
     """The root's fence record (docs/FORMAT.md, "Timelines and fencing") is not one SneppX wrote: which steps
     are abandoned can't be known, so no step is returned as the latest."""

@@ -137,8 +137,8 @@ def test_retention_reads_a_step_back_only_when_a_deletion_could_touch_the_newest
     """The cost: with max_to_keep=k, about one validation per k saves (none when nothing is deleted)."""
     checked: list[int] = []
     check_step = validate.check_step
-    monkeypatch.setattr(validate, "check_step", lambda local, step, keys=None: (checked.append(step),
-                                                                                check_step(local, step, keys))[1])
+    monkeypatch.setattr(validate, "check_step", lambda local, step, keys=None, open_step=None: (
+        checked.append(step), check_step(local, step, keys, open_step))[1])
     with CheckpointCoordinator(tmp_path, max_to_keep=None) as coord:
         for step in range(12):
             coord.save(small(step), step=step)

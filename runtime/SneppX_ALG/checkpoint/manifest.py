@@ -37,6 +37,9 @@ CHECKSUM = "checksum"
 BLOCK_BYTES = 256 << 10
 MIN_BLOCK_BYTES = 4096
 MAX_BLOCK_BYTES = 64 << 20
+# The most earlier steps a version 4 manifest may reference (a chain references at most full_every - 1 of them):
+# bounds what checking a forged manifest can make a reader open (each referenced file costs a few requests on S3).
+MAX_USES = 1000
 MAX_DEPTH = format.MAX_JSON_DEPTH + 8  # the manifest's own structure, then a training state nested up to 64 deep
 _HEX = re.compile(r"^[0-9a-f]*$")
 
@@ -96,6 +99,8 @@ def decode_manifest(raw: bytes, *, step: int, where: str) -> dict[str, Any]:
         if not (isinstance(uses, list) and uses and all(type(u) is int and 0 <= u < step for u in uses)
                 and uses == sorted(set(uses))):
             raise bad("manifest 'uses' must list the earlier steps it references, ascending, at least one")
+        if len(uses) > MAX_USES:
+            raise bad(f"manifest 'uses' lists {len(uses)} steps, more than {MAX_USES}")
         if not (type(m.get("chain")) is int and m["chain"] >= 1):
             raise bad("manifest 'chain' (saves since the last full one) must be an int >= 1")
     for t in m["tensors"]:
@@ -122,9 +127,13 @@ def decode_manifest(raw: bytes, *, step: int, where: str) -> dict[str, Any]:
         if covered != nbytes:
             raise bad(f"tensor {'/'.join(path)}: pieces cover {covered} of {nbytes} bytes")
     if m["version"] >= INCREMENTAL_VERSION:
-        referenced = sorted({step for step, _ in references(m["tensors"])})
+        files = references(m["tensors"])
+        referenced = sorted({step for step, _ in files})
         if referenced != m["uses"]:
             raise bad(f"manifest 'uses' says {m['uses'][:20]}, its chunks reference {referenced[:20]}")
+        if len(files) > len(shards) * len(referenced):  # each rank references its own file of each step
+            raise bad(f"manifest references {len(files)} files of {len(referenced)} steps: at most one per shard "
+                      "of each")
     elif m["version"] <= MANIFEST_VERSION and ("uses" in m or "chain" in m):
         raise bad(f"manifest version {m['version']} has 'uses' or 'chain': references need version 4")
     if m["version"] >= 2:

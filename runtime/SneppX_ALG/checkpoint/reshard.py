@@ -22,6 +22,7 @@ never wrong.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import math
@@ -163,20 +164,43 @@ def _read_work(reader: storage.StepReader | None, manifest: dict[str, Any], work
         ref = manifest_codec.reference(item.chunk)
         key = ref if ref is not None else (-1, manifest["shards"][item.chunk["shard"]])
         by_file.setdefault(key, []).append(item)
-    for (origin, name), items in sorted(by_file.items()):
+    def read(origin: int, name: str, items: list[_Work]) -> tuple[ReadStats, str | None]:
+        counted = ReadStats()
         try:
             if origin < 0:
                 assert reader is not None
-                _read_file(reader, manifest, name, items, needs, outs, signed, stats, own=True)
+                _read_file(reader, manifest, name, items, needs, outs, signed, counted, own=True)
             elif open_step is None:
-                problems.append(f"step {manifest['step']} references step {origin}, which this reader can't open")
+                return counted, f"step {manifest['step']} references step {origin}, which this reader can't open"
             else:
                 with open_step(origin) as other:
-                    _read_file(other, manifest, name, items, needs, outs, signed, stats, own=False)
+                    _read_file(other, manifest, name, items, needs, outs, signed, counted, own=False)
         except (errors.CheckpointFormatError, errors.CheckpointNotFoundError) as e:
             where = "" if origin < 0 else f"step {manifest['step']} references {name} of step {origin}: "
-            problems.append(f"{where}{type(e).__name__}: {e}")
+            return counted, f"{where}{type(e).__name__}: {e}"
+        return counted, None
+
+    # This step's own files through its one reader, in turn; earlier steps' files at once, each through a reader of
+    # its own on a thread of its own (the native reads and the GETs release the GIL, and each file fills disjoint
+    # bytes of the targets): a chain step's bytes lie in several files, and read one after the other a cold
+    # restore waited for each disk read in turn (docs/BENCHMARKS.md, "Incremental checkpoints").
+    files = sorted(by_file.items())
+    results = [read(origin, name, items) for (origin, name), items in files if origin < 0]
+    referenced = [(origin, name, items) for (origin, name), items in files if origin >= 0]
+    if len(referenced) > 1:
+        with concurrent.futures.ThreadPoolExecutor(min(_FILE_THREADS, len(referenced))) as pool:
+            results += list(pool.map(lambda f: read(*f), referenced))
+    else:
+        results += [read(*f) for f in referenced]
+    for counted, problem in results:
+        for field in dataclasses.fields(ReadStats):
+            setattr(stats, field.name, getattr(stats, field.name) + getattr(counted, field.name))
+        if problem is not None:
+            problems.append(problem)
     return problems
+
+
+_FILE_THREADS = 4  # earlier steps' files one load reads at once
 
 
 def _plan(manifest: dict[str, Any], tensors: dict[tuple[str, ...], dict[str, Any]], needs: list[Need],

@@ -8,9 +8,8 @@ checks in the same order. Nothing here raises for a bad checkpoint; it reports w
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -62,19 +61,25 @@ def _validate_step(path: str, step: int, trusted_keys: Any) -> tuple[bool, list[
 
 
 def check_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None = None,
-               ) -> tuple[dict[str, Any] | None, list[str]]:
+               open_step: reshard.OpenStep | None = None) -> tuple[dict[str, Any] | None, list[str]]:
     """(manifest, problems) for a step directory: manifest (its checksum, and on S3 that the `COMMITTED`
     marker was written for these manifest bytes), every shard's bytes, and that the manifest's pieces are
     exactly the shard entries with the same CRCs. With trusted_keys, first the signature over the manifest
     bytes, then the size and digest of every file the manifest lists, and that every shard is among them.
 
+    An incremental step's referenced blocks are read through `open_step` (a ranged reader of an earlier step:
+    a storage's read_step), by default from the step directories beside `local`; only once the manifest is
+    authenticated (with trusted_keys) and decoded, and its own shards checked, so a forged manifest costs no
+    read of another step.
+
     Raises CheckpointUnreadableError when a file can't be read now (an I/O error other than a missing file):
     that says nothing about the step's bytes, so it is never reported as a problem."""
-    manifest, problems, _ = _scan_step(local, step, trusted_keys, keep=False)
+    manifest, problems, _ = _scan_step(local, step, trusted_keys, open_step, keep=False)
     return manifest, problems
 
 
 def load_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None = None,
+              open_step: reshard.OpenStep | None = None,
               ) -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
     """check_step, reading every tensor into a new array as it is checked: (manifest, problems, arrays),
     one array per manifest tensor, in order (None when there are problems).
@@ -83,13 +88,13 @@ def load_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None = Non
     straight into them, and each piece's CRC32C (and with trusted_keys each shard's BLAKE3) is computed on
     that memory. A shard renamed over or changed after the check can't be loaded (docs/FORMAT.md,
     "Verifying")."""
-    return _scan_step(local, step, trusted_keys, keep=True)
+    return _scan_step(local, step, trusted_keys, open_step, keep=True)
 
 
-def _scan_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None, *, keep: bool,
-               ) -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
+def _scan_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None, open_step: reshard.OpenStep | None,
+               *, keep: bool) -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
     try:
-        return _scan_step_files(local, step, trusted_keys, keep)
+        return _scan_step_files(local, step, trusted_keys, open_step or verify.sibling_steps(local), keep)
     except (OSError, errors.StorageError) as e:
         if isinstance(e, FileNotFoundError):  # a file went missing under us: a verdict, like any missing file
             return None, [f"{local}: {e}"], None
@@ -99,8 +104,8 @@ def _scan_step(local: str, step: int, trusted_keys: dict[bytes, Any] | None, *, 
                                                path=local, errno=e.errno) from e
 
 
-def _scan_step_files(local: str, step: int, trusted_keys: dict[bytes, Any] | None, keep: bool,
-                     ) -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
+def _scan_step_files(local: str, step: int, trusted_keys: dict[bytes, Any] | None, open_step: reshard.OpenStep,
+                     keep: bool) -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
     path = os.path.join(local, storage.MANIFEST)
     try:
         raw = _fs.read_small(path, storage.MAX_MANIFEST_BYTES)
@@ -181,7 +186,7 @@ def _scan_step_files(local: str, step: int, trusted_keys: dict[bytes, Any] | Non
     if problems:
         return manifest, problems, None
     if manifest_codec.uses(manifest):  # an incremental step: its chunks in earlier steps' files, beside it
-        problems = reshard.read_references(_sibling_steps(local), manifest, arrays if keep else None,
+        problems = reshard.read_references(open_step, manifest, arrays if keep else None,
                                            signed=trusted_keys is not None)
         if problems:
             return manifest, problems, None
@@ -191,25 +196,6 @@ def _scan_step_files(local: str, step: int, trusted_keys: dict[bytes, Any] | Non
     for array, box, view in scatters:  # chunks that are not one contiguous range of their tensor
         array[box.slices()] = np.frombuffer(view, array.dtype).reshape(box.shape)
     return manifest, [], arrays if keep else None
-
-
-def _sibling_steps(local: str) -> reshard.OpenStep:
-    """Opens the earlier steps an incremental step references: the step directories next to it (a local root;
-    an S3 step is fetched with the files it references, laid out the same way)."""
-    root = os.path.dirname(os.path.normpath(local))
-
-    @contextlib.contextmanager
-    def open_step(step: int) -> Iterator[storage.StepReader]:
-        path = os.path.join(root, storage.step_name(step))
-        if not os.path.isdir(path):
-            raise errors.CheckpointNotFoundError(f"step {step} is gone", path=path)
-        reader = storage.LocalStepReader(path)
-        try:
-            yield reader
-        finally:
-            reader.close()
-
-    return open_step
 
 
 def _digest_name(expected: dict[str, Any] | None) -> str | None:

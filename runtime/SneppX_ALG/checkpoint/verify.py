@@ -7,16 +7,18 @@ the order of docs/FORMAT.md "Verifying": the signature before any data, then eve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from SneppX_ALG import _fs, errors, storage
-from SneppX_ALG.checkpoint import file, format, signing
+from SneppX_ALG.checkpoint import file, format, reshard, signing
+from SneppX_ALG.checkpoint import manifest as manifest_codec
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,40 @@ def check_manifest(directory: str | os.PathLike[str], trusted_keys: Any) -> Veri
     signer = signing.check_manifest_signature(manifest, signature or b"", trusted_keys, path=directory)
     files = signing.manifest_files(manifest, directory)
     _check_manifest_files(directory, files)
+    _check_references(directory, manifest)
     doc = json.loads(manifest)
     metadata = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
     return Verified(directory, signer, {str(k): str(v) for k, v in metadata.items()}, doc.get("config"))
+
+
+def _check_references(directory: str, manifest_bytes: bytes) -> None:
+    """The blocks an incremental step (a step directory with a version 4 manifest) reads from earlier steps'
+    files beside it, each against its BLAKE3 in the signed manifest: the step's bytes are those too."""
+    step = storage.parse_step_name(os.path.basename(os.path.normpath(directory)))
+    if step is None:
+        return
+    manifest = manifest_codec.decode_manifest(manifest_bytes, step=step, where=directory)
+    if not manifest_codec.uses(manifest):
+        return
+    problems = reshard.read_references(sibling_steps(directory), manifest, None, signed=True)
+    if problems:
+        raise errors.DigestMismatchError(f"{problems[0]} (a referenced block is part of this step)", path=directory)
+
+
+def sibling_steps(local: str) -> reshard.OpenStep:
+    """Opens the earlier steps an incremental step references: the step directories next to it (a local root;
+    an S3 step is fetched with the files it references, laid out the same way)."""
+    root = os.path.dirname(os.path.normpath(local))
+
+    @contextlib.contextmanager
+    def open_step(step: int) -> Iterator[storage.StepReader]:
+        path = os.path.join(root, storage.step_name(step))
+        if not os.path.isdir(path):
+            raise errors.CheckpointNotFoundError(f"step {step} is gone", path=path)
+        reader = storage.LocalStepReader(path)
+        try:
+            yield reader
+        finally:
+            reader.close()
+
+    return open_step

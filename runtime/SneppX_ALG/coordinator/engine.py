@@ -114,9 +114,13 @@ class Engine:
     def _plan_increment(self, job: Job) -> None:
         """Whether this save references the chain (at most full_every - 1 saves after a full one) and whether it
         hashes its blocks (to compare now, or to be compared by the next save)."""
-        chain = self.chain
         if not self.incremental:
             return
+        chain = self.chain
+        if chain is not None and not set(chain.steps()) <= set(self.known.visible()):
+            # deleted since (a gc beside a trainer that rolled back and has not saved yet): start a new chain
+            log.warning("step %d: the steps this save would reference are gone; it is saved whole", job.step)
+            chain = self.chain = None
         if chain is not None and chain.length + 1 < self.full_every:
             job.base = chain if chain.comparing else None
             job.hashing = chain.comparing
@@ -222,6 +226,8 @@ class Engine:
             except BaseException as e:  # noqa: BLE001 - kept and raised by the next call; the thread goes on
                 job.fail(e)
                 self._drop(job)
+                if isinstance(e, _CHAIN_BROKEN):  # evidence that the chain no longer holds: the next save is full
+                    self.chain = None
                 with self._idle:
                     if self.error is None:
                         self.error = e
@@ -262,10 +268,16 @@ class Engine:
                 if group.world_size == 1:
                     raise
                 error = e
+            # "full": rank 0 has no chain to reference (a read-back found it broken, say, which only rank 0 sees):
+            # no rank references one, so no step mixes a new chain with a broken one.
             answer = group_lib.broadcast_json(group, {
-                "token": job.pending.token if job.pending is not None else None, "error": _describe(error)})
+                "token": job.pending.token if job.pending is not None else None, "error": _describe(error),
+                "full": self.chain is None})
         else:
             answer = group_lib.broadcast_json(group, None)
+            if answer.get("full") and self.chain is not None:
+                self.chain = job.base = None
+                job.hashing = True  # the start of the next chain, as _plan_increment makes a full save
             if answer["token"] is None:
                 error = errors.ShardedCheckpointError(f"step {job.step}: rank 0 could not begin it: "
                                                       f"{answer['error']}", failures={0: answer["error"]})
@@ -383,7 +395,8 @@ class Engine:
             except Exception as e:
                 if group.world_size == 1:
                     raise
-                commit_error, outcome = e, {"state": "failed", "failures": {"0": _describe(e)}}
+                commit_error, outcome = e, {"state": "failed", "failures": {"0": _describe(e)},
+                                            "chain_broken": isinstance(e, _CHAIN_BROKEN)}
         try:
             outcome = group_lib.broadcast_json(group, outcome)
         except BaseException:
@@ -398,6 +411,8 @@ class Engine:
                 upkeep.retain(self.known, job.step, *self.retention)
             return
         self._drop(job, remove=outcome["state"] == "failed")
+        if outcome.get("chain_broken"):  # every rank's next save is full
+            self.chain = None
         if outcome["state"] == "unknown":
             raise commit_error or errors.CommitUnknownError(
                 f"step {job.step}: rank 0 could not learn whether it committed: {outcome['error']}")
@@ -466,6 +481,12 @@ class Engine:
             job.step, tensors, job.values, job.kind, job.training_state, shards,
             world_size=self.group.world_size, generation=self.group.generation, block_bytes=self.block_bytes,
             files=files, chain=max(r["chain"] for r in reports)))
+        if len(manifest) > storage.MAX_MANIFEST_BYTES:  # readers refuse it: it would commit unreadable
+            raise errors.ManifestTooLargeError(
+                f"step {job.step}: the manifest would be {len(manifest)} bytes, more than readers accept "
+                f"({storage.MAX_MANIFEST_BYTES}); nothing was committed (docs/FORMAT.md, \"Incremental steps\", "
+                "says how large a state fits)", path=self.store.uri)
+        self._check_references(job.step, tensors)
         signature = None
         if self.signing_key is not None:  # written before the commit point, by finalize()
             signature = signing.manifest_signature(manifest, self.signing_key)
@@ -480,6 +501,27 @@ class Engine:
             job.pending = pending  # taken back by _drop
             raise
         return {"state": "committed"}
+
+    def _check_references(self, step: int, tensors: list[dict[str, Any]]) -> None:
+        """Every file this step references is still in a step on the timeline (a gc beside a trainer that rolled
+        back may have deleted its chain): else ReferencedStepGoneError, before the commit point."""
+        by_step: dict[int, set[str]] = {}
+        for origin, name in manifest_codec.references(tensors):
+            by_step.setdefault(origin, set()).add(name)
+        if not by_step:
+            return
+        visible = set(self.known.visible())
+        for origin, names in sorted(by_step.items()):
+            try:
+                if origin not in visible:
+                    raise errors.CheckpointNotFoundError(f"step {origin} is not on the timeline")
+                with self.store.read_step(origin) as reader:
+                    for name in sorted(names):
+                        reader.size(name)
+            except errors.CheckpointNotFoundError as e:
+                raise errors.ReferencedStepGoneError(
+                    f"step {step} references files of step {origin}, which are gone ({e}); nothing was committed, "
+                    "and the next save is full", path=self.store.uri) from None
 
     @staticmethod
     def _file_record(job: Job, name: str) -> dict[str, Any]:
@@ -525,6 +567,11 @@ def _drain_at_exit() -> None:
 # threading's own exit hooks run before the interpreter joins non-daemon threads (atexit runs after: too late for
 # the writer pools); a private CPython function, so typeshed does not declare it.
 threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]
+
+
+# Errors that show a chain can't be referenced any more (a referenced block rotted, found by the read-back; a
+# referenced step gone): the next save is full. Any other failure leaves the chain as it was.
+_CHAIN_BROKEN = (errors.CommittedStepInvalidError, errors.ReferencedStepGoneError)
 
 
 def _describe(error: BaseException | None) -> str | None:

@@ -34,6 +34,12 @@ class Chain:
     records: dict[str, tuple[str, tuple[int, ...], dict[str, Any]]]
     comparing: bool = True
 
+    def steps(self) -> list[int]:
+        """The steps whose files a save referencing this chain may name: the chain's step and those it uses."""
+        found = {self.step} | {ref[0] for _, _, chunk in self.records.values()
+                               if (ref := manifest_codec.reference(chunk)) is not None}
+        return sorted(found)
+
 
 def reusable(base: Chain, entry: str, dtype: str, global_shape: tuple[int, ...], record: dict[str, Any],
              keys: tuple[str, ...] = ("crc32c", "blocks", "digests")) -> dict[str, Any] | None:

@@ -142,9 +142,12 @@ class CheckpointCoordinator:
         array) whose bytes changed since this coordinator's previous save, and references the rest in the step
         that holds them (compared by CRC32C and BLAKE3 per checksum block; docs/FORMAT.md, "Incremental
         steps"). "auto" stops comparing for the rest of a chain once a save finds less than 1/8 of its bytes
-        unchanged. Retention keeps every step a kept step references. The first save after a restore is full.
-    full_every: every full_every-th save of a chain is full (default 10), so a damaged step can spoil at most the
-        full_every - 1 saves after it.
+        unchanged. Retention keeps every step a kept step references. The first save after a restore continues
+        the restored step's chain (it may reference what that step holds or references), unless the step was
+        saved at another world size or without block digests: then it is full.
+    full_every: every full_every-th save of a chain is full (default 10, at most 1001), so a damaged step can spoil
+        at most the full_every - 1 saves after it. The save after a CommittedStepInvalidError (the read-back found
+        a referenced block changed) or a ReferencedStepGoneError is full too, as is one whose chain a gc deleted.
     """
 
     def __init__(self, checkpoint_root: str | os.PathLike[str], save_every_n_steps: int | None = None,
@@ -158,8 +161,10 @@ class CheckpointCoordinator:
                  full_every: int = 10):
         if incremental not in (True, False, increments.AUTO):
             raise ValueError(f"incremental must be True, False or 'auto', not {incremental!r}")
-        if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
-            raise ValueError(f"full_every must be an int >= 1, not {full_every!r}")
+        if (not isinstance(full_every, int) or isinstance(full_every, bool)
+                or not 1 <= full_every <= manifest_codec.MAX_USES + 1):
+            raise ValueError(f"full_every must be an int from 1 to {manifest_codec.MAX_USES + 1} (a manifest "
+                             f"references at most {manifest_codec.MAX_USES} earlier steps), not {full_every!r}")
         for name, value in (("save_every_n_steps", save_every_n_steps), ("max_to_keep", max_to_keep),
                             ("keep_every_n_steps", keep_every_n_steps)):
             if value is not None and (not isinstance(value, int) or value < 0):
@@ -387,13 +392,21 @@ class CheckpointCoordinator:
         that is not a verdict on the step (unreadable, a target that doesn't fit) is raised on every rank."""
         self._engine.wait()  # the fence a restore makes is over this coordinator's own saves too
         targets = state.restore_targets(obj)
-        # An explicit step may be one that an earlier restore here abandoned, as long as no save fenced it.
-        current = group_lib.broadcast_json(self.group, self._steps.visible(include_pending=step is None))
+        # An explicit step may be one that an earlier restore here abandoned, as long as no save fenced it. The
+        # fence is made over every step of the stored timeline: a restore() after restore(step=S) keeps what the
+        # first abandoned abandoned (and found invalid), or the steps newer than S would come back.
+        pending = self._steps.pending_fence()
+        seen = group_lib.broadcast_json(self.group, {
+            "steps": self._steps.visible(include_pending=False),
+            "abandoned": list(pending.abandoned) if pending is not None else [],
+            "invalid": list(pending.invalid) if pending is not None else []})
+        everything: list[int] = seen["steps"]
+        current = everything if step is not None else [s for s in everything if s not in set(seen["abandoned"])]
         if step is not None and step not in current:
             raise errors.CheckpointNotFoundError(f"no committed checkpoint for step {step} on the current "
                                                  f"timeline of {self.checkpoint_root}", path=self.checkpoint_root)
         candidates = [step] if step is not None else list(reversed(current))
-        invalid: set[int] = set()
+        invalid: set[int] = set(seen["invalid"])
         for candidate in candidates:
             verdict, loaded, error = self._try_load(candidate, targets)
             verdicts = group_lib.allgather_json(self.group, verdict)
@@ -426,7 +439,7 @@ class CheckpointCoordinator:
                 _load_whole(obj, manifest, arrays)
             if self.read_only:
                 return self._info(candidate, manifest, read)
-            fence = timeline.fence_after(candidate, current, invalid)
+            fence = timeline.fence_after(candidate, everything, invalid)
             self._steps.start_timeline(candidate, fence, verified=targets is None)
             self._engine.continue_chain(manifest)
             if fence is not None:

@@ -155,10 +155,10 @@ class Steps:
     def _read(self, step: int, *, keep: bool,
               ) -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
         def attempt() -> tuple[dict[str, Any] | None, list[str], list[np.ndarray] | None]:
-            with self.store.open_step(step) as local:
+            with self.store.open_step(step) as local:  # referenced blocks: ranged reads, once the manifest checks
                 if keep:
-                    return validate.load_step(local, step, self.trusted_keys)
-                return (*validate.check_step(local, step, self.trusted_keys), None)
+                    return validate.load_step(local, step, self.trusted_keys, self.store.read_step)
+                return (*validate.check_step(local, step, self.trusted_keys, self.store.read_step), None)
 
         manifest, problems, arrays = self._retrying(step, attempt)
         if not problems:

@@ -42,12 +42,19 @@ def apply_fences(root: steps.Steps, *, stored: bool) -> None:
 
 def set_aside_if_invalid(root: steps.Steps, step: int) -> None:
     """A committed step being saved again (after a rollback past it): an invalid copy is moved aside so
-    the new one can commit; a valid one stays and finalize() refuses to overwrite it."""
+    the new one can commit; a valid one stays and finalize() refuses to overwrite it. An invalid one that
+    another visible step references stays too (its files hold that step's bytes: moving it would break a
+    step that may well be valid), and the save is refused before anything is written."""
     try:
         problems = root.check(step)[1]
     except errors.CheckpointNotFoundError:
         return
     if problems:
+        users = [s for s in root.visible() if s != step and step in root.uses(s)]
+        if users:
+            raise errors.CheckpointExistsError(
+                f"step {step} is committed (and invalid: {problems[0]}), and step(s) {users} reference its "
+                "files: it is not set aside, and a step is never overwritten", path=root.store.uri)
         aside = root.store.set_aside(step, "invalid")
         root.forget([step])
         log.warning("step %d was committed but invalid (%s); moved to %s", step, problems[0], aside)

@@ -74,7 +74,6 @@ from SneppX_ALG.storage.base import (
     Storage,
     block_crcs,
     commit_record,
-    manifest_references,
     marker_problem,
 )
 from SneppX_ALG.storage.layout import (
@@ -113,7 +112,6 @@ __all__ = [
     "fetched_marker_path",
     "is_plain_name",
     "make_s3_client",
-    "manifest_references",
     "marker_problem",
     "open_storage",
     "parse_s3_uri",

@@ -139,25 +139,6 @@ def manifest_shards(manifest: bytes) -> list[str]:
     return [s for s in shards if isinstance(s, str) and layout.is_plain_name(s) and s not in reserved]
 
 
-def manifest_references(manifest: bytes) -> list[tuple[int, str]]:
-    """(step, plain file name) of every earlier step's file an incremental manifest's chunks reference ([] when
-    it is unreadable or has none): what fetching a step for validation must fetch beside it."""
-    try:
-        doc = json.loads(manifest[:layout.MAX_MANIFEST_BYTES + 1])
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return []
-    found: set[tuple[int, str]] = set()
-    tensors = doc.get("tensors") if isinstance(doc, dict) else None
-    for tensor in tensors if isinstance(tensors, list) else []:
-        for chunk in (tensor.get("chunks") or []) if isinstance(tensor, dict) else []:
-            ref = chunk.get("from") if isinstance(chunk, dict) else None
-            if (isinstance(ref, list) and len(ref) == 2 and type(ref[0]) is int and ref[0] >= 0
-                    and isinstance(ref[1], str) and layout.is_plain_name(ref[1])
-                    and ref[1] not in (layout.MANIFEST, layout.SIGNATURE, layout.COMMITTED)):
-                found.add((ref[0], ref[1]))
-    return sorted(found)
-
-
 def commit_record(step: int, writer: str, manifest: bytes) -> bytes:
     """The body of an S3 step's `layout.COMMITTED` marker: which writer committed which manifest.json (its size and
     CRC32C), so that a reader can check the manifest is the one committed and a writer can recognise its own

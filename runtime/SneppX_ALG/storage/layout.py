@@ -34,6 +34,9 @@ STAGE_PREFIX = "sneppx-stage-"
 # inspection as `.<reason>-step-NNNNNNNNN-<hex>`, never read as a step, removed by retention.
 SET_ASIDE_REASONS = ("invalid", "abandoned")
 SET_ASIDE_RE = re.compile(r"^\.(?:invalid|abandoned)-step-(\d{9,})-[0-9a-f]+$")
+# What a local write of a root file (the coordinator's FENCE) is named until its rename (_fs.write_durable): one a
+# kill left behind is removed by the next start's cleanup.
+ROOT_FILE_TMP_RE = re.compile(r"^[A-Z]+\.[0-9a-f]{8}\.tmp$")
 
 
 def step_name(step: int) -> str:

@@ -222,8 +222,9 @@ class LocalStorage:
         """Removes what crashed or failed saves left: temporary directories whose writer is gone (by name: a
         dead process on this host, this process's own finished saves, or no sign of life for lease_expiry_s;
         a name without an owner, from an older version, counts as gone) and `.deleting-*` directories
-        (invisible already: removing one twice is harmless). Set-aside steps and the coordinator's FENCE
-        record are not leftovers: retention bounds the first, the next writer finishes the second."""
+        (invisible already: removing one twice is harmless), and a root file's temporary copy
+        (`FENCE.<hex>.tmp`) a kill left. Set-aside steps and the coordinator's FENCE record are not leftovers:
+        retention bounds the first, the next writer finishes the second."""
         removed = []
         for entry in os.scandir(self.root):
             if entry.name.startswith(layout.TMP_PREFIX):
@@ -232,6 +233,10 @@ class LocalStorage:
                 if owner is not None and step.isdigit() and lease.still_writing(
                         owner, int(step), self._age(entry.path), self.lease_expiry_s):
                     continue
+            elif layout.ROOT_FILE_TMP_RE.match(entry.name) and entry.is_file(follow_symlinks=False):
+                _fs.unlink_quietly(entry.path)  # a root file's write cut short: the file itself is intact or absent
+                removed.append(entry.path)
+                continue
             elif not entry.name.startswith(layout.DELETING_PREFIX):
                 continue
             _fs.remove_tree(entry.path)

@@ -341,7 +341,9 @@ class S3Storage:
     def open_step(self, step: int) -> Iterator[str]:
         """Downloads a committed step (manifest, signature and the shards the manifest names) into a temporary
         local directory named like the step, for reading and validation; its marker goes next to it
-        (layout.fetched_marker_path), where validation checks it against the manifest."""
+        (layout.fetched_marker_path), where validation checks it against the manifest. Nothing of another step
+        is fetched: an incremental step's referenced blocks are read through read_step, once its manifest has
+        been authenticated and checked (a forged manifest costs no request for other steps' objects)."""
         name = layout.step_name(step)
         marker = self._get(self.key(name, layout.COMMITTED))
         if marker is None:
@@ -363,27 +365,9 @@ class S3Storage:
             for leaf in base.manifest_shards(manifest):
                 if leaf in present:  # a missing shard is for validation to report
                     self._download(self.key(name, leaf), os.path.join(local, leaf))
-            self._fetch_references(fetched, manifest)
             yield local
         finally:
             _fs.remove_tree(fetched)
-
-    def _fetch_references(self, fetched: str, manifest: bytes) -> None:
-        """The earlier steps' files an incremental step references, into `fetched/<step name>/`, beside the step,
-        where validation looks for them: only from steps whose marker is there (a step without one is not
-        committed; its file missing here makes the step invalid)."""
-        by_step: dict[int, list[str]] = {}
-        for step, leaf in base.manifest_references(manifest):
-            by_step.setdefault(step, []).append(leaf)
-        for step, leaves in by_step.items():
-            name = layout.step_name(step)
-            if self._get(self.key(name, layout.COMMITTED)) is None:
-                continue
-            os.makedirs(os.path.join(fetched, name), exist_ok=True)
-            present = {obj["Key"][len(self.key(name)) + 1:] for obj in self._list(self.key(name) + "/")}
-            for leaf in leaves:
-                if leaf in present:
-                    self._download(self.key(name, leaf), os.path.join(fetched, name, leaf))
 
     @contextlib.contextmanager
     def read_step(self, step: int) -> Iterator[base.StepReader]:

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from SneppX_ALG import CheckpointCoordinator, CheckpointWriter, _native, errors, storage, validate_checkpoint
-from SneppX_ALG.checkpoint import chunks, reshard, signing
+from SneppX_ALG.checkpoint import chunks, file, reshard, signing
 from SneppX_ALG.checkpoint import manifest as manifest_codec
 from SneppX_ALG.coordinator import Group, Shard
 
@@ -369,3 +369,46 @@ def test_a_step_from_before_block_checksums_is_read_whole_and_cut(tmp_path) -> N
     info = CheckpointCoordinator(tmp_path).restore(target)
     assert info.step == 1 and np.array_equal(target["w"].data, GLOBAL[8:])
     assert info.read.data == GLOBAL.nbytes and info.read.needed == 4 * 10 * 4
+
+
+def test_after_rank_0_reads_back_a_broken_chain_the_next_save_is_full_on_every_rank(tmp_path) -> None:
+    """A referenced block of rank 1's file rots; only rank 0 reads the new step back (CommittedStepInvalidError):
+    the next save must be full on rank 1 too, or it references the rotted block again (issue 39, defect 4)."""
+    world = 2
+    start = threading.Barrier(world, timeout=60)
+
+    def state(rank: int, step: int) -> dict[str, Any]:
+        frozen = np.arange(4 << 18, dtype=np.float32).reshape(8, -1) + rank  # 4 MiB, never changes
+        hot = np.full((4, 1024), step, np.float32)
+        return {"frozen": Shard(frozen, (8 * world, frozen.shape[1]), (8 * rank, 0)),
+                "hot": Shard(hot, (4 * world, 1024), (4 * rank, 0))}
+
+    def body(rank: int, group: Group) -> list[Any]:
+        outcomes: list[Any] = []
+        with CheckpointCoordinator(tmp_path, group=group, async_save=False, device="cpu", max_to_keep=1,
+                                   incremental=True) as coord:
+            for step in (1, 2, 3, 4):
+                if step == 3:
+                    start.wait()
+                    if rank == 1:  # rots a block of rank 1's file that every later save references
+                        shard = tmp_path / "step-000000001" / "shard-00001.snpx"
+                        blob = bytearray(shard.read_bytes())
+                        with file.CheckpointReader(str(shard), verify=False) as reader:
+                            frozen = next(e for e in reader.table.tensors if e.name.startswith("frozen"))
+                            blob[frozen.offset] ^= 1
+                        shard.write_bytes(bytes(blob))
+                    start.wait()
+                try:
+                    coord.save(state(rank, step), step=step)
+                    outcomes.append(None)
+                except errors.SneppXError as e:
+                    outcomes.append(type(e).__name__)
+        return outcomes
+
+    results = on_ranks(world, body)
+    assert results[0] == [None, None, "CommittedStepInvalidError", None], results
+    assert results[1] == [None, None, None, None], results
+    manifest = json.loads((tmp_path / "step-000000004" / "manifest.json").read_bytes())
+    assert manifest["version"] == 3  # nothing referenced, on either rank
+    with CheckpointCoordinator(tmp_path, read_only=True, device="cpu") as coord:
+        assert coord.validate(4) == [] and coord.latest().step == 4
