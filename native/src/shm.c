@@ -79,7 +79,8 @@ struct sx_shm {
     uint32_t posted;   /* this rank's count, mirrored */
     uint64_t calls, chunks;
     int aborted, failed, failed_peer;
-    int created, unlinked; /* the creator unlinks a name no one else did: a setup that failed leaks nothing */
+    int named, unlinked; /* every rank that opened the name unlinks it if setup did not: a setup that failed
+                          * leaks nothing, also when its creator was SIGKILLed in it */
     char name[NAME_MAX_LEN + 1];
 };
 
@@ -200,7 +201,7 @@ static size_t head_bytes(int world) {
 
 void sx_shm_destroy(sx_shm *c) {
     if (!c) return;
-    if (c->created && !c->unlinked) shm_unlink(c->name);
+    if (c->named && !c->unlinked) shm_unlink(c->name);
     if (c->pidfds)
         for (int r = 0; r < c->world; r++)
             if (c->pidfds[r] >= 0) close(c->pidfds[r]);
@@ -250,7 +251,6 @@ int sx_shm_create(const char *name, int create, int rank, int world_size, uint64
         sx_shm_destroy(c);
         return rc;
     }
-    c->created = create;
     c->head = (struct shm_head *)c->base;
     c->ranks = (struct shm_rank *)(c->base + RANKS_AT);
     c->data = c->base + head_bytes(world_size);
@@ -268,6 +268,7 @@ int sx_shm_create(const char *name, int create, int rank, int world_size, uint64
         sx_shm_destroy(c);
         return SX_ESTALE;
     }
+    c->named = 1; /* ours (a segment of another generation or shape is left to its own ranks) */
     c->ranks[rank].pid = (int32_t)getpid();
     c->posted = __atomic_load_n(&c->ranks[rank].posted, __ATOMIC_ACQUIRE);
     __atomic_add_fetch(&c->head->attached, 1, __ATOMIC_SEQ_CST);
@@ -276,9 +277,29 @@ int sx_shm_create(const char *name, int create, int rank, int world_size, uint64
     return SX_OK;
 }
 
+/* Opens a pidfd for each peer that has written its pid and has none yet; SX_EPEER naming the first that is gone
+ * and, while setup waits (`judge`), the first that has exited: no rank leaves before every rank has mapped the
+ * segment. (Once all have, one may have finished setup, closed and exited.) A peer refused a pidfd keeps -1: its
+ * death then ends in the deadline. */
+static int watch_peers(sx_shm *c, int judge) {
+    for (int r = 0; r < c->world; r++) {
+        pid_t pid = __atomic_load_n(&c->ranks[r].pid, __ATOMIC_ACQUIRE);
+        if (r == c->rank || pid == 0 || pid == getpid()) continue; /* ranks as threads of one process share it */
+        if (c->pidfds[r] < 0) {
+            long fd = syscall(SYS_pidfd_open, pid, 0);
+            if (fd < 0 && errno == ESRCH) return fail(c, SX_EPEER, r);
+            if (fd < 0) continue;
+            c->pidfds[r] = (int)fd;
+        }
+        if (judge && exited(c, r)) return fail(c, SX_EPEER, r);
+    }
+    return SX_OK;
+}
+
 /* Until every rank has mapped the segment (SX_ETIMEDOUT at timeout_s, and it may be called again); then
- * unlinks its name (no other process can attach, and the memory goes with the last rank) and opens a pidfd per
- * peer. */
+ * unlinks its name (no other process can attach, and the memory goes with the last rank). Meanwhile it watches
+ * the ranks that have mapped it: one that dies (the creator SIGKILLed while a peer is late) fails the setup of
+ * every rank at once, each of which then unlinks the name, instead of waiting out the deadline. */
 int sx_shm_wait_attached(sx_shm *c, double timeout_s) {
     if (!c || !(timeout_s > 0)) return SX_EINVAL;
     double deadline = now_s() + timeout_s;
@@ -287,6 +308,7 @@ int sx_shm_wait_attached(sx_shm *c, double timeout_s) {
         if (seen >= (uint32_t)c->world) break;
         if (__atomic_load_n(&c->aborted, __ATOMIC_SEQ_CST)) return fail(c, SX_EABORTED, -1);
         int rc = failed_elsewhere(c);
+        if (rc == SX_OK) rc = watch_peers(c, 1);
         if (rc != SX_OK) return rc;
         double left = deadline - now_s();
         if (left <= 0) return SX_ETIMEDOUT; /* not a failure: the caller may look for an abort and wait again */
@@ -294,14 +316,7 @@ int sx_shm_wait_attached(sx_shm *c, double timeout_s) {
     }
     shm_unlink(c->name); /* every rank tries: whichever is first; ENOENT for the rest */
     c->unlinked = 1;
-    for (int r = 0; r < c->world; r++) {
-        pid_t pid = c->ranks[r].pid;
-        if (r == c->rank || pid == getpid()) continue; /* ranks as threads of one process share its pid */
-        long fd = syscall(SYS_pidfd_open, pid, 0);
-        if (fd < 0 && errno == ESRCH) return fail(c, SX_EPEER, r);
-        c->pidfds[r] = (int)fd; /* -1 where refused: that peer's death then ends in the deadline */
-    }
-    return SX_OK;
+    return watch_peers(c, 0);
 }
 
 void sx_shm_abort(sx_shm *c) {
