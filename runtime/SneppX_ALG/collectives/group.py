@@ -40,6 +40,7 @@ from SneppX_ALG.collectives.shm import host_identity, shm_key, shm_name
 
 DEFAULT_TIMEOUT = 300.0
 SHM_MIN_SLOT = 64  # native/src/shm.c: a slot is a whole number of cache lines
+MIN_SUB_CALL_TIMEOUT = 1e-3  # what a hierarchical call's sub-call gets once its deadline has passed
 
 Backend = Literal["auto", "tcp", "shm", "nccl"]
 
@@ -451,13 +452,20 @@ class ProcessGroup:
 class _Hierarchical:
     """Collectives of ranks on several hosts, as many on each: shared memory inside a host, and between hosts one
     TCP ring per local index, each carrying its local rank's share (the inter-host leg striped over every rank of
-    a host, not funnelled through one). The same calls as a communicator (`_native.Comm`)."""
+    a host, not funnelled through one). The same calls as a communicator (`_native.Comm`). A call's `timeout` is
+    one deadline for all its sub-calls: each gets what is left of it, not the whole again."""
 
     def __init__(self, local: _native.ShmComm, cross: ProcessGroup, hosts: list[list[int]], rank: int):
         self.local, self.cross, self.hosts, self.rank = local, cross, hosts, rank
         self.index = next(h for h, ranks in enumerate(hosts) if rank in ranks)
         self.local_size = len(hosts[0])
         self.local_rank = hosts[self.index].index(rank)
+        self.clock = time.monotonic  # a test's fake clock goes here
+
+    def _left(self, until: float) -> float:
+        """What is left of a call's deadline for its next sub-call (a past deadline still gets a sliver: the
+        sub-call then fails as a timeout, and its peers hear of it)."""
+        return max(until - self.clock(), MIN_SUB_CALL_TIMEOUT)
 
     def _in(self, group: Literal["host", "ring"], call: Any, *args: Any) -> None:
         """call(*args) on one of the two groups. A failure fails the other group too (its ranks learn at once
@@ -475,10 +483,11 @@ class _Hierarchical:
 
     def allreduce(self, data: np.ndarray, count: int, dtype: str, op: str, timeout: float) -> None:
         """Reduce-scatter in the host, allreduce of this rank's share between hosts, allgather in the host."""
-        self._in("host", self.local.reduce_scatter, data, count, dtype, op, timeout)
+        until = self.clock() + timeout
+        self._in("host", self.local.reduce_scatter, data, count, dtype, op, self._left(until))
         lo, hi = _native.shard_range(count, self.local_size, self.local_rank)
-        self._in("ring", self.cross.allreduce, data.reshape(-1)[lo:hi], op, timeout)
-        self._in("host", self.local.allgather, data, count, dtype, timeout)
+        self._in("ring", self.cross.allreduce, data.reshape(-1)[lo:hi], op, self._left(until))
+        self._in("host", self.local.allgather, data, count, dtype, self._left(until))
 
     def reduce_scatter(self, data: np.ndarray, count: int, dtype: str, op: str, timeout: float) -> None:
         self.allreduce(data, count, dtype, op, timeout)  # every shard reduced, this rank's among them
@@ -503,14 +512,16 @@ class _Hierarchical:
         """From root to its local index's ring's other hosts, then inside each host."""
         index = next(h for h, ranks in enumerate(self.hosts) if root in ranks)
         root_local = self.hosts[index].index(root)
+        until = self.clock() + timeout
         if self.local_rank == root_local:
-            self._in("ring", self.cross.broadcast, data, index, timeout)
-        self._in("host", self.local.broadcast, data, root_local, timeout)
+            self._in("ring", self.cross.broadcast, data, index, self._left(until))
+        self._in("host", self.local.broadcast, data, root_local, self._left(until))
 
     def barrier(self, timeout: float) -> None:
-        self._in("host", self.local.barrier, timeout)
-        self._in("ring", self.cross.barrier, timeout)
-        self._in("host", self.local.barrier, timeout)
+        until = self.clock() + timeout
+        self._in("host", self.local.barrier, self._left(until))
+        self._in("ring", self.cross.barrier, self._left(until))
+        self._in("host", self.local.barrier, self._left(until))
 
     def shift(self, send: Any, recv: Any, timeout: float) -> None:
         raise ValueError("shift runs on a tcp group")
