@@ -57,6 +57,7 @@ struct shm_head {
     uint64_t slot_bytes;
     int32_t failed;      /* 0, or the SX_E* status of the first failure of any rank */
     int32_t failed_rank; /* the rank that died or left, or -1 */
+    int32_t failed_outer; /* the rank an enclosing group blames for it, plus one (sx_shm_relay); 0: none */
 };
 
 struct shm_rank { /* one 64-byte line per rank: a rank's counter is written by it alone */
@@ -78,7 +79,7 @@ struct sx_shm {
     int *pidfds; /* per peer, -1 for itself (and where pidfd_open is refused) */
     uint32_t posted;   /* this rank's count, mirrored */
     uint64_t calls, chunks;
-    int aborted, failed, failed_peer;
+    int aborted, failed, failed_peer, failed_outer;
     int named, unlinked; /* every rank that opened the name unlinks it if setup did not: a setup that failed
                           * leaks nothing, also when its creator was SIGKILLed in it */
     char name[NAME_MAX_LEN + 1];
@@ -104,30 +105,40 @@ static void wake_everyone(sx_shm *c) {
     for (int r = 0; r < c->world; r++) futex_wake(&c->ranks[r].posted);
 }
 
-/* Records the first failure, here and in the header, where every rank sees it at its next wait. */
-static int fail(sx_shm *c, int code, int peer) {
+/* Records the first failure, here and in the header, where every rank sees it at its next wait, with the
+ * rank an enclosing group blames for it (-1: none). */
+static int fail_outer(sx_shm *c, int code, int peer, int outer) {
     int none = 0;
-    if (__atomic_compare_exchange_n(&c->failed, &none, code, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+    if (__atomic_compare_exchange_n(&c->failed, &none, code, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
         c->failed_peer = peer;
+        c->failed_outer = outer;
+    }
     if (c->head) {
         none = 0;
         int32_t shared = code == SX_EABORTED ? SX_EPEER : code; /* an abort here is a peer gone for the others */
         if (peer < 0 && code == SX_EABORTED) peer = c->rank;
-        if (__atomic_compare_exchange_n(&c->head->failed, &none, shared, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        if (__atomic_compare_exchange_n(&c->head->failed, &none, shared, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+            __atomic_store_n(&c->head->failed_outer, outer + 1, __ATOMIC_SEQ_CST);
             __atomic_store_n(&c->head->failed_rank, peer, __ATOMIC_SEQ_CST);
+        }
         wake_everyone(c);
     }
     return code;
 }
+
+static int fail(sx_shm *c, int code, int peer) { return fail_outer(c, code, peer, -1); }
 
 /* A failure another rank recorded, taken as this rank's own. */
 static int failed_elsewhere(sx_shm *c) {
     int code = __atomic_load_n(&c->head->failed, __ATOMIC_SEQ_CST);
     if (!code) return SX_OK;
     int peer = __atomic_load_n(&c->head->failed_rank, __ATOMIC_SEQ_CST);
+    int outer = __atomic_load_n(&c->head->failed_outer, __ATOMIC_SEQ_CST) - 1;
     int none = 0;
-    if (__atomic_compare_exchange_n(&c->failed, &none, code, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+    if (__atomic_compare_exchange_n(&c->failed, &none, code, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
         c->failed_peer = peer;
+        c->failed_outer = outer;
+    }
     return code;
 }
 
@@ -220,6 +231,7 @@ int sx_shm_create(const char *name, int create, int rank, int world_size, uint64
     sx_shm *c = calloc(1, sizeof *c);
     if (!c) return SX_ENOMEM;
     c->rank = rank, c->world = world_size, c->generation = generation, c->slot = slot_bytes, c->failed_peer = -1;
+    c->failed_outer = -1;
     snprintf(c->name, sizeof c->name, "%s", name);
     c->pidfds = malloc((size_t)world_size * sizeof *c->pidfds);
     if (!c->pidfds) { sx_shm_destroy(c); return SX_ENOMEM; }
@@ -326,6 +338,15 @@ void sx_shm_abort(sx_shm *c) {
 }
 
 int sx_shm_failed_peer(const sx_shm *c) { return c ? c->failed_peer : -1; }
+
+int sx_shm_failed_outer(const sx_shm *c) { return c ? c->failed_outer : -1; }
+
+int sx_shm_relay(sx_shm *c, int code, int outer) {
+    if (!c || outer < -1 || !(code == SX_EPEER || code == SX_ETIMEDOUT || code == SX_ESTALE || code == SX_EPROTO))
+        return SX_EINVAL;
+    fail_outer(c, code, -1, outer);
+    return SX_OK;
+}
 
 /* ---- the collectives ------------------------------------------------------------------------------- */
 

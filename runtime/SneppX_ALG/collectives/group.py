@@ -468,16 +468,21 @@ class _Hierarchical:
         return max(until - self.clock(), MIN_SUB_CALL_TIMEOUT)
 
     def _in(self, group: Literal["host", "ring"], call: Any, *args: Any) -> None:
-        """call(*args) on one of the two groups. A failure fails the other group too (its ranks learn at once
-        instead of waiting on this one until their deadline) and is raised with the blamed rank as a rank of
-        the whole group (a host's groups number their ranks 0..local size, a ring its hosts)."""
+        """call(*args) on one of the two groups. A failure is raised with the blamed rank as a rank of the whole
+        group (a host's groups number their ranks 0..local size, a ring its hosts), and fails the other group
+        too, passing that rank on (`relay`): its ranks learn at once instead of waiting on this one until their
+        deadline, and name the rank that failed, not this one, which only told them. An abort (this rank's own)
+        aborts the other group: to its ranks, this one left."""
         try:
             call(*args)
         except errors.CollectiveError as e:
-            self.abort()
-            peer = e.peer
-            if peer is not None:
-                peer = self.hosts[self.index][peer] if group == "host" else self.hosts[peer][self.local_rank]
+            comm = self.local if group == "host" else self.cross._comm
+            peer = comm.failed_outer()  # a failure relayed from a third group carries its blame along
+            if peer is None and e.peer is not None:
+                peer = self.hosts[self.index][e.peer] if group == "host" else self.hosts[e.peer][self.local_rank]
+            other = self.cross._comm if group == "host" else self.local
+            if not other.relay(e, peer):
+                self.abort()
             raise type(e)(f"{e}; of the whole group: rank {peer}" if peer is not None else str(e), rank=self.rank,
                           generation=e.generation, peer=peer) from None
 

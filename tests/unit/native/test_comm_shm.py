@@ -270,3 +270,26 @@ def test_a_hierarchical_allgather_keeps_every_bit(tmp_path: Any, monkeypatch: py
             return g.allgather(mine).tobytes()
 
     assert run_ranks([None] * 4, lambda rank, _: gather(rank)) == [values.tobytes()] * 4
+
+
+@pytest.mark.parametrize("kind", [errors.PeerLostError, errors.CollectiveTimeoutError, errors.StaleGenerationError,
+                                  errors.CommProtocolError])
+@pytest.mark.parametrize("outer", [None, 0, 9])
+def test_a_relayed_failure_reaches_every_rank_of_the_segment_with_the_outer_blame(
+        kind: type[errors.CollectiveError], outer: int | None) -> None:
+    """As over the ring (test_comm_ring.py): rank 0 relays, between calls, a failure of an enclosing group; ranks
+    1 and 2, in a barrier, raise the same kind and report the same outer rank, not rank 0."""
+    comms = make_group(3)
+
+    def body(rank: int, comm: _native.ShmComm) -> Any:
+        if rank == 0:
+            return comm.relay(kind("elsewhere", rank=0, generation=3), outer)
+        comm.barrier(60)
+        return None
+
+    results = run_ranks(comms, body)
+    assert results[0] is True
+    assert all(isinstance(e, kind) and e.peer is None for e in results[1:]), results
+    assert [c.failed_outer() for c in comms] == [outer] * 3
+    for comm in comms:
+        comm.close()
