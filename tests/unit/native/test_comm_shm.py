@@ -233,10 +233,13 @@ def test_rank_0_failing_in_setup_fails_the_others_at_once(tmp_path: Any) -> None
 
     aborted = threading.Event()
 
+    def abort_rank_0_in_setup() -> None:
+        DirectoryStore(tmp_path).get(collectives.shm_key(1, "host/0"), timeout=60)  # it waits for the others
+        aborted.set()
+
+    threading.Thread(target=abort_rank_0_in_setup, daemon=True).start()
+
     def join(rank: int) -> Any:
-        if rank == 0:
-            DirectoryStore(tmp_path).get(collectives.shm_key(1, "host/1"), timeout=60)  # rank 1 is in setup
-            threading.Timer(0.2, aborted.set).start()
         return collectives.ProcessGroup(DirectoryStore(tmp_path), rank, 3, 1, backend="shm", key=b"k" * 32,
                                         timeout=600, aborted=aborted if rank == 0 else None)
 
