@@ -393,6 +393,15 @@ void sx_comm_abort(sx_comm *c);
 /* The rank blamed for the first failure (the peer whose connection broke or
  * who sent a bad frame), or -1. */
 int sx_comm_failed_peer(const sx_comm *c);
+/* Fails c, between calls, with a failure of an enclosing group (one that
+ * composes this communicator with others): code is SX_EPEER, SX_ETIMEDOUT,
+ * SX_ESTALE or SX_EPROTO, outer a rank as the enclosing group numbers them
+ * (-1: none). Both neighbours are told in a notice that carries outer, and
+ * pass it on, so every rank reports it (sx_comm_failed_outer) instead of
+ * blaming the rank that relayed it. A no-op on a communicator that failed. */
+int sx_comm_relay(sx_comm *c, int code, int outer);
+/* The enclosing group's blamed rank of the first failure, or -1. */
+int sx_comm_failed_outer(const sx_comm *c);
 
 /* In place over count elements. reduce_scatter leaves rank r's shard of buf
  * (sx_shard_range(count, world, r)) reduced over all ranks and the rest
@@ -432,6 +441,10 @@ void sx_shm_abort(sx_shm *c);
 /* The rank blamed for the first failure (the one that died, left or called
  * something else), or -1. */
 int sx_shm_failed_peer(const sx_shm *c);
+/* As sx_comm_relay and sx_comm_failed_outer: every rank of the segment fails
+ * with code, reporting outer. Thread-safe. */
+int sx_shm_relay(sx_shm *c, int code, int outer);
+int sx_shm_failed_outer(const sx_shm *c);
 int sx_shm_allreduce(sx_shm *c, void *buf, size_t count, int dtype, int op, double timeout_s);
 int sx_shm_reduce_scatter(sx_shm *c, void *buf, size_t count, int dtype, int op, double timeout_s);
 int sx_shm_allgather(sx_shm *c, void *buf, size_t count, int dtype, double timeout_s);

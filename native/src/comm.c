@@ -58,6 +58,7 @@ struct sx_comm {
     struct step *steps;     /* 2 (world - 1) steps, the longest plan */
     int failed;             /* the first failure's status (atomic); 0 while healthy */
     int failed_peer;
+    int failed_outer; /* the rank an enclosing group blames (sx_comm_relay, or a notice of one), or -1 */
     int aborted; /* atomic */
     int64_t barrier_word;
 };
@@ -162,6 +163,7 @@ int sx_comm_create(int rank, int world_size, uint64_t generation, int send_fd, i
     c->wake[0] = c->wake[1] = -1;
     c->chunk = chunk;
     c->failed_peer = -1;
+    c->failed_outer = -1;
     if (world_size == 1) { *out = c; return SX_OK; }
     c->staging = aligned_alloc(64, (chunk + 63) & ~(size_t)63);
     c->steps = calloc(2 * (size_t)(world_size - 1), sizeof *c->steps);
@@ -214,14 +216,20 @@ void sx_comm_abort(sx_comm *c) {
 
 int sx_comm_failed_peer(const sx_comm *c) { return c ? c->failed_peer : -1; }
 
-/* Records the first failure (later ones are its consequences). The call that failed then tells the
- * neighbours and shuts the sockets (run_plan). */
-static int fail(sx_comm *c, int code, int peer) {
+int sx_comm_failed_outer(const sx_comm *c) { return c ? c->failed_outer : -1; }
+
+/* Records the first failure (later ones are its consequences), with the rank an enclosing group blames for
+ * it (-1: none). The call that failed then tells the neighbours and shuts the sockets (run_plan). */
+static int fail_outer(sx_comm *c, int code, int peer, int outer) {
     int none = 0;
-    if (__atomic_compare_exchange_n(&c->failed, &none, code, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+    if (__atomic_compare_exchange_n(&c->failed, &none, code, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
         c->failed_peer = peer;
+        c->failed_outer = outer;
+    }
     return code;
 }
+
+static int fail(sx_comm *c, int code, int peer) { return fail_outer(c, code, peer, -1); }
 
 static int usable(sx_comm *c) {
     if (__atomic_load_n(&c->aborted, __ATOMIC_SEQ_CST) || __atomic_load_n(&c->failed, __ATOMIC_SEQ_CST))
@@ -273,7 +281,8 @@ static int relayable(int code) {
 }
 
 /* A frame header with op NOTICE, the status negated in the flags byte, the blamed rank in the step field
- * (0xFFFFFFFF: none) and no payload. */
+ * (0xFFFFFFFF: none), the rank an enclosing group blames plus one in the length field (0: none), and no
+ * payload. */
 static void notice_header(const sx_comm *c, unsigned char *h, int code, int peer) {
     memset(h, 0, HEADER);
     put32(h, SX_COMM_MAGIC);
@@ -282,6 +291,7 @@ static void notice_header(const sx_comm *c, unsigned char *h, int code, int peer
     put64(h + 8, c->generation);
     put64(h + 16, c->seq);
     put32(h + 24, (uint32_t)peer);
+    put32(h + 28, (uint32_t)(c->failed_outer + 1));
 }
 
 static int is_notice(const unsigned char *h) { return get32(h) == SX_COMM_MAGIC && h[4] == OP_NOTICE; }
@@ -290,12 +300,12 @@ static int is_notice(const unsigned char *h) { return get32(h) == SX_COMM_MAGIC 
  * group knows is garbage (the caller blames the neighbour that sent it). */
 static int take_notice(sx_comm *c, const unsigned char *h) {
     int code = -(int)h[5];
-    uint32_t peer = get32(h + 24);
+    uint32_t peer = get32(h + 24), outer = get32(h + 28);
     if (get64(h + 8) != c->generation) return SX_ESTALE;
-    if (!relayable(code) || get16(h + 6) != 0 || get32(h + 28) != 0 ||
+    if (!relayable(code) || get16(h + 6) != 0 || outer > (uint32_t)INT32_MAX ||
         (peer != UINT32_MAX && peer >= (uint32_t)c->world))
         return SX_EPROTO;
-    return fail(c, code, peer == UINT32_MAX ? -1 : (int)peer);
+    return fail_outer(c, code, peer == UINT32_MAX ? -1 : (int)peer, (int)outer - 1);
 }
 
 /* The right-hand neighbour writes on send_fd only to send a notice: anything else readable there means it
@@ -353,6 +363,21 @@ static void tell_neighbours(struct run *r) {
         if (flushed) send_by(c, c->send_fd, notice, HEADER, until);
     }
     shut_sockets(c);
+}
+
+int sx_comm_relay(sx_comm *c, int code, int outer) {
+    if (!c || !relayable(code) || outer < -1) return SX_EINVAL;
+    if (usable(c) != SX_OK) return SX_OK; /* failed already: its neighbours were told then */
+    fail_outer(c, code, -1, outer);
+    if (c->world > 1) { /* between calls: both streams are at a frame boundary */
+        unsigned char notice[HEADER];
+        notice_header(c, notice, code, -1);
+        double until = now_s() + NOTICE_FLUSH_S;
+        send_by(c, c->recv_fd, notice, HEADER, until);
+        send_by(c, c->send_fd, notice, HEADER, until);
+        shut_sockets(c);
+    }
+    return SX_OK;
 }
 
 static int send_some(struct run *r, int *progressed, int *want_out) {

@@ -57,6 +57,7 @@ struct shm_head {
     uint64_t slot_bytes;
     int32_t failed;      /* 0, or the SX_E* status of the first failure of any rank */
     int32_t failed_rank; /* the rank that died or left, or -1 */
+    int32_t failed_outer; /* the rank an enclosing group blames for it, plus one (sx_shm_relay); 0: none */
 };
 
 struct shm_rank { /* one 64-byte line per rank: a rank's counter is written by it alone */
@@ -78,8 +79,9 @@ struct sx_shm {
     int *pidfds; /* per peer, -1 for itself (and where pidfd_open is refused) */
     uint32_t posted;   /* this rank's count, mirrored */
     uint64_t calls, chunks;
-    int aborted, failed, failed_peer;
-    int created, unlinked; /* the creator unlinks a name no one else did: a setup that failed leaks nothing */
+    int aborted, failed, failed_peer, failed_outer;
+    int named, unlinked; /* every rank that opened the name unlinks it if setup did not: a setup that failed
+                          * leaks nothing, also when its creator was SIGKILLed in it */
     char name[NAME_MAX_LEN + 1];
 };
 
@@ -103,30 +105,40 @@ static void wake_everyone(sx_shm *c) {
     for (int r = 0; r < c->world; r++) futex_wake(&c->ranks[r].posted);
 }
 
-/* Records the first failure, here and in the header, where every rank sees it at its next wait. */
-static int fail(sx_shm *c, int code, int peer) {
+/* Records the first failure, here and in the header, where every rank sees it at its next wait, with the
+ * rank an enclosing group blames for it (-1: none). */
+static int fail_outer(sx_shm *c, int code, int peer, int outer) {
     int none = 0;
-    if (__atomic_compare_exchange_n(&c->failed, &none, code, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+    if (__atomic_compare_exchange_n(&c->failed, &none, code, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
         c->failed_peer = peer;
+        c->failed_outer = outer;
+    }
     if (c->head) {
         none = 0;
         int32_t shared = code == SX_EABORTED ? SX_EPEER : code; /* an abort here is a peer gone for the others */
         if (peer < 0 && code == SX_EABORTED) peer = c->rank;
-        if (__atomic_compare_exchange_n(&c->head->failed, &none, shared, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        if (__atomic_compare_exchange_n(&c->head->failed, &none, shared, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+            __atomic_store_n(&c->head->failed_outer, outer + 1, __ATOMIC_SEQ_CST);
             __atomic_store_n(&c->head->failed_rank, peer, __ATOMIC_SEQ_CST);
+        }
         wake_everyone(c);
     }
     return code;
 }
+
+static int fail(sx_shm *c, int code, int peer) { return fail_outer(c, code, peer, -1); }
 
 /* A failure another rank recorded, taken as this rank's own. */
 static int failed_elsewhere(sx_shm *c) {
     int code = __atomic_load_n(&c->head->failed, __ATOMIC_SEQ_CST);
     if (!code) return SX_OK;
     int peer = __atomic_load_n(&c->head->failed_rank, __ATOMIC_SEQ_CST);
+    int outer = __atomic_load_n(&c->head->failed_outer, __ATOMIC_SEQ_CST) - 1;
     int none = 0;
-    if (__atomic_compare_exchange_n(&c->failed, &none, code, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+    if (__atomic_compare_exchange_n(&c->failed, &none, code, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
         c->failed_peer = peer;
+        c->failed_outer = outer;
+    }
     return code;
 }
 
@@ -200,7 +212,7 @@ static size_t head_bytes(int world) {
 
 void sx_shm_destroy(sx_shm *c) {
     if (!c) return;
-    if (c->created && !c->unlinked) shm_unlink(c->name);
+    if (c->named && !c->unlinked) shm_unlink(c->name);
     if (c->pidfds)
         for (int r = 0; r < c->world; r++)
             if (c->pidfds[r] >= 0) close(c->pidfds[r]);
@@ -219,6 +231,7 @@ int sx_shm_create(const char *name, int create, int rank, int world_size, uint64
     sx_shm *c = calloc(1, sizeof *c);
     if (!c) return SX_ENOMEM;
     c->rank = rank, c->world = world_size, c->generation = generation, c->slot = slot_bytes, c->failed_peer = -1;
+    c->failed_outer = -1;
     snprintf(c->name, sizeof c->name, "%s", name);
     c->pidfds = malloc((size_t)world_size * sizeof *c->pidfds);
     if (!c->pidfds) { sx_shm_destroy(c); return SX_ENOMEM; }
@@ -250,7 +263,6 @@ int sx_shm_create(const char *name, int create, int rank, int world_size, uint64
         sx_shm_destroy(c);
         return rc;
     }
-    c->created = create;
     c->head = (struct shm_head *)c->base;
     c->ranks = (struct shm_rank *)(c->base + RANKS_AT);
     c->data = c->base + head_bytes(world_size);
@@ -268,6 +280,7 @@ int sx_shm_create(const char *name, int create, int rank, int world_size, uint64
         sx_shm_destroy(c);
         return SX_ESTALE;
     }
+    c->named = 1; /* ours (a segment of another generation or shape is left to its own ranks) */
     c->ranks[rank].pid = (int32_t)getpid();
     c->posted = __atomic_load_n(&c->ranks[rank].posted, __ATOMIC_ACQUIRE);
     __atomic_add_fetch(&c->head->attached, 1, __ATOMIC_SEQ_CST);
@@ -276,9 +289,29 @@ int sx_shm_create(const char *name, int create, int rank, int world_size, uint64
     return SX_OK;
 }
 
+/* Opens a pidfd for each peer that has written its pid and has none yet; SX_EPEER naming the first that is gone
+ * and, while setup waits (`judge`), the first that has exited: no rank leaves before every rank has mapped the
+ * segment. (Once all have, one may have finished setup, closed and exited.) A peer refused a pidfd keeps -1: its
+ * death then ends in the deadline. */
+static int watch_peers(sx_shm *c, int judge) {
+    for (int r = 0; r < c->world; r++) {
+        pid_t pid = __atomic_load_n(&c->ranks[r].pid, __ATOMIC_ACQUIRE);
+        if (r == c->rank || pid == 0 || pid == getpid()) continue; /* ranks as threads of one process share it */
+        if (c->pidfds[r] < 0) {
+            long fd = syscall(SYS_pidfd_open, pid, 0);
+            if (fd < 0 && errno == ESRCH) return fail(c, SX_EPEER, r);
+            if (fd < 0) continue;
+            c->pidfds[r] = (int)fd;
+        }
+        if (judge && exited(c, r)) return fail(c, SX_EPEER, r);
+    }
+    return SX_OK;
+}
+
 /* Until every rank has mapped the segment (SX_ETIMEDOUT at timeout_s, and it may be called again); then
- * unlinks its name (no other process can attach, and the memory goes with the last rank) and opens a pidfd per
- * peer. */
+ * unlinks its name (no other process can attach, and the memory goes with the last rank). Meanwhile it watches
+ * the ranks that have mapped it: one that dies (the creator SIGKILLed while a peer is late) fails the setup of
+ * every rank at once, each of which then unlinks the name, instead of waiting out the deadline. */
 int sx_shm_wait_attached(sx_shm *c, double timeout_s) {
     if (!c || !(timeout_s > 0)) return SX_EINVAL;
     double deadline = now_s() + timeout_s;
@@ -287,6 +320,7 @@ int sx_shm_wait_attached(sx_shm *c, double timeout_s) {
         if (seen >= (uint32_t)c->world) break;
         if (__atomic_load_n(&c->aborted, __ATOMIC_SEQ_CST)) return fail(c, SX_EABORTED, -1);
         int rc = failed_elsewhere(c);
+        if (rc == SX_OK) rc = watch_peers(c, 1);
         if (rc != SX_OK) return rc;
         double left = deadline - now_s();
         if (left <= 0) return SX_ETIMEDOUT; /* not a failure: the caller may look for an abort and wait again */
@@ -294,14 +328,7 @@ int sx_shm_wait_attached(sx_shm *c, double timeout_s) {
     }
     shm_unlink(c->name); /* every rank tries: whichever is first; ENOENT for the rest */
     c->unlinked = 1;
-    for (int r = 0; r < c->world; r++) {
-        pid_t pid = c->ranks[r].pid;
-        if (r == c->rank || pid == getpid()) continue; /* ranks as threads of one process share its pid */
-        long fd = syscall(SYS_pidfd_open, pid, 0);
-        if (fd < 0 && errno == ESRCH) return fail(c, SX_EPEER, r);
-        c->pidfds[r] = (int)fd; /* -1 where refused: that peer's death then ends in the deadline */
-    }
-    return SX_OK;
+    return watch_peers(c, 0);
 }
 
 void sx_shm_abort(sx_shm *c) {
@@ -311,6 +338,15 @@ void sx_shm_abort(sx_shm *c) {
 }
 
 int sx_shm_failed_peer(const sx_shm *c) { return c ? c->failed_peer : -1; }
+
+int sx_shm_failed_outer(const sx_shm *c) { return c ? c->failed_outer : -1; }
+
+int sx_shm_relay(sx_shm *c, int code, int outer) {
+    if (!c || outer < -1 || !(code == SX_EPEER || code == SX_ETIMEDOUT || code == SX_ESTALE || code == SX_EPROTO))
+        return SX_EINVAL;
+    fail_outer(c, code, -1, outer);
+    return SX_OK;
+}
 
 /* ---- the collectives ------------------------------------------------------------------------------- */
 

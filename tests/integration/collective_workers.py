@@ -124,6 +124,36 @@ def abort_while_peer_is_away(store_dir: str, rank: int, peer_may_go: Any, result
         results.put((rank, type(e).__name__, time.monotonic() - started, e.peer))
 
 
+class RefusingStore(DirectoryStore):
+    """A DirectoryStore whose set() of a key containing `refuse` fails, as a store that went away would, keeping
+    the values it refused (what a test could not learn otherwise: a shared-memory segment's nonce)."""
+
+    def __init__(self, root: str, refuse: str):
+        super().__init__(root)
+        self.refuse, self.refused = refuse, []
+
+    def set(self, key: str, value: bytes) -> None:
+        if self.refuse and self.refuse in key:
+            self.refused.append(value.decode())
+            raise errors.StoreError(f"the store refuses {key!r}")
+        super().set(key, value)
+
+
+def set_up_once(store_dir: str, rank: int, world: int, results: Any, backend: str = "shm", timeout: float = 60,
+                host_key: str = "", refuse: str = "") -> None:
+    """Sets up a group (over a RefusingStore) and reports (rank, "ok", backend, refused) or (rank, error class
+    name, blamed peer, refused), then closes it and returns."""
+    os.environ[ENV_HOST_KEY] = host_key
+    store = RefusingStore(store_dir, refuse)
+    try:
+        group = collectives.ProcessGroup(store, rank, world, 1, key=KEY, timeout=timeout, backend=backend)
+    except errors.SneppXError as e:
+        results.put((rank, type(e).__name__, getattr(e, "peer", None), store.refused))
+        return
+    results.put((rank, "ok", group.backend, store.refused))
+    group.close()
+
+
 def allreduce_once(store_dir: str, rank: int, world: int, results: Any) -> None:
     """Connects, allreduces [rank + 1] * 8, reports (rank, result, refused-connection counts)."""
     try:

@@ -126,11 +126,18 @@ class _Communicator:
                 type(self)._destroy(handle)
 
 
+# The failures a communicator can pass on for an enclosing group (relay), as the C status each is.
+_RELAYABLE = ((errors.PeerLostError, lib.SX_EPEER), (errors.CollectiveTimeoutError, lib.SX_ETIMEDOUT),
+              (errors.StaleGenerationError, lib.SX_ESTALE), (errors.CommProtocolError, lib.SX_EPROTO))
+
+
 class _HostCollectives(_Communicator):
     """The calls the two CPU communicators share, each through its class's C function of that name (sx_comm_* or
     sx_shm_*): both take host buffers and the same dtype and op codes."""
 
     _failed_peer: Any
+    _failed_outer: Any
+    _relay: Any
     _allreduce: Any
     _reduce_scatter: Any
     _allgather: Any
@@ -140,6 +147,25 @@ class _HostCollectives(_Communicator):
     def _blamed(self) -> int | None:
         peer = int(type(self)._failed_peer(self._handle))
         return peer if peer >= 0 else None
+
+    def failed_outer(self) -> int | None:
+        """The rank an enclosing group blames for this communicator's failure (see relay), if any."""
+        with self._abort_lock:
+            outer = int(type(self)._failed_outer(self._handle)) if self._handle != ffi.NULL else -1
+        return outer if outer >= 0 else None
+
+    def relay(self, error: errors.CollectiveError, outer: int | None) -> bool:
+        """Fails this communicator, between calls, with `error` of an enclosing group that blames `outer` (a rank
+        as that group numbers them): every rank of it then raises that error and reports `outer` from
+        failed_outer(), instead of blaming this rank. False (nothing done) for an error that is no failure of a
+        peer (an abort: abort() this communicator instead)."""
+        code = next((code for kind, code in _RELAYABLE if isinstance(error, kind)), None)
+        if code is None:
+            return False
+        with self._lock:
+            if self._handle != ffi.NULL:
+                type(self)._relay(self._handle, code, -1 if outer is None else outer)
+        return True
 
     def allreduce(self, data: Any, count: int, dtype: str, op: str, timeout: float) -> None:
         buf = _check_buffer(data, count, dtype, REDUCE_DTYPES)
@@ -166,6 +192,7 @@ class Comm(_HostCollectives):
     """One rank's end of the TCP ring (sx_comm_* in sneppx.h). Owns both sockets from construction on."""
 
     _abort, _destroy, _failed_peer = lib.sx_comm_abort, lib.sx_comm_destroy, lib.sx_comm_failed_peer
+    _relay, _failed_outer = lib.sx_comm_relay, lib.sx_comm_failed_outer
     _allreduce, _reduce_scatter, _allgather = lib.sx_comm_allreduce, lib.sx_comm_reduce_scatter, lib.sx_comm_allgather
     _broadcast, _barrier = lib.sx_comm_broadcast, lib.sx_comm_barrier
 
@@ -186,6 +213,7 @@ class ShmComm(_HostCollectives):
     `name` (create=True), the others open it; wait_attached() then returns once every rank has mapped it."""
 
     _abort, _destroy, _failed_peer = lib.sx_shm_abort, lib.sx_shm_destroy, lib.sx_shm_failed_peer
+    _relay, _failed_outer = lib.sx_shm_relay, lib.sx_shm_failed_outer
     _allreduce, _reduce_scatter, _allgather = lib.sx_shm_allreduce, lib.sx_shm_reduce_scatter, lib.sx_shm_allgather
     _broadcast, _barrier = lib.sx_shm_broadcast, lib.sx_shm_barrier
 

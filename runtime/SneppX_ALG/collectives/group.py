@@ -39,6 +39,8 @@ from SneppX_ALG.collectives.ring import (
 from SneppX_ALG.collectives.shm import host_identity, shm_key, shm_name
 
 DEFAULT_TIMEOUT = 300.0
+SHM_MIN_SLOT = 64  # native/src/shm.c: a slot is a whole number of cache lines
+MIN_SUB_CALL_TIMEOUT = 1e-3  # what a hierarchical call's sub-call gets once its deadline has passed
 
 Backend = Literal["auto", "tcp", "shm", "nccl"]
 
@@ -89,6 +91,9 @@ class ProcessGroup:
             raise ValueError(f"backend must be 'auto', 'tcp', 'shm' or 'nccl', got {backend!r}")
         if not 8 <= chunk_bytes <= 1 << 30:
             raise ValueError(f"chunk_bytes must be in 8..2^30, got {chunk_bytes}")
+        if backend in ("auto", "shm") and chunk_bytes < SHM_MIN_SLOT:  # every rank says so before setup begins
+            raise ValueError(f"backend {backend!r} needs chunk_bytes >= {SHM_MIN_SLOT} (a shared-memory slot is a "
+                             f"multiple of {SHM_MIN_SLOT} bytes), got {chunk_bytes}")
         if name:
             store = store_lib.Namespace(store, f"group/{name}")  # ValueError for a name no key may hold
         self.rank, self.world_size, self.generation, self.name = rank, world_size, generation, name
@@ -150,8 +155,31 @@ class ProcessGroup:
                 return [[int(r) for r in ranks] for ranks in outcome["hosts"]]
             if "nonce" not in outcome:
                 return None
-            return _native.ShmComm(shm_name(key, g, bytes.fromhex(outcome["nonce"])), rank, self.world_size, g,
-                                   create=False, slot_bytes=slot_bytes)
+            return self._open_published(shm_name(key, g, bytes.fromhex(outcome["nonce"])), rank, self.world_size,
+                                        slot_bytes, 0)
+        try:
+            comm, outcome = self._decide_segment(store, backend, key, slot_bytes, deadline, aborted)
+        except BaseException as e:
+            # The others wait for this outcome: a failure here is one too, or they would wait out the deadline.
+            self._publish_failure(store, shm_key(g, "segment"), f"rank 0 failed setting up: {e!r}")
+            raise
+        try:
+            store.set(shm_key(g, "segment"), json.dumps(outcome).encode())
+        except BaseException:
+            if isinstance(comm, _native.ShmComm):
+                comm.close()
+            raise
+        if "error" in outcome:
+            raise errors.CommProtocolError(outcome["error"], rank=rank, generation=g, peer=0)
+        return comm
+
+    def _decide_segment(self, store: store_lib.Store, backend: Backend, key: bytes, slot_bytes: int,
+                        deadline: float, aborted: threading.Event | None,
+                        ) -> tuple[_native.ShmComm | list[list[int]] | None, dict[str, Any]]:
+        """Rank 0's part of `_open_segment`: what this rank holds (the segment, the hosts' ranks or None for the
+        ring) and the outcome to publish for the others. A segment that can't be created (/dev/shm full,
+        read-only, not writable) is the ring for "auto" and a reason for "shm"."""
+        g = self.generation
         hosts = [json.loads(self._poll_store(store, shm_key(g, f"host/{r}"), deadline, aborted,
                                              f"host of rank {r}", r))["host"] for r in range(self.world_size)]
         elsewhere = ", ".join(str(r) for r, host in enumerate(hosts) if host != hosts[0])
@@ -160,35 +188,39 @@ class ProcessGroup:
             by_host.setdefault(host, []).append(r)
         groups = list(by_host.values())
         if elsewhere and len({len(ranks) for ranks in groups}) == 1 and len(groups[0]) > 1:
-            store.set(shm_key(g, "segment"), json.dumps({"hosts": groups}).encode())
-            return groups
-        comm, full = None, ""
-        if not elsewhere:
-            nonce = secrets.token_bytes(16)
-            try:
-                comm = _native.ShmComm(shm_name(key, g, nonce), 0, self.world_size, g, create=True,
-                                       slot_bytes=slot_bytes)
-            except errors.DiskFullError as e:  # /dev/shm too small for the segment (a container's default)
-                full = str(e)
-        if comm is not None:
-            outcome = {"nonce": nonce.hex()}  # published once the segment exists
-        elif full:
-            outcome = {"ring": f"/dev/shm has no room for the segment: {full}"} if backend == "auto" else \
-                {"error": f"backend 'shm': /dev/shm has no room for the segment: {full}"}
-        elif backend == "auto":
-            outcome = {"ring": f"rank(s) {elsewhere} on other hosts"}
-        else:
-            outcome = {"error": "backend 'shm' needs every rank on one host (one boot, /dev/shm and PID namespace): "
-                                f"rank(s) {elsewhere} are not on rank 0's"}
+            return groups, {"hosts": groups}
+        if elsewhere:
+            return None, {"ring": f"rank(s) {elsewhere} on other hosts"} if backend == "auto" else \
+                {"error": "backend 'shm' needs every rank on one host (one boot, /dev/shm and PID namespace): "
+                          f"rank(s) {elsewhere} are not on rank 0's"}
+        nonce = secrets.token_bytes(16)
         try:
-            store.set(shm_key(g, "segment"), json.dumps(outcome).encode())
-        except BaseException:
-            if comm is not None:
-                comm.close()
-            raise
-        if "error" in outcome:
-            raise errors.CommProtocolError(outcome["error"], rank=rank, generation=g, peer=0)
-        return comm
+            comm = _native.ShmComm(shm_name(key, g, nonce), 0, self.world_size, g, create=True,
+                                   slot_bytes=slot_bytes)
+        except (errors.StorageError, MemoryError) as e:  # ENOSPC (a container's 64 MiB), EACCES, EROFS, mmap
+            why = f"/dev/shm has no room for the segment: {e}" if isinstance(e, errors.DiskFullError) else \
+                f"can't create the segment in /dev/shm: {e}"
+            return None, {"ring": why} if backend == "auto" else {"error": f"backend 'shm': {why}"}
+        return comm, {"nonce": nonce.hex()}  # published once the segment exists
+
+    def _open_published(self, name: str, rank: int, world: int, slot_bytes: int, creator: int) -> _native.ShmComm:
+        """The segment rank `creator` published. Gone already means its setup failed (a rank that fails in setup
+        unlinks the name: nothing leaks, and nobody else attaches)."""
+        try:
+            return _native.ShmComm(name, rank, world, self.generation, create=False, slot_bytes=slot_bytes)
+        except errors.StorageError as e:
+            raise errors.CommProtocolError(
+                f"setup of generation {self.generation}: the shared-memory segment rank {creator} published can't "
+                f"be opened (its setup failed on another rank first?): {e}", rank=self.rank,
+                generation=self.generation, peer=creator) from None
+
+    @staticmethod
+    def _publish_failure(store: store_lib.Store, key: str, why: str) -> None:
+        """Best effort: a store that fails here too leaves the others to their deadline, as nothing else can."""
+        try:
+            store.set(key, json.dumps({"error": why}).encode())
+        except errors.StoreError:
+            pass
 
     def _connect_hierarchical(self, store: store_lib.Store, hosts: list[list[int]], key: bytes, host: str,
                               chunk_bytes: int, deadline: float, aborted: threading.Event | None) -> _Hierarchical:
@@ -200,14 +232,24 @@ class ProcessGroup:
         where = shm_key(g, f"host-segment/{index}")
         if local_rank == 0:
             nonce = secrets.token_bytes(16)
-            local = _native.ShmComm(shm_name(key, g, nonce), 0, len(hosts[index]), g, create=True,
-                                    slot_bytes=chunk_bytes & ~63)
-            store.set(where, json.dumps({"nonce": nonce.hex()}).encode())
+            try:
+                local = _native.ShmComm(shm_name(key, g, nonce), 0, len(hosts[index]), g, create=True,
+                                        slot_bytes=chunk_bytes & ~63)
+            except BaseException as e:
+                self._publish_failure(store, where, f"rank {self.rank} failed creating host {index}'s segment: {e!r}")
+                raise
+            try:
+                store.set(where, json.dumps({"nonce": nonce.hex()}).encode())
+            except BaseException:
+                local.close()  # unlinks the name: nobody else can, since nobody else learnt it
+                raise
         else:
             record = json.loads(self._poll_store(store, where, deadline, aborted, f"segment of host {index}",
                                                  hosts[index][0]))
-            local = _native.ShmComm(shm_name(key, g, bytes.fromhex(record["nonce"])), local_rank,
-                                    len(hosts[index]), g, create=False, slot_bytes=chunk_bytes & ~63)
+            if "error" in record:
+                raise errors.CommProtocolError(record["error"], rank=self.rank, generation=g, peer=hosts[index][0])
+            local = self._open_published(shm_name(key, g, bytes.fromhex(record["nonce"])), local_rank,
+                                         len(hosts[index]), chunk_bytes & ~63, hosts[index][0])
         local = self._attach(local, deadline, aborted)
         try:
             cross = ProcessGroup(store_lib.Namespace(store, f"cross/{local_rank}"), index, len(hosts), g,
@@ -410,34 +452,47 @@ class ProcessGroup:
 class _Hierarchical:
     """Collectives of ranks on several hosts, as many on each: shared memory inside a host, and between hosts one
     TCP ring per local index, each carrying its local rank's share (the inter-host leg striped over every rank of
-    a host, not funnelled through one). The same calls as a communicator (`_native.Comm`)."""
+    a host, not funnelled through one). The same calls as a communicator (`_native.Comm`). A call's `timeout` is
+    one deadline for all its sub-calls: each gets what is left of it, not the whole again."""
 
     def __init__(self, local: _native.ShmComm, cross: ProcessGroup, hosts: list[list[int]], rank: int):
         self.local, self.cross, self.hosts, self.rank = local, cross, hosts, rank
         self.index = next(h for h, ranks in enumerate(hosts) if rank in ranks)
         self.local_size = len(hosts[0])
         self.local_rank = hosts[self.index].index(rank)
+        self.clock = time.monotonic  # a test's fake clock goes here
+
+    def _left(self, until: float) -> float:
+        """What is left of a call's deadline for its next sub-call (a past deadline still gets a sliver: the
+        sub-call then fails as a timeout, and its peers hear of it)."""
+        return max(until - self.clock(), MIN_SUB_CALL_TIMEOUT)
 
     def _in(self, group: Literal["host", "ring"], call: Any, *args: Any) -> None:
-        """call(*args) on one of the two groups. A failure fails the other group too (its ranks learn at once
-        instead of waiting on this one until their deadline) and is raised with the blamed rank as a rank of
-        the whole group (a host's groups number their ranks 0..local size, a ring its hosts)."""
+        """call(*args) on one of the two groups. A failure is raised with the blamed rank as a rank of the whole
+        group (a host's groups number their ranks 0..local size, a ring its hosts), and fails the other group
+        too, passing that rank on (`relay`): its ranks learn at once instead of waiting on this one until their
+        deadline, and name the rank that failed, not this one, which only told them. An abort (this rank's own)
+        aborts the other group: to its ranks, this one left."""
         try:
             call(*args)
         except errors.CollectiveError as e:
-            self.abort()
-            peer = e.peer
-            if peer is not None:
-                peer = self.hosts[self.index][peer] if group == "host" else self.hosts[peer][self.local_rank]
+            comm = self.local if group == "host" else self.cross._comm
+            peer = comm.failed_outer()  # a failure relayed from a third group carries its blame along
+            if peer is None and e.peer is not None:
+                peer = self.hosts[self.index][e.peer] if group == "host" else self.hosts[e.peer][self.local_rank]
+            other = self.cross._comm if group == "host" else self.local
+            if not other.relay(e, peer):
+                self.abort()
             raise type(e)(f"{e}; of the whole group: rank {peer}" if peer is not None else str(e), rank=self.rank,
                           generation=e.generation, peer=peer) from None
 
     def allreduce(self, data: np.ndarray, count: int, dtype: str, op: str, timeout: float) -> None:
         """Reduce-scatter in the host, allreduce of this rank's share between hosts, allgather in the host."""
-        self._in("host", self.local.reduce_scatter, data, count, dtype, op, timeout)
+        until = self.clock() + timeout
+        self._in("host", self.local.reduce_scatter, data, count, dtype, op, self._left(until))
         lo, hi = _native.shard_range(count, self.local_size, self.local_rank)
-        self._in("ring", self.cross.allreduce, data.reshape(-1)[lo:hi], op, timeout)
-        self._in("host", self.local.allgather, data, count, dtype, timeout)
+        self._in("ring", self.cross.allreduce, data.reshape(-1)[lo:hi], op, self._left(until))
+        self._in("host", self.local.allgather, data, count, dtype, self._left(until))
 
     def reduce_scatter(self, data: np.ndarray, count: int, dtype: str, op: str, timeout: float) -> None:
         self.allreduce(data, count, dtype, op, timeout)  # every shard reduced, this rank's among them
@@ -462,14 +517,16 @@ class _Hierarchical:
         """From root to its local index's ring's other hosts, then inside each host."""
         index = next(h for h, ranks in enumerate(self.hosts) if root in ranks)
         root_local = self.hosts[index].index(root)
+        until = self.clock() + timeout
         if self.local_rank == root_local:
-            self._in("ring", self.cross.broadcast, data, index, timeout)
-        self._in("host", self.local.broadcast, data, root_local, timeout)
+            self._in("ring", self.cross.broadcast, data, index, self._left(until))
+        self._in("host", self.local.broadcast, data, root_local, self._left(until))
 
     def barrier(self, timeout: float) -> None:
-        self._in("host", self.local.barrier, timeout)
-        self._in("ring", self.cross.barrier, timeout)
-        self._in("host", self.local.barrier, timeout)
+        until = self.clock() + timeout
+        self._in("host", self.local.barrier, self._left(until))
+        self._in("ring", self.cross.barrier, self._left(until))
+        self._in("host", self.local.barrier, self._left(until))
 
     def shift(self, send: Any, recv: Any, timeout: float) -> None:
         raise ValueError("shift runs on a tcp group")

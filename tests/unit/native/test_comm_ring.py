@@ -340,3 +340,33 @@ def test_a_notice_of_nothing_this_group_knows_blames_its_sender(bad: bytes, erro
     thread.join(60)
     assert len(raised) == 1 and isinstance(raised[0], error) and raised[0].peer == 3, raised
     peer.close()
+
+
+# ---- relays: a failure of an enclosing group (the hierarchical path's rings), passed on with its blame ---------
+
+
+RELAYED = [errors.PeerLostError, errors.CollectiveTimeoutError, errors.StaleGenerationError, errors.CommProtocolError]
+
+
+@pytest.mark.parametrize("kind", RELAYED)
+@pytest.mark.parametrize("outer", [None, 0, 9, 65535])
+def test_a_relayed_failure_reaches_every_rank_with_the_outer_blame(kind: type[errors.CollectiveError],
+                                                                   outer: int | None) -> None:
+    """Rank 0 of 4, between calls, relays a failure its enclosing group blames on `outer`; ranks 1-3, in a
+    barrier (ranks 1 and 3 next to it, rank 2 told by them), raise the same kind and report the same outer rank,
+    not rank 0 (an abort, which the relay used to be, made them name rank 0)."""
+    comms = make_ring(4)
+
+    def body(rank: int, comm: _native.Comm) -> Any:
+        if rank == 0:
+            return comm.relay(kind("elsewhere", rank=0, generation=7), outer)
+        comm.barrier(60)
+        return None
+
+    results = run_ranks(comms, body)
+    assert results[0] is True
+    assert all(isinstance(e, kind) and e.peer is None for e in results[1:]), results
+    assert [c.failed_outer() for c in comms] == [outer] * 4
+    assert not comms[0].relay(errors.CollectiveAbortedError("mine", rank=0, generation=7), 3)
+    for comm in comms:
+        comm.close()

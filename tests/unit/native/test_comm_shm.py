@@ -4,6 +4,8 @@ segment. Real processes, real SIGKILL and SIGSTOP are in tests/integration/test_
 
 from __future__ import annotations
 
+import errno
+import os
 import secrets
 import threading
 import time
@@ -161,9 +163,22 @@ def test_a_shm_group_is_a_process_group_like_any_other(tmp_path: Any) -> None:
     assert run_ranks([None] * 3, lambda rank, _: train(rank)) == [[6.0] * 5] * 3
 
 
+# What creating the segment raises on a /dev/shm that is full (posix_fallocate), not writable, read-only, or when
+# the mapping fails (_native's raise_for of SX_ENOSPC, SX_EPERM, SX_EIO, SX_ENOMEM).
+CREATE_FAILURES = {
+    "no room": errors.DiskFullError("no space left on device (No space left on device)"),
+    "EACCES": errors.StorageError("permission denied (Permission denied)", errno=errno.EACCES),
+    "EROFS": errors.StorageError("I/O error (Read-only file system)", errno=errno.EROFS),
+    "mmap": MemoryError("out of memory"),
+}
+
+
+@pytest.mark.parametrize("failure", sorted(CREATE_FAILURES))
 @pytest.mark.parametrize("backend", ["auto", "shm"])
 def test_a_dev_shm_without_room_means_the_ring_or_a_clear_error(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
-                                                                 backend: str) -> None:
+                                                                 backend: str, failure: str) -> None:
+    """Any failure to create the segment is published: "auto" goes on over the ring, "shm" fails on every rank
+    with rank 0's reason. (Only a full /dev/shm was: otherwise rank 0 raised and rank 1 waited out its deadline.)"""
     from directory_store import DirectoryStore
 
     from SneppX_ALG import collectives
@@ -171,8 +186,8 @@ def test_a_dev_shm_without_room_means_the_ring_or_a_clear_error(tmp_path: Any, m
     real = _native.ShmComm
 
     def small_dev_shm(name: str, rank: int, world: int, generation: int, *, create: bool, slot_bytes: int) -> Any:
-        if create:  # what posix_fallocate reports on a full tmpfs
-            raise errors.DiskFullError(f"shared-memory segment {name}: no space left on device")
+        if create:
+            raise CREATE_FAILURES[failure]
         return real(name, rank, world, generation, create=create, slot_bytes=slot_bytes)
 
     monkeypatch.setattr(_native, "ShmComm", small_dev_shm)
@@ -188,7 +203,50 @@ def test_a_dev_shm_without_room_means_the_ring_or_a_clear_error(tmp_path: Any, m
     if backend == "auto":
         assert results == [("tcp", [3.0, 3.0])] * 2
     else:
-        assert all(isinstance(e, errors.CommProtocolError) and "no room" in str(e) for e in results), results
+        reason = str(CREATE_FAILURES[failure])
+        assert all(isinstance(e, errors.CommProtocolError) and reason in str(e) for e in results), results
+
+
+@pytest.mark.parametrize("backend", ["auto", "shm"])
+@pytest.mark.parametrize("chunk_bytes", [8, 32, 63])
+def test_a_chunk_too_small_for_a_shared_memory_slot_is_refused_before_setup(tmp_path: Any, backend: str,
+                                                                           chunk_bytes: int) -> None:
+    """Every rank refuses it before it touches the store (rank 0 used to fail creating the segment, and the
+    others waited out the deadline); "tcp" still takes frames from 8 bytes."""
+    from directory_store import DirectoryStore
+
+    from SneppX_ALG import collectives
+
+    for rank in range(2):
+        with pytest.raises(ValueError, match="chunk_bytes >= 64"):
+            collectives.ProcessGroup(DirectoryStore(tmp_path), rank, 2, 1, backend=backend, key=b"k" * 32,
+                                     timeout=5, chunk_bytes=chunk_bytes)
+    assert os.listdir(tmp_path) == []
+
+
+def test_rank_0_failing_in_setup_fails_the_others_at_once(tmp_path: Any) -> None:
+    """Rank 0 of 3 waits for rank 2, which never comes, and is aborted: it publishes its failure, so rank 1
+    (deadline 10 minutes, past this test's wait) fails at once with rank 0's reason instead of waiting it out."""
+    from directory_store import DirectoryStore
+
+    from SneppX_ALG import collectives
+
+    aborted = threading.Event()
+
+    def abort_rank_0_in_setup() -> None:
+        DirectoryStore(tmp_path).get(collectives.shm_key(1, "host/0"), timeout=60)  # it waits for the others
+        aborted.set()
+
+    threading.Thread(target=abort_rank_0_in_setup, daemon=True).start()
+
+    def join(rank: int) -> Any:
+        return collectives.ProcessGroup(DirectoryStore(tmp_path), rank, 3, 1, backend="shm", key=b"k" * 32,
+                                        timeout=600, aborted=aborted if rank == 0 else None)
+
+    results = run_ranks([None, None], lambda rank, _: join(rank))
+    assert isinstance(results[0], errors.CollectiveAbortedError), results
+    assert isinstance(results[1], errors.CommProtocolError) and "CollectiveAbortedError" in str(results[1]), results
+    assert results[1].peer == 0
 
 
 @pytest.mark.parametrize("dtype", ["uint8", "float32", "float64"])
@@ -215,3 +273,26 @@ def test_a_hierarchical_allgather_keeps_every_bit(tmp_path: Any, monkeypatch: py
             return g.allgather(mine).tobytes()
 
     assert run_ranks([None] * 4, lambda rank, _: gather(rank)) == [values.tobytes()] * 4
+
+
+@pytest.mark.parametrize("kind", [errors.PeerLostError, errors.CollectiveTimeoutError, errors.StaleGenerationError,
+                                  errors.CommProtocolError])
+@pytest.mark.parametrize("outer", [None, 0, 9])
+def test_a_relayed_failure_reaches_every_rank_of_the_segment_with_the_outer_blame(
+        kind: type[errors.CollectiveError], outer: int | None) -> None:
+    """As over the ring (test_comm_ring.py): rank 0 relays, between calls, a failure of an enclosing group; ranks
+    1 and 2, in a barrier, raise the same kind and report the same outer rank, not rank 0."""
+    comms = make_group(3)
+
+    def body(rank: int, comm: _native.ShmComm) -> Any:
+        if rank == 0:
+            return comm.relay(kind("elsewhere", rank=0, generation=3), outer)
+        comm.barrier(60)
+        return None
+
+    results = run_ranks(comms, body)
+    assert results[0] is True
+    assert all(isinstance(e, kind) and e.peer is None for e in results[1:]), results
+    assert [c.failed_outer() for c in comms] == [outer] * 3
+    for comm in comms:
+        comm.close()
