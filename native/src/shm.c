@@ -105,6 +105,9 @@ static void wake_everyone(sx_shm *c) {
     for (int r = 0; r < c->world; r++) futex_wake(&c->ranks[r].posted);
 }
 
+/* The header's failure word while its first writer fills in the rank and blame (no SX_E* code is this). */
+#define FAILURE_BEING_WRITTEN INT32_MIN
+
 /* Records the first failure, here and in the header, where every rank sees it at its next wait, with the
  * rank an enclosing group blames for it (-1: none). */
 static int fail_outer(sx_shm *c, int code, int peer, int outer) {
@@ -117,9 +120,13 @@ static int fail_outer(sx_shm *c, int code, int peer, int outer) {
         none = 0;
         int32_t shared = code == SX_EABORTED ? SX_EPEER : code; /* an abort here is a peer gone for the others */
         if (peer < 0 && code == SX_EABORTED) peer = c->rank;
-        if (__atomic_compare_exchange_n(&c->head->failed, &none, shared, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+        /* claimed as FAILURE_BEING_WRITTEN first, the code stored last: a reader that sees the code sees the
+         * rank and the blame written with it, never the ones from before */
+        if (__atomic_compare_exchange_n(&c->head->failed, &none, FAILURE_BEING_WRITTEN, 0, __ATOMIC_SEQ_CST,
+                                        __ATOMIC_SEQ_CST)) {
             __atomic_store_n(&c->head->failed_outer, outer + 1, __ATOMIC_SEQ_CST);
             __atomic_store_n(&c->head->failed_rank, peer, __ATOMIC_SEQ_CST);
+            __atomic_store_n(&c->head->failed, shared, __ATOMIC_SEQ_CST);
         }
         wake_everyone(c);
     }
@@ -131,6 +138,16 @@ static int fail(sx_shm *c, int code, int peer) { return fail_outer(c, code, peer
 /* A failure another rank recorded, taken as this rank's own. */
 static int failed_elsewhere(sx_shm *c) {
     int code = __atomic_load_n(&c->head->failed, __ATOMIC_SEQ_CST);
+    /* two stores away: the writer is between its claim and its code (bounded: it may be killed right there,
+     * and then a peer is gone whatever it was about to say) */
+    for (int tries = 0; code == FAILURE_BEING_WRITTEN; tries++) {
+        if (tries == 100000) {
+            code = SX_EPEER;
+            break;
+        }
+        sched_yield();
+        code = __atomic_load_n(&c->head->failed, __ATOMIC_SEQ_CST);
+    }
     if (!code) return SX_OK;
     int peer = __atomic_load_n(&c->head->failed_rank, __ATOMIC_SEQ_CST);
     int outer = __atomic_load_n(&c->head->failed_outer, __ATOMIC_SEQ_CST) - 1;
