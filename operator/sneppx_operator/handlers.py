@@ -118,8 +118,8 @@ async def job_pods(
 
 
 @kopf.index("nodes")
-async def job_nodes(name: str, status: kopf.Status, **_: Any) -> dict[str, reconcile.ObservedNode]:
-    return {name: reconcile.observe_node(name, status)}
+async def job_nodes(name: str, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict[str, reconcile.ObservedNode]:
+    return {name: reconcile.observe_node(name, status, spec)}
 
 
 @kopf.index("configmaps", labels=RENDEZVOUS_LABELS)
