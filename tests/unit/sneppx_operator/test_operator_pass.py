@@ -249,3 +249,32 @@ def test_no_write_leaves_a_replica_that_may_not_act(monkeypatch: pytest.MonkeyPa
                 write()
     finally:
         k8s.set_fence(None)
+
+
+def test_a_group_restart_is_shown_restarting_and_its_recovery_reaches_the_histogram(
+    fake_api: list[Cluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 38, defect 8: a RestartGroup restart showed phase Creating, so sneppx_job_recovery_seconds never
+    observed its recovery."""
+    import prometheus_client
+
+    from sneppx_operator import metrics
+
+    def observed() -> float:
+        return prometheus_client.REGISTRY.get_sample_value("sneppx_job_recovery_seconds_count") or 0.0
+
+    phases: list[str] = []
+    record = metrics.record_pass
+
+    def recording(namespace: str, job: str, status: Mapping[str, Any], *rest: Any) -> None:
+        if status:
+            phases.append(status["phase"])
+        record(namespace, job, status, *rest)
+
+    monkeypatch.setattr(metrics, "record_pass", recording)
+    before = observed()
+    cluster = _scenario(fake_api, *SCENARIOS["quorum lost, the group restarts"], None)
+    assert cluster.job["status"]["membershipGeneration"] == 2 and cluster.job["status"]["phase"] == "Running"
+    after_failure = phases[phases.index("Running") + 1:]
+    assert after_failure and set(after_failure) == {"Restarting", "Running"}, phases
+    assert observed() == before + 1
