@@ -139,6 +139,7 @@ async def job_changed(
     if event.get("type") == "DELETED":
         LOOPS.forget(key)
         metrics.forget(namespace, name)
+        _rendezvous_seen.pop(key, None)
         return
     if _indexes is None:
         _indexes = _Indexes(job_pods, job_nodes, job_rendezvous)
@@ -151,9 +152,25 @@ async def pod_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
     LOOPS.poke((namespace, labels[builders.LABEL_JOB]))
 
 
+# What the operator last read of each job's rendezvous object: the agents' own records (joins, leases, the
+# sealer's renewals: at 64 ranks several a second while a generation forms) change nothing it acts on.
+_rendezvous_seen: dict[wakeups.Key, reconcile.ObservedObject] = {}
+
+
 @kopf.on.event("configmaps", labels=RENDEZVOUS_LABELS)
-async def rendezvous_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
-    LOOPS.poke((namespace, labels[builders.LABEL_JOB]))
+async def rendezvous_changed(
+    event: Mapping[str, Any], namespace: str, labels: kopf.Labels, meta: kopf.Meta, body: kopf.Body, **_: Any
+) -> None:
+    """Pokes the job's loop when what a pass reads of the object changed (or the object went)."""
+    key = (namespace, labels[builders.LABEL_JOB])
+    seen = reconcile.observe_rendezvous(meta, body.get("data"))
+    if event.get("type") == "DELETED":
+        _rendezvous_seen.pop(key, None)
+    elif _rendezvous_seen.get(key) == seen:
+        return
+    else:
+        _rendezvous_seen[key] = seen
+    LOOPS.poke(key)
 
 
 @kopf.on.event("nodes")
