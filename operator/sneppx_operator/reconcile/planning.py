@@ -478,7 +478,7 @@ def _rendezvous_puts(
 def _recovered_after(
     job: Job, phase: str, last_restart: datetime.datetime | None, now: datetime.datetime
 ) -> float | None:
-    """Seconds from the last restart to every rank healthy again, in the pass the job is Running again."""
+    """Seconds from the last restart to the pass the job is Running again (phase Restarting says until when)."""
     if job.status.get("phase") in ("Restarting", "Paused") and phase == "Running" and last_restart is not None:
         return max(0.0, (now - last_restart).total_seconds())
     return None

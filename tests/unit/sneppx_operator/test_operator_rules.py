@@ -316,3 +316,25 @@ def test_restarting_ends_once_the_job_trains_with_quorum_while_a_replacement_is_
     ready = {c["type"]: c for c in world.status["conditions"]}["Ready"]
     assert ready["status"] == "True"
     assert len(world.recoveries) == 1
+
+
+# -- a replacement gone before any pass saw it -----------------------------------------------------------------
+
+@pytest.mark.parametrize("seen", [False, True])
+def test_a_replacement_deleted_before_any_pass_saw_it_is_recreated_and_not_counted(seen: bool) -> None:
+    """Issue 38's suspicion, confirmed and left as a documented limit (docs/OPERATOR.md, "Not guaranteed"): the
+    operator counts a deletion only of a pod its status recorded (by uid). A replacement deleted by someone
+    before any pass saw it is recreated and not counted; seen once (Pending) first, its deletion counts
+    (PodDeleted). Telling "deleted" from "not yet in this replica's watch index" needs the create's uid or a
+    fresh list, not a pure rule. Either way the slot is refilled and nothing is counted twice."""
+    world = running_world(spec(min_nodes=1))
+    world.change(world.pods["train-1"].uid, phase="Failed", ready=False, exit_code=1)
+    world.run_pass()  # the restart: counted, the pod deleted
+    world.run_pass()  # the replacement created
+    replacement = world.pods["train-1"].uid
+    if seen:
+        world.run_pass()  # seen Pending: its uid is recorded
+    world.remove(replacement)
+    world.settle_down()
+    assert world.history() == [("PodFailed", True, 1)] + ([("PodDeleted", True, 1)] if seen else [])
+    assert world.status["phase"] == "Running" and world.pods["train-1"].uid != replacement
