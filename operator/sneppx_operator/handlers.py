@@ -38,6 +38,9 @@ RESOURCE = (builders.GROUP, builders.VERSION, builders.PLURAL)
 RENDEZVOUS_LABELS: dict[str, Any] = {builders.LABEL_JOB: kopf.PRESENT, builders.LABEL_COMPONENT: builders.COMPONENT_RENDEZVOUS}
 LOOPS = wakeups.JobLoops()
 MIN_PASS_INTERVAL_S = 0.2
+# What the operator last read of each job's rendezvous object: the agents' own records (joins, leases, the
+# sealer's renewals: at 64 ranks several a second while a generation forms) change nothing it acts on.
+_rendezvous_seen: dict[wakeups.Key, reconcile.ObservedObject] = {}
 log = logging.getLogger(__name__)
 
 
@@ -75,6 +78,7 @@ def acting() -> bool:
 async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     global _elector, _indexes
     _indexes = None  # this run's indexes come with its first job event (a process may run the operator twice)
+    _rendezvous_seen.clear()
     config.apply(settings)
     k8s.connect()
     if ELECTION is None:
@@ -150,11 +154,6 @@ async def job_changed(
 @kopf.on.event("pods", labels={builders.LABEL_JOB: kopf.PRESENT})
 async def pod_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
     LOOPS.poke((namespace, labels[builders.LABEL_JOB]))
-
-
-# What the operator last read of each job's rendezvous object: the agents' own records (joins, leases, the
-# sealer's renewals: at 64 ranks several a second while a generation forms) change nothing it acts on.
-_rendezvous_seen: dict[wakeups.Key, reconcile.ObservedObject] = {}
 
 
 @kopf.on.event("configmaps", labels=RENDEZVOUS_LABELS)
