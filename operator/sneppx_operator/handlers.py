@@ -38,6 +38,9 @@ RESOURCE = (builders.GROUP, builders.VERSION, builders.PLURAL)
 RENDEZVOUS_LABELS: dict[str, Any] = {builders.LABEL_JOB: kopf.PRESENT, builders.LABEL_COMPONENT: builders.COMPONENT_RENDEZVOUS}
 LOOPS = wakeups.JobLoops()
 MIN_PASS_INTERVAL_S = 0.2
+# What the operator last read of each job's rendezvous object: the agents' own records (joins, leases, the
+# sealer's renewals: at 64 ranks several a second while a generation forms) change nothing it acts on.
+_rendezvous_seen: dict[wakeups.Key, reconcile.ObservedObject] = {}
 log = logging.getLogger(__name__)
 
 
@@ -75,6 +78,7 @@ def acting() -> bool:
 async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     global _elector, _indexes
     _indexes = None  # this run's indexes come with its first job event (a process may run the operator twice)
+    _rendezvous_seen.clear()
     config.apply(settings)
     k8s.connect()
     if ELECTION is None:
@@ -118,8 +122,8 @@ async def job_pods(
 
 
 @kopf.index("nodes")
-async def job_nodes(name: str, status: kopf.Status, **_: Any) -> dict[str, reconcile.ObservedNode]:
-    return {name: reconcile.observe_node(name, status)}
+async def job_nodes(name: str, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict[str, reconcile.ObservedNode]:
+    return {name: reconcile.observe_node(name, status, spec)}
 
 
 @kopf.index("configmaps", labels=RENDEZVOUS_LABELS)
@@ -139,6 +143,7 @@ async def job_changed(
     if event.get("type") == "DELETED":
         LOOPS.forget(key)
         metrics.forget(namespace, name)
+        _rendezvous_seen.pop(key, None)
         return
     if _indexes is None:
         _indexes = _Indexes(job_pods, job_nodes, job_rendezvous)
@@ -152,8 +157,19 @@ async def pod_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
 
 
 @kopf.on.event("configmaps", labels=RENDEZVOUS_LABELS)
-async def rendezvous_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
-    LOOPS.poke((namespace, labels[builders.LABEL_JOB]))
+async def rendezvous_changed(
+    event: Mapping[str, Any], namespace: str, labels: kopf.Labels, meta: kopf.Meta, body: kopf.Body, **_: Any
+) -> None:
+    """Pokes the job's loop when what a pass reads of the object changed (or the object went)."""
+    key = (namespace, labels[builders.LABEL_JOB])
+    seen = reconcile.observe_rendezvous(meta, body.get("data"))
+    if event.get("type") == "DELETED":
+        _rendezvous_seen.pop(key, None)
+    elif _rendezvous_seen.get(key) == seen:
+        return
+    else:
+        _rendezvous_seen[key] = seen
+    LOOPS.poke(key)
 
 
 @kopf.on.event("nodes")

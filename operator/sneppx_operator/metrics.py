@@ -9,7 +9,8 @@ deleted job's series go with it (`forget`).
     sneppx_job_restarts_total{namespace,job,reason}        counter: restarts decided, by reason
                                                             (PodFailed, Evicted, PodDeleted, NodeNotReady,
                                                             Hang, QuorumLost), counted or not
-    sneppx_job_recovery_seconds                            histogram: last restart -> every rank healthy again
+    sneppx_job_recovery_seconds                            histogram: last restart -> Running again (quorum
+                                                            met, a pod in every slot)
     sneppx_job_membership_generation{namespace,job}        gauge: the job's pod generation
     sneppx_job_rendezvous_generation{namespace,job}        gauge: the agents' generation (rank 0's report)
     sneppx_job_world_size{namespace,job}                   gauge
@@ -48,7 +49,7 @@ LEADER = prometheus_client.Gauge(
 )
 RECOVERY = prometheus_client.Histogram(
     "sneppx_job_recovery_seconds",
-    "Seconds from a job's last restart until every rank was healthy again.",
+    "Seconds from a job's last restart until it was Running again (quorum met, a pod in every slot).",
     buckets=RECOVERY_BUCKETS,
 )
 

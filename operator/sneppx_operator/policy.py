@@ -34,8 +34,10 @@ FAIL_JOB, RESTART, IGNORE = "FailJob", "Restart", "Ignore"
 # Eviction API, a preemption, a NoExecute taint, the collection of a pod whose node is gone. The job did nothing
 # wrong, so such a restart is not counted against maxRestarts (a node upgrade must not fail a long job). The
 # kubelet's own evictions (TerminationByKubelet: node pressure, often the job's own memory) still count.
-CLUSTER_DISRUPTIONS = frozenset({"EvictionByEvictionAPI", "PreemptionByScheduler", "DeletionByTaintManager",
-                                 "DeletionByPodGC"})
+POD_GC = "DeletionByPodGC"  # the pod garbage collector's (a pod whose node is gone, among others)
+NODE_DRAINED = "NodeCordoned"  # not Kubernetes': a pod that left a cordoned node, seen Terminating or not
+CLUSTER_DISRUPTIONS = frozenset({"EvictionByEvictionAPI", "PreemptionByScheduler", "DeletionByTaintManager", POD_GC,
+                                 NODE_DRAINED})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import pathlib
 import signal
+import time
 from typing import Any
 
 import k8s_cluster
@@ -226,3 +227,58 @@ def test_the_agents_token_reaches_its_jobs_rendezvous_object_and_nothing_else(
 def _uid(api: kubernetes.client.ApiClient, namespace: str, name: str) -> str:
     return str(k8s_helpers.custom(api).get_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace,
                                                          k8s_helpers.PLURAL, name)["metadata"]["uid"])
+
+
+def test_a_drained_rank_with_restart_group_and_min_nodes_equal_to_max_nodes_is_not_counted(
+    api: kubernetes.client.ApiClient, namespace: str, operator: kopf.testing.KopfRunner,
+    pods: pod_runner.PodRunner,
+) -> None:
+    """Issue 38, defect 4: `kubectl drain` (cordon, then the Eviction API) of one rank's node with minNodes =
+    maxNodes, actionOnLoss RestartGroup and maxRestarts 0 is one uncounted QuorumLost group restart, and the job
+    runs on (it failed: the group restart was always counted)."""
+    create(api, namespace, standin_job("drain", max_nodes=2, min_nodes=2, quorum={"actionOnLoss": "RestartGroup"},
+                                       failurePolicy={"maxRestarts": 0}))
+    wait_running(api, namespace, "drain")
+    victim = running_pods(api, namespace, "drain")[1]
+    core = kubernetes.client.CoreV1Api(api)
+    node = victim.spec.node_name
+    core.patch_node(node, {"spec": {"unschedulable": True}})
+    try:
+        core.create_namespaced_pod_eviction(victim.metadata.name, namespace, kubernetes.client.V1Eviction(
+            metadata=kubernetes.client.V1ObjectMeta(name=victim.metadata.name, namespace=namespace)))
+        after = wait_status(api, namespace, "drain", "the next pod generation running",
+                            lambda s: s.get("membershipGeneration") == 2 and s.get("phase") == "Running"
+                            and s.get("readyNodes") == 2)
+    finally:
+        core.patch_node(node, {"spec": {"unschedulable": False}})
+    assert after.get("restartCount", 0) == 0
+    assert [(h["reason"], h["counted"]) for h in after["restartHistory"]] == [("QuorumLost", False)]
+
+
+def test_a_job_deleted_in_the_foreground_gets_no_replacement_and_no_count(
+    api: kubernetes.client.ApiClient, namespace: str, operator: kopf.testing.KopfRunner,
+    pods: pod_runner.PodRunner,
+) -> None:
+    """Issue 38, defect 7: under foreground deletion the garbage collector deletes the pods while the job still
+    exists; the operator must neither count those deletions (maxRestarts 0 would fail the job) nor replace them.
+    A finalizer of the test's own holds the job after the collector is done, so what the operator did stays."""
+    create(api, namespace, standin_job("fg", max_nodes=2, failurePolicy={"maxRestarts": 0}))
+    wait_running(api, namespace, "fg")
+    jobs = k8s_helpers.custom(api)
+    args = (k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL)
+    hold = "test.sneppx.io/hold"
+    jobs.patch_namespaced_custom_object(*args, "fg", {"metadata": {"finalizers": [hold]}})
+    core = kubernetes.client.CoreV1Api(api)
+    try:
+        jobs.delete_namespaced_custom_object(*args, "fg", body=kubernetes.client.V1DeleteOptions(
+            propagation_policy="Foreground"))
+        k8s_helpers.wait_for(
+            lambda: jobs.get_namespaced_custom_object(*args, "fg")["metadata"].get("finalizers") == [hold],
+            "the garbage collector done with the job's dependents", TIMEOUT)
+        time.sleep(3)  # several resyncs (1 s here) and the pods' DELETED events: a wrong pass would show now
+        assert core.list_namespaced_pod(namespace, label_selector="sneppx.io/job=fg").items == []
+        status = jobs.get_namespaced_custom_object(*args, "fg").get("status") or {}
+        assert status.get("restartCount", 0) == 0 and not status.get("restartHistory"), status
+        assert status.get("phase") == "Running", "nothing written for a job being deleted"
+    finally:
+        jobs.patch_namespaced_custom_object(*args, "fg", {"metadata": {"finalizers": []}})

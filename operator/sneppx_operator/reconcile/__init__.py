@@ -48,6 +48,7 @@ from sneppx_operator.reconcile.actions import (
 from sneppx_operator.reconcile.decisions import Event, Membership, Plan, Restart, Settled
 from sneppx_operator.reconcile.events import events_for
 from sneppx_operator.reconcile.observe import (
+    ACTIVE_POD_PHASES,
     Job,
     ObservedNode,
     ObservedObject,
@@ -58,7 +59,7 @@ from sneppx_operator.reconcile.observe import (
     observe_rendezvous,
     parse_time,
 )
-from sneppx_operator.reconcile.planning import ACTIVE_POD_PHASES, LEGACY_FINALIZER, next_membership, plan
+from sneppx_operator.reconcile.planning import LEGACY_FINALIZER, next_membership, plan
 from sneppx_operator.reconcile.settling import SPEC_REJECTED_CODES, describe_refusal, settle
 from sneppx_operator.reconcile.status import (
     CONDITION_RESOURCE_FAILURE,

@@ -42,7 +42,7 @@ class Plan:
     restarts: tuple[Restart, ...] = ()
     events: tuple[Event, ...] = ()
     wake_after: float | None = None  # seconds until a time-based decision is due (backoff, windows, TTL)
-    recovered_after: float | None = None  # seconds from the last restart to every rank healthy again
+    recovered_after: float | None = None  # seconds from the last restart to Running again
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,9 @@ from typing import Any
 from SneppX_ALG.contract import job_object
 from sneppx_operator import builders
 
+# The kubelet's phases of a pod some container of which may still run.
+ACTIVE_POD_PHASES = frozenset({"Pending", "Running", "Unknown"})
+
 
 @dataclasses.dataclass(frozen=True)
 class Job:
@@ -26,6 +29,7 @@ class Job:
     status: Mapping[str, Any]
     resource_version: str = ""  # of the body read: every status write is conditional on it
     finalizers: tuple[str, ...] = ()
+    deleting: bool = False  # metadata.deletionTimestamp is set: the garbage collector is taking it apart
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Job:
@@ -39,6 +43,7 @@ class Job:
             status=body.get("status") or {},
             resource_version=str(meta.get("resourceVersion") or ""),
             finalizers=tuple(meta.get("finalizers") or ()),
+            deleting=meta.get("deletionTimestamp") is not None,
         )
 
 
@@ -67,6 +72,12 @@ class ObservedPod:
     deleted_at: datetime.datetime | None = None  # deletionTimestamp: when its grace period ends
     created_at: datetime.datetime | None = None
     disruption: str | None = None  # why the cluster is taking it away (its DisruptionTarget condition's reason)
+    pod_phase: str = ""  # the kubelet's, where `phase` (the trainer's) differs: a sidecar runs on
+
+    def still_runs(self) -> bool:
+        """Whether a container of the pod may still run: the kubelet's phase, not the trainer's. The one rule
+        for "is this pod done" as a pod (it holds its node until then); `phase` says whether its rank is done."""
+        return (self.pod_phase or self.phase) in ACTIVE_POD_PHASES
 
 
 def controller_uid(meta: Mapping[str, Any]) -> str | None:
@@ -88,7 +99,7 @@ def observe_pod(
         c.get("type") == "Ready" and c.get("status") == "True" for c in (status.get("conditions") or [])
     )
     exit_code, reason = _training_container_end(spec, status)
-    phase = str(status.get("phase") or "Pending")
+    phase = pod_phase = str(status.get("phase") or "Pending")
     if exit_code is not None:
         # The rank is its trainer: a classic sidecar that keeps running holds the pod Running (Ready false) after
         # the trainer ended, and a sidecar that failed makes the pod Failed although the trainer succeeded.
@@ -112,6 +123,7 @@ def observe_pod(
         deleted_at=parse_time(meta.get("deletionTimestamp")),
         created_at=parse_time(meta.get("creationTimestamp")),
         disruption=str(disruption) if disruption is not None else None,
+        pod_phase=pod_phase if pod_phase != phase else "",
     )
 
 
@@ -134,15 +146,17 @@ class ObservedNode:
     name: str
     ready: bool
     since: datetime.datetime | None = None  # when its Ready condition last changed
+    cordoned: bool = False  # spec.unschedulable: taken out of service (`kubectl drain` cordons first)
 
 
-def observe_node(name: str, status: Mapping[str, Any]) -> ObservedNode:
+def observe_node(name: str, status: Mapping[str, Any], spec: Mapping[str, Any] | None = None) -> ObservedNode:
     """A node is ready while its Ready condition is True (False: the kubelet says so; Unknown: it went silent
     and the node controller noticed)."""
+    cordoned = bool((spec or {}).get("unschedulable"))
     ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
     if ready is None:
-        return ObservedNode(name, True)
-    return ObservedNode(name, ready.get("status") == "True", parse_time(ready.get("lastTransitionTime")))
+        return ObservedNode(name, True, cordoned=cordoned)
+    return ObservedNode(name, ready.get("status") == "True", parse_time(ready.get("lastTransitionTime")), cordoned)
 
 
 @dataclasses.dataclass(frozen=True)

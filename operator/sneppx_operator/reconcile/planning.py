@@ -39,7 +39,6 @@ from sneppx_operator.reconcile.status import (
     with_phase,
 )
 
-ACTIVE_POD_PHASES = frozenset({"Pending", "Running", "Unknown"})
 # Put on jobs by operator versions that deleted a job's objects themselves; taken off by this one.
 LEGACY_FINALIZER = "sneppx.io/finalizer"
 
@@ -171,6 +170,8 @@ def plan(
     status, the rendezvous object's records.
     """
     legacy = [DropFinalizer(job.name, job.uid, f) for f in job.finalizers if f == LEGACY_FINALIZER]
+    if job.deleting:  # the garbage collector takes its pods (foreground deletion): nothing is replaced or counted
+        return Plan(tuple(legacy), {})
     if _is_terminal(job.status):
         finished = _plan_finished(job, pods, now)
         return dataclasses.replace(finished, actions=(*legacy, *finished.actions))
@@ -259,17 +260,29 @@ def _on_quorum_loss(
         return membership, work, quorum, None
     if rule.action_on_loss == "RestartGroup" and work.fail_job is None:
         group = policy.RankLoss(-1, "", policy.QUORUM_LOST, rule.describe(work.healthy, membership.world_size))
-        if given.restart_count + 1 > given.budget:
+        counted, why = _group_restart_verdict(work.restarts)
+        if counted and given.restart_count + 1 > given.budget:
             return membership, work, quorum, (REASON_BUDGET_EXHAUSTED, _budget_message(given.budget, [group]))
         membership = next_membership(given.job.spec, given.job.status, group_restart=True)
         work = given.walk(membership)
-        work.restarts = [Restart(group, membership.generation - 1, True, "quorum.actionOnLoss RestartGroup")]
+        work.restarts = [Restart(group, membership.generation - 1, counted, why)]
         healthy_percent, met = rule.judge(0, membership.world_size)
         return membership, work, _Quorum(healthy_percent, met, lost=False), None
     if rule.action_on_loss == "Fail":
         message = rule.describe(work.healthy, membership.world_size) + " and quorum.actionOnLoss is Fail"
         return membership, work, quorum, (REASON_QUORUM_LOST, message)
     return membership, work, quorum, None
+
+
+def _group_restart_verdict(losses: Sequence[Restart]) -> tuple[bool, str]:
+    """(counted, why) of the group restart that stands for this pass's losses: it counts, once, when one of
+    them counts, or when quorum fell without a loss decided (pods that stopped being ready); losses that
+    are none of them counted (an Ignored exit, a drain, a pod collected with its node) leave it uncounted."""
+    if losses and not any(r.counted for r in losses):
+        whys = sorted({r.why for r in losses})
+        more = f" and {len(whys) - 2} more" if len(whys) > 2 else ""
+        return False, clip("every loss behind it is uncounted: " + "; ".join(whys[:2]) + more, 512)
+    return True, "quorum.actionOnLoss RestartGroup"
 
 
 def _restart_failure(given: _Inputs, work: Pass, failing: _Failing | None) -> _Failing | None:
@@ -311,9 +324,8 @@ def _stale_pod_deletes(given: _Inputs, membership: Membership) -> list[Action]:
 
 
 def _active_pod_deletes(given: _Inputs) -> list[Action]:
-    """A failing job stops every pod of its that still runs (or may)."""
-    return [Delete("Pod", p.name, given.job.uid, p.uid or None)
-            for p in _live_pods(given) if p.phase in ACTIVE_POD_PHASES]
+    """A failing job stops every pod of its that still runs (or may), a sidecar beside an ended trainer too."""
+    return [Delete("Pod", p.name, given.job.uid, p.uid or None) for p in _live_pods(given) if p.still_runs()]
 
 
 def _creatable_now(
@@ -367,7 +379,11 @@ def _phase(
     desired = membership.world_size
     rule = given.rule
     quorum_text = rule.describe(work.healthy, desired)
-    recovering = bool(work.replacing) or (given.job.status.get("phase") == "Restarting" and work.healthy < desired)
+    # Restarting from a restart decided until the job trains again as it would without one: quorum met and
+    # every slot holding a pod (one still Pending is a slot that is no longer being replaced).
+    recovering = bool(work.replacing or work.restarts) or (
+        given.job.status.get("phase") == "Restarting" and bool(work.missing or work.waiting or not quorum.met)
+    )
     if invalid is not None:
         return "Failed", REASON_INVALID_SPEC, invalid
     if given.suspended:
@@ -462,19 +478,19 @@ def _rendezvous_puts(
 def _recovered_after(
     job: Job, phase: str, last_restart: datetime.datetime | None, now: datetime.datetime
 ) -> float | None:
-    """Seconds from the last restart to every rank healthy again, in the pass the job is Running again."""
+    """Seconds from the last restart to the pass the job is Running again (phase Restarting says until when)."""
     if job.status.get("phase") in ("Restarting", "Paused") and phase == "Running" and last_restart is not None:
         return max(0.0, (now - last_restart).total_seconds())
     return None
 
 
 def _plan_finished(job: Job, pods: Sequence[ObservedPod], now: datetime.datetime) -> Plan:
-    """A job that has succeeded or failed: stop what still runs, and delete the job once its
-    ttlSecondsAfterFinished has passed."""
+    """A job that has succeeded or failed: stop what still runs (a pod whose trainer ended but whose sidecar
+    runs on too: it holds its node), and delete the job once its ttlSecondsAfterFinished has passed."""
     actions: list[Action] = [
         Delete("Pod", p.name, job.uid, p.uid or None)
         for p in sorted(pods, key=lambda p: p.name)
-        if p.controller_uid == job.uid and not p.terminating and p.phase in ACTIVE_POD_PHASES
+        if p.controller_uid == job.uid and not p.terminating and p.still_runs()
     ]
     wake = _ttl_wake(job.spec, job.status, now)
     if wake == 0.0:

@@ -38,12 +38,29 @@ class Pass:
     put: dict[str, Mapping[str, Any] | None] = dataclasses.field(default_factory=dict)
 
 
-def _lost_failure(rank: int, name: str, pod: ObservedPod | None, node: ObservedNode | None) -> policy.RankLoss:
-    """Why a rank's pod left without the operator deleting it (`pod`: its last sight of it, if any)."""
+def _lost_failure(
+    rank: int, name: str, pod: ObservedPod | None, node_name: str, nodes: Mapping[str, ObservedNode]
+) -> policy.RankLoss:
+    """Why a rank's pod left without the operator deleting it (`pod`: its last sight of it, if any).
+
+    Judged first by what outlasts the pod, its node, so that one disruption reads the same whether the pass
+    still sees the pod Terminating or finds it gone: a NotReady node is the cause whatever the pod's condition
+    says (the taint manager's and the pod garbage collector's deletions follow from it); a pod gone from a
+    cordoned node was taken for the node's maintenance (a drain, whose evictions may come and go between two
+    passes); a pod whose node is gone was collected with it (the pod garbage collector force-deletes, grace 0,
+    reason DeletionByPodGC, so a pass rarely sees the pod again). A node index that lists no node at all knows
+    nothing yet."""
+    node = nodes.get(node_name)
+    if node is not None and not node.ready:
+        return policy.RankLoss(rank, name, policy.NODE_NOT_READY, f"was on node {node_name}, which is NotReady")
+    if node is not None and node.cordoned:
+        return policy.RankLoss(rank, name, policy.EVICTED, f"was on node {node_name}, which is cordoned (a drain)",
+                               disruption=policy.NODE_DRAINED)
     if pod is not None and pod.reason == "Evicted":
         return policy.RankLoss(rank, name, policy.EVICTED, _evicted(pod), disruption=pod.disruption)
-    if node is not None and not node.ready:
-        return policy.RankLoss(rank, name, policy.NODE_NOT_READY, f"was on node {node.name}, which is NotReady")
+    if node_name and nodes and node is None:
+        return policy.RankLoss(rank, name, policy.EVICTED, f"was on node {node_name}, which is gone ({policy.POD_GC})",
+                               disruption=policy.POD_GC)
     return policy.RankLoss(rank, name, policy.POD_DELETED, "was deleted")
 
 
@@ -130,9 +147,9 @@ def walk_slots(
             continue
         if live is None:
             if known_uid and not restarted:  # it left without the operator deleting it
-                node = nodes.get(str(known.get("node") or ""))
                 lost = next((p for p in holders if p.uid == known_uid), None)
-                _restart(work, spec, membership, _lost_failure(rank, name, lost, node), known_uid, None)
+                node_name = str(known.get("node") or (lost.node if lost else "") or "")
+                _restart(work, spec, membership, _lost_failure(rank, name, lost, node_name, nodes), known_uid, None)
                 restarted = True
             entry |= {"phase": "Replacing" if restarted else "Pending", "ready": False}
             if restarted:

@@ -59,6 +59,7 @@ class Cluster:
         self.data: dict[str, str] = {}  # the rendezvous ConfigMap's
         self.uids = itertools.count(1)
         self.writes = 0
+        self.reads = 0
         self.crash_at: int | None = None
 
     def _write(self) -> None:
@@ -69,6 +70,7 @@ class Cluster:
     # -- what k8s.py would do --
 
     def read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.reads += 1
         return copy.deepcopy(self.job)
 
     def patch_job_status(self, namespace: str, name: str, uid: str, version: str, patch: Mapping[str, Any]) -> str:
@@ -249,3 +251,105 @@ def test_no_write_leaves_a_replica_that_may_not_act(monkeypatch: pytest.MonkeyPa
                 write()
     finally:
         k8s.set_fence(None)
+
+
+def test_a_group_restart_is_shown_restarting_and_its_recovery_reaches_the_histogram(
+    fake_api: list[Cluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 38, defect 8: a RestartGroup restart showed phase Creating, so sneppx_job_recovery_seconds never
+    observed its recovery."""
+    import prometheus_client
+
+    from sneppx_operator import metrics
+
+    def observed() -> float:
+        return prometheus_client.REGISTRY.get_sample_value("sneppx_job_recovery_seconds_count") or 0.0
+
+    phases: list[str] = []
+    record = metrics.record_pass
+
+    def recording(namespace: str, job: str, status: Mapping[str, Any], *rest: Any) -> None:
+        if status:
+            phases.append(status["phase"])
+        record(namespace, job, status, *rest)
+
+    monkeypatch.setattr(metrics, "record_pass", recording)
+    before = observed()
+    cluster = _scenario(fake_api, *SCENARIOS["quorum lost, the group restarts"], None)
+    assert cluster.job["status"]["membershipGeneration"] == 2 and cluster.job["status"]["phase"] == "Running"
+    after_failure = phases[phases.index("Running") + 1:]
+    assert after_failure and set(after_failure) == {"Restarting", "Running"}, phases
+    assert observed() == before + 1
+
+
+def _agents_minute(ranks: int, late: int) -> list[dict[str, str]]:
+    """The rendezvous object's data after each write of one minute of a job of `ranks` agents (the
+    rendezvous' own timings: lease_timeout 30 s, poll_max 1 s): every agent joins generation 1, the sealer
+    renews its record every second until it seals at 5 s, rank 0 reports at 6 s; then node 0 renews `alive`
+    and `late` agents waiting for the next generation renew their joins every lease_timeout / 4 (7.5 s); an
+    agent reports a hung peer at 30 s."""
+    data: dict[str, str] = {}
+    states: list[dict[str, str]] = []
+
+    def write(key: str, value: Any) -> None:
+        data[job_object.data_key(key)] = value if isinstance(value, str) else job_object.encode_value(key, value)
+        states.append(dict(data))
+
+    for agent in range(ranks):
+        write(f"rdzv/r/g000000001/join/agent-{agent:03d}", f'{{"incarnation": 1, "at": {agent}}}')
+    for second in range(5):
+        write("rdzv/r/g000000001/sealer", f'{{"renewed": {second}}}')
+    write("rdzv/r/g000000001/membership", '{"members": "..."}')
+    report = {"version": job_object.RECORD_VERSION, "kind": "report", "generation": 1, "world_size": ranks,
+              "members": [f"train-{r}" for r in range(ranks)], "last_valid_checkpoint": None, "resumed_from": None,
+              "reported_at": "2026-01-02T03:04:11Z"}
+    write(job_object.REPORT_KEY, report)
+    for tick in range(1, 8):  # 7.5 s .. 52.5 s
+        write("rdzv/r/g000000001/alive", f'{{"renewed": {tick}}}')
+        for agent in range(late):
+            write(f"rdzv/r/g000000002/join/agent-{ranks + agent:03d}", f'{{"renewed": {tick}}}')
+        if tick == 4:
+            write(job_object.hung_key("train-7"), {
+                "version": job_object.RECORD_VERSION, "kind": "hung", "pod": "train-7", "rank": 7, "generation": 1,
+                "silent_seconds": 40.0,
+                "reported_by": "train-0", "reported_at": "2026-01-02T03:04:35Z"})
+    return states
+
+
+def test_agent_record_renewals_do_not_make_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 38's suspicion, confirmed and fixed: every write of the agents to the rendezvous object poked the
+    job's loop, and each poke is a pass with a GET of the job (the loop runs at most one pass per 0.2 s, so a
+    64-rank job forming a generation made up to 300 passes a minute). Now only a change in what a pass reads
+    (the report, hung reports, the control record, a record that doesn't parse) pokes: 64 ranks with 8 late
+    joiners, a minute of their traffic, 3 pokes (its first sight, the report, the hung report) of 135 writes."""
+    import asyncio
+
+    pokes: list[tuple[str, str]] = []
+    monkeypatch.setattr(handlers.LOOPS, "poke", pokes.append)
+    meta = {"uid": "cm-uid", "ownerReferences": [{"uid": "uid-1", "controller": True}]}
+    states = _agents_minute(ranks=64, late=8)
+
+    async def deliver() -> None:
+        for data in states:
+            await handlers.rendezvous_changed(
+                event={"type": "MODIFIED"}, namespace="ns", labels={"sneppx.io/job": "train"}, meta=meta,
+                body={"data": data})
+
+    asyncio.run(deliver())
+    assert len(states) == 135
+    last = reconcile.observe_rendezvous(meta, states[-1]).view
+    assert last.report is not None and [h.pod for h in last.hung] == ["train-7"] and not last.problems
+    assert pokes == [KEY] * 3, f"{len(pokes)} pokes for {len(states)} writes"
+
+
+def test_a_steady_jobs_pass_costs_one_read_and_no_write(fake_api: list[Cluster]) -> None:
+    """What each pass costs a running 64-rank job whose pods and records did not change: the GET of the job,
+    nothing else. With the test above: about 6 resync passes a minute (resyncSeconds 10) plus one per change
+    of what a pass reads, where every agent write was one."""
+    cluster = Cluster({**_spec(0), "elastic": {"minNodes": 64, "maxNodes": 64}})
+    fake_api.append(cluster)
+    _run(cluster)
+    assert cluster.job["status"]["phase"] == "Running" and len(cluster.pods) == 64
+    reads, writes = cluster.reads, cluster.writes
+    handlers.reconcile_job(KEY, cluster.indexes())  # type: ignore[arg-type]
+    assert (cluster.reads - reads, cluster.writes - writes) == (1, 0)
