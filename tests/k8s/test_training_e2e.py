@@ -246,7 +246,7 @@ def test_a_rank_whose_agent_is_wedged_is_reported_hung_by_the_other_agent_and_re
                 os.killpg(stopped, sig)
     logs = {pod: pods.log_of(pod)[-4000:] for pod in ("hung-0", "hung-1")}
     assert done["phase"] == "Succeeded", (done, logs)
-    assert [(h["reason"], h["rank"]) for h in done["restartHistory"]] == [("Hang", 1)], done["restartHistory"]
+    assert [(h["reason"], h["rank"]) for h in done["restartHistory"]] == [("Hang", 1)], (done["restartHistory"], logs)
     assert done["restartCount"] == 1
 
     survivor = agent_events(pods, "hung-0")
