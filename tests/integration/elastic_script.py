@@ -84,7 +84,10 @@ def main() -> None:
     trainer = ElasticTrainer(
         train_fn=train_loop, checkpoint_dir=checkpoint_dir, max_restarts=int(knob("MAX_RESTARTS", "5")),
         restart_delay=float(knob("RESTART_DELAY", "0.2")), join_timeout=120,
-        node_restart_delay=float(knob("NODE_RESTART_DELAY", "0.2")), last_call=5)
+        node_restart_delay=float(knob("NODE_RESTART_DELAY", "0.2")), last_call=5,
+        # 5 s unless a test sets it, as recovery_script: at the default 1 s a loaded 2-core box killed every worker
+        # of an S3 run as hung, again and again, until the restart budget was spent
+        hang_timeout=float(knob("HANG_TIMEOUT", "5")))
     report_run(out, lambda: trainer.run(num_nodes=int(knob("NODES", "2")), num_gpus=int(knob("GPUS", "2"))))
 
 

@@ -91,7 +91,7 @@ def test_a_killed_node_shrinks_the_world_and_grows_it_back_when_it_returns(tmp_p
 
 
 def test_a_stopped_worker_is_killed_and_replaced(tmp_path: Path, runs: Any) -> None:
-    run = runs(tmp_path / "out", str(tmp_path / "ckpts"), steps=40)
+    run = runs(tmp_path / "out", str(tmp_path / "ckpts"), steps=40, hang_timeout=1)
     run.wait_for(lambda p: p["step"] >= 8)
     victim = run.worker("node-0", 1)
     os.kill(victim, signal.SIGSTOP)

@@ -317,9 +317,9 @@ class PodRunner:
             grace = 30 if grace is None else grace
             if running.stop_sent_at is None:
                 running.stop_sent_at = time.monotonic()
-                # the whole process group, where a runtime signals PID 1 only: signalling only the first process
-                # made test_training_e2e's resize test fail once in CI (the old agent left no exit event); until
-                # that is understood the stand-in keeps the behaviour its tests were written against
+                # the whole process group, where a runtime signals PID 1 only: the behaviour its tests were
+                # written against. (The resize test's failures under either, the old agent leaving no exit event or
+                # ending 0, were the agent's: a SIGTERM landing in a ConfigMap call was swallowed as a store error.)
                 _signal(running.proc, signal.SIGTERM)
             if time.monotonic() - running.stop_sent_at < grace:
                 return

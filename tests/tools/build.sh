@@ -4,7 +4,9 @@
 # kube-scheduler, etcd), kubectl, helm and versitygw (the S3 server); and the real node of tests/node
 # (kubelet, kube-proxy, containerd with its shim and ctr, runc, and the CNI plugins in bin/cni-<version>/).
 # Prints the bin directory on stdout.
-# Idempotent: a cached binary is never rebuilt.
+# Idempotent: a cached binary is never rebuilt. Safe side by side (two checkouts' `make test`, or a test that
+# builds while another does): each binary is built under its own lock (<binary>.lock, flock), into a temporary
+# name of its own, and moved into place whole, so a second build waits for the first and then finds the binary.
 # Usage: build.sh [TOOL...]   (no TOOL: all of them; e.g. `build.sh versitygw`)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -21,13 +23,21 @@ build() {  # build <tools dir> <package> <binary> <version> [ldflags] [tags]
   local dir=$1 pkg=$2 bin=$3 ver=$4 ldflags=${5:-} tags=${6:-}
   local out="$cache/$bin-$ver"
   [[ $wanted == *" $bin "* || $wanted == *" $dir "* ]] || return 0
+  mkdir -p "$(dirname "$out")"
+  local lock tmp
+  exec {lock}>"$out.lock"
+  flock "$lock"  # released when the descriptor closes below, or when this script ends (a build that failed)
   if [ ! -x "$out" ]; then
     echo "building $bin $ver (cold build, several minutes)..." >&2
-    mkdir -p "$(dirname "$out")"
-    (cd "$here/$dir" && go build -trimpath -tags "$tags" -ldflags "-s -w $ldflags" -o "$out.tmp" "$pkg") >&2
-    mv "$out.tmp" "$out"
+    # A directory of its own: `go build -o` refuses to replace a non-empty file that is not a binary
+    tmp=$(mktemp -d "$out.tmp.XXXXXX")
+    (cd "$here/$dir" && go build -trimpath -tags "$tags" -ldflags "-s -w $ldflags" -o "$tmp/$(basename "$bin")" "$pkg") >&2 \
+      || { rm -rf "$tmp"; return 1; }
+    mv "$tmp/$(basename "$bin")" "$out"
+    rmdir "$tmp"
   fi
   ln -sf "$out" "$cache/$bin"
+  exec {lock}>&-
 }
 
 kube=$(version_of kube k8s.io/kubernetes)

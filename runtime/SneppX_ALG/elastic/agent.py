@@ -170,8 +170,12 @@ class WorkerProcess:
         return f"exited with code {code}"
 
 
-class Terminated(Exception):
-    """SIGTERM in operator mode: the pod is being deleted (a resize, the job's end, a node drained)."""
+class Terminated(BaseException):
+    """SIGTERM in operator mode: the pod is being deleted (a resize, the job's end, a node drained).
+
+    A BaseException, as KeyboardInterrupt is: the signal lands wherever the agent's main thread is, often inside
+    a record store call, whose `except Exception` turned it into a RecordUnavailableError that the rendezvous
+    poll logs and retries; the handler had set SIGTERM to SIG_IGN, so the pod trained on until SIGKILL."""
 
 
 class OutOfMemory(Exception):

@@ -384,8 +384,9 @@ def rendezvous_verdict(records: RecordStore, run_id: str) -> str | None:
     return None if finished is None else str(finished.value.get("reason", ""))
 
 
-class _Terminated(Exception):
-    """SIGTERM to the launcher."""
+class _Terminated(BaseException):
+    """SIGTERM to the launcher. A BaseException, as agent.Terminated is, so that no `except Exception` on the way
+    (a record store call) takes it for an error and carries on."""
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
