@@ -86,3 +86,19 @@ def test_a_status_write_from_a_stale_view_is_refused(job: reconcile.Job) -> None
     with pytest.raises(k8s.StatusConflict):
         k8s.patch_job_status(stale.namespace, stale.name, stale.uid, stale.resource_version, {"restartCount": 99})
     assert (k8s.read_job(job.namespace, job.name) or {})["status"]["restartCount"] == running.status["restartCount"]
+
+
+def test_every_other_rank_of_a_thousand_short_of_snapshot_copies_writes_a_condition_the_api_server_accepts(
+        job: reconcile.Job) -> None:
+    running = _running(job)
+    spec = {**running.spec, "checkpoint": {**running.spec["checkpoint"], "snapshotEveryNSteps": 1}}
+    pods = [dataclasses.replace(_observed(r), controller_uid=job.uid) for r in range(1024)]
+    control = builders.control_record(spec, paused=False, reason="", pod_generation=1)
+    report = job_object.Report(1, 1024, tuple(f"big-{r}" for r in range(1024)), None, None,
+                               "2026-01-02T03:04:00Z", tuple(range(0, 1024, 2)))
+    view = reconcile.ObservedObject("cm", job.uid, job_object.View(control=control, report=report))
+    after = _write(running, reconcile.plan(dataclasses.replace(running, spec=spec), pods, now=NOW,
+                                           heartbeat_key=bytes(32), rendezvous=view))
+    protected = next(c for c in after.status["conditions"] if c["type"] == "SnapshotsProtected")
+    assert (protected["status"], protected["reason"]) == ("False", "CopiesOnSameNode")
+    assert protected["message"].startswith("the snapshots of ranks 0, 2, 4,") and "and 496 more" in protected["message"]

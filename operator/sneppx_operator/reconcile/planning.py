@@ -35,6 +35,7 @@ from sneppx_operator.reconcile.status import (
     find_condition,
     reported,
     restart_entry,
+    snapshot_conditions,
     timestamp,
     with_phase,
 )
@@ -454,6 +455,8 @@ def _status(
             job.generation,
             now,
         ),
+        *snapshot_conditions(previous, given.rendezvous, bool(defaults.field(
+            job.spec.get("checkpoint") or {}, "checkpoint.snapshotEveryNSteps")), job.generation, now),
     ]
     if previous.get("startTime") or not suspended:
         status["startTime"] = previous.get("startTime") or timestamp(now)

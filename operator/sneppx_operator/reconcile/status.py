@@ -27,6 +27,10 @@ CONDITION_RESOURCE_FAILURE = "ResourceFailure"
 REASON_NAME_IN_USE = "NameInUse"
 REASON_FAILED_CREATE = "FailedCreate"
 REASON_FAILED_DELETE = "FailedDelete"
+# True while every rank's peer-memory snapshot has snapshotReplicas copies off its own node (rank 0 reports it).
+CONDITION_SNAPSHOTS_PROTECTED = "SnapshotsProtected"
+REASON_COPIES_OFF_NODE = "CopiesOffNode"
+REASON_COPIES_ON_SAME_NODE = "CopiesOnSameNode"
 MAX_HISTORY = 32  # status.restartHistory keeps the most recent restarts
 MAX_PROBLEMS = 8
 MAX_MESSAGE_CHARS = 4096  # a condition's message (the CRD allows 32768; a person reads far less)
@@ -128,6 +132,32 @@ def reported(
         else:  # nothing left: the whole field goes (an empty object would be patched away once more)
             del out["rendezvous"]
     return out
+
+
+def snapshot_conditions(
+    previous: Mapping[str, Any], rendezvous: ObservedObject | None, snapshots_on: bool, generation: int,
+    now: datetime.datetime,
+) -> list[dict[str, Any]]:
+    """SnapshotsProtected, while peer-memory snapshots are on: False (CopiesOnSameNode, naming the ranks) when
+    rank 0 reports ranks whose part has fewer copies off its node than asked (that node's loss then costs the
+    steps since the last checkpoint), True when it reports none; as it was while no report says (a generation
+    whose first snapshot is still to come, an agent that predates the field)."""
+    if not snapshots_on:
+        return []
+    report = rendezvous.view.report if rendezvous else None
+    ranks = None if report is None else report.snapshot_unprotected
+    if report is None or ranks is None:
+        kept = find_condition(previous, CONDITION_SNAPSHOTS_PROTECTED)
+        return [dict(kept)] if kept else []
+    if ranks:
+        reason = REASON_COPIES_ON_SAME_NODE
+        message = (f"the snapshots of rank{'s' if len(ranks) > 1 else ''} {describe_ranks(ranks)} have fewer copies "
+                   f"off their node than snapshotReplicas (membership generation {report.generation}): losing "
+                   "that node resumes from the last checkpoint; spread the pods over more nodes")
+    else:
+        reason, message = REASON_COPIES_OFF_NODE, "every rank's snapshots have their copies on other nodes"
+    return [condition(previous.get("conditions") or [], CONDITION_SNAPSHOTS_PROTECTED, not ranks, reason, message,
+                      generation, now)]
 
 
 def with_phase(

@@ -22,7 +22,9 @@ reads):
                        (`min_nodes`, `max_nodes`: a change takes effect at the next generation), the pod
                        generation, `hang_timeout_seconds`
     job/report         rank 0's agent's: the membership generation it trains in, its world size and members (pod
-                       names), the last valid checkpoint and the one it resumed from
+                       names), the last valid checkpoint and the one it resumed from, and (optional, with
+                       peer-memory snapshots on) `snapshot_unprotected`: the ranks whose part has fewer copies
+                       off its node than asked
     job/hung/<pod>     written by node rank 0's agent for a peer absent from the job's generations for the hang
                        timeout: the operator deletes that pod (a restart with reason Hang) and removes the record
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -46,6 +49,7 @@ MAX_DATA_KEY_CHARS = 253  # a ConfigMap data key
 MAX_MEMBERS = 1024
 MAX_LOCATION_CHARS = 2048
 MAX_REASON_CHARS = 1024
+MAX_UNPROTECTED_RANKS = 4096  # a report names at most this many ranks whose snapshots lack copies off their node
 CONTROL_KEY = "job/control"
 REPORT_KEY = "job/report"
 HUNG_PREFIX = "job/hung/"
@@ -135,6 +139,9 @@ class Report:
     last_valid_checkpoint: CheckpointRef | None
     resumed_from: CheckpointRef | None
     reported_at: str
+    # Ranks whose peer-memory snapshot has fewer copies off its node than asked (sorted, the first
+    # MAX_UNPROTECTED_RANKS); None: snapshots are off, or the agent doesn't say (the field is optional).
+    snapshot_unprotected: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +195,7 @@ def report_to_json(report: Report) -> dict[str, Any]:
         "last_valid_checkpoint": checkpoint_to_json(report.last_valid_checkpoint),
         "resumed_from": checkpoint_to_json(report.resumed_from),
         "reported_at": report.reported_at,
+        **({} if report.snapshot_unprotected is None else {"snapshot_unprotected": list(report.snapshot_unprotected)}),
     }
 
 
@@ -266,19 +274,34 @@ def parse_control(value: Any, key: str = CONTROL_KEY) -> Control:
 
 
 def parse_report(value: Any, key: str = REPORT_KEY) -> Report:
+    optional = {"snapshot_unprotected"} & set(value) if isinstance(value, Mapping) else set()  # older agents
     fields = _fields(value, key, "report", {"generation", "world_size", "members", "last_valid_checkpoint",
-                                            "resumed_from", "reported_at"})
+                                            "resumed_from", "reported_at", *optional})
     members = fields["members"]
     if not isinstance(members, list) or len(members) > MAX_MEMBERS:
         raise errors.RecordCorruptError(f"members is not a list of at most {MAX_MEMBERS} pod names", key=key)
+    world_size = _count(fields["world_size"], key, "world_size", 1 << 20)
     return Report(
         _count(fields["generation"], key, "generation"),
-        _count(fields["world_size"], key, "world_size", 1 << 20),
+        world_size,
         tuple(_pod(m, key, "a member") for m in members),
         _checkpoint(fields["last_valid_checkpoint"], key, "last_valid_checkpoint"),
         _checkpoint(fields["resumed_from"], key, "resumed_from"),
         _time(fields["reported_at"], key, "reported_at"),
+        _unprotected(fields.get("snapshot_unprotected"), world_size, key),
     )
+
+
+def _unprotected(value: Any, world_size: int, key: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) > MAX_UNPROTECTED_RANKS
+            or any(not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < world_size for r in value)
+            or any(a >= b for a, b in itertools.pairwise(value))):
+        raise errors.RecordCorruptError(
+            f"snapshot_unprotected is not an ascending list of at most {MAX_UNPROTECTED_RANKS} ranks below "
+            f"world_size", key=key)
+    return tuple(value)
 
 
 def parse_hung(value: Any, key: str) -> HungRank:

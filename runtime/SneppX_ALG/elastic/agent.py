@@ -545,6 +545,11 @@ class NodeAgent:
             self._event("snapshot_unprotected", generation=m.generation, rank=w.rank,  # costs storage's steps
                         place=message.get("place"), copies=message.get("copies"), replicas=message.get("replicas"),
                         nodes=message.get("nodes"))
+        elif kind == "snapshot_placed":  # rank 0's: every rank whose part lacks copies off its node (job status)
+            if self.link is not None and message.get("rank") == 0 and isinstance(message.get("unprotected"), list):
+                self.link.placed(m, message["unprotected"])
+                if m.node_rank(self.s.agent_id) == 0:
+                    self.link.report(m, self.resumed_from, self.resumed_source, force=True)
         elif kind in ("done", "boundary"):
             w.state = WorkerState(kind)
         elif kind == "failed":

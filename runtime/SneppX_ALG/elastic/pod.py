@@ -185,6 +185,7 @@ class JobLink:
         self._checked_at = 0.0
         self._written: dict[str, object] | None = None
         self._written_at = 0.0
+        self._unprotected: tuple[int, list[int]] | None = None  # (generation, its ranks short of snapshot copies)
 
     def control(self) -> job_object.Control | None:
         """The operator's control record; None when it is absent, unreadable (logged) or the store is down."""
@@ -207,6 +208,8 @@ class JobLink:
         body = {"generation": membership.generation, "world_size": membership.world_size,
                 "members": list(membership.agent_ids), "last_valid_checkpoint": self._ref(self._last_valid),
                 "resumed_from": self._ref(resumed_from, in_memory=resumed_source == "memory")}
+        if self._unprotected is not None and self._unprotected[0] == membership.generation:
+            body["snapshot_unprotected"] = self._unprotected[1]
         if body == self._written or (not force and now - self._written_at < REPORT_MIN_INTERVAL_S):
             return
         value = {"version": job_object.RECORD_VERSION, "kind": "report", **body, "reported_at": now_rfc3339()}
@@ -217,6 +220,14 @@ class JobLink:
             log.warning("%s: can't write the job's report: %s", self.agent_id, e)
             return
         self._written, self._written_at = body, now
+
+    def placed(self, membership: rendezvous.Membership, unprotected: list[object]) -> None:
+        """Rank 0's word on where `membership`'s snapshot copies went: the ranks whose part has fewer copies off
+        its node than asked. The next report of that generation carries them (only ranks of its world, the
+        first MAX_UNPROTECTED_RANKS: a report the operator would refuse is never written)."""
+        ranks = sorted({r for r in unprotected if isinstance(r, int) and not isinstance(r, bool)
+                        and 0 <= r < membership.world_size})
+        self._unprotected = (membership.generation, ranks[:job_object.MAX_UNPROTECTED_RANKS])
 
     def _ref(self, step: int | None, *, in_memory: bool = False) -> dict[str, object] | None:
         if step is None:

@@ -110,3 +110,28 @@ def test_encode_value_is_the_record_encoding() -> None:
     with pytest.raises(errors.RecordValueError):
         job_object.encode_value("job/report", {"x": float("nan")})
     assert record.decode("k", job_object.encode_value("k", {"a": 1}).encode()) == {"a": 1}
+
+
+@given(st.integers(1, 64).flatmap(lambda world: st.tuples(
+    st.just(world), st.none() | st.sets(st.integers(0, world - 1)).map(lambda s: tuple(sorted(s))))))
+def test_a_report_round_trips_with_or_without_its_unprotected_ranks(
+        world_and_ranks: tuple[int, tuple[int, ...] | None]) -> None:
+    world, ranks = world_and_ranks
+    report = job_object.Report(3, world, ("train-0",), None, None, "2026-01-02T03:04:06Z", ranks)
+    value = json.loads(json.dumps(job_object.report_to_json(report)))
+    assert ("snapshot_unprotected" in value) == (ranks is not None)  # an older operator reads a report without it
+    assert job_object.parse_report(value) == report
+
+
+@pytest.mark.parametrize(
+    "ranks", [[2], [1, 1], [1, 0], [-1], [True], [0.0], "0", {"0": 1}]
+)
+def test_a_report_refuses_unprotected_ranks_that_are_not_ascending_ranks_of_the_world(ranks: object) -> None:
+    with pytest.raises(errors.RecordCorruptError, match="snapshot_unprotected is not"):
+        job_object.parse_report(_report(snapshot_unprotected=ranks))
+
+
+def test_a_report_refuses_too_many_unprotected_ranks_even_when_each_is_valid() -> None:
+    ranks = list(range(job_object.MAX_UNPROTECTED_RANKS + 1))
+    with pytest.raises(errors.RecordCorruptError, match="at most 4096"):
+        job_object.parse_report(_report(world_size=len(ranks), snapshot_unprotected=ranks))

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from SneppX_ALG.contract import job_object
 from SneppX_ALG.elastic import pod
 from SneppX_ALG.elastic.agent import (
     AgentSettings,
@@ -189,3 +190,24 @@ def test_a_heartbeat_failure_tells_a_peer_that_fell_silent_from_one_never_heard_
                                                    "node node-2 was never heard from on the heartbeat this generation")
     assert heartbeat_reason({"127.0.0.4:1": peer("confirmed", 2.0)}, others, 3) == (
         "node node-3 fell silent on the heartbeat (last alive 2.0s ago) (3 stalls of this monitor)")
+
+
+def test_rank_0s_snapshot_placement_reaches_the_jobs_report_and_another_ranks_word_does_not(tmp_path: Path) -> None:
+    agent = NodeAgent(settings(tmp_path))
+    try:
+        membership = agent.rdzv.join()  # node-0 alone: node rank 0, the agent that writes the job's report
+        agent.link = pod.JobLink(agent.records, str(tmp_path / "ckpts"), "node-0")
+
+        def said() -> tuple[int, ...] | None:
+            stored = agent.records.read(job_object.REPORT_KEY)
+            return None if stored is None else job_object.parse_report(stored.value).snapshot_unprotected
+
+        placed = {"kind": "snapshot_placed", "generation": membership.generation, "replicas": 1, "unprotected": [0]}
+        assert agent._on_message(WorkerProcess(0), {**placed, "rank": 1}, membership, {}) is None
+        assert said() is None  # only rank 0 sees every rank's placement
+        assert agent._on_message(WorkerProcess(0), {**placed, "rank": 0}, membership, {}) is None
+        assert said() == (0,)
+    finally:
+        agent.heartbeat_socket.close()
+        if agent.link is not None:
+            agent.link.close()

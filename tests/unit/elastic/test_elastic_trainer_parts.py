@@ -196,6 +196,33 @@ def test_rank_0s_report_is_what_the_operator_reads_and_follows_the_newest_commit
     link.close()
 
 
+def test_rank_0s_word_on_unprotected_snapshots_goes_in_its_generations_report_and_no_later_one(
+        tmp_path: Path) -> None:
+    records = open_record_store(str(tmp_path / "object"))
+    link = pod.JobLink(records, str(tmp_path / "ckpts"), "train-0")
+    members = (rendezvous.Member("train-0", "0" * 32, "127.0.0.7", "127.0.0.7:29500", 2, 0.0),
+               rendezvous.Member("train-1", "1" * 32, "127.0.0.8", "127.0.0.8:29500", 2, 0.0))
+    fourth, fifth = (rendezvous.Membership("train", g, members, "train-0") for g in (4, 5))
+
+    def unprotected() -> tuple[int, ...] | None:
+        stored = records.read(job_object.REPORT_KEY)
+        assert stored is not None
+        return job_object.parse_report(stored.value).snapshot_unprotected
+
+    link.report(fourth, None, force=True)
+    assert unprotected() is None  # not placed yet: the report says nothing
+    link.placed(fourth, [3, 1, 1, 4, True, "2", -1])  # only ranks of its world of 4, once each, in order
+    link.report(fourth, None, force=True)
+    assert unprotected() == (1, 3)
+    link.placed(fourth, [])
+    link.report(fourth, None, force=True)
+    assert unprotected() == ()  # every part has its copies off its node
+    link.placed(fourth, [0])
+    link.report(fifth, None, force=True)
+    assert unprotected() is None  # the next generation's ranks are others: it waits for its own placement
+    link.close()
+
+
 def test_the_operators_control_record_is_read_and_garbage_is_ignored(tmp_path: Path) -> None:
     records = open_record_store(str(tmp_path))
     link = pod.JobLink(records, str(tmp_path / "ckpts"), "train-0")

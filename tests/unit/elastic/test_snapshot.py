@@ -254,7 +254,7 @@ def test_a_copy_that_fails_its_crcs_is_dropped_reported_and_not_used() -> None:
     alone = groups(1, 1, root)[0]  # rank 1 is gone
     got = keepers[0].recover({"w": np.zeros(3), "m": shard_of(0, 1), "epoch": 0}, alone)
     assert got.step is None and "lost the part of rank(s) 1" in got.why
-    assert reports and reports[0][0] == "snapshot_corrupt" and reports[0][1]["source"] == 1
+    assert reports[1:] and reports[1][0] == "snapshot_corrupt" and reports[1][1]["source"] == 1  # after placed
     alone.close()
 
 
@@ -365,15 +365,19 @@ def test_co_located_pods_still_get_a_copy_off_their_node_and_a_node_alone_is_rep
     places = ["node-x", "node-x", "node-y"]
     assert take_everywhere(keepers, old, places, lambda r: state(r, 3, 1), range(1, 2)) == [None] * 3
     assert [sorted(s.source for s in k.held) for k in keepers] == [[2], [], [0, 1]]
-    assert reports == [[], [], []]
+    assert reports == [[("snapshot_placed", {"rank": 0, "replicas": 1, "unprotected": []})], [], []]  # for the job
+    for r in reports:
+        r.clear()
     for g in old:
         g.close()
     # the node-x pods alone (node-y is gone): their parts can't leave the node, and each says so
     alone = groups(2, 1, root)
     assert take_everywhere(keepers[:2], alone, places[:2], lambda r: state(r, 2, 2), range(2, 3), 1) == [None] * 2
     assert [k.held for k in keepers[:2]] == [[], []]
-    assert [[(kind, f["rank"], f["copies"], f["nodes"]) for kind, f in r] for r in reports[:2]] == [
-        [("snapshot_unprotected", 0, 0, 1)], [("snapshot_unprotected", 1, 0, 1)]]
+    assert [[(kind, f.get("rank"), f.get("copies"), f.get("nodes"), f.get("unprotected")) for kind, f in r]
+            for r in reports[:2]] == [
+        [("snapshot_placed", 0, None, None, [0, 1]), ("snapshot_unprotected", 0, 0, 1, None)],
+        [("snapshot_unprotected", 1, 0, 1, None)]]
     for g in alone:
         g.close()
 

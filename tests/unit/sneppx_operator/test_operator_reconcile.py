@@ -949,6 +949,41 @@ def test_the_rendezvous_object_is_created_when_missing_and_someone_elses_is_not_
     assert kinds(plan_of(job(), RUNNING, now=NOW, heartbeat_key=KEY, rendezvous=foreign)) == []
 
 
+NO_REPORT: Any = object()
+
+
+@pytest.mark.parametrize("snapshots_on", [False, True])
+@pytest.mark.parametrize("before", [None, "True", "False"])
+@pytest.mark.parametrize("ranks", [NO_REPORT, None, (), (1,), (0, 1)])
+def test_snapshots_protected_says_which_ranks_lack_copies_off_their_node(
+        snapshots_on: bool, before: str | None, ranks: Any) -> None:
+    # every combination of snapshots on/off, the condition before, and what rank 0's report says
+    old = [] if before is None else [{"type": "SnapshotsProtected", "status": before, "observedGeneration": 1,
+                                      "lastTransitionTime": "2026-01-01T00:00:00Z", "reason": "Before",
+                                      "message": "as it was"}]
+    j = job(status={**running_status(), "conditions": old})
+    if snapshots_on:
+        j = _with(j, checkpoint={"snapshotEveryNSteps": 10})
+    view = report_view(None)
+    if ranks is not NO_REPORT:
+        assert view.view.report is not None
+        view = dataclasses.replace(view, view=dataclasses.replace(view.view, report=dataclasses.replace(
+            view.view.report, snapshot_unprotected=ranks)))
+    got = [c for c in plan_of(j, RUNNING, now=NOW, heartbeat_key=KEY,
+                              rendezvous=view if ranks is not NO_REPORT else None).status["conditions"]
+           if c["type"] == "SnapshotsProtected"]
+    if not snapshots_on:
+        assert got == []
+    elif ranks is NO_REPORT or ranks is None:  # nothing said: as it was
+        assert got == old
+    else:
+        (c,) = got
+        assert (c["status"], c["reason"]) == (("False", "CopiesOnSameNode") if ranks else ("True", "CopiesOffNode"))
+        assert (c["lastTransitionTime"] == "2026-01-01T00:00:00Z") == (before == c["status"])
+        if ranks:
+            assert f"rank{'s' if len(ranks) > 1 else ''} {'0-1' if len(ranks) > 1 else '1'} have" in c["message"]
+
+
 # ---- jobs failed, paused, re-run or stalled when they should not be ---------------------------------------
 
 

@@ -145,9 +145,14 @@ class Keeper:
 
     def _place(self, group: collectives.ProcessGroup, place: str, rank: int) -> None:
         """Where every position of the group is, and so which positions keep copies of each part; a part with
-        fewer copies off its node than asked for is reported (the node's loss loses it: storage then)."""
-        places = allgather_json(group, place) if group.world_size > 1 else [place]
+        fewer copies off its node than asked for is reported (the node's loss loses it: storage then), by its
+        own rank, and rank 0 reports every such rank (`snapshot_placed`: the job's status says it)."""
+        seen: list[Any] = allgather_json(group, [place, rank]) if group.world_size > 1 else [[place, rank]]
+        places = [p for p, _ in seen]
         holders = copy_holders(places, self.replicas)
+        if rank == 0:
+            short = sorted(r for (_, r), h in zip(seen, holders, strict=True) if len(h) < self.replicas)
+            self.report("snapshot_placed", rank=rank, replicas=self.replicas, unprotected=short)
         self._placed = (group, holders)
         mine = holders[group.rank]
         if len(mine) < self.replicas:
