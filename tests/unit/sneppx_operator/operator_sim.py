@@ -35,10 +35,10 @@ import yaml
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))  # test_operator_pass, also when run as a script
 
-from test_operator_pass import KEY, Cluster, Crash, Indexes  # noqa: E402
+from test_operator_pass import KEY, Cluster, Crash, Indexes
 
-from SneppX_ALG.contract import job_object  # noqa: E402
-from sneppx_operator import handlers, k8s, reconcile  # noqa: E402
+from SneppX_ALG.contract import job_object
+from sneppx_operator import handlers, k8s, reconcile
 
 CRD = pathlib.Path(__file__).parents[3] / "crds" / "sneppx.io_elastictrainingjobs.yaml"
 STATUS_SCHEMA: dict[str, Any] = yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"][
@@ -107,12 +107,11 @@ def schema_problems(value: Any, schema: Mapping[str, Any], path: str = "status")
     out: list[str] = []
     if "enum" in schema and value not in schema["enum"]:
         out.append(f"{path}: {value!r} not in {schema['enum']}")
-    if isinstance(value, str):
-        if len(value) > schema.get("maxLength", len(value)) or len(value) < schema.get("minLength", 0):
-            out.append(f"{path}: length {len(value)} out of bounds")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value < schema.get("minimum", value) or value > schema.get("maximum", value):
-            out.append(f"{path}: {value} out of bounds")
+    if isinstance(value, str) and not schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", len(value)):
+        out.append(f"{path}: length {len(value)} out of bounds")
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if number and not schema.get("minimum", value) <= value <= schema.get("maximum", value):
+        out.append(f"{path}: {value} out of bounds")
     if isinstance(value, list):
         if len(value) > schema.get("maxItems", len(value)):
             out.append(f"{path}: {len(value)} items, at most {schema['maxItems']}")
@@ -226,7 +225,8 @@ class SimCluster(Cluster):
     # -- the truth changing --
 
     def _changed(self) -> None:
-        self.history.append(dict(self.pods))
+        if self.pods != self.history[-1]:  # a lag is counted in changes to the pods
+            self.history.append(dict(self.pods))
         self.now += datetime.timedelta(seconds=1)
         if self.job is None:
             return
@@ -256,7 +256,7 @@ class SimCluster(Cluster):
             and status.get("phase") not in ("Succeeded", "Failed", "Suspended")
             and pod.generation == status.get("membershipGeneration") and pod.rank < int(status.get("worldSize") or 0)
             and self._wanted() == int(status.get("worldSize") or 0) and not self.earned_failure
-            and (seen or self.profile.count_unseen)
+            and (seen or self.profile.count_unseen or action != "Restart")
         )
         earlier = self.causes.get(pod.uid)
         if earlier is not None:  # two causes raced for one pod: either may be the one the operator saw
@@ -306,6 +306,7 @@ class SimCluster(Cluster):
     def kubelet(self) -> None:
         """Pods start and become ready; pods being deleted finish; the garbage collector's foreground step."""
         view = self.history[self.decided]
+        dependents = bool(self.pods)
         for name, pod in list(self.pods.items()):
             seen = view.get(name)
             if pod.terminating and self.profile.grace_outlasts_a_pass and not (seen and seen.terminating):
@@ -316,8 +317,8 @@ class SimCluster(Cluster):
             elif pod.phase == "Pending":
                 self.pods[name] = dataclasses.replace(pod, phase="Running", ready=True, created_at=self.now)
         if self.job is not None and "deletionTimestamp" in self.job["metadata"]:
-            if self.pods:
-                self.pods.clear()
+            if dependents:  # the garbage collector deletes the dependents, then (a step later) the job
+                self.pods = {n: dataclasses.replace(p, terminating=True) for n, p in self.pods.items()}
             else:
                 self._collect_job()
         self._changed()
@@ -542,16 +543,23 @@ EVERYTHING = Profile(
 )
 
 
-def make_spec(rng: random.Random, profile: Profile) -> dict[str, Any]:
-    max_nodes = rng.randint(1, 3)
+def job_spec(min_nodes: int, max_nodes: int, on_loss: str, max_restarts: int,
+             rules: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
     return {
         "template": {"spec": {"containers": [{"name": "trainer", "image": "example.org/t:1"}]}},
-        "elastic": {"minNodes": rng.randint(1, max_nodes), "maxNodes": max_nodes},
-        "quorum": {"actionOnLoss": rng.choice(("Pause", "RestartGroup") if profile.group_restart else ("Pause",))},
+        "elastic": {"minNodes": min_nodes, "maxNodes": max_nodes},
+        "quorum": {"actionOnLoss": on_loss},
         "checkpoint": {"storage": {"pvc": {"claimName": "ckpt"}}},
-        "failurePolicy": {"maxRestarts": rng.randint(0, 4), "rules": rng.sample(RULE_CHOICES, rng.randint(0, 2)),
+        "failurePolicy": {"maxRestarts": max_restarts, "rules": [dict(r) for r in rules],
                           "restartDelay": {"initialSeconds": 0, "multiplier": 2, "maxSeconds": 0}},
     }
+
+
+def make_spec(rng: random.Random, profile: Profile) -> dict[str, Any]:
+    max_nodes = rng.randint(1, 3)
+    return job_spec(rng.randint(1, max_nodes), max_nodes,
+                    rng.choice(("Pause", "RestartGroup") if profile.group_restart else ("Pause",)),
+                    rng.randint(0, 4), rng.sample(RULE_CHOICES, rng.randint(0, 2)))
 
 
 def make_schedule(rng: random.Random, profile: Profile, length: int) -> list[Event]:
@@ -710,9 +718,14 @@ def suspects(spec: Mapping[str, Any], schedule: list[Event], profile: Profile) -
 
 def report(seed: int, spec: Mapping[str, Any], schedule: list[Event], profile: Profile, violation: Violation) -> str:
     small = shrink(spec, schedule, profile, violation.invariant)
-    lines = [f"seed {seed}: {violation}", f"  shows: {suspects(spec, small, profile) or 'no known defect'}", f"  spec: elastic={spec['elastic']} quorum={spec['quorum']} "
-             f"failurePolicy.maxRestarts={spec['failurePolicy']['maxRestarts']} rules={spec['failurePolicy']['rules']}",
-             f"  schedule ({len(schedule)} events) shrunk to {len(small)}:"]
+    policy = spec["failurePolicy"]
+    lines = [
+        f"seed {seed}: {violation}",
+        f"  shows: {suspects(spec, small, profile) or 'no known defect'}",
+        (f"  spec: elastic={spec['elastic']} quorum={spec['quorum']} maxRestarts={policy['maxRestarts']} "
+         f"rules={policy['rules']}"),
+        f"  schedule ({len(schedule)} events) shrunk to {len(small)}:",
+    ]
     lines += [f"    {event}" for event in small]
     return "\n".join(lines)
 
@@ -740,7 +753,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"seed {seed}: ok")
             continue
         by_invariant.setdefault(violation.invariant, []).append(seed)
-        for defect in suspects(spec, schedule, profile) or ["no known defect"]:
+        for defect in suspects(spec, schedule, profile) or ["not isolated (needs two triggers at once, or a new defect)"]:
             by_defect.setdefault(defect, []).append(seed)
         if args.verbose or len(by_invariant[violation.invariant]) <= args.examples:
             print(report(seed, spec, schedule, profile, violation), flush=True)
