@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test bench fuzz lint clean k8s-tools
+.PHONY: demo test bench fuzz lint clean k8s-tools chaos-operator
 
 $(INSTALLED): pyproject.toml setup.py native/build_ffi.py native/include/sneppx.h $(wildcard native/src/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,14 @@ test: lint k8s-tools
 
 bench: $(INSTALLED)
 	$(PY) -m bench
+
+# A campaign of the operator simulation (tests/unit/sneppx_operator/operator_sim.py; docs/TESTING.md): first
+# SIM_SCHEDULES seeds past the fixed ones pytest runs, without the open defects' triggers (they must pass), then as
+# many with every adversity (a failure prints its seed, its shrunk schedule and the defects it shows).
+SIM_SCHEDULES ?= 2000
+chaos-operator: $(INSTALLED)
+	$(PY) tests/unit/sneppx_operator/operator_sim.py --profile no-known-defects --first 1000 --schedules $(SIM_SCHEDULES)
+	$(PY) tests/unit/sneppx_operator/operator_sim.py --profile everything --schedules $(SIM_SCHEDULES)
 
 # Every fuzz target for FUZZ_SECONDS each (default 60), what they learn kept under ~/.cache/sneppx/fuzz;
 # `make test` runs the same targets 4 s each. docs/TESTING.md, "Fuzzing", says how to triage a finding.
