@@ -143,6 +143,7 @@ class SimCluster(Cluster):
         self.seen = [0, 0]  # each replica's view of the pods: history[seen[replica]]
         self.leader = 0  # the replica that runs passes
         self.decided = 0  # the view of the last pass that ran to its end
+        self.skew = datetime.timedelta()  # the operator's clock minus the cluster's
         self.sidecars: set[str] = set()  # uids of pods whose sidecar still runs after the trainer ended
         self.foreign: reconcile.ObservedObject | None = None  # another job's object relabelled to this job
         self.hung: dict[str, job_object.HungRank] = {}  # the hang reports in the job's own object, by pod
@@ -381,6 +382,8 @@ class SimCluster(Cluster):
                 spec["elastic"]["maxNodes"] = args[0]
                 spec["elastic"]["minNodes"] = min(spec["elastic"]["minNodes"], args[0])
             self._edit_spec(resize)
+        elif kind == "clock":
+            self.skew += datetime.timedelta(seconds=args[0])
         elif kind == "takeover":  # the other replica takes the Lease, its view as it was (a lag)
             self.leader = 1 - self.leader
             self.seen[self.leader] = max(self.seen[self.leader], len(self.history) - 1 - args[0])
@@ -528,6 +531,7 @@ class Profile:
     max_lag: int = 0
     takeovers: bool = False
     grace_outlasts_a_pass: bool = True  # a pod being deleted gracefully is seen so by a pass before it goes
+    clock_steps: bool = True  # the operator's clock steps (NTP, a VM resumed) against the cluster's
     count_unseen: bool = False  # a pod lost before the operator ever saw it counts too (issue 38's suspicion)
     faults: bool = True
     others: tuple[str, ...] = ("fail", "evict_kubelet", "evict_api", "user_delete", "hang")
@@ -586,6 +590,10 @@ def make_schedule(rng: random.Random, profile: Profile, length: int) -> list[Eve
             events.append(("complete", profile.sidecars and rng.random() < 0.5))
         else:
             events.append(("delete_job", rng.choice(profile.job_deletes)))
+    if profile.clock_steps:  # drawn last, from their own stream: the other events stay those of the seed
+        steps = random.Random(rng.random())
+        for _ in range(length // 10):
+            events.insert(steps.randrange(len(events) + 1), ("clock", steps.choice((-3600, -30, -1, 1, 30, 3600))))
     return events
 
 
@@ -598,7 +606,7 @@ def routed_to(cluster_of: Callable[[], SimCluster]) -> Iterator[None]:
     class Clock(datetime.datetime):
         @classmethod
         def now(cls, tz: Any = None) -> Any:
-            return cluster_of().now
+            return cluster_of().now + cluster_of().skew
 
     for name in ("read_job", "patch_job_status", "apply"):
         setattr(k8s, name, lambda *a, _name=name, **kw: getattr(cluster_of(), _name)(*a, **kw))
