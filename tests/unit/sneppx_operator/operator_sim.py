@@ -144,6 +144,8 @@ class SimCluster(Cluster):
         self.leader = 0  # the replica that runs passes
         self.decided = 0  # the view of the last pass that ran to its end
         self.skew = datetime.timedelta()  # the operator's clock minus the cluster's
+        self.held: set[int] = set()  # ranks whose pods created from now on stay Pending
+        self.known_pods: set[str] = set()  # uids of the pods created so far
         self.sidecars: set[str] = set()  # uids of pods whose sidecar still runs after the trainer ended
         self.foreign: reconcile.ObservedObject | None = None  # another job's object relabelled to this job
         self.hung: dict[str, job_object.HungRank] = {}  # the hang reports in the job's own object, by pod
@@ -315,7 +317,7 @@ class SimCluster(Cluster):
             if pod.terminating:
                 del self.pods[name]
                 self.sidecars.discard(pod.uid)
-            elif pod.phase == "Pending":
+            elif pod.phase == "Pending" and not (pod.rank in self.held and pod.uid not in self.known_pods):
                 self.pods[name] = dataclasses.replace(pod, phase="Running", ready=True, created_at=self.now)
         if self.job is not None and "deletionTimestamp" in self.job["metadata"]:
             if dependents:  # the garbage collector deletes the dependents, then (a step later) the job
@@ -382,6 +384,9 @@ class SimCluster(Cluster):
                 spec["elastic"]["maxNodes"] = args[0]
                 spec["elastic"]["minNodes"] = min(spec["elastic"]["minNodes"], args[0])
             self._edit_spec(resize)
+        elif kind == "hold":
+            self.held.add(args[0])
+            self.known_pods = {p.uid for p in self.pods.values()}
         elif kind == "clock":
             self.skew += datetime.timedelta(seconds=args[0])
         elif kind == "takeover":  # the other replica takes the Lease, its view as it was (a lag)
@@ -518,7 +523,21 @@ def check_no_pod_outlives_its_finished_job(cluster: SimCluster) -> None:
         raise Violation("no_pod_outlives_its_finished_job", f"still running: {left}")
 
 
-END_CHECKS = (check_the_job_ends_as_the_workload_earned, check_no_pod_outlives_its_finished_job)
+def check_restarting_ends_when_quorum_trains(cluster: SimCluster) -> None:
+    """Calm, every rank holding a pod and quorum met: Running, as the same pods show with no restart before."""
+    status = cluster._status()
+    if cluster.job is None or status.get("phase") != "Restarting":
+        return
+    world, generation = int(status.get("worldSize") or 0), status.get("membershipGeneration")
+    pods = [p for p in cluster.pods.values() if not p.terminating and p.generation == generation and p.rank < world]
+    healthy = sum(1 for p in pods if p.phase == "Running" and p.ready)
+    if len(pods) == world and healthy >= int(cluster.job["spec"]["elastic"]["minNodes"]):
+        raise Violation("restarting_ends_when_quorum_trains",
+                        f"Restarting with {healthy} of {world} ranks ready and every rank's pod there")
+
+
+END_CHECKS = (check_the_job_ends_as_the_workload_earned, check_no_pod_outlives_its_finished_job,
+              check_restarting_ends_when_quorum_trains)
 
 
 # ---- schedules ---------------------------------------------------------------------------------------------
@@ -532,6 +551,7 @@ class Profile:
     takeovers: bool = False
     grace_outlasts_a_pass: bool = True  # a pod being deleted gracefully is seen so by a pass before it goes
     clock_steps: bool = True  # the operator's clock steps (NTP, a VM resumed) against the cluster's
+    held_pending: bool = False  # a rank's next pods stay Pending (no room on any node)
     count_unseen: bool = False  # a pod lost before the operator ever saw it counts too (issue 38's suspicion)
     faults: bool = True
     others: tuple[str, ...] = ("fail", "evict_kubelet", "evict_api", "user_delete", "hang")
@@ -541,7 +561,7 @@ class Profile:
 
 
 EVERYTHING = Profile(
-    max_lag=3, takeovers=True, grace_outlasts_a_pass=False, count_unseen=True,
+    max_lag=3, takeovers=True, grace_outlasts_a_pass=False, count_unseen=True, held_pending=True,
     others=("fail", "evict_kubelet", "evict_api", "podgc", "user_delete", "hang", "foreign_hang"),
     sidecars=True, job_deletes=("background", "foreground"), group_restart=True,
 )
@@ -590,10 +610,13 @@ def make_schedule(rng: random.Random, profile: Profile, length: int) -> list[Eve
             events.append(("complete", profile.sidecars and rng.random() < 0.5))
         else:
             events.append(("delete_job", rng.choice(profile.job_deletes)))
-    if profile.clock_steps:  # drawn last, from their own stream: the other events stay those of the seed
-        steps = random.Random(rng.random())
+    # Drawn last, each from its own stream: the other events stay those of the seed.
+    steps, holds = random.Random(rng.random()), random.Random(rng.random())
+    if profile.clock_steps:
         for _ in range(length // 10):
             events.insert(steps.randrange(len(events) + 1), ("clock", steps.choice((-3600, -30, -1, 1, 30, 3600))))
+    if profile.held_pending and holds.random() < 0.3:
+        events.insert(holds.randrange(len(events) + 1), ("hold", holds.randrange(3)))
     return events
 
 
@@ -703,6 +726,7 @@ ABLATIONS: tuple[tuple[str, Callable[[list[Event]], list[Event]], Callable[[dict
      lambda spec: None, {}),
     ("defect 2: a disruption counted when its pod is gone before a pass sees it (PodGC, a drain)",
      _without({"podgc"}), lambda spec: None, {"grace_outlasts_a_pass": True}),
+    ("defect 9: Restarting never ends while a replacement is Pending", _without({"hold"}), lambda spec: None, {}),
     ("suspicion: a replacement lost before the operator saw it is never counted", lambda schedule: schedule,
      lambda spec: None, {"count_unseen": False}),
 )

@@ -44,6 +44,9 @@ KNOWN_DEFECTS: dict[str, tuple[str, dict[str, Any], list[sim.Event]]] = {
     "a sidecar outlives the finished job": ("defect 6", sim.job_spec(1, 2, "Pause", 2), [("complete", True)]),
     "foreground deletion recreates pods": (
         "defect 7", sim.job_spec(1, 1, "Pause", 2), [("delete_job", "foreground"), ("kubelet",), ("pass", 0, None)]),
+    "Restarting never ends while a replacement is Pending": (
+        "defect 9", sim.job_spec(1, 2, "Pause", 3),
+        [("hold", 1), ("fail", 1, 1), ("pass", 0, None), ("kubelet",), ("pass", 0, None)]),
     "a replacement deleted before the operator saw it is never counted": (
         "suspicion (confirmed)", sim.job_spec(1, 2, "Pause", 3),
         [("user_delete", 1), ("pass", 0, None), ("kubelet",), ("pass", 0, None), ("user_delete", 1)]),
