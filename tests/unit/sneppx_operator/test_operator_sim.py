@@ -47,6 +47,9 @@ KNOWN_DEFECTS: dict[str, tuple[str, dict[str, Any], list[sim.Event]]] = {
     "Restarting never ends while a replacement is Pending": (
         "defect 9", sim.job_spec(1, 2, "Pause", 3),
         [("hold", 1), ("fail", 1, 1), ("pass", 0, None), ("kubelet",), ("pass", 0, None)]),
+    "a hang report dropped unread while the view lags the pod's start": (  # seed 630; every report read is removed
+        "defect 5's cause (a new consequence)", sim.job_spec(1, 2, "Pause", 4),
+        [("resize", 1), ("pass", 1, (3, "timeout")), ("pass", 0, None), ("kubelet",), ("hang", 0), ("pass", 2, None)]),
     "a replacement deleted before the operator saw it is never counted": (
         "suspicion (confirmed)", sim.job_spec(1, 2, "Pause", 3),
         [("user_delete", 1), ("pass", 0, None), ("kubelet",), ("pass", 0, None), ("user_delete", 1)]),
