@@ -32,8 +32,8 @@ bench: $(INSTALLED)
 	$(PY) -m bench
 
 # A campaign of the operator simulation (tests/unit/sneppx_operator/operator_sim.py; docs/TESTING.md): first
-# SIM_SCHEDULES seeds past the fixed ones `make test` runs, without the open defects' triggers (must pass), then
-# as many with every adversity (a failure prints its seed, its shrunk schedule and the defect it shows).
+# SIM_SCHEDULES seeds past the fixed ones pytest runs, without the open defects' triggers (they must pass), then as
+# many with every adversity (a failure prints its seed, its shrunk schedule and the defects it shows).
 SIM_SCHEDULES ?= 2000
 chaos-operator: $(INSTALLED)
 	$(PY) tests/unit/sneppx_operator/operator_sim.py --profile no-known-defects --first 1000 --schedules $(SIM_SCHEDULES)

@@ -1,0 +1,803 @@
+"""A randomized, seeded simulation of the operator against an adversarial model of the API (issue 38).
+
+Why: the unit tests check each decision alone and test_operator_pass.py checks one pass killed between calls;
+the defects that remain only show when the operator's view lags the truth, when others change the job's objects
+(PodGC, a drain, a user's kubectl delete, another job's agent), when calls fail and when the process dies
+between two calls. This drives the real pass (handlers.reconcile_job) through random schedules of such events
+and checks, after every step, the promises of docs/OPERATOR.md as small named invariants.
+
+The model is test_operator_pass.Cluster, extended (SimCluster): the truth (the job, its pods, its rendezvous
+object) plus the operator's watch view of the pods, which lags the truth by as many changes as each pass event
+says (a watch delivers the newest state of each object, so a dropped event is a skipped snapshot; the view never
+goes back). Every random choice is in the schedule itself (the pass events carry their lag and their API fault),
+so a schedule replays exactly and can be shrunk (delta debugging over the event list).
+
+Reproduce a seed:   .venv/bin/python tests/unit/sneppx_operator/operator_sim.py --seed 17 -v
+A campaign:         .venv/bin/python tests/unit/sneppx_operator/operator_sim.py --schedules 2000
+(`make chaos-operator`). A failure prints the seed, the invariant, and the shrunk schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import datetime
+import pathlib
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))  # test_operator_pass, also when run as a script
+
+from test_operator_pass import KEY, Cluster, Crash, Indexes
+
+from SneppX_ALG.contract import job_object
+from sneppx_operator import handlers, k8s, reconcile
+
+CRD = pathlib.Path(__file__).parents[3] / "crds" / "sneppx.io_elastictrainingjobs.yaml"
+STATUS_SCHEMA: dict[str, Any] = yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"][
+    "openAPIV3Schema"]["properties"]["status"]
+START = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+EXIT_CODES = (1, 2, 3, 42, 137, 143, 255)
+RULE_CHOICES = (
+    {"action": "Ignore", "onExitCodes": {"operator": "In", "values": [42]}},
+    {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [3]}},
+    {"action": "Restart", "onExitCodes": {"operator": "In", "values": [137, 143]}},
+    {"action": "Ignore", "onExitCodes": {"operator": "NotIn", "values": [1, 2, 3, 137]}},
+)
+# The DisruptionTarget reasons the docs say never count (the cluster's doing, not the job's).
+CLUSTER_DISRUPTIONS = ("EvictionByEvictionAPI", "DeletionByPodGC")
+
+Event = tuple[Any, ...]
+
+
+class Violation(AssertionError):
+    """An invariant broke: which one, and how."""
+
+    def __init__(self, invariant: str, message: str):
+        super().__init__(f"{invariant}: {message}")
+        self.invariant = invariant
+
+
+class ServerError(Exception):
+    """A 5xx the client raises (on a read or a status write)."""
+
+
+# ---- the oracle: what the docs say each cause means, written apart from policy.py --------------------------
+
+
+def expected_action(spec: Mapping[str, Any], exit_code: int | None, disruption: str | None) -> str:
+    """Restart (counted), Ignore (replaced, not counted) or FailJob, as docs/OPERATOR.md states the rules."""
+    if disruption in CLUSTER_DISRUPTIONS:
+        return "Ignore"
+    if exit_code is not None:
+        for rule in (spec.get("failurePolicy") or {}).get("rules") or []:
+            listed = exit_code in rule["onExitCodes"]["values"]
+            if listed == (rule["onExitCodes"]["operator"] == "In"):
+                return str(rule["action"])
+    return "Restart"
+
+
+@dataclasses.dataclass
+class Cause:
+    what: str  # the event that took the pod
+    action: str  # Restart (counted), Ignore or FailJob, as the docs' rules say
+    # False when no promise covers it: its pod already on its way out (a job failing, a resize or suspend the
+    # operator had not yet seen), or two causes raced for one pod. Either outcome is then right.
+    covered: bool = True
+
+
+# ---- the CRD's schema, for the status (the subset of OpenAPI v3 the CRD uses) -----------------------------
+
+
+def schema_problems(value: Any, schema: Mapping[str, Any], path: str = "status") -> list[str]:
+    kind = schema.get("type")
+    checks = {"object": dict, "array": list, "string": str, "boolean": bool}
+    if kind in checks and not isinstance(value, checks[kind]):
+        return [f"{path}: {value!r} is not {kind}"]
+    if kind in ("integer", "number") and (isinstance(value, bool) or not isinstance(
+            value, int if kind == "integer" else (int, float))):
+        return [f"{path}: {value!r} is not {kind}"]
+    out: list[str] = []
+    if "enum" in schema and value not in schema["enum"]:
+        out.append(f"{path}: {value!r} not in {schema['enum']}")
+    if isinstance(value, str) and not schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", len(value)):
+        out.append(f"{path}: length {len(value)} out of bounds")
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if number and not schema.get("minimum", value) <= value <= schema.get("maximum", value):
+        out.append(f"{path}: {value} out of bounds")
+    if isinstance(value, list):
+        if len(value) > schema.get("maxItems", len(value)):
+            out.append(f"{path}: {len(value)} items, at most {schema['maxItems']}")
+        for i, item in enumerate(value):
+            out += schema_problems(item, schema.get("items") or {}, f"{path}[{i}]")
+    if isinstance(value, dict) and "properties" in schema:
+        for key in schema.get("required") or []:
+            if key not in value:
+                out.append(f"{path}: {key} is required")
+        for key, item in value.items():
+            if key not in schema["properties"]:
+                out.append(f"{path}.{key}: not in the schema (pruned by the API server)")
+            else:
+                out += schema_problems(item, schema["properties"][key], f"{path}.{key}")
+    return out
+
+
+# ---- the model --------------------------------------------------------------------------------------------
+
+
+class SimCluster(Cluster):
+    """Cluster with a lagging watch view, API faults, others' changes and the invariants' bookkeeping."""
+
+    def __init__(self, spec: Mapping[str, Any], profile: Profile):
+        super().__init__(spec)
+        self.profile = profile
+        self.now = START
+        self.history: list[dict[str, reconcile.ObservedPod]] = [{}]  # the pods after each change
+        self.seen = [0, 0]  # each replica's view of the pods: history[seen[replica]]
+        self.leader = 0  # the replica that runs passes
+        self.decided = 0  # the view of the last pass that ran to its end
+        self.skew = datetime.timedelta()  # the operator's clock minus the cluster's
+        self.held: set[int] = set()  # ranks whose pods created from now on stay Pending
+        self.known_pods: set[str] = set()  # uids of the pods created so far
+        self.sidecars: set[str] = set()  # uids of pods whose sidecar still runs after the trainer ended
+        self.foreign: reconcile.ObservedObject | None = None  # another job's object relabelled to this job
+        self.hung: dict[str, job_object.HungRank] = {}  # the hang reports in the job's own object, by pod
+        self.causes: dict[str, Cause] = {}  # pod uid -> what took it
+        self.earned_failure = False  # a cause the docs say fails the job
+        self.completed = False
+        self.fault: tuple[int, str] | None = None  # (the pass's n-th API call, what goes wrong there)
+        self.calls = 0
+
+    # -- the API, with faults --
+
+    def _call(self, verb: str) -> str | None:
+        """Count the pass's API call; raise (or return) the fault the pass event planned for it."""
+        self.calls += 1
+        if self.fault is None or self.fault[0] != self.calls:
+            return None
+        what = self.fault[1]
+        if what == "crash":
+            raise Crash()
+        if what == "error" and verb != "apply":
+            raise ServerError("503 the server is unavailable")
+        if what == "conflict" and verb == "patch":
+            raise k8s.StatusConflict("409 moved on")
+        return what  # apply: "error"/"conflict" become a refusal, "timeout" raises after the call went through
+
+    def read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        fault = self._call("read")
+        job = None if self.job is None else copy.deepcopy(self.job)
+        if fault == "timeout":
+            raise TimeoutError("read timed out")
+        return job
+
+    def patch_job_status(self, namespace: str, name: str, uid: str, version: str, patch: Mapping[str, Any]) -> str:
+        if not patch:
+            return version
+        fault = self._call("patch")
+        if self.job is None:
+            raise k8s.StatusConflict("404")
+        written = super().patch_job_status(namespace, name, uid, version, patch)
+        problems = schema_problems(self.job["status"], STATUS_SCHEMA)
+        if problems:
+            raise Violation("status_admitted_by_the_crd_schema", "; ".join(problems[:3]))
+        if fault == "timeout":
+            raise TimeoutError("the write went through, its answer was lost")
+        return written
+
+    def apply(self, namespace: str, actions: Sequence[reconcile.Action]) -> reconcile.Outcome:
+        done: list[reconcile.Action] = []
+        for action in actions:
+            fault = self._call("apply")
+            if fault in ("error", "conflict"):
+                return reconcile.Outcome(tuple(done), reconcile.Refusal(action, 503, "the server is unavailable"))
+            if isinstance(action, reconcile.Create):
+                check_nothing_created_for_a_deleted_job(self, action)
+            if isinstance(action, reconcile.Delete) and action.kind == "Pod":
+                check_never_a_healthy_pod_deleted(self, action)
+            if isinstance(action, reconcile.PutRecords):  # the base model keeps no removals: hang reports handled
+                for key, value in action.records:
+                    if value is None and key.startswith(job_object.HUNG_PREFIX):
+                        self.hung.pop(key[len(job_object.HUNG_PREFIX):], None)
+            if isinstance(action, reconcile.DeleteJob):
+                if self.job is not None and self.job["metadata"]["uid"] == action.uid:
+                    self._collect_job()
+                done.append(action)
+            else:
+                done += super().apply(namespace, [action]).done
+            self._changed()
+            if fault == "timeout":
+                raise TimeoutError("the call went through, its answer was lost")
+        return reconcile.Outcome(tuple(done))
+
+    def indexes(self) -> Indexes:
+        view = self.history[self.seen[self.leader]]
+        own = self.rendezvous
+        if own is not None:
+            own = dataclasses.replace(own, view=dataclasses.replace(own.view, hung=tuple(self.hung.values())))
+        objects = [o for o in (self.foreign, own) if o is not None]
+        return Indexes({KEY: list(view.values())}, {}, {KEY: objects} if objects else {})
+
+    # -- the truth changing --
+
+    def _changed(self) -> None:
+        if self.pods != self.history[-1]:  # a lag is counted in changes to the pods
+            self.history.append(dict(self.pods))
+        self.now += datetime.timedelta(seconds=1)
+        if self.job is None:
+            return
+        check_one_pod_per_rank(self)
+
+    def _collect_job(self) -> None:
+        """The job is gone: the garbage collector deletes what it owned."""
+        self.job = None
+        self.pods.clear()
+        self.sidecars.clear()
+
+    def _status(self) -> Mapping[str, Any]:
+        return (self.job or {}).get("status") or {}
+
+    def _live(self, rank: int) -> reconcile.ObservedPod | None:
+        pod = self.pods.get(f"train-{rank}")
+        if pod is None or pod.terminating or pod.phase not in ("Pending", "Running"):
+            return None
+        return pod
+
+    def _record(self, pod: reconcile.ObservedPod, what: str, action: str) -> None:
+        """The cause of a pod's end, and the promise that covers it (none for a pod already on its way out)."""
+        status = self._status()
+        seen = pod.uid in {r.get("uid") for r in status.get("ranks") or []}
+        covered = (
+            self.job is not None and "deletionTimestamp" not in self.job["metadata"]
+            and status.get("phase") not in ("Succeeded", "Failed", "Suspended")
+            and pod.generation == status.get("membershipGeneration") and pod.rank < int(status.get("worldSize") or 0)
+            and self._wanted() == int(status.get("worldSize") or 0) and not self.earned_failure
+            and (seen or self.profile.count_unseen or action != "Restart")
+        )
+        earlier = self.causes.get(pod.uid)
+        if earlier is not None:  # two causes raced for one pod: either may be the one the operator saw
+            earlier.covered = earlier.covered and earlier.action == action
+            if action == "FailJob":
+                earlier.action = action
+            self._judge()
+            return
+        self.causes[pod.uid] = Cause(what, action, covered)
+        self._judge()
+
+    def _judge(self) -> None:
+        """Whether the covered causes so far earn the job its failure (a FailJob exit, or the budget overrun)."""
+        covered = [c for c in self.causes.values() if c.covered]
+        counted = sum(1 for c in covered if c.action == "Restart")
+        budget = int(((self.job or {}).get("spec") or {}).get("failurePolicy", {}).get("maxRestarts", 0))
+        self.earned_failure = any(c.action == "FailJob" for c in covered) or counted > budget
+
+    def _edit_spec(self, change: Callable[[dict[str, Any]], None]) -> None:
+        if self.job is None or "deletionTimestamp" in self.job["metadata"]:
+            return
+        before = self._wanted()
+        change(self.job["spec"])
+        status = self._status()
+        if self._wanted() != before and status.get("phase") not in ("Succeeded", "Failed"):
+            # A cause the operator had not yet seen when the world size changed under it (suspend, resize) is
+            # judged under the new spec, in which its pod is stale: no promise covers it, nor a completion.
+            recorded = {e.get("podUid") for e in status.get("restartHistory") or []}
+            for uid, cause in self.causes.items():
+                if uid not in recorded:
+                    cause.covered = False
+            self.completed = False
+            self._judge()
+        self._bump()
+
+    def _wanted(self) -> int:
+        """The world size the spec asks for now."""
+        spec = (self.job or {}).get("spec") or {}
+        return 0 if spec.get("suspend") else int(spec.get("elastic", {}).get("maxNodes", 0))
+
+    def _bump(self) -> None:
+        assert self.job is not None
+        meta = self.job["metadata"]
+        meta["generation"] += 1
+        meta["resourceVersion"] = str(int(meta["resourceVersion"]) + 1)
+
+    def kubelet(self) -> None:
+        """Pods start and become ready; pods being deleted finish; the garbage collector's foreground step."""
+        view = self.history[self.decided]
+        dependents = bool(self.pods)
+        for name, pod in list(self.pods.items()):
+            seen = view.get(name)
+            if pod.terminating and self.profile.grace_outlasts_a_pass and not (seen and seen.terminating):
+                continue  # its grace period outlasts the operator's next pass
+            if pod.terminating:
+                del self.pods[name]
+                self.sidecars.discard(pod.uid)
+            elif pod.phase == "Pending" and not (pod.rank in self.held and pod.uid not in self.known_pods):
+                self.pods[name] = dataclasses.replace(pod, phase="Running", ready=True, created_at=self.now)
+        if self.job is not None and "deletionTimestamp" in self.job["metadata"]:
+            if dependents:  # the garbage collector deletes the dependents, then (a step later) the job
+                self.pods = {n: dataclasses.replace(p, terminating=True) for n, p in self.pods.items()}
+            else:
+                self._collect_job()
+        self._changed()
+
+    def event(self, event: Event) -> None:
+        """One change to the world (the operator's passes are apart: run_pass)."""
+        kind, *args = event
+        if kind == "kubelet":
+            self.kubelet()
+            return
+        if kind in ("fail", "evict_kubelet", "evict_api", "podgc", "user_delete", "hang", "foreign_hang"):
+            pod = self._live(args[0])
+            if pod is None or (pod.phase != "Running" and kind not in ("podgc", "user_delete")):
+                return
+            spec = self.job["spec"] if self.job else {}
+            if kind == "fail":
+                code = args[1]
+                self.pods[pod.name] = dataclasses.replace(pod, phase="Failed", ready=False, exit_code=code,
+                                                          reason="Error")
+                self._record(pod, f"exit {code}", expected_action(spec, code, None))
+            elif kind == "evict_kubelet":  # node pressure: the kubelet's own eviction counts
+                self.pods[pod.name] = dataclasses.replace(pod, phase="Failed", ready=False, reason="Evicted",
+                                                          disruption="TerminationByKubelet")
+                self._record(pod, kind, expected_action(spec, None, "TerminationByKubelet"))
+            elif kind == "evict_api":  # a drain: DisruptionTarget, then a graceful delete
+                self.pods[pod.name] = dataclasses.replace(pod, terminating=True, reason="Evicted",
+                                                          disruption="EvictionByEvictionAPI", deleted_at=self.now)
+                self._record(pod, kind, expected_action(spec, None, "EvictionByEvictionAPI"))
+            elif kind == "podgc":  # DisruptionTarget DeletionByPodGC and a force delete, at once
+                del self.pods[pod.name]
+                self._record(pod, kind, expected_action(spec, None, "DeletionByPodGC"))
+            elif kind == "user_delete":  # kubectl delete pod: a graceful delete
+                self.pods[pod.name] = dataclasses.replace(pod, terminating=True, deleted_at=self.now)
+                self._record(pod, kind, expected_action(spec, None, None))
+            elif kind == "hang":  # its own job's agents report it wedged
+                self._report_hang(pod, own=True)
+                self._record(pod, kind, expected_action(spec, None, None))
+            elif kind == "foreign_hang":  # another job's agent relabels its object
+                self._report_hang(pod, own=False)
+        elif kind == "complete":  # every rank's trainer exits 0 (with a sidecar still running, if args[0])
+            status = self._status()
+            world = int(status.get("worldSize") or 0)
+            pods = [self._live(r) for r in range(world)]
+            ready = all(p is not None and p.phase == "Running" for p in pods)
+            if status.get("phase") != "Running" or self._wanted() != world or not ready:
+                return
+            for pod in pods:
+                assert pod is not None
+                self.pods[pod.name] = dataclasses.replace(pod, phase="Succeeded", ready=False, exit_code=0)
+                if pod.uid in self.causes:  # a hang report raced the pod's success
+                    self.causes[pod.uid].covered = False
+                if args[0]:
+                    self.sidecars.add(pod.uid)
+            self._judge()
+            self.completed = not self.earned_failure
+        elif kind == "suspend":
+            self._edit_spec(lambda spec: spec.__setitem__("suspend", args[0]))
+        elif kind == "resize":
+            def resize(spec: dict[str, Any]) -> None:
+                spec["elastic"]["maxNodes"] = args[0]
+                spec["elastic"]["minNodes"] = min(spec["elastic"]["minNodes"], args[0])
+            self._edit_spec(resize)
+        elif kind == "hold":
+            self.held.add(args[0])
+            self.known_pods = {p.uid for p in self.pods.values()}
+        elif kind == "clock":
+            self.skew += datetime.timedelta(seconds=args[0])
+        elif kind == "takeover":  # the other replica takes the Lease, its view as it was (a lag)
+            self.leader = 1 - self.leader
+            self.seen[self.leader] = max(self.seen[self.leader], len(self.history) - 1 - args[0])
+        elif kind == "delete_job" and self.job is not None:
+            if args[0] == "foreground":
+                self.job["metadata"]["deletionTimestamp"] = job_object.timestamp(self.now)
+                self.job["metadata"]["finalizers"] = ["foregroundDeletion"]
+                for name, pod in self.pods.items():  # the garbage collector deletes the dependents first
+                    self.causes.setdefault(pod.uid, Cause("deleted with its job (foreground)", "Ignore"))
+                    self.pods[name] = dataclasses.replace(pod, terminating=True)
+            else:
+                self._collect_job()
+        self._changed()
+
+    def _report_hang(self, pod: reconcile.ObservedPod, own: bool) -> None:
+        silent = (self.now - (pod.created_at or self.now)).total_seconds()  # absent since after it started
+        report = job_object.HungRank(pod.name, pod.rank, 1, "train-0", silent, job_object.timestamp(self.now))
+        if own:
+            self.hung[pod.name] = report
+        else:
+            self.foreign = reconcile.ObservedObject("other-cm", "uid-other", job_object.View(hung=(report,)))
+
+    def run_pass(self, lag: int, fault: tuple[int, str] | None) -> None:
+        """One pass of the operator, its pod view `lag` changes behind the truth, with `fault` planned."""
+        self.seen[self.leader] = max(self.seen[self.leader], len(self.history) - 1 - lag)
+        self.calls, self.fault = 0, fault
+        try:
+            handlers.reconcile_job(KEY, self.indexes())  # type: ignore[arg-type]
+            self.decided = self.seen[self.leader]
+        except (k8s.StatusConflict, ServerError, TimeoutError):
+            pass  # the loop tries again (handlers._job_loop)
+        except Crash:
+            self.seen[self.leader] = len(self.history) - 1  # a new process lists afresh
+        finally:
+            self.fault = None
+
+
+# ---- invariants: each a small named check, raising Violation -----------------------------------------------
+
+
+def check_nothing_created_for_a_deleted_job(cluster: SimCluster, action: reconcile.Create) -> None:
+    if cluster.job is None or "deletionTimestamp" in cluster.job["metadata"]:
+        raise Violation("nothing_created_for_a_job_being_deleted", f"created {action.kind} {action.name}")
+
+
+def check_never_a_healthy_pod_deleted(cluster: SimCluster, action: reconcile.Delete) -> None:
+    """A Running, ready pod of the current generation, that nothing happened to, of a job that goes on."""
+    pod = cluster.pods.get(action.name)
+    status = cluster._status()
+    if pod is None or pod.uid != action.uid or pod.terminating or pod.phase != "Running" or not pod.ready:
+        return
+    if status.get("phase") in ("Succeeded", "Failed") or cluster.job is None:
+        return
+    if pod.generation != status.get("membershipGeneration") or pod.rank >= int(status.get("worldSize") or 0):
+        return
+    if pod.uid in cluster.causes:
+        return
+    raise Violation("never_a_healthy_pod_deleted", f"{pod.name} (uid {pod.uid}) deleted while Running and ready")
+
+
+def check_one_pod_per_rank(cluster: SimCluster) -> None:
+    ranks = [p.rank for p in cluster.pods.values() if not p.terminating and p.phase in ("Pending", "Running")]
+    if len(ranks) != len(set(ranks)):
+        raise Violation("never_two_pods_for_one_rank", f"live ranks {sorted(ranks)}")
+
+
+def check_each_restart_counted_as_its_cause(cluster: SimCluster) -> None:
+    """Every restart names a pod something happened to (no phantom), once, counted as the policy says; the
+    count never exceeds the real failures."""
+    status = cluster._status()
+    seen: set[str] = set()
+    for entry in status.get("restartHistory") or []:
+        uid = entry.get("podUid")
+        if uid is None:
+            continue
+        if uid in seen:
+            raise Violation("each_failure_counted_once", f"pod {uid} restarted twice: {entry}")
+        seen.add(uid)
+        cause = cluster.causes.get(uid)
+        if cause is None:
+            raise Violation("no_phantom_restart", f"a restart of pod {uid}, which nothing happened to: {entry}")
+        if not cause.covered:
+            continue
+        if cause.action == "Ignore" and entry["counted"]:
+            raise Violation("voluntary_and_ignored_never_counted", f"{cause.what} counted: {entry}")
+        if cause.action == "Restart" and not entry["counted"]:
+            raise Violation("real_failure_counted", f"{cause.what} not counted: {entry}")
+    real = sum(1 for c in cluster.causes.values() if c.action == "Restart" or not c.covered)
+    if int(status.get("restartCount") or 0) > real:
+        raise Violation("voluntary_and_ignored_never_counted",
+                        f"restartCount {status.get('restartCount')} with {real} real failures: "
+                        f"{[(e['reason'], e.get('exitCode'), e['counted']) for e in status.get('restartHistory') or []]}")
+
+
+STEP_CHECKS = (check_one_pod_per_rank, check_each_restart_counted_as_its_cause)
+
+
+def check_the_job_ends_as_the_workload_earned(cluster: SimCluster) -> None:
+    """Failed exactly when a covered cause earned it (an uncovered one may or may not have), Succeeded when
+    every rank did, and restartCount between the covered real failures and those plus the uncovered ones.
+    (RestartGroup replaces every rank at once, one counted restart for however many failures: only its
+    failure without any real failure is checked.)"""
+    if cluster.job is None:
+        return
+    status = cluster._status()
+    phase = status.get("phase")
+    causes = list(cluster.causes.values())
+    group = cluster.job["spec"]["quorum"]["actionOnLoss"] == "RestartGroup"
+    low = sum(1 for c in causes if c.covered and c.action == "Restart")
+    high = low + sum(1 for c in causes if not c.covered and c.action == "Restart")
+    budget = int(cluster.job["spec"]["failurePolicy"]["maxRestarts"])
+    may_fail = cluster.earned_failure or high > budget or any(c.action == "FailJob" for c in causes)
+    if group:
+        may_fail = may_fail or high > 0
+    if cluster.earned_failure and not group and phase != "Failed":
+        raise Violation("ends_in_the_phase_earned", f"phase {phase}, but a failure the policy fails ended it")
+    if phase == "Failed" and not may_fail:
+        ready = reconcile.find_condition(status, "Ready") or {}
+        raise Violation("ends_in_the_phase_earned", f"Failed ({ready.get('message')}) without cause")
+    if cluster.completed and phase not in ("Succeeded", "Failed"):
+        raise Violation("ends_in_the_phase_earned", f"every rank succeeded, phase {phase}")
+    count = int(status.get("restartCount") or 0)
+    if not group and phase != "Failed" and not low <= count <= high:
+        raise Violation("each_failure_counted_once", f"restartCount {count}, {low} real failures ({high} at most)")
+
+
+def check_no_pod_outlives_its_finished_job(cluster: SimCluster) -> None:
+    if cluster.job is not None and cluster._status().get("phase") not in ("Succeeded", "Failed"):
+        return
+    left = [p.name for p in cluster.pods.values() if p.phase in ("Pending", "Running") or p.uid in cluster.sidecars]
+    if left:
+        raise Violation("no_pod_outlives_its_finished_job", f"still running: {left}")
+
+
+def check_restarting_ends_when_quorum_trains(cluster: SimCluster) -> None:
+    """Calm, every rank holding a pod and quorum met: Running, as the same pods show with no restart before."""
+    status = cluster._status()
+    if cluster.job is None or status.get("phase") != "Restarting":
+        return
+    world, generation = int(status.get("worldSize") or 0), status.get("membershipGeneration")
+    pods = [p for p in cluster.pods.values() if not p.terminating and p.generation == generation and p.rank < world]
+    healthy = sum(1 for p in pods if p.phase == "Running" and p.ready)
+    if len(pods) == world and healthy >= int(cluster.job["spec"]["elastic"]["minNodes"]):
+        raise Violation("restarting_ends_when_quorum_trains",
+                        f"Restarting with {healthy} of {world} ranks ready and every rank's pod there")
+
+
+END_CHECKS = (check_the_job_ends_as_the_workload_earned, check_no_pod_outlives_its_finished_job,
+              check_restarting_ends_when_quorum_trains)
+
+
+# ---- schedules ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """Which adversities a schedule may draw (a fixed seed that must pass today leaves out the known defects)."""
+
+    max_lag: int = 0
+    takeovers: bool = False
+    grace_outlasts_a_pass: bool = True  # a pod being deleted gracefully is seen so by a pass before it goes
+    clock_steps: bool = True  # the operator's clock steps (NTP, a VM resumed) against the cluster's
+    held_pending: bool = False  # a rank's next pods stay Pending (no room on any node)
+    count_unseen: bool = False  # a pod lost before the operator ever saw it counts too (issue 38's suspicion)
+    faults: bool = True
+    others: tuple[str, ...] = ("fail", "evict_kubelet", "evict_api", "user_delete", "hang")
+    sidecars: bool = False
+    job_deletes: tuple[str, ...] = ("background",)
+    group_restart: bool = False  # RestartGroup: defect 4 shows whenever quorum is lost to a drain
+
+
+EVERYTHING = Profile(
+    max_lag=3, takeovers=True, grace_outlasts_a_pass=False, count_unseen=True, held_pending=True,
+    others=("fail", "evict_kubelet", "evict_api", "podgc", "user_delete", "hang", "foreign_hang"),
+    sidecars=True, job_deletes=("background", "foreground"), group_restart=True,
+)
+
+
+def job_spec(min_nodes: int, max_nodes: int, on_loss: str, max_restarts: int,
+             rules: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    return {
+        "template": {"spec": {"containers": [{"name": "trainer", "image": "example.org/t:1"}]}},
+        "elastic": {"minNodes": min_nodes, "maxNodes": max_nodes},
+        "quorum": {"actionOnLoss": on_loss},
+        "checkpoint": {"storage": {"pvc": {"claimName": "ckpt"}}},
+        "failurePolicy": {"maxRestarts": max_restarts, "rules": [dict(r) for r in rules],
+                          "restartDelay": {"initialSeconds": 0, "multiplier": 2, "maxSeconds": 0}},
+    }
+
+
+def make_spec(rng: random.Random, profile: Profile) -> dict[str, Any]:
+    max_nodes = rng.randint(1, 3)
+    return job_spec(rng.randint(1, max_nodes), max_nodes,
+                    rng.choice(("Pause", "RestartGroup") if profile.group_restart else ("Pause",)),
+                    rng.randint(0, 4), rng.sample(RULE_CHOICES, rng.randint(0, 2)))
+
+
+def make_schedule(rng: random.Random, profile: Profile, length: int) -> list[Event]:
+    events: list[Event] = []
+    for _ in range(length):
+        roll = rng.random()
+        if roll < 0.45:
+            fault = None
+            if profile.faults and rng.random() < 0.3:
+                fault = (rng.randint(1, 8), rng.choice(("crash", "error", "conflict", "timeout")))
+            events.append(("pass", rng.randint(0, profile.max_lag), fault))
+        elif roll < 0.65:
+            events.append(("kubelet",))
+        elif roll < 0.88:
+            kind = rng.choice(profile.others)
+            events.append((kind, rng.randrange(3), rng.choice(EXIT_CODES)) if kind == "fail" else (kind, rng.randrange(3)))
+        elif roll < 0.92:
+            events.append(("suspend", rng.random() < 0.6))
+        elif roll < 0.96:
+            events.append(("resize", rng.randint(1, 3)))
+        elif roll < 0.97:
+            events.append(("takeover", rng.randint(0, 2 * profile.max_lag)) if profile.takeovers else ("kubelet",))
+        elif roll < 0.985:
+            events.append(("complete", profile.sidecars and rng.random() < 0.5))
+        else:
+            events.append(("delete_job", rng.choice(profile.job_deletes)))
+    # Drawn last, each from its own stream: the other events stay those of the seed.
+    steps, holds = random.Random(rng.random()), random.Random(rng.random())
+    if profile.clock_steps:
+        for _ in range(length // 10):
+            events.insert(steps.randrange(len(events) + 1), ("clock", steps.choice((-3600, -30, -1, 1, 30, 3600))))
+    if profile.held_pending and holds.random() < 0.3:
+        events.insert(holds.randrange(len(events) + 1), ("hold", holds.randrange(3)))
+    return events
+
+
+@contextlib.contextmanager
+def routed_to(cluster_of: Callable[[], SimCluster]) -> Iterator[None]:
+    """k8s.py's calls and the pass's clock go to the current simulated cluster (restored after)."""
+    saved = {name: getattr(k8s, name) for name in ("read_job", "patch_job_status", "apply", "post_events")}
+    saved_datetime = handlers.datetime
+
+    class Clock(datetime.datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:
+            return cluster_of().now + cluster_of().skew
+
+    for name in ("read_job", "patch_job_status", "apply"):
+        setattr(k8s, name, lambda *a, _name=name, **kw: getattr(cluster_of(), _name)(*a, **kw))
+    k8s.post_events = lambda *a, **kw: None  # type: ignore[assignment]
+    handlers.datetime = type("datetime_module", (), {"datetime": Clock, "UTC": datetime.UTC,  # type: ignore
+                                                     "timedelta": datetime.timedelta})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(k8s, name, value)
+        handlers.datetime = saved_datetime
+
+
+def run(spec: Mapping[str, Any], schedule: Sequence[Event], profile: Profile) -> SimCluster:
+    """Start the job, play the schedule checking the step invariants, settle, check the end invariants.
+    Raises Violation."""
+    cluster = SimCluster(spec, profile)
+    with routed_to(lambda: cluster):
+        for _ in range(4):  # the job starts
+            cluster.run_pass(0, None)
+            cluster.kubelet()
+        for event in schedule:
+            if event[0] == "pass":
+                cluster.run_pass(event[1], event[2])
+            else:
+                cluster.event(event)
+            for check in STEP_CHECKS:
+                check(cluster)
+        for _ in range(30):  # settle: a calm world, a view that catches up
+            before = (cluster.writes, len(cluster.history))
+            cluster.run_pass(0, None)
+            cluster.kubelet()
+            for check in STEP_CHECKS:
+                check(cluster)
+            if (cluster.writes, len(cluster.history)) == before:  # the pass changed nothing, nor did the kubelet
+                break
+        for check in END_CHECKS:
+            check(cluster)
+    return cluster
+
+
+def scenario(seed: int, profile: Profile, length: int = 40) -> tuple[dict[str, Any], list[Event]]:
+    rng = random.Random(seed)
+    return make_spec(rng, profile), make_schedule(rng, profile, length)
+
+
+def failure_of(spec: Mapping[str, Any], schedule: Sequence[Event], profile: Profile) -> Violation | None:
+    try:
+        run(spec, schedule, profile)
+    except Violation as violation:
+        return violation
+    return None
+
+
+def shrink(spec: Mapping[str, Any], schedule: list[Event], profile: Profile, invariant: str) -> list[Event]:
+    """Delta debugging (ddmin) over the event list: the smallest schedule found that breaks the same invariant."""
+    def fails(candidate: list[Event]) -> bool:
+        found = failure_of(spec, candidate, profile)
+        return found is not None and found.invariant == invariant
+
+    chunks = 2
+    while len(schedule) >= 2:
+        size = -(-len(schedule) // chunks)
+        parts = [schedule[i:i + size] for i in range(0, len(schedule), size)]
+        for i in range(len(parts)):
+            rest = [e for j, part in enumerate(parts) if j != i for e in part]
+            if fails(rest):
+                schedule, chunks = rest, max(chunks - 1, 2)
+                break
+        else:
+            if chunks >= len(schedule):
+                break
+            chunks = min(len(schedule), chunks * 2)
+    return schedule
+
+
+def _without(kinds: set[str]) -> Callable[[list[Event]], list[Event]]:
+    return lambda schedule: [e for e in schedule if e[0] not in kinds]
+
+
+# The triggers of issue 38's defects, each as a way to take it out of a schedule (suspects() isolates them).
+ABLATIONS: tuple[tuple[str, Callable[[list[Event]], list[Event]], Callable[[dict[str, Any]], None], dict[str, Any]],
+                 ...] = (
+    ("defect 3: another job's ConfigMap trusted by its label", _without({"foreign_hang"}), lambda spec: None, {}),
+    ("defect 7: foreground deletion recreates pods",
+     lambda schedule: [e for e in schedule if e != ("delete_job", "foreground")], lambda spec: None, {}),
+    ("defect 6: pods with a live sidecar outlive the job",
+     lambda schedule: [("complete", False) if e[0] == "complete" else e for e in schedule], lambda spec: None, {}),
+    ("defect 4: RestartGroup counts an Ignored exit or a drain", lambda schedule: schedule,
+     lambda spec: spec["quorum"].update(actionOnLoss="Pause"), {}),
+    ("defect 5: a pod view older than the status (lag, takeover)",
+     lambda schedule: [("pass", 0, e[2]) if e[0] == "pass" else e for e in schedule if e[0] != "takeover"],
+     lambda spec: None, {}),
+    ("defect 2: a disruption counted when its pod is gone before a pass sees it (PodGC, a drain)",
+     _without({"podgc"}), lambda spec: None, {"grace_outlasts_a_pass": True}),
+    ("defect 9: Restarting never ends while a replacement is Pending", _without({"hold"}), lambda spec: None, {}),
+    ("suspicion: a replacement lost before the operator saw it is never counted", lambda schedule: schedule,
+     lambda spec: None, {"count_unseen": False}),
+)
+
+
+def suspects(spec: Mapping[str, Any], schedule: list[Event], profile: Profile) -> list[str]:
+    """The defects a failing schedule shows: each whose trigger alone (every other ABLATIONS trigger taken out)
+    still fails it. Empty: a failure no known defect explains."""
+    found = []
+    for keep, _, _, _ in ABLATIONS:
+        changed, events, options = copy.deepcopy(dict(spec)), list(schedule), {}
+        for name, edit_schedule, edit_spec, profile_change in ABLATIONS:
+            if name != keep:
+                edit_spec(changed)
+                events = edit_schedule(events)
+                options.update(profile_change)
+        if failure_of(changed, events, dataclasses.replace(profile, **options)) is not None:
+            found.append(keep)
+    return found
+
+
+def report(seed: int, spec: Mapping[str, Any], schedule: list[Event], profile: Profile, violation: Violation) -> str:
+    small = shrink(spec, schedule, profile, violation.invariant)
+    policy = spec["failurePolicy"]
+    lines = [
+        f"seed {seed}: {violation}",
+        f"  shows: {suspects(spec, small, profile) or 'no known defect'}",
+        (f"  spec: elastic={spec['elastic']} quorum={spec['quorum']} maxRestarts={policy['maxRestarts']} "
+         f"rules={policy['rules']}"),
+        f"  schedule ({len(schedule)} events) shrunk to {len(small)}:",
+    ]
+    lines += [f"    {event}" for event in small]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seed", type=int, help="replay this one seed")
+    parser.add_argument("--schedules", type=int, default=200, help="how many seeds from --first")
+    parser.add_argument("--first", type=int, default=0)
+    parser.add_argument("--length", type=int, default=40)
+    parser.add_argument("--profile", choices=("everything", "no-known-defects"), default="everything")
+    parser.add_argument("--examples", type=int, default=2, help="shrink and print this many failures per invariant")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    profile = EVERYTHING if args.profile == "everything" else Profile()
+    seeds = [args.seed] if args.seed is not None else range(args.first, args.first + args.schedules)
+    by_invariant: dict[str, list[int]] = {}
+    by_defect: dict[str, list[int]] = {}
+    started = time.monotonic()
+    for seed in seeds:
+        spec, schedule = scenario(seed, profile, args.length)
+        violation = failure_of(spec, schedule, profile)
+        if violation is None:
+            if args.verbose:
+                print(f"seed {seed}: ok")
+            continue
+        by_invariant.setdefault(violation.invariant, []).append(seed)
+        for defect in suspects(spec, schedule, profile) or ["not isolated (needs two triggers at once, or a new defect)"]:
+            by_defect.setdefault(defect, []).append(seed)
+        if args.verbose or len(by_invariant[violation.invariant]) <= args.examples:
+            print(report(seed, spec, schedule, profile, violation), flush=True)
+    print(f"{len(seeds)} schedules of {args.length} events ({args.profile}) in {time.monotonic() - started:.0f}s; "
+          f"{sum(map(len, by_invariant.values()))} failed")
+    for invariant, failed in sorted(by_invariant.items()):
+        print(f"  {invariant}: {len(failed)} (seeds {failed[:10]})")
+    print("by defect (a schedule may show several):")
+    for defect, failed in sorted(by_defect.items()):
+        print(f"  {defect}: {len(failed)} (seeds {failed[:10]})")
+    return 1 if by_invariant else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
