@@ -52,6 +52,7 @@ class Config:
     steps: int
     every: int  # the durable checkpoint interval
     node_restart_delay: float  # short: a killed node is back at once; long: the world shrinks, then grows
+    ranks_array: bool = False  # the state holds a replicated array shaped (world size at the start,)
 
     @property
     def world_size(self) -> int:
@@ -95,7 +96,8 @@ class Schedule:
         snapshots = f"every {c.snapshot} x{c.replicas}" if c.snapshot else "off"
         head = (f"seed {self.seed}: {c.nodes} node(s) x {c.gpus} worker(s), backend {c.backend}, snapshots "
                 f"{snapshots}, incremental {'on' if c.incremental else 'off'}, {c.steps} steps, checkpoint every "
-                f"{c.every}, nodes back after {c.node_restart_delay}s")
+                f"{c.every}, nodes back after {c.node_restart_delay}s"
+                + (f", a replicated array shaped ({c.world_size},)" if c.ranks_array else ""))
         lines = [head]
         lines += [f"  {i}. {f}" for i, f in enumerate(self.faults, 1)] or ["  (no faults)"]
         return "\n".join(lines + [f"  replay: {self.to_json()}"])
@@ -129,7 +131,9 @@ def generate(seed: int) -> Schedule:
             at = rng.randrange(2, steps - 2)
         faults.append(Fault(kind=kind, at=at, node=rng.randrange(config.world_size if kind in PLANTED else nodes),
                             local_rank=rng.randrange(gpus), hold=rng.choice([0.5, 4.0])))
-    return Schedule(seed, config, tuple(faults))
+    # drawn apart, so adding it left every other choice of a seed as it was (campaigns before it stay valid)
+    ranks_array = nodes > 1 and random.Random(f"{seed}/ranks_array").random() < 0.25
+    return Schedule(seed, dataclasses.replace(config, ranks_array=ranks_array), tuple(faults))
 
 
 # ---- running a schedule ------------------------------------------------------------------------------------
@@ -155,7 +159,8 @@ def run(schedule: Schedule, workdir: Path) -> Outcome:
     workdir.mkdir(parents=True)
     knobs: dict[str, Any] = {"nodes": c.nodes, "gpus": c.gpus, "steps": c.steps, "every": c.every,
                              "snapshot": c.snapshot, "replicas": c.replicas, "incremental": int(c.incremental),
-                             "backend": c.backend, "node_restart_delay": c.node_restart_delay}
+                             "backend": c.backend, "node_restart_delay": c.node_restart_delay,
+                             "ranks_array": int(c.ranks_array)}
     for fault in schedule.faults:
         if fault.kind in PLANTED:
             knobs[PLANTED[fault.kind]] = f"{fault.at}:{fault.node}"
@@ -333,7 +338,7 @@ def judge(config: Config, out: Path, result: dict[str, Any]) -> list[str]:
     """What the run did wrong: every restore's claim must be true (the state it restored is the uninterrupted
     run's state at the step it names), and the run ends at the uninterrupted run's final state, or with a
     typed error that says why (never with wrong state)."""
-    want = expected(config.steps, config.incremental)
+    want = expected(config.steps, config.incremental, config.world_size if config.ranks_array else 0)
     problems = []
     restores = records(out / "restored")
     for r in restores:
@@ -382,8 +387,10 @@ FLOAT_BOUND = 1e-12  # relative: the bound where the world size changed (the scr
 
 def differences(got: dict[str, Any], truth: dict[str, Any], *, exact: bool) -> str:
     wrong = []
-    for name in ("w", "m"):
-        a, b = np.array(got[name]), np.array(truth[name])
+    for name in ("w", "m", "r"):
+        if name not in got and name not in truth:
+            continue
+        a, b = np.array(got.get(name, [])), np.array(truth.get(name, []))
         same = a.shape == b.shape and (np.array_equal(a, b) if exact else np.allclose(a, b, rtol=FLOAT_BOUND,
                                                                                      atol=0))
         if not same:
@@ -393,14 +400,14 @@ def differences(got: dict[str, Any], truth: dict[str, Any], *, exact: bool) -> s
     return "; ".join(wrong)
 
 
-_EXPECTED: dict[tuple[int, bool], list[dict[str, np.ndarray]]] = {}
+_EXPECTED: dict[tuple[int, bool, int], list[dict[str, np.ndarray]]] = {}
 
 
-def expected(steps: int, incremental: bool) -> list[dict[str, np.ndarray]]:
+def expected(steps: int, incremental: bool, ranks: int) -> list[dict[str, np.ndarray]]:
     """The uninterrupted run's state at every step, computed once per configuration in this process."""
-    key = (steps, incremental)
+    key = (steps, incremental, ranks)
     if key not in _EXPECTED:
-        _EXPECTED[key] = chaos_script.reference(steps, incremental)
+        _EXPECTED[key] = chaos_script.reference(steps, incremental, ranks)
     return _EXPECTED[key]
 
 

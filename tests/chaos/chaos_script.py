@@ -12,7 +12,7 @@ OUT/restored/, and its final state to OUT/final/, for the oracle (tests/chaos/or
 harness cannot make from outside are planted here, each once a run (a marker file in OUT): C_DIVERGE=STEP:RANK
 (that rank's replica of w drifts by one ulp at that step), C_FLIP_HELD=STEP (from that step on, in that generation, rank 0 flips a
 byte in every copy of a peer's snapshot it holds), C_RAISE=STEP:RANK (train_fn raises). Knobs (environment, C_*): NODES, GPUS,
-STEPS, EVERY, SLEEP, BACKEND, SNAPSHOT, REPLICAS, INCREMENTAL, MAX_RESTARTS, NODE_RESTART_DELAY, and the
+STEPS, EVERY, SLEEP, BACKEND, RANKS_ARRAY, SNAPSHOT, REPLICAS, INCREMENTAL, MAX_RESTARTS, NODE_RESTART_DELAY, and the
 product's timing tunables (2 s / 10 s / 5 s as recovery_script.py chose for a loaded 2-core box).
 """
 
@@ -39,10 +39,14 @@ def knob(name: str, default: str) -> str:
     return os.environ.get(f"C_{name}", default)
 
 
-def initial(incremental: bool) -> dict[str, np.ndarray]:
+def initial(incremental: bool, ranks: int = 0) -> dict[str, np.ndarray]:
+    """Step 0. `ranks`: the world size a job of C_RANKS_ARRAY=1 started at, the shape of its replicated `r` (a
+    count per rank, as a user might keep): a restore at another world size must refuse it, not reshape it."""
     state = {"w": np.zeros(4), "m": np.zeros(M)}
     if incremental:
         state["f"] = np.sin(np.arange(F, dtype=np.float64))
+    if ranks:
+        state["r"] = np.zeros(ranks)
     return state
 
 
@@ -55,12 +59,14 @@ def advance(w: np.ndarray, m: np.ndarray, start: int, total: np.ndarray) -> None
     m += w[0] + 0.5 * np.arange(start, start + len(m))
 
 
-def reference(steps: int, incremental: bool) -> list[dict[str, np.ndarray]]:
+def reference(steps: int, incremental: bool, ranks: int = 0) -> list[dict[str, np.ndarray]]:
     """The uninterrupted run: its whole state after each step 0..steps, computed in one process."""
-    state = initial(incremental)
+    state = initial(incremental, ranks)
     states = [{k: v.copy() for k, v in state.items()}]
     for _ in range(steps):
         advance(state["w"], state["m"], 0, np.ones(4))
+        if ranks:
+            state["r"] += 1
         states.append({k: v.copy() for k, v in state.items()})
     return states
 
@@ -76,6 +82,8 @@ def part(state: dict[str, np.ndarray], rank: int, world_size: int) -> dict[str, 
     if "f" in state:
         f0, f1 = bounds(rank, world_size, F)
         got["f"] = hashlib.sha256(np.ascontiguousarray(state["f"][f0:f1]).tobytes()).hexdigest()
+    if "r" in state:
+        got["r"] = state["r"].tolist()
     return got
 
 
@@ -100,19 +108,21 @@ def train_loop(ctx: Any) -> None:
     out = Path(knob("OUT", "."))
     steps, every, pause = int(knob("STEPS", "20")), int(knob("EVERY", "4")), float(knob("SLEEP", "0.2"))
     incremental = knob("INCREMENTAL", "0") == "1"
-    whole = initial(incremental)
+    whole = initial(incremental, ctx.world_size if knob("RANKS_ARRAY", "0") == "1" else 0)
     m0, m1 = bounds(ctx.rank, ctx.world_size, M)
     state: dict[str, Any] = {"w": whole["w"], "m": Shard(whole["m"][m0:m1].copy(), (M,), (m0,))}
     if incremental:
         f0, f1 = bounds(ctx.rank, ctx.world_size, F)
         state["f"] = Shard(whole["f"][f0:f1].copy(), (F,), (f0,))
+    if "r" in whole:
+        state["r"] = whole["r"]
     try:
         info = ctx.restore(state)
     except Exception as e:
         record(out / "restored", ctx, {"error": f"{type(e).__name__}: {e}"})
         raise
     step = 0 if info is None else info.step
-    mine = {"w": state["w"], "m": np.zeros(M), "f": np.zeros(F)}
+    mine = {"w": state["w"], "m": np.zeros(M), "f": np.zeros(F), **({"r": state["r"]} if "r" in state else {})}
     mine["m"][m0:m1] = state["m"].data
     if incremental:
         mine["f"][f0:f1] = state["f"].data
@@ -140,6 +150,8 @@ def train_loop(ctx: Any) -> None:
         total = np.ones(4)
         ctx.group.allreduce(total)
         advance(state["w"], state["m"].data, m0, total)
+        if "r" in state:
+            state["r"] += 1
         step += 1
         ctx.report(step)
         if ctx.rank == 0:
@@ -149,6 +161,8 @@ def train_loop(ctx: Any) -> None:
             ctx.save(state, step)
         time.sleep(pause)
     mine["w"], mine["m"][m0:m1] = state["w"], state["m"].data
+    if "r" in state:
+        mine["r"] = state["r"]
     record(out / "final", ctx, {"step": step, **part(mine, ctx.rank, ctx.world_size)})
 
 

@@ -6,9 +6,10 @@ seeds (campaign.py); docs/TESTING.md, "Recovery chaos".
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import chaos_harness
 import chaos_script
@@ -21,9 +22,31 @@ from hypothesis import strategies as st
 # bytes and planted faults among them (their schedules: `python tests/chaos/campaign.py --start S --seeds 1`).
 FIXED_SEEDS: list[int] = []
 
-# Seeds that fail on today's code, each for a defect reported in issue 37 (or a new one, said here). They run
-# with SNEPPX_CHAOS_KNOWN=1 (`make chaos` sets it); once the fix merges, move the seed to FIXED_SEEDS.
-KNOWN_FAILURES: dict[int, str] = {}
+# Minimal schedules that fail on today's code, each for a defect of issue 37 (or a new one, said here), as the
+# campaign printed them (`replay:`). They run with SNEPPX_CHAOS_KNOWN=1 (`make chaos` sets it) and must still
+# fail; once the fix merges, the test says so: move the schedule's seed to FIXED_SEEDS (or keep it as a case).
+class Known(NamedTuple):
+    diagnosis: str
+    schedule: dict[str, Any]  # as a failure's `replay:` line prints it
+
+
+def job(nodes: int, every: int = 5, node_restart_delay: float = 0.2, **more: Any) -> dict[str, Any]:
+    return {"nodes": nodes, "gpus": 1, "snapshot": 1, "replicas": 1, "incremental": False, "backend": "auto",
+            "steps": 16, "every": every, "node_restart_delay": node_restart_delay, **more}
+
+
+KNOWN_FAILURES: dict[str, Known] = {
+    "defect-1-diverged-replica-restored-from-checkpoint": Known(
+        ("issue 37 defect 1: rank 0's replica drifts at step 4; the snapshot of step 5 is rejected as divergent, "
+         "but the checkpoint of step 5 committed rank 0's copy and the next generation restores it everywhere"),
+        {"seed": 0, "config": job(2), "faults": [{"kind": "diverge", "at": 4, "node": 0}]}),
+    "defect-7-snapshot-restore-cuts-a-shape": Known(
+        ("issue 37 defect 7: a (2,)-shaped replicated array is restored from peer memory into the lone "
+         "survivor's (1,)-shaped one, cut, and the restore says all is well (storage raises "
+         "ShardingMismatchError)"),
+        {"seed": 0, "config": job(2, node_restart_delay=60.0, ranks_array=True),
+         "faults": [{"kind": "kill_node", "at": 8, "node": 1}]}),
+}
 
 
 def run_or_explain(schedule: chaos_harness.Schedule, workdir: Path) -> None:
@@ -44,12 +67,13 @@ def test_a_seeded_fault_schedule_ends_at_the_uninterrupted_runs_state_and_every_
 
 
 @pytest.mark.skipif(os.environ.get("SNEPPX_CHAOS_KNOWN") != "1", reason="known failures run in `make chaos`")
-@pytest.mark.parametrize("seed", list(KNOWN_FAILURES))
-def test_a_known_failing_seed_still_fails(tmp_path: Path, seed: int) -> None:
-    outcome = chaos_harness.run(chaos_harness.generate(seed), tmp_path / "run")
+@pytest.mark.parametrize("name", list(KNOWN_FAILURES))
+def test_a_known_failing_schedule_still_fails(tmp_path: Path, name: str) -> None:
+    diagnosis, schedule = KNOWN_FAILURES[name]
+    outcome = chaos_harness.run(chaos_harness.Schedule.from_json(json.dumps(schedule)), tmp_path / "run")
     if outcome.passed:
-        pytest.fail(f"seed {seed} passes now ({KNOWN_FAILURES[seed]}): move it to FIXED_SEEDS")
-    pytest.xfail(f"{KNOWN_FAILURES[seed]}: {outcome.problems[:2]}")
+        pytest.fail(f"{name} passes now ({diagnosis}): move it to FIXED_SEEDS", pytrace=False)
+    pytest.xfail(f"{diagnosis}: {outcome.problems[:2]}")
 
 
 # ---- the pure parts ------------------------------------------------------------------------------------------
@@ -83,6 +107,7 @@ def test_the_generator_covers_every_fault_and_configuration() -> None:
             for s in schedules} >= {(a, b, c, d) for a in (True, False) for b in (True, False)
                                     for c in ("auto", "tcp") for d in (True, False)}
     assert any(f.at == chaos_harness.RECOVERY for s in schedules for f in s.faults)
+    assert any(s.config.ranks_array for s in schedules)
     assert any(f.at % s.config.every == 0 for s in schedules for f in s.faults if f.at > 0)  # during a save
 
 
@@ -120,7 +145,7 @@ def judged(tmp_path: Path, restores: list[dict[str, Any]], finals: list[dict[str
     for where, items in (("restored", restores), ("final", finals)):
         (tmp_path / where).mkdir(parents=True, exist_ok=True)
         for i, item in enumerate(items):
-            (tmp_path / where / f"{i}.json").write_text(chaos_harness.json.dumps(item))
+            (tmp_path / where / f"{i}.json").write_text(json.dumps(item))
     return chaos_harness.judge(config, tmp_path, result or {"generations": []})
 
 
@@ -136,6 +161,7 @@ def test_the_oracle_passes_a_true_run_and_names_each_lie(tmp_path: Path) -> None
         "a shape cut": restored(4, 1, 2, states, w=states[4]["w"][:1].tolist()),
         "a shard skipped": restored(4, 1, 2, states, m=[0.0] * 4),
         "a base step's bytes": restored(4, 1, 2, states, f="0" * 64),
+        "an array the run never had": restored(4, 1, 2, states, r=[4.0]),
     }
     for name, claims in lies.items():
         problems = judged(tmp_path / name.replace(" ", "-"), claims, finals)
