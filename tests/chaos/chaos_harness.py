@@ -53,6 +53,7 @@ class Config:
     every: int  # the durable checkpoint interval
     node_restart_delay: float  # short: a killed node is back at once; long: the world shrinks, then grows
     ranks_array: bool = False  # the state holds a replicated array shaped (world size at the start,)
+    other_snapshot: bool = False  # each step also keeps another object with ctx.snapshot
 
     @property
     def world_size(self) -> int:
@@ -97,7 +98,8 @@ class Schedule:
         head = (f"seed {self.seed}: {c.nodes} node(s) x {c.gpus} worker(s), backend {c.backend}, snapshots "
                 f"{snapshots}, incremental {'on' if c.incremental else 'off'}, {c.steps} steps, checkpoint every "
                 f"{c.every}, nodes back after {c.node_restart_delay}s"
-                + (f", a replicated array shaped ({c.world_size},)" if c.ranks_array else ""))
+                + (f", a replicated array shaped ({c.world_size},)" if c.ranks_array else "")
+                + (", ctx.snapshot of another object each step" if c.other_snapshot else ""))
         lines = [head]
         lines += [f"  {i}. {f}" for i, f in enumerate(self.faults, 1)] or ["  (no faults)"]
         return "\n".join(lines + [f"  replay: {self.to_json()}"])
@@ -133,7 +135,9 @@ def generate(seed: int) -> Schedule:
                             local_rank=rng.randrange(gpus), hold=rng.choice([0.5, 4.0])))
     # drawn apart, so adding it left every other choice of a seed as it was (campaigns before it stay valid)
     ranks_array = nodes > 1 and random.Random(f"{seed}/ranks_array").random() < 0.25
-    return Schedule(seed, dataclasses.replace(config, ranks_array=ranks_array), tuple(faults))
+    other_snapshot = snapshot > 0 and random.Random(f"{seed}/other_snapshot").random() < 0.2
+    return Schedule(seed, dataclasses.replace(config, ranks_array=ranks_array, other_snapshot=other_snapshot),
+                    tuple(faults))
 
 
 # ---- running a schedule ------------------------------------------------------------------------------------
@@ -160,7 +164,7 @@ def run(schedule: Schedule, workdir: Path) -> Outcome:
     knobs: dict[str, Any] = {"nodes": c.nodes, "gpus": c.gpus, "steps": c.steps, "every": c.every,
                              "snapshot": c.snapshot, "replicas": c.replicas, "incremental": int(c.incremental),
                              "backend": c.backend, "node_restart_delay": c.node_restart_delay,
-                             "ranks_array": int(c.ranks_array)}
+                             "ranks_array": int(c.ranks_array), "other_snapshot": int(c.other_snapshot)}
     for fault in schedule.faults:
         if fault.kind in PLANTED:
             knobs[PLANTED[fault.kind]] = f"{fault.at}:{fault.node}"

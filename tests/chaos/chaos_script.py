@@ -12,7 +12,8 @@ OUT/restored/, and its final state to OUT/final/, for the oracle (tests/chaos/or
 harness cannot make from outside are planted here, each once a run (a marker file in OUT): C_DIVERGE=STEP:RANK
 (that rank's replica of w drifts by one ulp at that step), C_FLIP_HELD=STEP (from that step on, in that generation, rank 0 flips a
 byte in every copy of a peer's snapshot it holds), C_RAISE=STEP:RANK (train_fn raises). Knobs (environment, C_*): NODES, GPUS,
-STEPS, EVERY, SLEEP, BACKEND, RANKS_ARRAY, SNAPSHOT, REPLICAS, INCREMENTAL, MAX_RESTARTS, NODE_RESTART_DELAY, and the
+STEPS, EVERY, SLEEP, BACKEND, RANKS_ARRAY, OTHER_SNAPSHOT (ctx.snapshot of
+another object shaped like the state, each step), SNAPSHOT, REPLICAS, INCREMENTAL, MAX_RESTARTS, NODE_RESTART_DELAY, and the
 product's timing tunables (2 s / 10 s / 5 s as recovery_script.py chose for a loaded 2-core box).
 """
 
@@ -132,6 +133,7 @@ def train_loop(ctx: Any) -> None:
                                    **part(mine, ctx.rank, ctx.world_size)})
     diverge, flip, fail = knob("DIVERGE", ""), knob("FLIP_HELD", ""), knob("RAISE", "")
     flipped: set[Any] | None = None
+    other = knob("OTHER_SNAPSHOT", "0") == "1"
     while step < steps:
         if fail and planted(fail) == (step, ctx.rank % ctx.world_size) and once(out, "raise"):
             raise RuntimeError(f"planted failure at step {step}, generation {ctx.generation}")
@@ -153,6 +155,8 @@ def train_loop(ctx: Any) -> None:
         if "r" in state:
             state["r"] += 1
         step += 1
+        if other:  # state not given to restore() (an average of the parameters, shaped like them), kept with
+            ctx.snapshot({"w": state["w"] * 0.5, "m": Shard(state["m"].data * 0.5, (M,), (m0,))}, step)  # snapshot
         ctx.report(step)
         if ctx.rank == 0:
             elastic_script.write_json(out / "progress.json", {"step": step, "generation": ctx.generation,

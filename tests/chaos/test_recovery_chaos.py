@@ -40,6 +40,12 @@ KNOWN_FAILURES: dict[str, Known] = {
         ("issue 37 defect 1: rank 0's replica drifts at step 4; the snapshot of step 5 is rejected as divergent, "
          "but the checkpoint of step 5 committed rank 0's copy and the next generation restores it everywhere"),
         {"seed": 0, "config": job(2), "faults": [{"kind": "diverge", "at": 4, "node": 0}]}),
+    "defect-2-another-objects-snapshot-restored": Known(
+        ("issue 37 defect 2: ctx.snapshot of an object shaped like the state (an average of it) takes the step's "
+         "one slot; after a worker dies, restore() says 'from peer memory (step 8)' and gives the model the "
+         "average: half the state, on every rank, to the end of the run"),
+        {"seed": 0, "config": job(2, other_snapshot=True),
+         "faults": [{"kind": "kill_worker", "at": 8, "node": 1}]}),
     "defect-7-snapshot-restore-cuts-a-shape": Known(
         ("issue 37 defect 7: a (2,)-shaped replicated array is restored from peer memory into the lone "
          "survivor's (1,)-shaped one, cut, and the restore says all is well (storage raises "
@@ -107,7 +113,7 @@ def test_the_generator_covers_every_fault_and_configuration() -> None:
             for s in schedules} >= {(a, b, c, d) for a in (True, False) for b in (True, False)
                                     for c in ("auto", "tcp") for d in (True, False)}
     assert any(f.at == chaos_harness.RECOVERY for s in schedules for f in s.faults)
-    assert any(s.config.ranks_array for s in schedules)
+    assert any(s.config.ranks_array for s in schedules) and any(s.config.other_snapshot for s in schedules)
     assert any(f.at % s.config.every == 0 for s in schedules for f in s.faults if f.at > 0)  # during a save
 
 
