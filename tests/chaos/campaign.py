@@ -42,6 +42,7 @@ def main() -> int:
             log.write(json.dumps({"label": label, "schedule": json.loads(schedule.to_json()),
                                   "passed": outcome.passed, "ended": outcome.ended, "fired": outcome.fired,
                                   "problems": outcome.problems, "seconds": round(outcome.seconds, 1),
+                                  "worlds": outcome.worlds,
                                   "out": str(outcome.out)}) + "\n")
         if outcome.passed and not args.keep:
             shutil.rmtree(outcome.out.parent, ignore_errors=True)

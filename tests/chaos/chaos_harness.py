@@ -59,6 +59,12 @@ class Config:
     def world_size(self) -> int:
         return self.nodes * self.gpus
 
+    @property
+    def most_steps(self) -> int:
+        """Where a job whose killed nodes come back trains on to, at most, waiting to grow to its full size
+        again (a node rejoins at a checkpoint boundary: after `steps` there may be none left)."""
+        return 4 * self.steps if self.nodes > 1 and self.node_restart_delay < 60 else self.steps
+
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
@@ -151,6 +157,7 @@ class Outcome:
     fired: list[str]
     seconds: float
     out: Path
+    worlds: list[int]  # the world size of each generation that restored (it shrank, grew, or neither)
 
     @property
     def passed(self) -> bool:
@@ -162,6 +169,7 @@ def run(schedule: Schedule, workdir: Path) -> Outcome:
     c = schedule.config
     workdir.mkdir(parents=True)
     knobs: dict[str, Any] = {"nodes": c.nodes, "gpus": c.gpus, "steps": c.steps, "every": c.every,
+                             "until_world": c.world_size, "max_steps": c.most_steps,
                              "snapshot": c.snapshot, "replicas": c.replicas, "incremental": int(c.incremental),
                              "backend": c.backend, "node_restart_delay": c.node_restart_delay,
                              "ranks_array": int(c.ranks_array), "other_snapshot": int(c.other_snapshot)}
@@ -185,7 +193,9 @@ def run(schedule: Schedule, workdir: Path) -> Outcome:
             job.log.close()
     problems = judge(c, job.out, result)
     ended = "recovered" if "error" not in result else f"{result['error']}: {result.get('message', '')[:300]}"
-    return Outcome(schedule, problems, ended, fired, time.monotonic() - started, job.out)
+    sizes = {r["generation"]: r["world_size"] for r in records(job.out / "restored")}
+    return Outcome(schedule, problems, ended, fired, time.monotonic() - started, job.out,
+                   [sizes[g] for g in sorted(sizes)])
 
 
 def drive(job: chaos_script.Run, schedule: Schedule, checkpoints: Path, fired: list[str]) -> None:
@@ -342,13 +352,13 @@ def judge(config: Config, out: Path, result: dict[str, Any]) -> list[str]:
     """What the run did wrong: every restore's claim must be true (the state it restored is the uninterrupted
     run's state at the step it names), and the run ends at the uninterrupted run's final state, or with a
     typed error that says why (never with wrong state)."""
-    want = expected(config.steps, config.incremental, config.world_size if config.ranks_array else 0)
+    want = expected(config.most_steps, config.incremental, config.world_size if config.ranks_array else 0)
     problems = []
     restores = records(out / "restored")
     for r in restores:
         if "error" in r:
             continue  # a restore that refused: the run's end says whether that ended it
-        if not 0 <= r["step"] <= config.steps:
+        if not 0 <= r["step"] <= config.most_steps:
             problems.append(f"rank {r['rank']} of generation {r['generation']} claims step {r['step']}")
             continue
         truth = chaos_script.part(want[r["step"]], r["rank"], r["world_size"])
@@ -378,10 +388,12 @@ def judge(config: Config, out: Path, result: dict[str, Any]) -> list[str]:
                         f"{sorted(r['rank'] for r in ending)} of {world}")
     resized = len({r["world_size"] for r in restores if "step" in r}) > 1
     for r in ending:
-        truth = chaos_script.part(want[config.steps], r["rank"], r["world_size"])
-        if r["step"] != config.steps:
-            problems.append(f"rank {r['rank']} ended at step {r['step']}, not {config.steps}")
-        elif (wrong := differences(r, truth, exact=not resized)):
+        if not config.steps <= r["step"] <= config.most_steps or r["step"] != ending[0]["step"]:
+            problems.append(f"rank {r['rank']} ended at step {r['step']} (rank {ending[0]['rank']} at "
+                            f"{ending[0]['step']}), not from {config.steps} to {config.most_steps}")
+            continue
+        truth = chaos_script.part(want[r["step"]], r["rank"], r["world_size"])
+        if (wrong := differences(r, truth, exact=not resized)):
             problems.append(f"wrong final state: rank {r['rank']}/{r['world_size']}: {wrong}")
     return problems
 
@@ -462,7 +474,8 @@ def shrink(schedule: Schedule, fails: Callable[[Schedule], bool], budget: int = 
 
 
 def report(outcome: Outcome) -> str:
-    lines = [f"{'PASS' if outcome.passed else 'FAIL'} in {outcome.seconds:.0f}s, ended: {outcome.ended}",
+    verdict = "PASS" if outcome.passed else "FAIL"
+    lines = [f"{verdict} in {outcome.seconds:.0f}s, world sizes {outcome.worlds}, ended: {outcome.ended}",
              outcome.schedule.describe(), "  fired:", *(f"    {f}" for f in outcome.fired)]
     lines += [f"  problem: {p}" for p in outcome.problems]
     return "\n".join(lines)

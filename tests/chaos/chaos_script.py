@@ -12,7 +12,8 @@ OUT/restored/, and its final state to OUT/final/, for the oracle (tests/chaos/or
 harness cannot make from outside are planted here, each once a run (a marker file in OUT): C_DIVERGE=STEP:RANK
 (that rank's replica of w drifts by one ulp at that step), C_FLIP_HELD=STEP (from that step on, in that generation, rank 0 flips a
 byte in every copy of a peer's snapshot it holds), C_RAISE=STEP:RANK (train_fn raises). Knobs (environment, C_*): NODES, GPUS,
-STEPS, EVERY, SLEEP, BACKEND, RANKS_ARRAY, OTHER_SNAPSHOT (ctx.snapshot of
+STEPS, UNTIL_WORLD and MAX_STEPS (train past STEPS, up to MAX_STEPS, until the world
+has UNTIL_WORLD ranks again), EVERY, SLEEP, BACKEND, RANKS_ARRAY, OTHER_SNAPSHOT (ctx.snapshot of
 another object shaped like the state, each step), SNAPSHOT, REPLICAS, INCREMENTAL, MAX_RESTARTS, NODE_RESTART_DELAY, and the
 product's timing tunables (2 s / 10 s / 5 s as recovery_script.py chose for a loaded 2-core box).
 """
@@ -134,7 +135,8 @@ def train_loop(ctx: Any) -> None:
     diverge, flip, fail = knob("DIVERGE", ""), knob("FLIP_HELD", ""), knob("RAISE", "")
     flipped: set[Any] | None = None
     other = knob("OTHER_SNAPSHOT", "0") == "1"
-    while step < steps:
+    until_world, most = int(knob("UNTIL_WORLD", "0")), int(knob("MAX_STEPS", "0"))
+    while step < steps or (ctx.world_size < until_world and step < most):  # on until nodes that died are back
         if fail and planted(fail) == (step, ctx.rank % ctx.world_size) and once(out, "raise"):
             raise RuntimeError(f"planted failure at step {step}, generation {ctx.generation}")
         if flip and planted(flip)[0] == step and ctx.rank == 0 and ctx._worker.snapshots is not None \
