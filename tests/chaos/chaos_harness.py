@@ -352,16 +352,20 @@ def judge(config: Config, out: Path, result: dict[str, Any]) -> list[str]:
     """What the run did wrong: every restore's claim must be true (the state it restored is the uninterrupted
     run's state at the step it names), and the run ends at the uninterrupted run's final state, or with a
     typed error that says why (never with wrong state)."""
-    want = expected(config.most_steps, config.incremental, config.world_size if config.ranks_array else 0)
     problems = []
     restores = records(out / "restored")
+    origin = started_at(restores)
+
+    def want(generation: int) -> list[dict[str, np.ndarray]]:
+        return expected(config.most_steps, config.incremental, origin.get(generation, 0) if config.ranks_array else 0)
+
     for r in restores:
         if "error" in r:
             continue  # a restore that refused: the run's end says whether that ended it
         if not 0 <= r["step"] <= config.most_steps:
             problems.append(f"rank {r['rank']} of generation {r['generation']} claims step {r['step']}")
             continue
-        truth = chaos_script.part(want[r["step"]], r["rank"], r["world_size"])
+        truth = chaos_script.part(want(r["generation"])[r["step"]], r["rank"], r["world_size"])
         if (wrong := differences(r, truth, exact=True)):
             problems.append(f"false restore claim: generation {r['generation']} rank {r['rank']}/"
                             f"{r['world_size']} says step {r['step']} from {r['source']}, but {wrong}")
@@ -392,10 +396,22 @@ def judge(config: Config, out: Path, result: dict[str, Any]) -> list[str]:
             problems.append(f"rank {r['rank']} ended at step {r['step']} (rank {ending[0]['rank']} at "
                             f"{ending[0]['step']}), not from {config.steps} to {config.most_steps}")
             continue
-        truth = chaos_script.part(want[r["step"]], r["rank"], r["world_size"])
+        truth = chaos_script.part(want(r["generation"])[r["step"]], r["rank"], r["world_size"])
         if (wrong := differences(r, truth, exact=not resized)):
             problems.append(f"wrong final state: rank {r['rank']}/{r['world_size']}: {wrong}")
     return problems
+
+
+def started_at(restores: list[dict[str, Any]]) -> dict[int, int]:
+    """For each generation, the world size the run last started from nothing at (a generation that restored
+    nothing: no step was committed yet, or none survived): the shape the world-sized replicated array has
+    there. A run may start over at any world size; what it must not do is change a restored array's shape."""
+    fresh = {r["generation"]: r["world_size"] for r in restores if r.get("step") == 0 and r.get("source") is None}
+    origin, size = {}, 0
+    for generation in sorted({r["generation"] for r in restores}):
+        size = fresh.get(generation, size)
+        origin[generation] = size
+    return origin
 
 
 FLOAT_BOUND = 1e-12  # relative: the bound where the world size changed (the script's steps are exact anyway)

@@ -205,3 +205,15 @@ def test_shrinking_finds_exactly_the_faults_a_failure_needs(steps: list[int], da
     minimal = chaos_harness.shrink(schedule, fails, budget=1000)
     assert {f.at for f in minimal.faults} == needed
     assert dataclasses.replace(minimal, faults=schedule.faults) == schedule
+
+
+def test_a_world_sized_array_may_start_over_at_any_size_but_never_change_shape_in_a_restore(tmp_path: Path) -> None:
+    config = dataclasses.replace(CONFIG, ranks_array=True)
+    at = {size: chaos_script.reference(CONFIG.steps, True, size) for size in (1, 2)}
+    start_over = (restored(0, 0, 2, at[2], source=None) + restored(0, 1, 1, at[1], source=None)  # type: ignore[arg-type]
+                  + restored(4, 2, 1, at[1]))
+    finals = [{**f, "step": 6} for f in restored(6, 2, 1, at[1])]
+    assert judged(tmp_path / "start-over", start_over, finals, config=config) == []
+    cut = restored(0, 0, 2, at[2], source=None) + restored(4, 1, 1, at[1])  # type: ignore[arg-type]
+    problems = judged(tmp_path / "cut", cut, finals, config=config)
+    assert problems and problems[0].startswith("false restore claim") and "r is [4.0]" in problems[0], problems
