@@ -179,7 +179,6 @@ def run(schedule: Schedule, workdir: Path) -> Outcome:
     started = time.monotonic()
     job = chaos_script.Run(workdir / "out", str(workdir / "ckpts"), **knobs)
     fired: list[str] = []
-    problems: list[str] = []
     try:
         drive(job, schedule, workdir / "ckpts", fired)
         try:

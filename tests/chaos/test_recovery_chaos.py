@@ -49,18 +49,19 @@ def job(nodes: int, every: int = 5, node_restart_delay: float = 0.2, **more: Any
 KNOWN_FAILURES: dict[str, Known] = {
     "defect-1-diverged-replica-restored-from-checkpoint": Known(
         ("issue 37 defect 1: rank 0's replica drifts at step 4; the snapshot of step 5 is rejected as divergent, "
-         "but the checkpoint of step 5 committed rank 0's copy and the next generation restores it everywhere"),
+         "but the checkpoint of step 5 committed rank 0's copy and the next generation restores it everywhere; "
+         "campaign seed 1003"),
         {"seed": 0, "config": job(2), "faults": [{"kind": "diverge", "at": 4, "node": 0}]}),
     "defect-2-another-objects-snapshot-restored": Known(
         ("issue 37 defect 2: ctx.snapshot of an object shaped like the state (an average of it) takes the step's "
          "one slot; after a worker dies, restore() says 'from peer memory (step 8)' and gives the model the "
-         "average: half the state, on every rank, to the end of the run"),
+         "average: half the state, on every rank, to the end of the run; campaign seeds 53, 80, 1048"),
         {"seed": 0, "config": job(2, other_snapshot=True),
          "faults": [{"kind": "kill_worker", "at": 8, "node": 1}]}),
     "defect-7-snapshot-restore-cuts-a-shape": Known(
         ("issue 37 defect 7: a (2,)-shaped replicated array is restored from peer memory into the lone "
          "survivor's (1,)-shaped one, cut, and the restore says all is well (storage raises "
-         "ShardingMismatchError)"),
+         "ShardingMismatchError); campaign seed 17 (3 -> 2)"),
         {"seed": 0, "config": job(2, node_restart_delay=60.0, ranks_array=True),
          "faults": [{"kind": "kill_node", "at": 8, "node": 1}]}),
 }
