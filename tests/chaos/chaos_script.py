@@ -8,14 +8,15 @@ C_INCREMENTAL is 1. So the uninterrupted run's state at any step is `reference(s
 and any rank's part of it is a slice (`part`).
 
 Every rank writes what it restored (the step and the source it claims, and its arrays' values) to
-OUT/restored/, and its final state to OUT/final/, for the oracle (tests/chaos/oracle.py) to check. Faults the
+OUT/restored/, and its final state to OUT/final/, for the oracle (chaos_harness.judge) to check. Faults the
 harness cannot make from outside are planted here, each once a run (a marker file in OUT): C_DIVERGE=STEP:RANK
-(that rank's replica of w drifts by one ulp at that step), C_FLIP_HELD=STEP (from that step on, in that generation, rank 0 flips a
-byte in every copy of a peer's snapshot it holds), C_RAISE=STEP:RANK (train_fn raises). Knobs (environment, C_*): NODES, GPUS,
-STEPS, UNTIL_WORLD and MAX_STEPS (train past STEPS, up to MAX_STEPS, until the world
-has UNTIL_WORLD ranks again), EVERY, SLEEP, BACKEND, RANKS_ARRAY, OTHER_SNAPSHOT (ctx.snapshot of
-another object shaped like the state, each step), SNAPSHOT, REPLICAS, INCREMENTAL, MAX_RESTARTS, NODE_RESTART_DELAY, and the
-product's timing tunables (2 s / 10 s / 5 s as recovery_script.py chose for a loaded 2-core box).
+(that rank's replica of w drifts by one ulp at that step), C_FLIP_HELD=STEP (from that step on, in that
+generation, rank 0 flips a byte in every copy of a peer's snapshot it holds), C_RAISE=STEP:RANK (train_fn
+raises). The job's shape: NODES, GPUS, STEPS, EVERY, SLEEP, BACKEND, SNAPSHOT, REPLICAS, INCREMENTAL,
+RANKS_ARRAY (a replicated array shaped by the world size), OTHER_SNAPSHOT (ctx.snapshot of another object shaped
+like the state, each step), UNTIL_WORLD and MAX_STEPS (train past STEPS, up to MAX_STEPS, until the world has
+UNTIL_WORLD ranks again), MAX_RESTARTS, NODE_RESTART_DELAY, and the product's timing tunables (2 s / 10 s / 5 s,
+as recovery_script.py chose for a loaded 2-core box).
 """
 
 from __future__ import annotations
