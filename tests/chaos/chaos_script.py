@@ -10,7 +10,7 @@ and any rank's part of it is a slice (`part`).
 Every rank writes what it restored (the step and the source it claims, and its arrays' values) to
 OUT/restored/, and its final state to OUT/final/, for the oracle (chaos_harness.judge) to check. Faults the
 harness cannot make from outside are planted here, each once a run (a marker file in OUT): C_DIVERGE=STEP:RANK
-(that rank's replica of w drifts by one ulp at that step), C_FLIP_HELD=STEP (from that step on, in that
+(that rank's replica of w drifts by 2**-20 at that step), C_FLIP_HELD=STEP (from that step on, in that
 generation, rank 0 flips a byte in every copy of a peer's snapshot it holds), C_RAISE=STEP:RANK (train_fn
 raises). The job's shape: NODES, GPUS, STEPS, EVERY, SLEEP, BACKEND, SNAPSHOT, REPLICAS, INCREMENTAL,
 RANKS_ARRAY (a replicated array shaped by the world size), OTHER_SNAPSHOT (ctx.snapshot of another object shaped
@@ -151,7 +151,8 @@ def train_loop(ctx: Any) -> None:
                     tensor = copy.meta["tensors"][0]
                     copy.payload[tensor["at"] + tensor["nbytes"] // 2] ^= 0x01
         if diverge and planted(diverge) == (step, ctx.rank % ctx.world_size) and once(out, "diverge"):
-            state["w"][0] = np.nextafter(state["w"][0], np.inf)  # a bad core: this rank's replica drifts
+            # a bad core: this rank's replica drifts by 2**-20 (one ulp, at 7, would round away at 8)
+            state["w"][0] += 2.0 ** -20
         total = np.ones(4)
         ctx.group.allreduce(total)
         advance(state["w"], state["m"].data, m0, total)
