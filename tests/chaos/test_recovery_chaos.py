@@ -35,7 +35,7 @@ FIXED_SEEDS = [
 
 # Minimal schedules that fail on today's code, each for a defect of issue 37 (or a new one, said here), as the
 # campaign printed them (`replay:`). They run with SNEPPX_CHAOS_KNOWN=1 (`make chaos` sets it) and must still
-# fail; once the fix merges, the test says so: move the schedule's seed to FIXED_SEEDS (or keep it as a case).
+# fail; once the fix merges, the test says so: drop the entry and add the campaign seeds it names to FIXED_SEEDS.
 class Known(NamedTuple):
     diagnosis: str
     schedule: dict[str, Any]  # as a failure's `replay:` line prints it
@@ -97,7 +97,8 @@ def test_a_known_failing_schedule_still_fails(tmp_path: Path, name: str) -> None
     diagnosis, schedule = KNOWN_FAILURES[name]
     outcome = chaos_harness.run(chaos_harness.Schedule.from_json(json.dumps(schedule)), tmp_path / "run")
     if outcome.passed:
-        pytest.fail(f"{name} passes now ({diagnosis}): move it to FIXED_SEEDS", pytrace=False)
+        pytest.fail(f"{name} passes now ({diagnosis}): drop it, and add its campaign seeds to FIXED_SEEDS",
+                    pytrace=False)
     pytest.xfail(f"{diagnosis}: {outcome.problems[:2]}")
 
 
