@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test bench fuzz lint clean k8s-tools chaos-operator
+.PHONY: demo test bench fuzz chaos chaos-operator lint clean k8s-tools
 
 $(INSTALLED): pyproject.toml setup.py native/build_ffi.py native/include/sneppx.h $(wildcard native/src/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,15 @@ FUZZ_SECONDS ?= 60
 fuzz: $(INSTALLED)
 	SNEPPX_FUZZ_SECONDS=$(FUZZ_SECONDS) SNEPPX_FUZZ_KEEP=$(HOME)/.cache/sneppx/fuzz \
 		$(PY) -m pytest tests/fuzz -p no:randomly --timeout=0 -v
+
+# Campaigns of the randomized tests with an exact oracle, outside `make test` (which runs a fixed set of their
+# seeds): SEEDS new seeds from SEED_START each, failures shrunk and printed with their replay line
+# (docs/TESTING.md, "Recovery chaos"). Another campaign is one more line here.
+SEEDS ?= 20
+SEED_START ?= 1000
+chaos: $(INSTALLED)
+	SNEPPX_CHAOS_KNOWN=1 $(PY) -m pytest tests/chaos -p no:randomly -k known_failing -v
+	$(PY) tests/chaos/campaign.py --seeds $(SEEDS) --start $(SEED_START)
 
 clean:
 	rm -rf $(VENV) build *.egg-info runtime/SneppX_ALG/*.so
