@@ -719,3 +719,25 @@ def test_a_step_cut_off_before_its_allgather_restores_only_if_every_own_snapshot
     assert np.array_equal(targets[0]["w"], np.full(3, float(want)))
     for g in new:
         g.close()
+
+
+def test_a_rank_whose_state_is_laid_out_otherwise_decides_as_every_other_rank() -> None:
+    """Every rank decided for its own target's layout: rank 1's state changed shape since (its w is (4,)), so
+    rank 1 went to storage ("holds another object") while rank 0 chose memory and waited for rank 1 in the
+    transfer's allgather until CollectiveTimeoutError. Now the layouts are allgathered: both go to storage."""
+    root = tempfile.mkdtemp()
+    keepers = [snapshot.Keeper() for _ in range(2)]
+    old = groups(2, 0, root)
+    assert take_everywhere(keepers, old, ["node-0", "node-1"], lambda r: state(r, 2, 5), range(5, 6)) == [None] * 2
+    for g in old:
+        g.close()
+    new = groups(2, 1, root)
+    targets = [{"w": np.zeros(3 + r), "m": shard_of(r, 2), "epoch": 0} for r in range(2)]
+    got = on_threads(2, lambda r: keepers[r].recover(targets[r], new[r]))
+    assert [(g.step, g.decision.source) for g in got] == [(None, "storage")] * 2, got
+    assert got[0].why == got[1].why
+    for r, target in enumerate(targets):  # nothing was written
+        assert not target["w"].any() and np.array_equal(target["m"].data, shard_of(r, 2).data), (r, target)
+    for g in new:
+        g.close()
+
