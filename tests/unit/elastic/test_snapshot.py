@@ -741,3 +741,32 @@ def test_a_rank_whose_state_is_laid_out_otherwise_decides_as_every_other_rank() 
     for g in new:
         g.close()
 
+
+
+@pytest.mark.parametrize("elements, old_world, new_world", [(2, 2, 3), (1, 2, 3), (3, 3, 4), (2, 1, 3)])
+def test_a_rank_whose_new_shard_is_empty_still_restores(elements: int, old_world: int, new_world: int) -> None:
+    """Fewer rows than new ranks: a rank's new shard holds none of them. It wants an empty box, meets no part's
+    box, received no piece of the tensor, and apply refused it for "no tensor": the whole recovery went to
+    storage although every byte was there."""
+    def sharded(rank: int, world: int, step: int) -> dict[str, Any]:
+        start, stop = elements * rank // world, elements * (rank + 1) // world
+        return {"w": np.full(3, float(step)),
+                "m": Shard(np.arange(start, stop, dtype=np.float64) + 1000.0 * step, (elements,), (start,))}
+
+    root = tempfile.mkdtemp()
+    keepers = [snapshot.Keeper() for _ in range(old_world)]
+    old = groups(old_world, 0, root)
+    places = [f"node-{r}" for r in range(old_world)]
+    assert take_everywhere(keepers, old, places, lambda r: sharded(r, old_world, 5), range(5, 6)) == [None] * old_world
+    for g in old:
+        g.close()
+    ranks = keepers + [snapshot.Keeper() for _ in range(new_world - old_world)]
+    new = groups(new_world, 1, root)
+    targets = [sharded(r, new_world, 0) for r in range(new_world)]
+    got = on_threads(new_world, lambda r: ranks[r].recover(targets[r], new[r]))
+    assert [g.step for g in got] == [5] * new_world, got
+    for r, target in enumerate(targets):
+        want = sharded(r, new_world, 5)
+        assert np.array_equal(target["m"].data, want["m"].data) and np.array_equal(target["w"], want["w"])
+    for g in new:
+        g.close()
