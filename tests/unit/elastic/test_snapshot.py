@@ -770,3 +770,40 @@ def test_a_rank_whose_new_shard_is_empty_still_restores(elements: int, old_world
         assert np.array_equal(target["m"].data, want["m"].data) and np.array_equal(target["w"], want["w"])
     for g in new:
         g.close()
+
+
+def split(global_array: np.ndarray, rank: int, world: int, axis: int) -> Shard:
+    n = global_array.shape[axis]
+    start, stop = n * rank // world, n * (rank + 1) // world
+    offset = [0] * global_array.ndim
+    offset[axis] = start
+    return Shard(np.take(global_array, range(start, stop), axis=axis).copy(), global_array.shape, tuple(offset))
+
+
+@hypothesis.settings(max_examples=150, deadline=None)
+@hypothesis.given(rows=st.integers(0, 5), cols=st.integers(1, 4), old_world=st.integers(1, 5),
+                  new_world=st.integers(1, 5), old_axis=st.integers(0, 1), new_axis=st.integers(0, 1),
+                  whole=st.integers(0, 4))
+def test_random_2d_reshards_with_empty_shards_get_every_box_they_need(rows: int, cols: int, old_world: int,
+                                                                      new_world: int, old_axis: int, new_axis: int,
+                                                                      whole: int) -> None:
+    """The boxes-only transfer against the global array as oracle: any split axis, old and new, and more ranks
+    than rows or columns (empty shards on either side)."""
+    whole %= old_world
+    saved = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) + 1
+    parts = []
+    for r in range(old_world):
+        shot = snapshot.capture({"m": split(saved, r, old_world, old_axis), "w": np.full(2, 3.0)}, 7,
+                                instance="i", generation=0, rank=r, world=old_world,
+                                into=lambda n: np.empty(n, np.uint8))
+        snapshot.seal(shot)
+        parts.append(shot if r == whole else shot.unique())
+    order = [whole] + [r for r in range(old_world) if r != whole]
+    for rank in range(new_world):
+        target = {"m": split(np.zeros_like(saved), rank, new_world, new_axis), "w": np.zeros(2)}
+        cuts = [snapshot.cut(parts[r], snapshot.wanted_boxes(target), whole=r == whole) for r in order]
+        pieces = snapshot.unbundle(snapshot.bundle(cuts, np.empty(snapshot.bundle_bytes(cuts), np.uint8)).copy())
+        assert all(p.problems() == [] for p in pieces)
+        snapshot.apply(target, pieces)
+        assert np.array_equal(target["m"].data, split(saved, rank, new_world, new_axis).data)
+        assert np.array_equal(target["w"], np.full(2, 3.0))
