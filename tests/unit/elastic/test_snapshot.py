@@ -807,3 +807,32 @@ def test_random_2d_reshards_with_empty_shards_get_every_box_they_need(rows: int,
         snapshot.apply(target, pieces)
         assert np.array_equal(target["m"].data, split(saved, rank, new_world, new_axis).data)
         assert np.array_equal(target["w"], np.full(2, 3.0))
+
+
+def test_a_piece_corrupted_on_its_way_ends_the_recovery_alike_on_every_rank() -> None:
+    """Rank 1 found a piece corrupt and raised at once; rank 0 went on to apply and into the allreduce after it,
+    where it waited for rank 1 until CollectiveTimeoutError (a collective one rank skipped). Now every rank
+    raises CommProtocolError, and none wrote anything."""
+    root = tempfile.mkdtemp()
+    keepers = [snapshot.Keeper() for _ in range(2)]
+    old = groups(2, 0, root)
+    assert take_everywhere(keepers, old, ["node-0", "node-1"], lambda r: big_state(r, 2, 1 << 12, 5),
+                           range(5, 6)) == [None] * 2
+    for g in old:
+        g.close()
+    new = groups(2, 1, root)
+    shift = new[1].shift
+
+    def flipping(send: np.ndarray, recv: np.ndarray, timeout: float | None = None) -> np.ndarray:
+        got = shift(send, recv, timeout)
+        if len(got):
+            got[len(got) // 2] ^= 0x01  # in the shard's bytes: the bundle is mostly data
+        return got
+
+    new[1].shift = flipping  # type: ignore[method-assign]
+    targets = [big_state((r + 1) % 2, 2, 1 << 12, 0) for r in range(2)]  # swapped: each shard travels
+    got = on_threads(2, lambda r: keepers[r].recover(targets[r], new[r]))
+    assert all(isinstance(g, errors.CommProtocolError) for g in got), got
+    assert not any(t["m"].data.any() or t["w"].any() for t in targets)
+    for g in new:
+        g.close()

@@ -401,7 +401,7 @@ class Keeper:
                     f"the snapshot group (its snapshots, the boxes it receives, 2 in transit), over "
                     f"snapshot_memory_limit {int(sizes[q, world + 1]) / 2**20:.1f} MiB")
         pieces = unbundle(bundle(cuts_for(me), np.empty(int(sizes[me, me]), np.uint8)))
-        received = 0
+        received, corrupt = 0, ""
         for k in range(1, world):
             if not any(sizes[h, (h + k) % world] for h in range(world)):
                 continue  # nothing travels this far
@@ -410,14 +410,16 @@ class Keeper:
                 origin = (me - hop) % world
                 outgoing = group.shift(outgoing, np.empty(int(sizes[origin, (origin + k) % world]), np.uint8))
             arrived = unbundle(outgoing)
-            for piece in arrived:
-                problems = piece.problems()
-                if problems:  # it checked out where it was held: it was corrupted on the way; the next
-                    raise errors.CommProtocolError(  # generation tries again
-                        f"a snapshot piece received from rank {(me - k) % world}: {problems[0]}", rank=me,
-                        generation=group.generation, peer=(me - k) % world)
+            problems = [p for piece in arrived for p in piece.problems()]
+            if problems and not corrupt:  # it checked out where it was held: it was corrupted on the way
+                corrupt = f"a snapshot piece received from rank {(me - k) % world}: {problems[0]}"
             pieces += arrived
             received += len(outgoing)
+        bad = np.array([1 if corrupt else 0], np.int64)
+        group.allreduce(bad, op="max")  # every rank ends alike: one raising alone leaves the others in a collective
+        if bad[0]:  # the next generation tries again
+            raise errors.CommProtocolError(corrupt or "a snapshot piece arrived corrupt on another rank", rank=me,
+                                           generation=group.generation)
         by_source = {piece.source: piece for piece in pieces}
         return [by_source[s] for s in sources], received
 
