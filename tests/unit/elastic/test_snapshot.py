@@ -836,3 +836,21 @@ def test_a_piece_corrupted_on_its_way_ends_the_recovery_alike_on_every_rank() ->
     assert not any(t["m"].data.any() or t["w"].any() for t in targets)
     for g in new:
         g.close()
+
+
+@pytest.mark.parametrize("sharded_target", [True, False])
+def test_parts_that_overlap_and_leave_a_hole_are_refused(sharded_target: bool) -> None:
+    """apply counted coverage as the sum of the overlaps' volumes: old shards [0:4), [3:7), [8:10) of a (10,)
+    tensor (a description that lies: a flipped digit in an offset, which no CRC covers, or a user's sharding
+    off by one) sum to 10, so element 7 was never written and the restore said all was well."""
+    def shot(rank: int, start: int, stop: int) -> snapshot.Snapshot:
+        taken = snapshot.capture({"m": Shard(np.arange(start, stop, dtype=np.float64) + 1, (M,), (start,))}, 5,
+                                 instance="i", generation=0, rank=rank, world=3, into=lambda n: np.empty(n, np.uint8))
+        snapshot.seal(taken)
+        return taken
+
+    parts = [shot(0, 0, 4), shot(1, 3, 7).unique(), shot(2, 8, 10).unique()]
+    target = {"m": Shard(np.zeros(M), (M,), (0,))} if sharded_target else {"m": np.zeros(M)}
+    with pytest.raises(errors.ShardingMismatchError, match="overlap"):
+        snapshot.apply(target, parts)
+    assert not (target["m"].data if sharded_target else target["m"]).any()
