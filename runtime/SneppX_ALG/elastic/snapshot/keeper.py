@@ -409,8 +409,11 @@ class Keeper:
             for hop in range(1, k + 1):
                 origin = (me - hop) % world
                 outgoing = group.shift(outgoing, np.empty(int(sizes[origin, (origin + k) % world]), np.uint8))
-            arrived = unbundle(outgoing)
-            problems = [p for piece in arrived for p in piece.problems()]
+            try:
+                arrived = unbundle(outgoing)
+                problems = [p for piece in arrived for p in piece.problems()]
+            except (ValueError, KeyError, TypeError, IndexError) as e:  # its description (no CRC covers it)
+                arrived, problems = [], [f"its description does not read: {type(e).__name__}: {e}"]
             if problems and not corrupt:  # it checked out where it was held: it was corrupted on the way
                 corrupt = f"a snapshot piece received from rank {(me - k) % world}: {problems[0]}"
             pieces += arrived
