@@ -856,3 +856,24 @@ def test_parts_that_overlap_and_leave_a_hole_are_refused(sharded_target: bool) -
     with pytest.raises(errors.ShardingMismatchError, match="overlap"):
         snapshot.apply(target, parts)
     assert not (target["m"].data if sharded_target else target["m"]).any()
+
+
+
+def test_a_rank_whose_state_does_not_describe_itself_goes_to_storage_with_every_other_rank() -> None:
+    """Rank 1's shard lies outside its tensor (5 rows at offset 8 of a (10,)): its layout raised
+    UnsupportedTensorError before the inventory's allgather, and rank 0 waited there for it until
+    CollectiveTimeoutError. Now every rank goes to storage alike."""
+    root = tempfile.mkdtemp()
+    keepers = [snapshot.Keeper() for _ in range(2)]
+    old = groups(2, 0, root)
+    assert take_everywhere(keepers, old, ["node-0", "node-1"], lambda r: state(r, 2, 5), range(5, 6)) == [None] * 2
+    for g in old:
+        g.close()
+    new = groups(2, 1, root)
+    targets = [{"w": np.zeros(3), "m": shard_of(0, 2), "epoch": 0},
+               {"w": np.zeros(3), "m": Shard(np.zeros(5), (M,), (8,)), "epoch": 0}]
+    got = on_threads(2, lambda r: keepers[r].recover(targets[r], new[r]))
+    assert [(g.step, g.decision.source) for g in got] == [(None, "storage")] * 2, got
+    assert not any(t["w"].any() for t in targets) and np.array_equal(targets[0]["m"].data, shard_of(0, 2).data)
+    for g in new:
+        g.close()

@@ -326,7 +326,11 @@ class Keeper:
             self.wait()
         except errors.SneppXError as e:  # the last generation's snapshot in flight: it ended with it
             log.info("the snapshot in flight when the generation ended: %s", e)
-        views = allgather_json(group, {"held": self.inventory(), "target": layout_of(obj),
+        try:
+            layout: str | None = layout_of(obj)
+        except (errors.SneppXError, ValueError, TypeError):  # the storage restore says what is wrong, on this rank
+            layout = None
+        views = allgather_json(group, {"held": self.inventory(), "target": layout,
                                        "divergences": [dataclasses.astuple(d) for d in self.divergences]})
         lists = [v["held"] for v in views]
         held = [Held(holder, e["instance"], e["generation"], e["step"], e["world"], e["source"], e["whole"],
@@ -337,7 +341,7 @@ class Keeper:
         # every rank decides for the same target: a rank whose state is laid out otherwise than the others' would
         # decide alone (storage, while they wait for it in the transfer); then no snapshot holds it on every rank
         layouts = {v["target"] for v in views}
-        target = layouts.pop() if len(layouts) == 1 else "the ranks' states differ in layout"
+        target = layouts.pop() if len(layouts) == 1 and None not in layouts else "the ranks' states differ in layout"
         first = choose(held, [], [], self.divergences, target)
         checked, unchecked = durable(first.step if first.source == "memory" else None, self.divergences)
         decision = choose(held, checked, unchecked, self.divergences, target)
