@@ -723,3 +723,161 @@ def test_a_step_cut_off_before_its_allgather_restores_only_if_every_own_snapshot
     assert np.array_equal(targets[0]["w"], np.full(3, float(want)))
     for g in new:
         g.close()
+
+
+def test_a_rank_whose_state_is_laid_out_otherwise_decides_as_every_other_rank() -> None:
+    """Every rank decided for its own target's layout: rank 1's state changed shape since (its w is (4,)), so
+    rank 1 went to storage ("holds another object") while rank 0 chose memory and waited for rank 1 in the
+    transfer's allgather until CollectiveTimeoutError. Now the layouts are allgathered: both go to storage."""
+    root = tempfile.mkdtemp()
+    keepers = [snapshot.Keeper() for _ in range(2)]
+    old = groups(2, 0, root)
+    assert take_everywhere(keepers, old, ["node-0", "node-1"], lambda r: state(r, 2, 5), range(5, 6)) == [None] * 2
+    for g in old:
+        g.close()
+    new = groups(2, 1, root)
+    targets = [{"w": np.zeros(3 + r), "m": shard_of(r, 2), "epoch": 0} for r in range(2)]
+    got = on_threads(2, lambda r: keepers[r].recover(targets[r], new[r]))
+    assert [(g.step, g.decision.source) for g in got] == [(None, "storage")] * 2, got
+    assert got[0].why == got[1].why
+    for r, target in enumerate(targets):  # nothing was written
+        assert not target["w"].any() and np.array_equal(target["m"].data, shard_of(r, 2).data), (r, target)
+    for g in new:
+        g.close()
+
+
+
+@pytest.mark.parametrize("elements, old_world, new_world", [(2, 2, 3), (1, 2, 3), (3, 3, 4), (2, 1, 3)])
+def test_a_rank_whose_new_shard_is_empty_still_restores(elements: int, old_world: int, new_world: int) -> None:
+    """Fewer rows than new ranks: a rank's new shard holds none of them. It wants an empty box, meets no part's
+    box, received no piece of the tensor, and apply refused it for "no tensor": the whole recovery went to
+    storage although every byte was there."""
+    def sharded(rank: int, world: int, step: int) -> dict[str, Any]:
+        start, stop = elements * rank // world, elements * (rank + 1) // world
+        return {"w": np.full(3, float(step)),
+                "m": Shard(np.arange(start, stop, dtype=np.float64) + 1000.0 * step, (elements,), (start,))}
+
+    root = tempfile.mkdtemp()
+    keepers = [snapshot.Keeper() for _ in range(old_world)]
+    old = groups(old_world, 0, root)
+    places = [f"node-{r}" for r in range(old_world)]
+    assert take_everywhere(keepers, old, places, lambda r: sharded(r, old_world, 5), range(5, 6)) == [None] * old_world
+    for g in old:
+        g.close()
+    ranks = keepers + [snapshot.Keeper() for _ in range(new_world - old_world)]
+    new = groups(new_world, 1, root)
+    targets = [sharded(r, new_world, 0) for r in range(new_world)]
+    got = on_threads(new_world, lambda r: ranks[r].recover(targets[r], new[r]))
+    assert [g.step for g in got] == [5] * new_world, got
+    for r, target in enumerate(targets):
+        want = sharded(r, new_world, 5)
+        assert np.array_equal(target["m"].data, want["m"].data) and np.array_equal(target["w"], want["w"])
+    for g in new:
+        g.close()
+
+
+def split(global_array: np.ndarray, rank: int, world: int, axis: int) -> Shard:
+    n = global_array.shape[axis]
+    start, stop = n * rank // world, n * (rank + 1) // world
+    offset = [0] * global_array.ndim
+    offset[axis] = start
+    return Shard(np.take(global_array, range(start, stop), axis=axis).copy(), global_array.shape, tuple(offset))
+
+
+@hypothesis.settings(max_examples=150, deadline=None)
+@hypothesis.given(rows=st.integers(0, 5), cols=st.integers(1, 4), old_world=st.integers(1, 5),
+                  new_world=st.integers(1, 5), old_axis=st.integers(0, 1), new_axis=st.integers(0, 1),
+                  whole=st.integers(0, 4))
+def test_random_2d_reshards_with_empty_shards_get_every_box_they_need(rows: int, cols: int, old_world: int,
+                                                                      new_world: int, old_axis: int, new_axis: int,
+                                                                      whole: int) -> None:
+    """The boxes-only transfer against the global array as oracle: any split axis, old and new, and more ranks
+    than rows or columns (empty shards on either side)."""
+    whole %= old_world
+    saved = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) + 1
+    parts = []
+    for r in range(old_world):
+        shot = snapshot.capture({"m": split(saved, r, old_world, old_axis), "w": np.full(2, 3.0)}, 7,
+                                instance="i", generation=0, rank=r, world=old_world,
+                                into=lambda n: np.empty(n, np.uint8))
+        snapshot.seal(shot)
+        parts.append(shot if r == whole else shot.unique())
+    order = [whole] + [r for r in range(old_world) if r != whole]
+    for rank in range(new_world):
+        target = {"m": split(np.zeros_like(saved), rank, new_world, new_axis), "w": np.zeros(2)}
+        cuts = [snapshot.cut(parts[r], snapshot.wanted_boxes(target), whole=r == whole) for r in order]
+        pieces = snapshot.unbundle(snapshot.bundle(cuts, np.empty(snapshot.bundle_bytes(cuts), np.uint8)).copy())
+        assert all(p.problems() == [] for p in pieces)
+        snapshot.apply(target, pieces)
+        assert np.array_equal(target["m"].data, split(saved, rank, new_world, new_axis).data)
+        assert np.array_equal(target["w"], np.full(2, 3.0))
+
+
+@pytest.mark.parametrize("where", ["data", "description"])
+def test_a_piece_corrupted_on_its_way_ends_the_recovery_alike_on_every_rank(where: str) -> None:
+    """Rank 1 found a piece corrupt and raised at once; rank 0 went on to apply and into the allreduce after it,
+    where it waited for rank 1 until CollectiveTimeoutError (a collective one rank skipped). A description no
+    CRC covers failed as a JSONDecodeError (a ValueError, untyped). Now every rank raises CommProtocolError, and
+    none wrote anything."""
+    root = tempfile.mkdtemp()
+    keepers = [snapshot.Keeper() for _ in range(2)]
+    old = groups(2, 0, root)
+    assert take_everywhere(keepers, old, ["node-0", "node-1"], lambda r: big_state(r, 2, 1 << 12, 5),
+                           range(5, 6)) == [None] * 2
+    for g in old:
+        g.close()
+    new = groups(2, 1, root)
+    shift = new[1].shift
+
+    def flipping(send: np.ndarray, recv: np.ndarray, timeout: float | None = None) -> np.ndarray:
+        got = shift(send, recv, timeout)
+        if len(got):  # the bundle is mostly data; its description (JSON, padded) ends 8 bytes before its end
+            got[len(got) // 2 if where == "data" else -9] ^= 0x01
+        return got
+
+    new[1].shift = flipping  # type: ignore[method-assign]
+    targets = [big_state((r + 1) % 2, 2, 1 << 12, 0) for r in range(2)]  # swapped: each shard travels
+    got = on_threads(2, lambda r: keepers[r].recover(targets[r], new[r]))
+    assert all(isinstance(g, errors.CommProtocolError) for g in got), got
+    assert not any(t["m"].data.any() or t["w"].any() for t in targets)
+    for g in new:
+        g.close()
+
+
+@pytest.mark.parametrize("sharded_target", [True, False])
+def test_parts_that_overlap_and_leave_a_hole_are_refused(sharded_target: bool) -> None:
+    """apply counted coverage as the sum of the overlaps' volumes: old shards [0:4), [3:7), [8:10) of a (10,)
+    tensor (a description that lies: a flipped digit in an offset, which no CRC covers, or a user's sharding
+    off by one) sum to 10, so element 7 was never written and the restore said all was well."""
+    def shot(rank: int, start: int, stop: int) -> snapshot.Snapshot:
+        taken = snapshot.capture({"m": Shard(np.arange(start, stop, dtype=np.float64) + 1, (M,), (start,))}, 5,
+                                 instance="i", generation=0, rank=rank, world=3, into=lambda n: np.empty(n, np.uint8))
+        snapshot.seal(taken)
+        return taken
+
+    parts = [shot(0, 0, 4), shot(1, 3, 7).unique(), shot(2, 8, 10).unique()]
+    target = {"m": Shard(np.zeros(M), (M,), (0,))} if sharded_target else {"m": np.zeros(M)}
+    with pytest.raises(errors.ShardingMismatchError, match="overlap"):
+        snapshot.apply(target, parts)
+    assert not (target["m"].data if sharded_target else target["m"]).any()
+
+
+
+def test_a_rank_whose_state_does_not_describe_itself_goes_to_storage_with_every_other_rank() -> None:
+    """Rank 1's shard lies outside its tensor (5 rows at offset 8 of a (10,)): its layout raised
+    UnsupportedTensorError before the inventory's allgather, and rank 0 waited there for it until
+    CollectiveTimeoutError. Now every rank goes to storage alike."""
+    root = tempfile.mkdtemp()
+    keepers = [snapshot.Keeper() for _ in range(2)]
+    old = groups(2, 0, root)
+    assert take_everywhere(keepers, old, ["node-0", "node-1"], lambda r: state(r, 2, 5), range(5, 6)) == [None] * 2
+    for g in old:
+        g.close()
+    new = groups(2, 1, root)
+    targets = [{"w": np.zeros(3), "m": shard_of(0, 2), "epoch": 0},
+               {"w": np.zeros(3), "m": Shard(np.zeros(5), (M,), (8,)), "epoch": 0}]
+    got = on_threads(2, lambda r: keepers[r].recover(targets[r], new[r]))
+    assert [(g.step, g.decision.source) for g in got] == [(None, "storage")] * 2, got
+    assert not any(t["w"].any() for t in targets) and np.array_equal(targets[0]["m"].data, shard_of(0, 2).data)
+    for g in new:
+        g.close()

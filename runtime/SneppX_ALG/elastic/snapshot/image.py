@@ -254,8 +254,8 @@ def cut(part: Snapshot, wanted: Wanted, *, whole: bool) -> Cut:
             common = chunks.intersect(have, want) if have.volume else None
             if common is not None:
                 boxes.append((t, have, common))
-            elif not have.volume and want == have:  # an empty tensor wanted whole: it is there, as empty
-                boxes.append((t, have, have))
+            elif not want.volume and whole:  # an empty box (a shard of no rows) meets no part's, but apply
+                boxes.append((t, have, chunks.Box(have.offset, (0,) * len(have.shape))))  # needs shape, dtype
     return Cut(part, boxes, whole)
 
 

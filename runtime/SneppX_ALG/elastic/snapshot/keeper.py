@@ -331,7 +331,11 @@ class Keeper:
             self.wait()
         except errors.SneppXError as e:  # the last generation's snapshot in flight: it ended with it
             log.info("the snapshot in flight when the generation ended: %s", e)
-        views = allgather_json(group, {"held": self.inventory(),
+        try:
+            layout: str | None = layout_of(obj)
+        except (errors.SneppXError, ValueError, TypeError):  # the storage restore says what is wrong, on this rank
+            layout = None
+        views = allgather_json(group, {"held": self.inventory(), "target": layout,
                                        "divergences": [dataclasses.astuple(d) for d in self.divergences]})
         lists = [v["held"] for v in views]
         held = [Held(holder, e["instance"], e["generation"], e["step"], e["world"], e["source"], e["whole"],
@@ -339,7 +343,10 @@ class Keeper:
         # every rank keeps every verdict: a rank new to the job learns what the old ones found
         self.divergences = sorted({Divergence(*d) for v in views for d in v["divergences"]},
                                   key=dataclasses.astuple)
-        target = layout_of(obj)
+        # every rank decides for the same target: a rank whose state is laid out otherwise than the others' would
+        # decide alone (storage, while they wait for it in the transfer); then no snapshot holds it on every rank
+        layouts = {v["target"] for v in views}
+        target = layouts.pop() if len(layouts) == 1 and None not in layouts else "the ranks' states differ in layout"
         first = choose(held, [], [], self.divergences, target)
         checked, unchecked = durable(first.step if first.source == "memory" else None, self.divergences)
         decision = choose(held, checked, unchecked, self.divergences, target)
@@ -403,7 +410,7 @@ class Keeper:
                     f"the snapshot group (its snapshots, the boxes it receives, 2 in transit), over "
                     f"snapshot_memory_limit {int(sizes[q, world + 1]) / 2**20:.1f} MiB")
         pieces = unbundle(bundle(cuts_for(me), np.empty(int(sizes[me, me]), np.uint8)))
-        received = 0
+        received, corrupt = 0, ""
         for k in range(1, world):
             if not any(sizes[h, (h + k) % world] for h in range(world)):
                 continue  # nothing travels this far
@@ -411,15 +418,20 @@ class Keeper:
             for hop in range(1, k + 1):
                 origin = (me - hop) % world
                 outgoing = group.shift(outgoing, np.empty(int(sizes[origin, (origin + k) % world]), np.uint8))
-            arrived = unbundle(outgoing)
-            for piece in arrived:
-                problems = piece.problems()
-                if problems:  # it checked out where it was held: it was corrupted on the way; the next
-                    raise errors.CommProtocolError(  # generation tries again
-                        f"a snapshot piece received from rank {(me - k) % world}: {problems[0]}", rank=me,
-                        generation=group.generation, peer=(me - k) % world)
+            try:
+                arrived = unbundle(outgoing)
+                problems = [p for piece in arrived for p in piece.problems()]
+            except (ValueError, KeyError, TypeError, IndexError) as e:  # its description (no CRC covers it)
+                arrived, problems = [], [f"its description does not read: {type(e).__name__}: {e}"]
+            if problems and not corrupt:  # it checked out where it was held: it was corrupted on the way
+                corrupt = f"a snapshot piece received from rank {(me - k) % world}: {problems[0]}"
             pieces += arrived
             received += len(outgoing)
+        bad = np.array([1 if corrupt else 0], np.int64)
+        group.allreduce(bad, op="max")  # every rank ends alike: one raising alone leaves the others in a collective
+        if bad[0]:  # the next generation tries again
+            raise errors.CommProtocolError(corrupt or "a snapshot piece arrived corrupt on another rank", rank=me,
+                                           generation=group.generation)
         by_source = {piece.source: piece for piece in pieces}
         return [by_source[s] for s in sources], received
 

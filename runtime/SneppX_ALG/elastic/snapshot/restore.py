@@ -48,6 +48,7 @@ def apply(obj: Any, parts: list[Snapshot]) -> None:
             common = chunks.intersect(_box(t), want)
             if common is not None:
                 overlaps.append((t, data, common))
+        _disjoint(need.path, [common for _, _, common in overlaps])  # else a sum of volumes hides a hole
         filled = sum(common.volume for _, _, common in overlaps)
         if filled != want.volume:
             raise errors.ShardingMismatchError(f"{'/'.join(need.path)}: the snapshot covers {filled} of the "
@@ -70,6 +71,16 @@ def _box(t: dict[str, Any]) -> chunks.Box:
     return chunks.Box(tuple(t["offset"] or [0] * len(t["shape"])), tuple(t["local"]))
 
 
+def _disjoint(path: tuple[str, ...], boxes: list[chunks.Box]) -> None:
+    """ShardingMismatchError when two parts' boxes of one tensor overlap (descriptions that do not belong
+    together): coverage is counted as a sum of volumes, which one overlap and one hole of its size would pass."""
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            if chunks.intersect(a, b) is not None:
+                raise errors.ShardingMismatchError(
+                    f"{'/'.join(path)}: the snapshot's parts overlap at {list(a.offset)} and {list(b.offset)}")
+
+
 def _saved(path: tuple[str, ...], found: list[Piece]) -> tuple[tuple[int, ...], str]:
     """(global shape, dtype) every piece of a tensor agrees on; ShardingMismatchError when there is none, or
     pieces disagree (parts of steps that do not belong together)."""
@@ -89,6 +100,7 @@ def _apply_whole(obj: Any, kind: str, pieces: Mapping[tuple[str, ...], list[Piec
     tree: dict[str, Any] = {}
     for path, boxes in pieces.items():
         shape, dtype = _saved(path, boxes)
+        _disjoint(path, [_box(t) for t, _ in boxes])  # else a sum of volumes hides a hole
         whole = np.empty(shape, format.numpy_dtype(dtype))
         covered = 0
         for t, data in boxes:
