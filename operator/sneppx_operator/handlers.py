@@ -50,6 +50,8 @@ class Election:
     lease_duration: float = leader.LEASE_DURATION_S
     renew_deadline: float = leader.RENEW_DEADLINE_S
     retry_period: float = leader.RETRY_PERIOD_S
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)  # of the Lease, when a replica makes it
+    owner_deployment: str | None = None  # the Lease's owner, when a replica makes it
 
 
 ELECTION: Election | None = None
@@ -92,6 +94,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     _elector = leader.Elector(
         ELECTION.namespace, ELECTION.name, lease_duration=ELECTION.lease_duration,
         renew_deadline=ELECTION.renew_deadline, retry_period=ELECTION.retry_period, on_change=changed,
+        labels=ELECTION.labels, owner_deployment=ELECTION.owner_deployment,
     )
     k8s.set_fence(_elector.check)
     _elector.start()
