@@ -203,11 +203,14 @@ def reconcile_job(key: wakeups.Key, indexes: _Indexes) -> reconcile.Settled | No
         return None
     job = reconcile.Job.from_body(body)
     nodes: Mapping[str, reconcile.ObservedNode] = {n: next(iter(found)) for n, found in indexes.nodes.items()}
-    rendezvous = next(iter(indexes.rendezvous.get(key, [])), None)
+    # The job's own rendezvous object, by name and controller: a label is anyone's to set.
+    rendezvous = reconcile.owned_rendezvous(job, indexes.rendezvous.get(key, []))
+    pods = list(indexes.pods.get(key, []))
+    if reconcile.pods_lag_status(job, pods):  # a watch behind the status read (a takeover): ask the API server
+        pods = k8s.list_pods(namespace, name)
     now = datetime.datetime.now(datetime.UTC)
     plan = reconcile.plan(
-        job, list(indexes.pods.get(key, [])), now=now, heartbeat_key=secrets.token_bytes(32), nodes=nodes,
-        rendezvous=rendezvous,
+        job, pods, now=now, heartbeat_key=secrets.token_bytes(32), nodes=nodes, rendezvous=rendezvous,
     )
     version = job.resource_version
     if plan.status:  # the decisions, durable before anything is done about them

@@ -59,6 +59,8 @@ class Cluster:
         self.data: dict[str, str] = {}  # the rendezvous ConfigMap's
         self.uids = itertools.count(1)
         self.writes = 0
+        self.lists = 0
+        self.created = 0
         self.crash_at: int | None = None
 
     def _write(self) -> None:
@@ -70,6 +72,10 @@ class Cluster:
 
     def read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.job)
+
+    def list_pods(self, namespace: str, name: str) -> list[reconcile.ObservedPod]:
+        self.lists += 1
+        return list(self.pods.values())
 
     def patch_job_status(self, namespace: str, name: str, uid: str, version: str, patch: Mapping[str, Any]) -> str:
         if not patch:
@@ -89,6 +95,7 @@ class Cluster:
                 labels = action.body["metadata"]["labels"]
                 if action.name in self.pods:
                     continue
+                self.created += 1
                 self.pods[action.name] = reconcile.ObservedPod(
                     action.name, int(labels["sneppx.io/rank"]), int(labels["sneppx.io/membership-generation"]),
                     "Pending", False, False, "node-0", uid=f"pod-{next(self.uids)}", controller_uid="uid-1",
@@ -108,7 +115,8 @@ class Cluster:
 
     def _set_control(self, data: Mapping[str, str]) -> None:
         self.data.update(data)
-        self.rendezvous = reconcile.ObservedObject("cm-uid", "uid-1", job_object.read_view(self.data))
+        self.rendezvous = reconcile.ObservedObject("cm-uid", "uid-1", job_object.read_view(self.data),
+                                                   "train-rendezvous")
 
     # -- the world --
 
@@ -134,7 +142,7 @@ class Cluster:
             "history": [(h["reason"], h.get("exitCode"), h["counted"], h.get("rank")) for h in
                         status.get("restartHistory") or []],
             "pods": sorted((p.name, p.phase, p.generation) for p in self.pods.values()),
-            "pods_created": next(self.uids) - 1,
+            "pods_created": self.created,
         }
 
 
@@ -142,7 +150,7 @@ class Cluster:
 def fake_api(monkeypatch: pytest.MonkeyPatch) -> list[Cluster]:
     """Routes k8s.py's calls to whichever Cluster the test appends."""
     clusters: list[Cluster] = []
-    for name in ("read_job", "patch_job_status", "apply"):
+    for name in ("read_job", "list_pods", "patch_job_status", "apply"):
         monkeypatch.setattr(k8s, name, lambda *a, _name=name, **kw: getattr(clusters[-1], _name)(*a, **kw))
     monkeypatch.setattr(k8s, "post_events", lambda *a, **kw: None)
     return clusters
@@ -249,3 +257,53 @@ def test_no_write_leaves_a_replica_that_may_not_act(monkeypatch: pytest.MonkeyPa
                 write()
     finally:
         k8s.set_fence(None)
+
+
+def test_a_new_leader_whose_watch_lags_the_status_restarts_no_healthy_rank(fake_api: list[Cluster]) -> None:
+    """Issue 38, defect 5: the previous leader replaced rank 1; the new leader's watch still shows neither the
+    old pod (deleted) nor its replacement. Planning from that index counted a phantom PodDeleted and deleted
+    the healthy replacement once the index caught up; the pass must list the pods fresh instead."""
+    cluster = Cluster(_spec(5))
+    fake_api.append(cluster)
+    _run(cluster)
+    cluster.fail(1, 1)
+    _run(cluster)  # the previous leader: rank 1 replaced, the job running
+    expected = cluster.outcome()
+    assert expected["restartCount"] == 1 and expected["phase"] == "Running"
+    lagging = cluster.indexes()
+    lagging.pods[KEY] = [p for p in lagging.pods[KEY] if p.rank != 1]  # between the delete's and create's events
+    handlers.reconcile_job(KEY, lagging)  # type: ignore[arg-type]
+    assert cluster.lists == 1, "the pass asked the API server"
+    _run(cluster)
+    assert cluster.outcome() == expected
+
+
+def test_a_pass_that_agrees_with_its_status_lists_nothing(fake_api: list[Cluster]) -> None:
+    cluster = Cluster(_spec(5))
+    fake_api.append(cluster)
+    _run(cluster)
+    cluster.fail(1, 1)
+    _run(cluster)
+    assert cluster.lists == 0, "an index that matches the status is trusted: no list per pass"
+
+
+def test_a_rendezvous_object_relabelled_to_the_job_is_never_read(fake_api: list[Cluster]) -> None:
+    """Issue 38, defect 3: another job's agent relabels its own rendezvous object to this job, with a hang
+    report about this job's healthy rank 1. The pass reads only the job's own object (its name, its controller),
+    so nothing is restarted, and a job that finds only the foreign object still makes its own."""
+    report = job_object.HungRank("train-1", 1, 1, "other-0", 600.0, "2030-01-01T00:00:00Z")
+    foreign = reconcile.ObservedObject("cm-x", "uid-other", job_object.View(hung=(report,)), "other-rendezvous")
+    cluster = Cluster(_spec(5))
+    fake_api.append(cluster)
+    indexes = cluster.indexes()
+    indexes.rendezvous[KEY] = [foreign]
+    handlers.reconcile_job(KEY, indexes)  # type: ignore[arg-type]
+    assert cluster.rendezvous is not None, "the job made its own rendezvous object"
+    _run(cluster)
+    expected = cluster.outcome()
+    indexes = cluster.indexes()
+    indexes.rendezvous[KEY] = [foreign, *indexes.rendezvous[KEY]]  # listed first
+    handlers.reconcile_job(KEY, indexes)  # type: ignore[arg-type]
+    _run(cluster)
+    assert cluster.outcome() == expected, "a foreign report restarted nothing"
+    assert expected["restartCount"] in (0, None)
