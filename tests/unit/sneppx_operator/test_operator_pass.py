@@ -14,7 +14,9 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 from SneppX_ALG.contract import job_object
 from sneppx_operator import handlers, k8s, reconcile
@@ -153,6 +155,7 @@ def fake_api(monkeypatch: pytest.MonkeyPatch) -> list[Cluster]:
     for name in ("read_job", "list_pods", "patch_job_status", "apply"):
         monkeypatch.setattr(k8s, name, lambda *a, _name=name, **kw: getattr(clusters[-1], _name)(*a, **kw))
     monkeypatch.setattr(k8s, "post_events", lambda *a, **kw: None)
+    handlers.new_term()  # a new operator: it trusts no index yet
     return clusters
 
 
@@ -272,19 +275,23 @@ def test_a_new_leader_whose_watch_lags_the_status_restarts_no_healthy_rank(fake_
     assert expected["restartCount"] == 1 and expected["phase"] == "Running"
     lagging = cluster.indexes()
     lagging.pods[KEY] = [p for p in lagging.pods[KEY] if p.rank != 1]  # between the delete's and create's events
+    handlers.new_term()  # this replica takes over
+    listed = cluster.lists
     handlers.reconcile_job(KEY, lagging)  # type: ignore[arg-type]
-    assert cluster.lists == 1, "the pass asked the API server"
+    assert cluster.lists == listed + 1, "the pass asked the API server"
     _run(cluster)
     assert cluster.outcome() == expected
 
 
-def test_a_pass_that_agrees_with_its_status_lists_nothing(fake_api: list[Cluster]) -> None:
+def test_an_index_that_caught_up_is_trusted_with_no_list_per_pass(fake_api: list[Cluster]) -> None:
     cluster = Cluster(_spec(5))
     fake_api.append(cluster)
     _run(cluster)
+    first = cluster.lists
+    assert first >= 1, "a new operator's first pass lists the pods"
     cluster.fail(1, 1)
     _run(cluster)
-    assert cluster.lists == 0, "an index that matches the status is trusted: no list per pass"
+    assert cluster.lists == first, "an index that caught up with the list and agrees with the status is trusted"
 
 
 def test_a_rendezvous_object_relabelled_to_the_job_is_never_read(fake_api: list[Cluster]) -> None:
@@ -307,3 +314,63 @@ def test_a_rendezvous_object_relabelled_to_the_job_is_never_read(fake_api: list[
     _run(cluster)
     assert cluster.outcome() == expected, "a foreign report restarted nothing"
     assert expected["restartCount"] in (0, None)
+
+
+@hypothesis.settings(max_examples=150, deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.given(st.lists(st.tuples(st.sampled_from(["pass", "fail", "takeover"]), st.integers(0, 7)),
+                           max_size=40))
+def test_passes_from_lagging_watch_indexes_count_each_real_failure_once(schedule: list[tuple[str, int]]) -> None:
+    """Passes plan from a watch index that lags the cluster by a random number of changes (never going back for
+    one replica; a takeover starts a new replica's index anywhere behind): each real failure is counted once, no
+    phantom restart, no healthy pod deleted. The exact oracle: the failures the schedule injected."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _lagging_schedule(monkeypatch, schedule)
+
+
+def _lagging_schedule(monkeypatch: pytest.MonkeyPatch, schedule: list[tuple[str, int]]) -> None:
+    cluster = Cluster(_spec(100))
+    handlers.new_term()
+    for name in ("read_job", "list_pods", "patch_job_status", "apply"):
+        monkeypatch.setattr(k8s, name, getattr(cluster, name))
+    monkeypatch.setattr(k8s, "post_events", lambda *a, **kw: None)
+    deleted_healthy: list[str] = []
+    apply = cluster.apply
+
+    def watched_apply(namespace: str, actions: Sequence[reconcile.Action]) -> reconcile.Outcome:
+        for action in actions:
+            pod = cluster.pods.get(action.name)
+            deleting = isinstance(action, reconcile.Delete) and pod is not None and pod.uid == action.uid
+            if deleting and pod is not None and pod.phase != "Failed":
+                deleted_healthy.append(pod.name)
+        return apply(namespace, actions)
+
+    monkeypatch.setattr(k8s, "apply", watched_apply)
+    _run(cluster)
+    history = [dict(cluster.pods)]  # every state the pods were in, oldest first: what a watch replays
+    seen = len(history) - 1
+    failures = 0
+    for what, arg in schedule:
+        if what == "fail":
+            running = sorted(n for n, p in cluster.pods.items() if p.phase == "Running")
+            if running:
+                cluster.fail(int(cluster.pods[running[arg % len(running)]].rank), 1)
+                failures += 1
+        elif what == "takeover":
+            seen = max(0, len(history) - 1 - arg)  # the new replica's index: some changes behind
+            handlers.new_term()
+        else:
+            seen = min(len(history) - 1, seen + arg % 3)  # the watch catches up by a few changes
+            indexes = cluster.indexes()
+            indexes.pods[KEY] = list(history[seen].values())
+            try:
+                handlers.reconcile_job(KEY, indexes)  # type: ignore[arg-type]
+            except k8s.StatusConflict:
+                pass
+            cluster.kubelet()
+        if history[-1] != cluster.pods:
+            history.append(dict(cluster.pods))
+    _run(cluster)
+    assert deleted_healthy == []
+    status = cluster.job["status"]
+    assert (status.get("restartCount") or 0) == failures, status.get("restartHistory")
+    assert all(h["reason"] == "PodFailed" for h in status.get("restartHistory") or [])
