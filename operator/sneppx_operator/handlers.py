@@ -9,6 +9,7 @@ indexes (one watch each).
 
 One pass (`reconcile_job`):
     read the job (a fresh GET: the newest status, with its resourceVersion)
+    -> its pods from the index, or from a fresh list while the index may lag that status (after a takeover)
     -> reconcile.plan: the actions and the status that records every decision (restarts, counts, phase)
     -> write that status first, conditional on the resourceVersion read
     -> k8s.apply the actions -> reconcile.settle what the API server refused into the status -> events
