@@ -217,10 +217,27 @@ def test_the_agents_token_reaches_its_jobs_rendezvous_object_and_nothing_else(
             with pytest.raises(kubernetes.client.ApiException) as refused:
                 call(*args)
             assert refused.value.status == 403, (call.__name__, refused.value.status)
+        # Issue 38's suspicion, two live copies of one rank: a pod on a partitioned node is force-deleted and
+        # replaced under the same name, and its agent runs on. Its token is bound to the deleted pod (its uid):
+        # from the deletion on, the API server refuses it, so the stale copy can't read or write the rendezvous
+        # its replacement joins (and the runtime's fence refuses it too: a new incarnation under the same agent
+        # id ends the generation it was in, tests/integration/test_rendezvous.py).
+        core.delete_namespaced_pod("mine-0", namespace, grace_period_seconds=0)
+        k8s_helpers.wait_for(lambda: _refused(agent.read_namespaced_config_map, "mine-rendezvous", namespace) == 401,
+                             "the deleted pod's token refused", TIMEOUT)
     finally:
         agent_api.close()
     account = core.read_namespaced_service_account("mine-agent", namespace)
     assert account.automount_service_account_token is False
+
+
+def _refused(call: Any, *args: Any) -> int | None:
+    """The HTTP status the API server refuses the call with; None when it answers."""
+    try:
+        call(*args)
+    except kubernetes.client.ApiException as exc:
+        return int(exc.status)
+    return None
 
 
 def _uid(api: kubernetes.client.ApiClient, namespace: str, name: str) -> str:
