@@ -78,6 +78,7 @@ def acting() -> bool:
 async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     global _elector, _indexes
     _indexes = None  # this run's indexes come with its first job event (a process may run the operator twice)
+    new_term()  # and it trusts none of them before they match a fresh list
     config.apply(settings)
     k8s.connect()
     if ELECTION is None:

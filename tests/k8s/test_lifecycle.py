@@ -127,8 +127,9 @@ def test_quorum_lost_with_pause_tells_the_ranks_to_pause_and_resumes_when_the_no
     paused = wait_status(api, namespace, "quorum", "phase Paused", lambda s: s.get("phase") == "Paused")
     assert reason(paused) == "QuorumLost" and paused["quorum"] == {"healthyPercent": 50, "met": False}
     core = kubernetes.client.CoreV1Api(api)
-    control = json.loads(core.read_namespaced_config_map("quorum-rendezvous", namespace).data["job.control"])
-    assert control["paused"] is True
+    # The pass writes its decision (the status) before it acts on it (the control record): wait for the act.
+    k8s_helpers.wait_for(lambda: json.loads(core.read_namespaced_config_map(
+        "quorum-rendezvous", namespace).data["job.control"])["paused"] is True, "the control record paused", TIMEOUT)
     k8s_helpers.wait_for(lambda: "PAUSED" in pods.log_of("quorum-0"), "rank 0 to see the pause", TIMEOUT)
     assert any(r == "QuorumLost" for r, _ in events(api, namespace, "quorum"))
 
