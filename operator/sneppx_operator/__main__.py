@@ -48,6 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--leader-election-id", metavar="NAME", default="sneppx-operator", help="the Lease's name"
     )
+    parser.add_argument("--lease-label", action="append", default=[], type=_key_value, metavar="KEY=VALUE",
+                        help="a label of the Lease when a replica creates it (repeatable)")
+    parser.add_argument("--lease-owner-deployment", metavar="NAME", default=None,
+                        help="the operator's Deployment: a Lease a replica creates is deleted with it")
     parser.add_argument("--lease-duration", type=float, default=leader.LEASE_DURATION_S, metavar="S",
                         help="seconds a Lease nobody renews stays taken (default %(default)s)")
     parser.add_argument("--renew-deadline", type=float, default=leader.RENEW_DEADLINE_S, metavar="S",
@@ -71,6 +75,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
 def election_namespace(given: str | None) -> str:
     if given:
         return given
@@ -91,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         handlers.ELECTION = handlers.Election(
             election_namespace(args.leader_election_namespace), args.leader_election_id,
             args.lease_duration, args.renew_deadline, args.retry_period,
+            dict(args.lease_label), args.lease_owner_deployment,
         )
     if args.metrics:
         metrics.serve(args.metrics)

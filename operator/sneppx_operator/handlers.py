@@ -9,6 +9,7 @@ indexes (one watch each).
 
 One pass (`reconcile_job`):
     read the job (a fresh GET: the newest status, with its resourceVersion)
+    -> its pods from the index, or from a fresh list while the index may lag that status (after a takeover)
     -> reconcile.plan: the actions and the status that records every decision (restarts, counts, phase)
     -> write that status first, conditional on the resourceVersion read
     -> k8s.apply the actions -> reconcile.settle what the API server refused into the status -> events
@@ -53,6 +54,8 @@ class Election:
     lease_duration: float = leader.LEASE_DURATION_S
     renew_deadline: float = leader.RENEW_DEADLINE_S
     retry_period: float = leader.RETRY_PERIOD_S
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)  # of the Lease, when a replica makes it
+    owner_deployment: str | None = None  # the Lease's owner, when a replica makes it
 
 
 ELECTION: Election | None = None
@@ -79,6 +82,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     global _elector, _indexes
     _indexes = None  # this run's indexes come with its first job event (a process may run the operator twice)
     _rendezvous_seen.clear()
+    new_term()  # and it trusts none of them before they match a fresh list
     config.apply(settings)
     k8s.connect()
     if ELECTION is None:
@@ -90,15 +94,21 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     def changed(leading: bool) -> None:  # from the election's thread
         metrics.leading(leading)
         if leading:
-            loop.call_soon_threadsafe(LOOPS.poke_all)
+            loop.call_soon_threadsafe(_took_over)
 
     metrics.leading(False)
     _elector = leader.Elector(
         ELECTION.namespace, ELECTION.name, lease_duration=ELECTION.lease_duration,
         renew_deadline=ELECTION.renew_deadline, retry_period=ELECTION.retry_period, on_change=changed,
+        labels=ELECTION.labels, owner_deployment=ELECTION.owner_deployment,
     )
     k8s.set_fence(_elector.check)
     _elector.start()
+
+
+def _took_over() -> None:
+    new_term()
+    LOOPS.poke_all()
 
 
 @kopf.on.cleanup()
@@ -141,9 +151,7 @@ async def job_changed(
     global _indexes
     key = (namespace, name)
     if event.get("type") == "DELETED":
-        LOOPS.forget(key)
-        metrics.forget(namespace, name)
-        _rendezvous_seen.pop(key, None)
+        _forget(key)
         return
     if _indexes is None:
         _indexes = _Indexes(job_pods, job_nodes, job_rendezvous)
@@ -179,6 +187,14 @@ async def node_changed(name: str, job_pods: kopf.Index, **_: Any) -> None:
             LOOPS.poke(key)
 
 
+def _forget(key: wakeups.Key) -> None:
+    LOOPS.forget(key)
+    metrics.forget(*key)
+    _trusted.pop(key, None)
+    _listed.pop(key, None)
+    _rendezvous_seen.pop(key, None)
+
+
 async def _job_loop(key: wakeups.Key) -> None:
     """The job's loop: one pass (in a worker thread: it calls the API) when this replica acts, then wait for a
     poke, the next time-based decision or the resync, holding no thread while it waits."""
@@ -195,8 +211,7 @@ async def _job_loop(key: wakeups.Key) -> None:
                 log.exception("reconciling %s/%s failed; retrying", *key)
                 settled = reconcile.Settled({}, [], error="unexpected failure")
             if settled is None:  # the job is gone
-                LOOPS.forget(key)
-                metrics.forget(*key)
+                _forget(key)
                 return
             retry = retry + 1 if settled.error is not None and settled.retryable else 0
             delay = config.retry_delay(retry - 1) if retry else delay
@@ -208,6 +223,36 @@ async def _job_loop(key: wakeups.Key) -> None:
         await LOOPS.wait(key, delay - MIN_PASS_INTERVAL_S)
 
 
+# Which jobs' pod indexes a pass may plan from. A replica that takes over (and a process that starts) trusts no
+# index: its watch may lag the status its predecessor wrote. A pass then lists the pods fresh, and the index is
+# trusted again once it holds exactly the pods that list held (within a term the index only moves forward, and
+# the statuses this replica writes rest on what it listed or indexed). While pods come and go the passes list;
+# once they settle, the index matches.
+_term = 0
+_trusted: dict[wakeups.Key, int] = {}  # job -> the term its index was last trusted in
+_listed: dict[wakeups.Key, frozenset[str]] = {}  # job -> uids of its last fresh list, until the index holds them
+
+
+def new_term() -> None:
+    global _term
+    _term += 1
+    _listed.clear()
+
+
+def _pods_for_pass(
+    key: wakeups.Key, job: reconcile.Job, indexed: list[reconcile.ObservedPod]
+) -> list[reconcile.ObservedPod]:
+    """The pods a pass plans from: the index's when it is trusted and agrees with the status read; else a
+    fresh list from the API server (docs/OPERATOR.md, "Guarantees")."""
+    if key in _listed and _listed[key] == {p.uid for p in indexed}:
+        del _listed[key]  # the index has caught up with the last list
+    if _trusted.get(key) == _term and key not in _listed and not reconcile.pods_lag_status(job, indexed):
+        return indexed
+    fresh = k8s.list_pods(*key)
+    _trusted[key], _listed[key] = _term, frozenset(p.uid for p in fresh)
+    return fresh
+
+
 def reconcile_job(key: wakeups.Key, indexes: _Indexes) -> reconcile.Settled | None:
     """One pass for one job (module docstring); None when the job is gone."""
     namespace, name = key
@@ -216,11 +261,12 @@ def reconcile_job(key: wakeups.Key, indexes: _Indexes) -> reconcile.Settled | No
         return None
     job = reconcile.Job.from_body(body)
     nodes: Mapping[str, reconcile.ObservedNode] = {n: next(iter(found)) for n, found in indexes.nodes.items()}
-    rendezvous = next(iter(indexes.rendezvous.get(key, [])), None)
+    # The job's own rendezvous object, by name and controller: a label is anyone's to set.
+    rendezvous = reconcile.owned_rendezvous(job, indexes.rendezvous.get(key, []))
+    pods = _pods_for_pass(key, job, list(indexes.pods.get(key, [])))
     now = datetime.datetime.now(datetime.UTC)
     plan = reconcile.plan(
-        job, list(indexes.pods.get(key, [])), now=now, heartbeat_key=secrets.token_bytes(32), nodes=nodes,
-        rendezvous=rendezvous,
+        job, pods, now=now, heartbeat_key=secrets.token_bytes(32), nodes=nodes, rendezvous=rendezvous,
     )
     version = job.resource_version
     if plan.status:  # the decisions, durable before anything is done about them

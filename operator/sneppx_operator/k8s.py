@@ -266,6 +266,21 @@ def read_job(namespace: str, name: str) -> dict[str, Any] | None:
         raise
 
 
+def list_pods(namespace: str, job_name: str) -> list[reconcile.ObservedPod]:
+    """The job's pods as the API server has them now (a quorum list), for a pass whose watch index contradicts
+    the status it read (reconcile.pods_lag_status). Which of them the job owns is the plan's to check."""
+    found: Any = _core().list_namespaced_pod(
+        namespace, label_selector=f"{builders.LABEL_JOB}={job_name}", _request_timeout=REQUEST_TIMEOUT_S
+    )
+    pods = []
+    for item in _client().sanitize_for_serialization(found).get("items") or []:
+        meta = item.get("metadata") or {}
+        pod = reconcile.observe_pod(str(meta.get("name")), meta, item.get("spec") or {}, item.get("status") or {})
+        if pod is not None:
+            pods.append(pod)
+    return pods
+
+
 def patch_job_status(
     namespace: str, name: str, uid: str, resource_version: str, patch: Mapping[str, Any]
 ) -> str:

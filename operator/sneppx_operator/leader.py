@@ -5,9 +5,17 @@ record freezes its successor until it expires, and frozen operators have stayed 
 algorithm of client-go's leaderelection, which controller-runtime operators use, with its timings:
 
 - A candidate reads the Lease every `retry_period`. It takes the Lease (a compare-and-swap on its
-  resourceVersion) when nobody holds it, or when the record has not changed for `lease_duration` *as this
-  candidate observed it* (its own monotonic clock from when it last saw the record change: no two machines'
-  clocks are ever compared).
+  resourceVersion) when the record has not changed for `lease_duration` *as this candidate observed it* (its
+  own monotonic clock from when it last saw the record change: no two machines' clocks are ever compared), or
+  at once when its holder released it. A missing Lease (deleted, or never made) is not taken: a candidate
+  that finds none makes an empty one (no holder) and takes it like any other record, once it stood still for
+  `lease_duration`, since the last holder may still be acting on its last renewal. An absence can't be watched
+  standing still (the Lease may come and go between two reads) but a record can: its resourceVersion is never
+  reused. Only a leader whose renewal still stands re-makes a missing Lease as its own at once (nobody else
+  can have taken over since that renewal). Where client-go creates a missing Lease at once, a deleted Lease
+  made two leaders for up to the renew deadline.
+- A replica stops acting the moment it reads a record that names anyone else, or no record at all: its
+  renewal no longer stands, whatever time is left on it.
 - The leader renews every `retry_period`. It may act only until `renew_deadline` after the start of its last
   successful renewal (`Elector.holds()`); every write the operator makes checks that first (k8s.py), so a
   leader that was paused, partitioned or starved stops writing `lease_duration - renew_deadline` seconds
@@ -30,8 +38,8 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import kubernetes
 from kubernetes.client import ApiException
@@ -41,6 +49,30 @@ log = logging.getLogger(__name__)
 LEASE_DURATION_S = 15.0
 RENEW_DEADLINE_S = 10.0
 RETRY_PERIOD_S = 2.0
+
+
+class Record(NamedTuple):
+    """A Lease as a candidate sees it; any change of it restarts the candidate's wait."""
+
+    holder: str
+    renew_time: Any
+    resource_version: str
+    duration: float | None  # the record's leaseDurationSeconds
+
+
+ABSENT = Record("", None, "", None)  # no Lease there
+
+
+def may_take(record: Record, identity: str, *, unchanged_for: float, lease_duration: float) -> bool:
+    """Whether a candidate may write itself into the Lease `record`, seen unchanged for `unchanged_for` seconds
+    on its own clock: its own record (a renewal), a release (no holder, renewed: the releaser stopped acting
+    before it wrote it), and any other record once it stood still for its duration (an empty Lease made by a
+    candidate that found none, or by anyone else, included)."""
+    if record.holder == identity:
+        return True
+    if not record.holder and record.renew_time is not None:
+        return True
+    return unchanged_for >= (record.duration or lease_duration)
 
 
 class NotLeaderError(RuntimeError):
@@ -71,18 +103,27 @@ class Elector:
         renew_deadline: float = RENEW_DEADLINE_S,
         retry_period: float = RETRY_PERIOD_S,
         api_client: Any = None,
+        lease_api: Any = None,
+        clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[bool], None] | None = None,
+        labels: Mapping[str, str] | None = None,
+        owner_deployment: str | None = None,
     ):
+        """`lease_api`: a CoordinationV1Api (default: one on `api_client`, else on the operator's credentials);
+        `clock`: monotonic seconds (tests pass a fake one); `labels`: of a Lease this replica creates;
+        `owner_deployment`: the operator's Deployment (in the Lease's namespace), which a Lease this replica
+        creates names as its owner, so the garbage collector deletes it with the Deployment."""
         if not retry_period < renew_deadline < lease_duration:
             raise ValueError("leader election needs retry period < renew deadline < lease duration")
         self.namespace, self.name = namespace, name
         self.identity = identity or default_identity()
         self.lease_duration, self.renew_deadline, self.retry_period = lease_duration, renew_deadline, retry_period
-        self._api_client = api_client
+        self._api_client, self._lease_api, self._clock = api_client, lease_api, clock
         self._on_change = on_change
+        self._labels, self._owner_deployment = dict(labels or {}), owner_deployment
         self._lock = threading.Lock()
         self._valid_until = 0.0  # monotonic: may act while now < this
-        self._observed: tuple[Any, ...] | None = None  # the record last seen: (holder, renew time, rv)
+        self._observed: Record | None = None  # the record last seen
         self._observed_at = 0.0
         self._leading = False
         self._stop = threading.Event()
@@ -92,7 +133,7 @@ class Elector:
 
     def holds(self) -> bool:
         with self._lock:
-            return time.monotonic() < self._valid_until
+            return self._clock() < self._valid_until
 
     def check(self) -> None:
         if not self.holds():
@@ -107,8 +148,7 @@ class Elector:
 
     def resign(self) -> None:
         """Stop acting now (holds() is False from here on); the Lease is released by stop()."""
-        with self._lock:
-            self._valid_until = 0.0
+        self._lose()
         self._stop.set()
 
     def stop(self) -> None:
@@ -137,35 +177,56 @@ class Elector:
         if self._on_change is not None:
             self._on_change(leading)
 
-    def _coordination(self) -> Any:
-        client = self._api_client
-        if client is None:
-            from sneppx_operator import k8s  # the operator's credentials, loaded at startup
+    def _client(self) -> Any:
+        if self._api_client is not None:
+            return self._api_client
+        from sneppx_operator import k8s  # the operator's credentials, loaded at startup
 
-            client = k8s.api_client()
-        return kubernetes.client.CoordinationV1Api(client)
+        return k8s.api_client()
+
+    def _coordination(self) -> Any:
+        if self._lease_api is not None:
+            return self._lease_api
+        return kubernetes.client.CoordinationV1Api(self._client())
+
+    def _owner_references(self, timeout: float) -> list[Any] | None:
+        if self._owner_deployment is None:
+            return None
+        deployment: Any = kubernetes.client.AppsV1Api(self._client()).read_namespaced_deployment(
+            self._owner_deployment, self.namespace, _request_timeout=timeout
+        )
+        return [kubernetes.client.V1OwnerReference(
+            api_version="apps/v1", kind="Deployment", name=self._owner_deployment, uid=str(deployment.metadata.uid),
+        )]
 
     def try_acquire_or_renew(self) -> bool:
         """One round: True when this replica holds the Lease afterwards (and `holds()` until the deadline)."""
         api = self._coordination()
-        started = time.monotonic()
+        started = self._clock()
         timeout = max(1.0, min(self.retry_period * 2, self.renew_deadline / 2))
         try:
             lease = api.read_namespaced_lease(self.name, self.namespace, _request_timeout=timeout)
         except ApiException as exc:
             if exc.status != 404:
                 raise
-            return self._create(api, started, timeout)
-        spec = lease.spec
-        record = (spec.holder_identity or "", spec.renew_time, lease.metadata.resource_version)
+            lease = None
+        record = ABSENT if lease is None else Record(
+            lease.spec.holder_identity or "", lease.spec.renew_time, str(lease.metadata.resource_version),
+            float(lease.spec.lease_duration_seconds) if lease.spec.lease_duration_seconds else None,
+        )
+        standing = self.holds()  # this replica's last renewal, before what was just read
         if record != self._observed:
-            self._observed, self._observed_at = record, time.monotonic()
-        holder = record[0]
-        duration = float(spec.lease_duration_seconds or self.lease_duration)
-        if holder and holder != self.identity and time.monotonic() < self._observed_at + duration:
-            return False  # someone else's, and not expired as this candidate saw it
+            self._observed, self._observed_at = record, self._clock()
+        if record.holder != self.identity:
+            self._lose()  # another holder, or no Lease: this replica's last renewal no longer stands
+        if lease is None:
+            return self._create(api, started, timeout, holding=standing)
+        if not may_take(record, self.identity, unchanged_for=self._clock() - self._observed_at,
+                        lease_duration=self.lease_duration):
+            return False
+        spec = lease.spec
         now = _now()
-        taking_over = holder != self.identity
+        taking_over = record.holder != self.identity
         lease.spec = kubernetes.client.V1LeaseSpec(
             holder_identity=self.identity,
             lease_duration_seconds=int(self.lease_duration),
@@ -182,21 +243,35 @@ class Elector:
         self._renewed(started)
         return True
 
-    def _create(self, api: Any, started: float, timeout: float) -> bool:
+    def _lose(self) -> None:
+        with self._lock:
+            self._valid_until = 0.0
+
+    def _create(self, api: Any, started: float, timeout: float, *, holding: bool) -> bool:
+        """Make the missing Lease: as this replica's own when `holding` (its renewal still stands), else empty, to
+        be taken once it stood still for a lease duration. True when this replica holds it afterwards."""
         now = _now()
-        body = kubernetes.client.V1Lease(
-            metadata=kubernetes.client.V1ObjectMeta(name=self.name, namespace=self.namespace),
-            spec=kubernetes.client.V1LeaseSpec(
+        spec = kubernetes.client.V1LeaseSpec(lease_duration_seconds=int(self.lease_duration))
+        if holding:
+            spec = kubernetes.client.V1LeaseSpec(
                 holder_identity=self.identity, lease_duration_seconds=int(self.lease_duration),
                 acquire_time=now, renew_time=now, lease_transitions=0,
+            )
+        body = kubernetes.client.V1Lease(
+            metadata=kubernetes.client.V1ObjectMeta(
+                name=self.name, namespace=self.namespace, labels=self._labels or None,
+                owner_references=self._owner_references(timeout),
             ),
+            spec=spec,
         )
         try:
             api.create_namespaced_lease(self.namespace, body, _request_timeout=timeout)
         except ApiException as exc:
-            if exc.status == 409:  # another candidate created it first
+            if exc.status == 409:  # another candidate made it first
                 return False
             raise
+        if not holding:
+            return False
         self._renewed(started)
         return True
 

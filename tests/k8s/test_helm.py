@@ -10,6 +10,7 @@ import json
 import pathlib
 import re
 import secrets
+import shutil
 from typing import Any
 
 import k8s_cluster
@@ -146,6 +147,8 @@ VERBS = {"read": "get", "get": "get", "create": "create", "replace": "update", "
          "list": "list"}
 RESOURCES = {  # the client's method suffix -> (API group, resource)
     "lease": ("coordination.k8s.io", "leases"),
+    "deployment": ("apps", "deployments"),
+    "pod": ("", "pods"),
     "event": ("", "events"),
     "config_map": ("", "configmaps"),
     "custom_object": ("sneppx.io", "elastictrainingjobs"),
@@ -340,7 +343,7 @@ def test_operator_works_with_exactly_the_charts_rbac(
     core = kubernetes.client.CoreV1Api(api)
     from sneppx_operator import handlers
 
-    handlers.ELECTION = handlers.Election(namespace, f"{release}-sneppx-operator", 4, 3, 0.5)  # the chart's Lease
+    handlers.ELECTION = election_of(cluster, release, namespace, 4, 3, 0.5)  # the Lease as the chart's replicas make it
     try:
         with k8s_helpers.using_kubeconfig(kubeconfig):
             runner = kopf.testing.KopfRunner(
@@ -383,6 +386,9 @@ def test_operator_works_with_exactly_the_charts_rbac(
                            "-l", f"app.kubernetes.io/instance={release}", "-o", "name").stdout.strip()
     assert left == "", left
     assert cluster.kubectl("get", "clusterrole", account, check=False).returncode != 0
+    leases = kubernetes.client.CoordinationV1Api(api)
+    k8s_helpers.wait_for(lambda: not k8s_helpers.exists(leases.read_namespaced_lease, account, namespace),
+                         "the replicas' Lease deleted with the release")
     custom.delete_namespaced_custom_object(k8s_helpers.GROUP, k8s_helpers.VERSION, namespace, k8s_helpers.PLURAL,
                                            "rbac")
     k8s_helpers.wait_for(
@@ -392,3 +398,53 @@ def test_operator_works_with_exactly_the_charts_rbac(
         lambda: not core.list_namespaced_pod(namespace, label_selector="sneppx.io/job=rbac").items,
         "its pods collected",
     )
+
+
+def election_of(
+    cluster: k8s_cluster.Cluster, release: str, namespace: str, *timings: float
+) -> Any:
+    """handlers.Election as `python -m sneppx_operator` builds it from the chart's Deployment's arguments."""
+    from sneppx_operator import __main__ as entry
+    from sneppx_operator import handlers
+
+    out = cluster.helm("template", release, str(CHART), "--namespace", namespace).stdout
+    (deployment,) = of_kind([d for d in yaml.safe_load_all(out) if d], "Deployment")
+    args = entry.parse_args(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+    return handlers.Election(namespace, args.leader_election_id, *timings, dict(args.lease_label),
+                             args.lease_owner_deployment)
+
+
+def test_helm_upgrade_needs_no_hand_step_whoever_made_the_lease(
+    cluster: k8s_cluster.Cluster, api: kubernetes.client.ApiClient, tmp_path: pathlib.Path
+) -> None:
+    """Issue 38, defect 1: a release of a chart without the Lease, whose replicas made it, could not be upgraded
+    to a chart that makes it (Helm won't adopt an object without its ownership metadata), and the replicas
+    re-made a deleted Lease within seconds. The Lease is no chart object now: the replicas make it, owned by
+    the operator's Deployment, and every upgrade, and the uninstall, takes it as it comes."""
+    from sneppx_operator import leader
+
+    namespace = k8s_helpers.create_namespace(api, f"up-{secrets.token_hex(3)}")
+    release = f"up{secrets.token_hex(3)}"
+    earlier = tmp_path / "earlier"
+    shutil.copytree(CHART, earlier)
+    (earlier / "templates" / "lease.yaml").unlink(missing_ok=True)
+    cluster.helm("install", release, str(earlier), "--namespace", namespace)
+    election = election_of(cluster, release, namespace, 2, 1.5, 0.5)
+    timings = {"lease_duration": 2, "renew_deadline": 1.5, "retry_period": 0.5, "api_client": api}
+    old_replica = leader.Elector(namespace, election.name, **timings)  # no labels, no owner
+    replica = leader.Elector(namespace, election.name, labels=election.labels,
+                             owner_deployment=election.owner_deployment, **timings)
+    leases = kubernetes.client.CoordinationV1Api(api)
+    for maker in (old_replica, replica):  # the earlier release's replicas made it; then a deleted one re-made
+        k8s_helpers.wait_for(maker.try_acquire_or_renew, "a replica makes the Lease")
+        upgrade = cluster.helm("upgrade", release, str(CHART), "--namespace", namespace, check=False)
+        assert upgrade.returncode == 0, upgrade.stderr
+        assert k8s_helpers.exists(leases.read_namespaced_lease, election.name, namespace), "an upgrade keeps it"
+        leases.delete_namespaced_lease(election.name, namespace)
+    k8s_helpers.wait_for(replica.try_acquire_or_renew, "the replica makes the Lease")
+    lease = leases.read_namespaced_lease(election.name, namespace)
+    assert lease.metadata.labels["app.kubernetes.io/instance"] == release
+    assert [(o.kind, o.name) for o in lease.metadata.owner_references] == [("Deployment", election.name)]
+    cluster.helm("uninstall", release, "--namespace", namespace)
+    k8s_helpers.wait_for(lambda: not k8s_helpers.exists(leases.read_namespaced_lease, election.name, namespace),
+                         "the Lease deleted with the release")

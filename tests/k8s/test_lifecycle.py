@@ -128,8 +128,9 @@ def test_quorum_lost_with_pause_tells_the_ranks_to_pause_and_resumes_when_the_no
     paused = wait_status(api, namespace, "quorum", "phase Paused", lambda s: s.get("phase") == "Paused")
     assert reason(paused) == "QuorumLost" and paused["quorum"] == {"healthyPercent": 50, "met": False}
     core = kubernetes.client.CoreV1Api(api)
-    control = json.loads(core.read_namespaced_config_map("quorum-rendezvous", namespace).data["job.control"])
-    assert control["paused"] is True
+    # The pass writes its decision (the status) before it acts on it (the control record): wait for the act.
+    k8s_helpers.wait_for(lambda: json.loads(core.read_namespaced_config_map(
+        "quorum-rendezvous", namespace).data["job.control"])["paused"] is True, "the control record paused", TIMEOUT)
     k8s_helpers.wait_for(lambda: "PAUSED" in pods.log_of("quorum-0"), "rank 0 to see the pause", TIMEOUT)
     assert any(r == "QuorumLost" for r, _ in events(api, namespace, "quorum"))
 
@@ -218,10 +219,27 @@ def test_the_agents_token_reaches_its_jobs_rendezvous_object_and_nothing_else(
             with pytest.raises(kubernetes.client.ApiException) as refused:
                 call(*args)
             assert refused.value.status == 403, (call.__name__, refused.value.status)
+        # Issue 38's suspicion, two live copies of one rank: a pod on a partitioned node is force-deleted and
+        # replaced under the same name, and its agent runs on. Its token is bound to the deleted pod (its uid):
+        # from the deletion on, the API server refuses it, so the stale copy can't read or write the rendezvous
+        # its replacement joins (and the runtime's fence refuses it too: a new incarnation under the same agent
+        # id ends the generation it was in, tests/integration/test_rendezvous.py).
+        core.delete_namespaced_pod("mine-0", namespace, grace_period_seconds=0)
+        k8s_helpers.wait_for(lambda: _refused(agent.read_namespaced_config_map, "mine-rendezvous", namespace) == 401,
+                             "the deleted pod's token refused", TIMEOUT)
     finally:
         agent_api.close()
     account = core.read_namespaced_service_account("mine-agent", namespace)
     assert account.automount_service_account_token is False
+
+
+def _refused(call: Any, *args: Any) -> int | None:
+    """The HTTP status the API server refuses the call with; None when it answers."""
+    try:
+        call(*args)
+    except kubernetes.client.ApiException as exc:
+        return int(exc.status)
+    return None
 
 
 def _uid(api: kubernetes.client.ApiClient, namespace: str, name: str) -> str:

@@ -273,7 +273,9 @@ def test_the_election_on_the_real_api_server_one_holder_handover_and_expiry(
                               retry_period=0.25, api_client=api)
 
     a, b = elector("a"), elector("b")
-    assert a.try_acquire_or_renew() and a.holds()
+    assert not a.try_acquire_or_renew() and not a.holds(), "no Lease: a makes an empty one, to take it later"
+    k8s_helpers.wait_for(a.try_acquire_or_renew, "a takes the empty Lease once it stood still for its duration")
+    assert a.holds()
     assert not b.try_acquire_or_renew() and not b.holds(), "held, and renewed just now"
     with pytest.raises(leader.NotLeaderError):
         b.check()
@@ -291,3 +293,27 @@ def test_the_election_on_the_real_api_server_one_holder_handover_and_expiry(
     assert c.try_acquire_or_renew(), "released: taken at once"
     lease = kubernetes.client.CoordinationV1Api(api).read_namespaced_lease("lease", namespace)
     assert lease.spec.holder_identity == "c" and lease.spec.lease_transitions >= 1
+
+
+def test_a_deleted_lease_makes_no_second_leader_on_the_real_api_server(
+    api: kubernetes.client.ApiClient, namespace: str
+) -> None:
+    """Issue 38, defect 1: a follower that found the Lease gone made it its own at once, while the leader went
+    on acting on its last renewal. Now the follower makes an empty one and waits, and the leader stops the
+    moment it reads a Lease that isn't its own."""
+    from sneppx_operator import leader
+
+    def elector(name: str) -> leader.Elector:
+        return leader.Elector(namespace, "lease", identity=name, lease_duration=3, renew_deadline=2,
+                              retry_period=0.25, api_client=api)
+
+    a, b = elector("a"), elector("b")
+    k8s_helpers.wait_for(a.try_acquire_or_renew, "a holds")
+    leases = kubernetes.client.CoordinationV1Api(api)
+    leases.delete_namespaced_lease("lease", namespace)
+    assert not b.try_acquire_or_renew() and not b.holds(), "b finds no Lease: it makes an empty one and waits"
+    assert not a.try_acquire_or_renew() and not a.holds(), "a sees a Lease that isn't its own: it stops at once"
+    winner = k8s_helpers.wait_for(
+        lambda: next((e for e in (a, b) if e.try_acquire_or_renew()), None), "one of them takes the empty Lease")
+    assert [e.holds() for e in (a, b)].count(True) == 1
+    assert leases.read_namespaced_lease("lease", namespace).spec.holder_identity == winner.identity

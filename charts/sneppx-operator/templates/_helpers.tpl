@@ -90,8 +90,10 @@ bind verbs here), so it holds those verbs on ConfigMaps.
 {{- end }}
 
 {{/*
-The leader election's Lease, in the release's namespace: read by every replica, created once, renewed (a
-compare-and-swap update) by the leader.
+The leader election's Lease, in the release's namespace: read by every replica, created by them (it is no chart
+object, so no `helm upgrade` ever refuses or deletes one the replicas made), renewed (a compare-and-swap update)
+by the leader. The operator's Deployment is read for its uid alone: a Lease names it as its owner, so the
+garbage collector deletes the Lease with the release.
 */}}
 {{- define "sneppx-operator.leaseRules" -}}
 - apiGroups: ["coordination.k8s.io"]
@@ -102,6 +104,10 @@ compare-and-swap update) by the leader.
   resources: ["leases"]
   # create can't be limited by name
   verbs: ["create"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  resourceNames: [{{ include "sneppx-operator.fullname" . | quote }}]
+  verbs: ["get"]
 {{- end }}
 
 {{/*

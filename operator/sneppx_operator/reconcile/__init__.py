@@ -57,7 +57,9 @@ from sneppx_operator.reconcile.observe import (
     observe_node,
     observe_pod,
     observe_rendezvous,
+    owned_rendezvous,
     parse_time,
+    pods_lag_status,
 )
 from sneppx_operator.reconcile.planning import LEGACY_FINALIZER, next_membership, plan
 from sneppx_operator.reconcile.settling import SPEC_REJECTED_CODES, describe_refusal, settle
@@ -129,8 +131,10 @@ __all__ = [
     "observe_node",
     "observe_pod",
     "observe_rendezvous",
+    "owned_rendezvous",
     "parse_time",
     "plan",
+    "pods_lag_status",
     "restart_entry",
     "settle",
     "status_patch",

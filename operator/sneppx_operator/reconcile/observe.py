@@ -1,15 +1,21 @@
 """Reading the cluster: the job's body and the pods, nodes and rendezvous object kopf's indexes hold, each
-summarised into the few fields a plan decides on.
+summarised into the few fields a plan decides on, and which of them a pass may trust.
 
 Why apart: this is the only place that knows the shape of the API objects (labels, ownerReferences, container
 statuses, conditions); everything after it works on these frozen summaries.
+
+What a pass may trust (docs/OPERATOR.md, "Guarantees"): an object is the job's only when its controller
+ownerReference carries the job's uid (and, for the rendezvous object, it has the job's name for it): labels
+route watch events, never decisions. And the pods a watch index holds may be older than the status the pass
+read with a fresh GET (the index of a replica that just took over lags its predecessor's writes): when they
+contradict that status, the pass lists them fresh.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from SneppX_ALG.contract import job_object
@@ -166,7 +172,37 @@ class ObservedObject:
     uid: str
     controller_uid: str | None
     view: job_object.View
+    name: str = ""
 
 
 def observe_rendezvous(meta: Mapping[str, Any], data: Mapping[str, str] | None) -> ObservedObject:
-    return ObservedObject(str(meta.get("uid") or ""), controller_uid(meta), job_object.read_view(data))
+    return ObservedObject(
+        str(meta.get("uid") or ""), controller_uid(meta), job_object.read_view(data), str(meta.get("name") or "")
+    )
+
+
+def owned_rendezvous(job: Job, found: Iterable[ObservedObject]) -> ObservedObject | None:
+    """The job's rendezvous object among those its label names: the one called `<job>-rendezvous` and controlled
+    by the job. Anyone who may patch a ConfigMap may set its labels (a job's agent may patch its own object),
+    so a label never makes an object the job's."""
+    name = job_object.object_name(job.name)
+    return next((o for o in found if o.name == name and o.controller_uid == job.uid), None)
+
+
+LIVE_PHASES = ("Pending", "Running")
+
+
+def pods_lag_status(job: Job, pods: Iterable[ObservedPod]) -> bool:
+    """Whether the pods contradict the status read with them: a rank the status has live (Pending or Running)
+    in pod uid U while the pods show no pod of that name with uid U, or show it under another uid. Either the
+    pod really went (a fresh list confirms it and the plan restarts the rank) or the pods are older than the
+    status (a new leader's watch behind its predecessor's last writes), and planning from them would restart a
+    healthy rank that only the watch has not seen yet."""
+    uids: dict[str, set[str]] = {}
+    for pod in pods:
+        uids.setdefault(pod.name, set()).add(pod.uid)
+    return any(
+        rank.get("phase") in LIVE_PHASES and rank.get("uid") and rank.get("uid") not in uids.get(str(rank.get("pod")), ())
+        for rank in job.status.get("ranks") or []
+        if isinstance(rank, Mapping)
+    )

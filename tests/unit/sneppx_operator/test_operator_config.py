@@ -100,3 +100,11 @@ def test_builders_and_reconcile_are_pure() -> None:
         assert not top & {"kopf", "kubernetes", "os", "socket", "subprocess", "requests", "secrets"}, name
         modules = _imports(OPERATOR / name)
         assert "sneppx_operator.k8s" not in modules and "sneppx_operator.handlers" not in modules, name
+
+
+def test_lease_labels_and_owner_from_the_command_line() -> None:
+    args = entry.parse_args(["--lease-label", "a=b", "--lease-label=c/d=e=f", "--lease-owner-deployment", "op"])
+    assert dict(args.lease_label) == {"a": "b", "c/d": "e=f"} and args.lease_owner_deployment == "op"
+    assert entry.parse_args([]).lease_owner_deployment is None
+    with pytest.raises(SystemExit):
+        entry.parse_args(["--lease-label", "no-equals-sign"])

@@ -14,7 +14,9 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 from SneppX_ALG.contract import job_object
 from sneppx_operator import handlers, k8s, reconcile
@@ -60,6 +62,8 @@ class Cluster:
         self.uids = itertools.count(1)
         self.writes = 0
         self.reads = 0
+        self.lists = 0
+        self.created = 0
         self.crash_at: int | None = None
 
     def _write(self) -> None:
@@ -72,6 +76,10 @@ class Cluster:
     def read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         self.reads += 1
         return copy.deepcopy(self.job)
+
+    def list_pods(self, namespace: str, name: str) -> list[reconcile.ObservedPod]:
+        self.lists += 1
+        return list(self.pods.values())
 
     def patch_job_status(self, namespace: str, name: str, uid: str, version: str, patch: Mapping[str, Any]) -> str:
         if not patch:
@@ -91,6 +99,7 @@ class Cluster:
                 labels = action.body["metadata"]["labels"]
                 if action.name in self.pods:
                     continue
+                self.created += 1
                 self.pods[action.name] = reconcile.ObservedPod(
                     action.name, int(labels["sneppx.io/rank"]), int(labels["sneppx.io/membership-generation"]),
                     "Pending", False, False, "node-0", uid=f"pod-{next(self.uids)}", controller_uid="uid-1",
@@ -110,7 +119,8 @@ class Cluster:
 
     def _set_control(self, data: Mapping[str, str]) -> None:
         self.data.update(data)
-        self.rendezvous = reconcile.ObservedObject("cm-uid", "uid-1", job_object.read_view(self.data))
+        self.rendezvous = reconcile.ObservedObject("cm-uid", "uid-1", job_object.read_view(self.data),
+                                                   "train-rendezvous")
 
     # -- the world --
 
@@ -136,7 +146,7 @@ class Cluster:
             "history": [(h["reason"], h.get("exitCode"), h["counted"], h.get("rank")) for h in
                         status.get("restartHistory") or []],
             "pods": sorted((p.name, p.phase, p.generation) for p in self.pods.values()),
-            "pods_created": next(self.uids) - 1,
+            "pods_created": self.created,
         }
 
 
@@ -144,9 +154,10 @@ class Cluster:
 def fake_api(monkeypatch: pytest.MonkeyPatch) -> list[Cluster]:
     """Routes k8s.py's calls to whichever Cluster the test appends."""
     clusters: list[Cluster] = []
-    for name in ("read_job", "patch_job_status", "apply"):
+    for name in ("read_job", "list_pods", "patch_job_status", "apply"):
         monkeypatch.setattr(k8s, name, lambda *a, _name=name, **kw: getattr(clusters[-1], _name)(*a, **kw))
     monkeypatch.setattr(k8s, "post_events", lambda *a, **kw: None)
+    handlers.new_term()  # a new operator: it trusts no index yet
     return clusters
 
 
@@ -353,3 +364,117 @@ def test_a_steady_jobs_pass_costs_one_read_and_no_write(fake_api: list[Cluster])
     reads, writes = cluster.reads, cluster.writes
     handlers.reconcile_job(KEY, cluster.indexes())  # type: ignore[arg-type]
     assert (cluster.reads - reads, cluster.writes - writes) == (1, 0)
+
+
+def test_a_new_leader_whose_watch_lags_the_status_restarts_no_healthy_rank(fake_api: list[Cluster]) -> None:
+    """Issue 38, defect 5: the previous leader replaced rank 1; the new leader's watch still shows neither the
+    old pod (deleted) nor its replacement. Planning from that index counted a phantom PodDeleted and deleted
+    the healthy replacement once the index caught up; the pass must list the pods fresh instead."""
+    cluster = Cluster(_spec(5))
+    fake_api.append(cluster)
+    _run(cluster)
+    cluster.fail(1, 1)
+    _run(cluster)  # the previous leader: rank 1 replaced, the job running
+    expected = cluster.outcome()
+    assert expected["restartCount"] == 1 and expected["phase"] == "Running"
+    lagging = cluster.indexes()
+    lagging.pods[KEY] = [p for p in lagging.pods[KEY] if p.rank != 1]  # between the delete's and create's events
+    handlers.new_term()  # this replica takes over
+    listed = cluster.lists
+    handlers.reconcile_job(KEY, lagging)  # type: ignore[arg-type]
+    assert cluster.lists == listed + 1, "the pass asked the API server"
+    _run(cluster)
+    assert cluster.outcome() == expected
+
+
+def test_an_index_that_caught_up_is_trusted_with_no_list_per_pass(fake_api: list[Cluster]) -> None:
+    cluster = Cluster(_spec(5))
+    fake_api.append(cluster)
+    _run(cluster)
+    first = cluster.lists
+    assert first >= 1, "a new operator's first pass lists the pods"
+    cluster.fail(1, 1)
+    _run(cluster)
+    assert cluster.lists == first, "an index that caught up with the list and agrees with the status is trusted"
+
+
+def test_a_rendezvous_object_relabelled_to_the_job_is_never_read(fake_api: list[Cluster]) -> None:
+    """Issue 38, defect 3: another job's agent relabels its own rendezvous object to this job, with a hang
+    report about this job's healthy rank 1. The pass reads only the job's own object (its name, its controller),
+    so nothing is restarted, and a job that finds only the foreign object still makes its own."""
+    report = job_object.HungRank("train-1", 1, 1, "other-0", 600.0, "2030-01-01T00:00:00Z")
+    foreign = reconcile.ObservedObject("cm-x", "uid-other", job_object.View(hung=(report,)), "other-rendezvous")
+    cluster = Cluster(_spec(5))
+    fake_api.append(cluster)
+    indexes = cluster.indexes()
+    indexes.rendezvous[KEY] = [foreign]
+    handlers.reconcile_job(KEY, indexes)  # type: ignore[arg-type]
+    assert cluster.rendezvous is not None, "the job made its own rendezvous object"
+    _run(cluster)
+    expected = cluster.outcome()
+    indexes = cluster.indexes()
+    indexes.rendezvous[KEY] = [foreign, *indexes.rendezvous[KEY]]  # listed first
+    handlers.reconcile_job(KEY, indexes)  # type: ignore[arg-type]
+    _run(cluster)
+    assert cluster.outcome() == expected, "a foreign report restarted nothing"
+    assert expected["restartCount"] in (0, None)
+
+
+@hypothesis.settings(max_examples=150, deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.given(st.lists(st.tuples(st.sampled_from(["pass", "fail", "takeover"]), st.integers(0, 7)),
+                           max_size=40))
+def test_passes_from_lagging_watch_indexes_count_each_real_failure_once(schedule: list[tuple[str, int]]) -> None:
+    """Passes plan from a watch index that lags the cluster by a random number of changes (never going back for
+    one replica; a takeover starts a new replica's index anywhere behind): each real failure is counted once, no
+    phantom restart, no healthy pod deleted. The exact oracle: the failures the schedule injected."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _lagging_schedule(monkeypatch, schedule)
+
+
+def _lagging_schedule(monkeypatch: pytest.MonkeyPatch, schedule: list[tuple[str, int]]) -> None:
+    cluster = Cluster(_spec(100))
+    handlers.new_term()
+    for name in ("read_job", "list_pods", "patch_job_status", "apply"):
+        monkeypatch.setattr(k8s, name, getattr(cluster, name))
+    monkeypatch.setattr(k8s, "post_events", lambda *a, **kw: None)
+    deleted_healthy: list[str] = []
+    apply = cluster.apply
+
+    def watched_apply(namespace: str, actions: Sequence[reconcile.Action]) -> reconcile.Outcome:
+        for action in actions:
+            pod = cluster.pods.get(action.name)
+            deleting = isinstance(action, reconcile.Delete) and pod is not None and pod.uid == action.uid
+            if deleting and pod is not None and pod.phase != "Failed":
+                deleted_healthy.append(pod.name)
+        return apply(namespace, actions)
+
+    monkeypatch.setattr(k8s, "apply", watched_apply)
+    _run(cluster)
+    history = [dict(cluster.pods)]  # every state the pods were in, oldest first: what a watch replays
+    seen = len(history) - 1
+    failures = 0
+    for what, arg in schedule:
+        if what == "fail":
+            running = sorted(n for n, p in cluster.pods.items() if p.phase == "Running")
+            if running:
+                cluster.fail(int(cluster.pods[running[arg % len(running)]].rank), 1)
+                failures += 1
+        elif what == "takeover":
+            seen = max(0, len(history) - 1 - arg)  # the new replica's index: some changes behind
+            handlers.new_term()
+        else:
+            seen = min(len(history) - 1, seen + arg % 3)  # the watch catches up by a few changes
+            indexes = cluster.indexes()
+            indexes.pods[KEY] = list(history[seen].values())
+            try:
+                handlers.reconcile_job(KEY, indexes)  # type: ignore[arg-type]
+            except k8s.StatusConflict:
+                pass
+            cluster.kubelet()
+        if history[-1] != cluster.pods:
+            history.append(dict(cluster.pods))
+    _run(cluster)
+    assert deleted_healthy == []
+    status = cluster.job["status"]
+    assert (status.get("restartCount") or 0) == failures, status.get("restartHistory")
+    assert all(h["reason"] == "PodFailed" for h in status.get("restartHistory") or [])
