@@ -178,6 +178,14 @@ class SimCluster(Cluster):
             raise TimeoutError("read timed out")
         return job
 
+    def list_pods(self, namespace: str, name: str) -> list[reconcile.ObservedPod]:
+        """A fresh list from the API server: the truth, not the lagging view."""
+        fault = self._call("read")
+        pods = super().list_pods(namespace, name)
+        if fault == "timeout":
+            raise TimeoutError("list timed out")
+        return pods
+
     def patch_job_status(self, namespace: str, name: str, uid: str, version: str, patch: Mapping[str, Any]) -> str:
         if not patch:
             return version
@@ -392,6 +400,7 @@ class SimCluster(Cluster):
         elif kind == "takeover":  # the other replica takes the Lease, its view as it was (a lag)
             self.leader = 1 - self.leader
             self.seen[self.leader] = max(self.seen[self.leader], len(self.history) - 1 - args[0])
+            handlers.new_term()  # its leadership begins: it trusts no pod index yet
         elif kind == "delete_job" and self.job is not None:
             if args[0] == "foreground":
                 self.job["metadata"]["deletionTimestamp"] = job_object.timestamp(self.now)
@@ -422,6 +431,7 @@ class SimCluster(Cluster):
             pass  # the loop tries again (handlers._job_loop)
         except Crash:
             self.seen[self.leader] = len(self.history) - 1  # a new process lists afresh
+            handlers.new_term()  # and trusts no index before it matches a fresh list
         finally:
             self.fault = None
 
@@ -623,7 +633,7 @@ def make_schedule(rng: random.Random, profile: Profile, length: int) -> list[Eve
 @contextlib.contextmanager
 def routed_to(cluster_of: Callable[[], SimCluster]) -> Iterator[None]:
     """k8s.py's calls and the pass's clock go to the current simulated cluster (restored after)."""
-    saved = {name: getattr(k8s, name) for name in ("read_job", "patch_job_status", "apply", "post_events")}
+    saved = {name: getattr(k8s, name) for name in ("read_job", "list_pods", "patch_job_status", "apply", "post_events")}
     saved_datetime = handlers.datetime
 
     class Clock(datetime.datetime):
@@ -631,7 +641,7 @@ def routed_to(cluster_of: Callable[[], SimCluster]) -> Iterator[None]:
         def now(cls, tz: Any = None) -> Any:
             return cluster_of().now + cluster_of().skew
 
-    for name in ("read_job", "patch_job_status", "apply"):
+    for name in ("read_job", "list_pods", "patch_job_status", "apply"):
         setattr(k8s, name, lambda *a, _name=name, **kw: getattr(cluster_of(), _name)(*a, **kw))
     k8s.post_events = lambda *a, **kw: None  # type: ignore[assignment]
     handlers.datetime = type("datetime_module", (), {"datetime": Clock, "UTC": datetime.UTC,  # type: ignore
@@ -649,6 +659,7 @@ def run(spec: Mapping[str, Any], schedule: Sequence[Event], profile: Profile) ->
     Raises Violation."""
     cluster = SimCluster(spec, profile)
     with routed_to(lambda: cluster):
+        handlers.new_term()  # a new operator for each run: nothing trusted from the last one
         for _ in range(4):  # the job starts
             cluster.run_pass(0, None)
             cluster.kubelet()
