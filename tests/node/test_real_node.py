@@ -421,8 +421,17 @@ def test_helm_uninstall_leaves_nothing_of_the_release_behind(
                       "--timeout", "120s", timeout=180)
     selector = f"app.kubernetes.io/instance={operator}"
     kinds = "deployments,replicasets,services,serviceaccounts,roles,rolebindings,configmaps,leases"  # pods: below
-    left = node.cluster.kubectl("get", kinds, "-n", real_node.OPERATOR_NAMESPACE, "-l", selector, "-o", "name").stdout
-    assert not left.strip(), left
+
+    def left() -> str:
+        return node.cluster.kubectl("get", kinds, "-n", real_node.OPERATOR_NAMESPACE, "-l", selector, "-o",
+                                    "name").stdout.strip()
+
+    # the ReplicaSets and the Lease the replicas made (owned by the Deployment) go with the garbage collector,
+    # after the Deployment: waited for, not raced
+    try:
+        wait_for(lambda: not left(), "nothing of the release left in its namespace", 60)
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {left()}") from None
     cluster_wide = node.cluster.kubectl("get", "clusterroles,clusterrolebindings", "-l", selector, "-o", "name").stdout
     assert not cluster_wide.strip(), cluster_wide
     core = kubernetes.client.CoreV1Api(api)  # and no deletion is wedged: the operator's pods stop and go
