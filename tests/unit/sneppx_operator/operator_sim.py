@@ -9,8 +9,8 @@ and checks, after every step, the promises of docs/OPERATOR.md as small named in
 The model is test_operator_pass.Cluster, extended (SimCluster): the truth (the job, its pods and their nodes,
 its rendezvous object) plus the operator's watch view of the pods, which lags the truth by as many changes as each
 pass event says (a watch delivers the newest state of each object, so a dropped event is a skipped snapshot; the
-view never goes back). Every random choice is in the schedule itself (the pass events carry their lag and their API fault),
-so a schedule replays exactly and can be shrunk (delta debugging over the event list).
+view never goes back). Every random choice is in the schedule itself (the pass events carry their lag and their API
+fault), so a schedule replays exactly and can be shrunk (delta debugging over the event list).
 
 Reproduce a seed:   .venv/bin/python tests/unit/sneppx_operator/operator_sim.py --seed 17 -v
 A campaign:         .venv/bin/python tests/unit/sneppx_operator/operator_sim.py --schedules 2000
@@ -220,7 +220,8 @@ class SimCluster(Cluster):
                 done += super().apply(namespace, [action]).done
                 pod = self.pods.get(action.name)
                 if created and pod is not None:  # a held rank's pod finds no room: it stays unbound, Pending
-                    self.pods[pod.name] = dataclasses.replace(pod, node=None if pod.rank in self.held else self._schedule())
+                    node = None if pod.rank in self.held else self._schedule()
+                    self.pods[pod.name] = dataclasses.replace(pod, node=node)
             self._changed()
             if fault == "timeout":
                 raise TimeoutError("the call went through, its answer was lost")
