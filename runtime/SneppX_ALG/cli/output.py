@@ -13,7 +13,8 @@ import re
 import sys
 from collections.abc import Callable, Iterator
 
-from SneppX_ALG import storage
+from SneppX_ALG import errors, storage
+from SneppX_ALG.checkpoint import manifest as manifest_codec
 
 OK, INVALID, TROUBLE = 0, 1, 2
 
@@ -107,8 +108,45 @@ def local_path(location: str) -> Iterator[str]:
         yield location
         return
     root, step = s3_step
-    with storage.open_storage(root).open_step(step) as local:
+    store = storage.open_storage(root)
+    with store.open_step(step) as local:
+        _fetch_references(store, local, step)
         yield local
+
+
+_FETCH_PIECE = 8 << 20  # a referenced file is copied down in ranged reads of this size
+
+
+def _fetch_references(store: storage.Storage, local: str, step: int) -> None:
+    """The earlier steps' files an incremental step references, fetched beside its local copy, where the
+    commands' readers look for them (checkpoint.verify.sibling_steps), as a local root lays them out. Only once
+    its manifest parses and checks (the format bounds how many steps and files it may name), and only from
+    committed steps (read_step reads the marker first); what is missing is for the reader to report."""
+    try:
+        with open(os.path.join(local, storage.MANIFEST), "rb") as f:
+            manifest = manifest_codec.decode_manifest(f.read(storage.MAX_MANIFEST_BYTES + 1), step=step, where=local)
+    except (OSError, errors.ManifestError):
+        return
+    wanted: dict[int, set[str]] = {}
+    for tensor in manifest["tensors"]:
+        for part in manifest_codec.parts_of(tensor):
+            if "from" in part:
+                wanted.setdefault(part["from"][0], set()).add(part["from"][1])
+    buffer = bytearray(_FETCH_PIECE)
+    for origin, names in sorted(wanted.items()):
+        beside = os.path.join(os.path.dirname(local), storage.step_name(origin))
+        try:
+            with store.read_step(origin) as reader:
+                os.makedirs(beside, exist_ok=True)
+                for name in sorted(names):
+                    size = reader.size(name)
+                    with open(os.path.join(beside, name), "wb") as out:
+                        for offset in range(0, size, _FETCH_PIECE):
+                            piece = memoryview(buffer)[:min(_FETCH_PIECE, size - offset)]
+                            reader.read_blocks(name, piece, offset, _FETCH_PIECE)
+                            out.write(piece)
+        except errors.CheckpointNotFoundError:
+            continue
 
 
 def fail(command: str, error: BaseException) -> None:
