@@ -31,12 +31,13 @@ FIXED_SEEDS = [
     1005,  # 2 nodes on the ring, snapshots: held copies flipped, then a worker killed
     1011,  # 4 nodes, 2 copies each, nodes not back: a worker and a node killed
     1014,  # 3 nodes: a node stopped 4 s, a worker stopped and the node killed during the recovery
+    17,  # 3 nodes, incremental, a world-sized array: a node lost, 3 -> 2: ShardingMismatchError (issue 37, 7)
+    1003,  # 2 nodes, snapshots: rank 0's replica drifts, a worker stopped 4 s (issue 37, defect 1)
 ]
 
-# Minimal schedules that fail on today's code, each for a defect of issue 37 (or a new one, said here), as the
-# campaign printed them (`replay:`). They run with SNEPPX_CHAOS_KNOWN=1 (`make chaos` sets it) and must still
-# fail; once the fix merges, the test says so: drop the entry and add the campaign seeds it names to FIXED_SEEDS.
 class Known(NamedTuple):
+    """A failure the harness found: what it is, and its minimal schedule."""
+
     diagnosis: str
     schedule: dict[str, Any]  # as a failure's `replay:` line prints it
 
@@ -46,31 +47,43 @@ def job(nodes: int, every: int = 5, node_restart_delay: float = 0.2, **more: Any
             "steps": 16, "every": every, "node_restart_delay": node_restart_delay, **more}
 
 
-KNOWN_FAILURES: dict[str, Known] = {
+# Minimal schedules of defects the harness found and that are fixed now (each failed on the code before its fix,
+# as KNOWN_FAILURES entries): run in `make test`, so a defect that comes back is caught by its own schedule.
+FIXED_FAILURES: dict[str, Known] = {
     "defect-1-diverged-replica-restored-from-checkpoint": Known(
         ("issue 37 defect 1: rank 0's replica drifts at step 4; the snapshot of step 5 is rejected as divergent, "
-         "but the checkpoint of step 5 committed rank 0's copy and the next generation restores it everywhere; "
+         "but the checkpoint of step 5 committed rank 0's copy and the next generation restored it everywhere; "
          "campaign seed 1003"),
         {"seed": 0, "config": job(2), "faults": [{"kind": "diverge", "at": 4, "node": 0}]}),
-    "defect-2-another-objects-snapshot-restored": Known(
-        ("issue 37 defect 2: ctx.snapshot of an object shaped like the state (an average of it) takes the step's "
-         "one slot; after a worker dies, restore() says 'from peer memory (step 8)' and gives the model the "
-         "average: half the state, on every rank, to the end of the run; campaign seeds 53, 80, 1048"),
-        {"seed": 0, "config": job(2, other_snapshot=True),
-         "faults": [{"kind": "kill_worker", "at": 8, "node": 1}]}),
     "defect-7-snapshot-restore-cuts-a-shape": Known(
-        ("issue 37 defect 7: a (2,)-shaped replicated array is restored from peer memory into the lone "
-         "survivor's (1,)-shaped one, cut, and the restore says all is well (storage raises "
+        ("issue 37 defect 7: a (2,)-shaped replicated array was restored from peer memory into the lone "
+         "survivor's (1,)-shaped one, cut, and the restore said all is well (storage raises "
          "ShardingMismatchError); campaign seed 17 (3 -> 2)"),
         {"seed": 0, "config": job(2, node_restart_delay=60.0, ranks_array=True),
          "faults": [{"kind": "kill_node", "at": 8, "node": 1}]}),
     "defect-7-a-half-applied-snapshot-kept-by-a-fresh-start": Known(
         ("issue 37 defect 7 (a restore is not all or nothing), with defect 2 to start it: the snapshot of step 3 "
-         "(the other object's) writes w and m, then fails on r; every rank goes to storage, where nothing is "
-         "committed yet, so restore() returns None, 'start from scratch', over the half-written state; the run "
-         "ends 'recovered' at w = 17.5, not 16. Campaign seed 107"),
+         "(the other object's) wrote w and m, then failed on r; every rank went to storage, where nothing was "
+         "committed yet, so restore() returned None, 'start from scratch', over the half-written state; the run "
+         "ended 'recovered' at w = 17.5, not 16. Campaign seed 107"),
         {"seed": 0, "config": job(2, ranks_array=True, other_snapshot=True),
          "faults": [{"kind": "kill_worker", "at": 3, "node": 1}]}),
+}
+
+# Minimal schedules that fail on today's code, each for a defect of issue 37 (or a new one, said here), as the
+# campaign printed them (`replay:`). They run with SNEPPX_CHAOS_KNOWN=1 (`make chaos` sets it) and must still
+# fail; once the fix merges, the test says so: move the entry to FIXED_FAILURES and add the campaign seeds it
+# names to FIXED_SEEDS.
+KNOWN_FAILURES: dict[str, Known] = {
+    "defect-2-another-objects-snapshot-restored": Known(
+        ("issue 37 defect 2, open for an object laid out as the state: ctx.snapshot of an average of the state "
+         "(same paths, dtypes, shapes) at step 8 and report(8)'s snapshot of the state share one key and one "
+         "`holds` (a digest of the layout, snapshot/image.py), so Keeper.find takes the first of the two: the "
+         "average, taken first; after a worker dies, restore() says 'from peer memory (step 8)' and gives the model half the "
+         "state, on every rank, to the end of the run; campaign seeds 53, 80, 1048 (and, on today's main, "
+         "still this minimal schedule)"),
+        {"seed": 0, "config": job(2, other_snapshot=True),
+         "faults": [{"kind": "kill_worker", "at": 8, "node": 1}]}),
 }
 
 
@@ -91,13 +104,21 @@ def test_a_seeded_fault_schedule_ends_at_the_uninterrupted_runs_state_and_every_
     run_or_explain(chaos_harness.generate(seed), tmp_path)
 
 
+@pytest.mark.parametrize("name", list(FIXED_FAILURES))
+def test_a_fixed_defects_minimal_schedule_passes(tmp_path: Path, name: str) -> None:
+    outcome = chaos_harness.run(chaos_harness.Schedule.from_json(json.dumps(FIXED_FAILURES[name].schedule)),
+                                tmp_path / "run")
+    assert outcome.passed, f"{name} fails again ({FIXED_FAILURES[name].diagnosis}):\n{chaos_harness.report(outcome)}"
+
+
 @pytest.mark.skipif(os.environ.get("SNEPPX_CHAOS_KNOWN") != "1", reason="known failures run in `make chaos`")
 @pytest.mark.parametrize("name", list(KNOWN_FAILURES))
 def test_a_known_failing_schedule_still_fails(tmp_path: Path, name: str) -> None:
     diagnosis, schedule = KNOWN_FAILURES[name]
     outcome = chaos_harness.run(chaos_harness.Schedule.from_json(json.dumps(schedule)), tmp_path / "run")
     if outcome.passed:
-        pytest.fail(f"{name} passes now ({diagnosis}): drop it, and add its campaign seeds to FIXED_SEEDS",
+        pytest.fail(f"{name} passes now ({diagnosis}): move it to FIXED_FAILURES, and add its campaign seeds to "
+                    "FIXED_SEEDS",
                     pytrace=False)
     pytest.xfail(f"{diagnosis}: {outcome.problems[:2]}")
 

@@ -4,6 +4,8 @@ agents and workers on 127.0.0.1, checkpoints in a real directory.
 - the restart count a worker sees (ctx.restarts, TORCHELASTIC_RESTART_COUNT): 0 before any failure, 1 after one;
 - the rollback rule of ctx.restore is the FaultToleranceManager's: committed steps that are all corrupt end the run
   (a decision for a person), never a silent start from step 0;
+- a state that does not fit the committed step (ShardingMismatchError) ends the run at once, as a rollback past
+  the limit does: no restart can fix it;
 - a step an earlier run committed, saved again, counts as saved: not a failure of train_fn.
 """
 
@@ -70,6 +72,23 @@ def test_every_committed_step_corrupt_ends_the_run_instead_of_starting_from_0(tm
     assert "RollbackLimitError" in result["message"] and "none is valid" in result["message"], result
     assert not (run.out / "final.json").exists()
     assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-000000003", "step-000000006"]
+
+
+def test_a_state_that_does_not_fit_the_committed_step_ends_the_run_instead_of_spending_its_restarts(
+        tmp_path: Path, runs: Any) -> None:
+    """A restore target shaped unlike the committed step (w of 1024 where 2048 was saved, in a sharded state, whose
+    restore checks replicated arrays' shapes; a plain dict's takes the saved arrays whole): the restore raises
+    ShardingMismatchError, which no restart can fix (the same state meets the same step), so the worker reports it
+    as fatal and the run ends with it in its first generation, not after its restart budget (chaos seed 1058)."""
+    checkpoints = tmp_path / "ckpts"
+    earlier = runs(tmp_path / "earlier", checkpoints, steps=3, every=3, sharded=1)
+    assert "error" not in earlier.finish()
+    run = runs(tmp_path / "out", checkpoints, steps=6, every=3, sharded=1, size=1024, max_restarts=2)
+    result = run.finish()
+    assert result.get("error") == "ElasticRunError", (result, run.tail())
+    assert "ShardingMismatchError" in result["message"], result
+    assert len(run.seen()) == 1, run.seen()  # one generation: no restart was spent on it
+    assert not (run.out / "final.json").exists()
 
 
 def test_a_step_committed_by_an_earlier_run_saved_again_counts_as_saved(tmp_path: Path, runs: Any) -> None:

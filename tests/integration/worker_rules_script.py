@@ -2,7 +2,8 @@
 CKPT): the restart count a worker sees, the rollback rule of its restore, and a step committed already. Each step
 allreduces ones and adds their mean, so after N steps the state is exactly N, whatever the world size.
 
-Knobs (environment, W_*): NODES, GPUS, STEPS, EVERY (checkpoint interval), MAX_RESTARTS, MODE:
+Knobs (environment, W_*): NODES, GPUS, STEPS, EVERY (checkpoint interval), MAX_RESTARTS, SIZE (w's length),
+SHARDED (1: the state holds a sharded array too, so that it is restored as a sharded state), MODE:
   plain      train from the newest checkpoint to STEPS;
   raise_once the last rank raises at the start of the first generation that has seen no failure (ctx.restarts 0);
   resave     right after its restore, save the restored step again (a step an earlier generation committed).
@@ -33,6 +34,8 @@ def knob(name: str, default: str) -> str:
 
 
 def train_loop(ctx: Any) -> None:
+    from SneppX_ALG.coordinator import Shard
+
     out = Path(knob("OUT", "."))
     steps, every, mode = int(knob("STEPS", "6")), int(knob("EVERY", "3")), knob("MODE", "plain")
     if ctx.rank == 0:
@@ -41,13 +44,15 @@ def train_loop(ctx: Any) -> None:
                                 "env": os.environ.get("TORCHELASTIC_RESTART_COUNT")}) + "\n")
     if mode == "raise_once" and ctx.restarts == 0 and ctx.rank == ctx.world_size - 1:
         raise RuntimeError(f"planted failure, generation {ctx.generation}")
-    state = {"w": np.zeros(SIZE, dtype=np.float32)}
+    state: dict[str, Any] = {"w": np.zeros(int(knob("SIZE", str(SIZE))), dtype=np.float32)}
+    if knob("SHARDED", "0") == "1":  # a sharded state: its restore checks each replicated array's shape
+        state["rank"] = Shard(np.full(1, ctx.rank), (ctx.world_size,), (ctx.rank,))
     info = ctx.restore(state)
     step = 0 if info is None else info.step
     if mode == "resave" and info is not None:
         ctx.save(state, step)
     while step < steps:
-        contribution = np.ones(SIZE, dtype=np.float32)
+        contribution = np.ones_like(state["w"])
         ctx.group.allreduce(contribution)
         state["w"] += contribution / ctx.world_size
         step += 1

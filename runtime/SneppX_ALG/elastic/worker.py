@@ -396,7 +396,8 @@ class Worker:
             self.report("done", generation=a.generation)
         except errors.MembershipChangingError as e:
             self.report("boundary", generation=a.generation, step=e.step)
-        except (errors.RollbackLimitError, errors.SnapshotMemoryError) as e:
+        except (errors.RollbackLimitError, errors.SnapshotMemoryError, errors.ShardingMismatchError) as e:
+            # no restart fixes these: the same state meets the same steps (a shape that doesn't fit stays so)
             self.report("fatal", generation=a.generation, error=f"{type(e).__name__}: {e}")
         except Exception as e:  # noqa: BLE001 - every failure of a generation is reported to the agent, by kind
             if self.aborted.is_set() or isinstance(e, errors.CollectiveError | errors.StoreError |
