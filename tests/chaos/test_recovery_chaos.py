@@ -61,6 +61,14 @@ FIXED_FAILURES: dict[str, Known] = {
          "ShardingMismatchError); campaign seed 17 (3 -> 2)"),
         {"seed": 0, "config": job(2, node_restart_delay=60.0, ranks_array=True),
          "faults": [{"kind": "kill_node", "at": 8, "node": 1}]}),
+    "defect-2-an-average-laid-out-as-the-state-restored-as-the-state": Known(
+        ("issue 37 defect 2, for an object laid out as the state: ctx.snapshot of an average of the state (same "
+         "paths, dtypes, shapes) at step 8 and report(8)'s snapshot of the state shared one key and one `holds`, "
+         "so Keeper.find took the average, taken first; after a worker died, restore() said 'from peer memory "
+         "(step 8)' and gave the model half the state on every rank. A snapshot's role (the state restore() "
+         "fills, or other state) is now part of what it holds. Campaign seeds 53, 80, 1048, 2017, 2029, 2090, 3050"),
+        {"seed": 0, "config": job(2, other_snapshot=True),
+         "faults": [{"kind": "kill_worker", "at": 8, "node": 1}]}),
     "defect-7-a-half-applied-snapshot-kept-by-a-fresh-start": Known(
         ("issue 37 defect 7 (a restore is not all or nothing), with defect 2 to start it: the snapshot of step 3 "
          "(the other object's) wrote w and m, then failed on r; every rank went to storage, where nothing was "
@@ -74,17 +82,7 @@ FIXED_FAILURES: dict[str, Known] = {
 # campaign printed them (`replay:`). They run with SNEPPX_CHAOS_KNOWN=1 (`make chaos` sets it) and must still
 # fail; once the fix merges, the test says so: move the entry to FIXED_FAILURES and add the campaign seeds it
 # names to FIXED_SEEDS.
-KNOWN_FAILURES: dict[str, Known] = {
-    "defect-2-another-objects-snapshot-restored": Known(
-        ("issue 37 defect 2, open for an object laid out as the state: ctx.snapshot of an average of the state "
-         "(same paths, dtypes, shapes) at step 8 and report(8)'s snapshot of the state share one key and one "
-         "`holds` (a digest of the layout, snapshot/image.py), so Keeper.find takes the first of the two: the "
-         "average, taken first; after a worker dies, restore() says 'from peer memory (step 8)' and gives the model half the "
-         "state, on every rank, to the end of the run; campaign seeds 53, 80, 1048 (and, on today's main, "
-         "still this minimal schedule)"),
-        {"seed": 0, "config": job(2, other_snapshot=True),
-         "faults": [{"kind": "kill_worker", "at": 8, "node": 1}]}),
-}
+KNOWN_FAILURES: dict[str, Known] = {}  # none open today
 
 
 def run_or_explain(schedule: chaos_harness.Schedule, workdir: Path) -> None:

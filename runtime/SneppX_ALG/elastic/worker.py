@@ -229,8 +229,11 @@ class TrainContext:
             return
         a = self._assignment
         place = os.environ.get(ENV_NODE_NAME) or a.agent_id  # a pod's Kubernetes node, else its agent
+        # the state restore() fills, or (before any restore) what the run restores from; anything else is kept
+        # beside it and never restored into it, however alike their layouts (issue 37, defect 2)
+        role = snapshot.STATE if self._live_state is None or obj is self._live_state else snapshot.OTHER
         keeper.take(obj, step, self._snapshot_group, instance=a.membership.instance, generation=a.generation,
-                    place=place, rank=a.rank, training_state=training_state)
+                    place=place, rank=a.rank, training_state=training_state, role=role)
         self._snapshot_steps[id(obj)] = step
 
     def save(self, obj: Any, step: int, *, training_state: Any = None) -> None:

@@ -227,6 +227,25 @@ def test_a_snapshot_of_other_state_neither_displaces_the_restore_state_nor_is_re
     assert "another object" in restored_report(alone)["why"]
 
 
+def test_a_snapshot_of_other_state_laid_out_as_the_model_is_never_restored_into_it(solo: Any) -> None:
+    """Defect 2 of issue 37, for the object a user most often keeps beside the model: an average of its
+    parameters, laid out exactly like them. Its snapshot, taken first at each step, is kept apart from the
+    model's (on the old code one key and one layout: the restore took the average, 'from peer memory')."""
+    s = solo(snapshot_every=1)
+    model = {"w": np.zeros(4)}
+    average = {"w": np.zeros(4)}
+    assert s.ctx.restore(model) is None
+    for step in (1, 2, 3):
+        model["w"][:] = step
+        average["w"][:] = step / 2
+        s.ctx.snapshot(average, step)
+        s.ctx.report(step)
+    s.worker.snapshots.wait()
+    again = {"w": np.zeros(4)}
+    info = s.ctx.restore(again)
+    assert info is not None and info.step == 3 and np.array_equal(again["w"], np.full(4, 3.0)), again
+
+
 def test_a_generation_whose_replicas_diverged_commits_nothing_more(tmp_path: Path) -> None:
     """Defect 1 of issue 37: the snapshot of step 2 found the replicas unequal, and rank 0's copy went into the
     checkpoint of step 2. The worker's commit fence now refuses every commit of that generation once its keeper

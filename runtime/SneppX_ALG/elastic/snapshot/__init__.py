@@ -57,7 +57,9 @@ Every name is re-exported here: callers import `SneppX_ALG.elastic.snapshot` and
 from __future__ import annotations
 
 from SneppX_ALG.elastic.snapshot.image import (
+    OTHER,
     PIECE,
+    STATE,
     Cut,
     Snapshot,
     bundle,
@@ -100,7 +102,9 @@ __all__ = [
     "CGROUP_LIMITS",
     "DEFAULT_MEMORY_FRACTION",
     "MAX_FREE_BUFFERS",
+    "OTHER",
     "PIECE",
+    "STATE",
     "Cut",
     "Decision",
     "Divergence",

@@ -61,15 +61,21 @@ class Snapshot:
         return Snapshot(_unique_meta(self.meta), self.payload[:self.unique_end])
 
 
+# What a snapshot is of: the state a restore fills, or other state kept beside it (ctx.snapshot of, say, an
+# average of the parameters: laid out exactly like them, and never to be restored into them).
+STATE, OTHER = "state", "other"
+
+
 def capture(obj: Any, step: int, *, instance: str, generation: int, rank: int, world: int,
             into: Callable[[int], np.ndarray], training_state: Any = None,
             admit: Callable[[int, int], None] | None = None,
-            copier: Callable[[int], Any] | None = None) -> Snapshot:
+            copier: Callable[[int], Any] | None = None, role: str = STATE) -> Snapshot:
     """Copies `obj` (what `ctx.save` takes) into a buffer from `into(nbytes)`: host arrays with a memcpy, their
     CRCs later (`seal`, off the training thread); CUDA tensors through `copier(device)`'s pinned staging, after
     the work queued on their producer's stream, hashed as they land. `admit(state bytes, unique bytes)` is asked
     first, before anything is allocated (it raises to refuse). `copier(device)`: a copy engine per device (the
-    Keeper keeps them; by default one per call)."""
+    Keeper keeps them; by default one per call). `role`: STATE for the object a restore fills, OTHER for state
+    kept beside it (part of what it `holds`, so a snapshot of one is never restored into the other)."""
     copier = copier or functools.cache(_native.Copier)
     kind, leaves, values = state_lib.flatten_state(obj)
     for path, value in values:
@@ -105,22 +111,24 @@ def capture(obj: Any, step: int, *, instance: str, generation: int, rank: int, w
         np.copyto(view.reshape(t["local"]), np.asarray(leaf), casting="no")
     meta["values"] = [{"path": list(p), "value": v} for p, v in values]
     meta["training_state"] = training_state
-    meta["holds"] = layout([(t["path"], t["dtype"], t["shape"]) for t in meta["tensors"]], [p for p, _ in values])
+    meta["holds"] = layout([(t["path"], t["dtype"], t["shape"]) for t in meta["tensors"]], [p for p, _ in values],
+                           role)
     return Snapshot(meta, payload)
 
 
-def layout(tensors: list[tuple[Any, str, Any]], values: list[Any]) -> str:
-    """What a snapshot holds, as a restore target is compared with it: a digest of its tensors' paths, dtypes and
-    global shapes and its plain values' paths (the same at every world size; the values themselves change)."""
-    text = json.dumps([sorted([list(p), d, list(s)] for p, d, s in tensors), sorted(list(p) for p in values)])
+def layout(tensors: list[tuple[Any, str, Any]], values: list[Any], role: str = STATE) -> str:
+    """What a snapshot holds, as a restore target is compared with it: a digest of its role, its tensors'
+    paths, dtypes and global shapes and its plain values' paths (the same at every world size; the values
+    themselves change)."""
+    text = json.dumps([sorted([list(p), d, list(s)] for p, d, s in tensors), sorted(list(p) for p in values), role])
     return f"{_native.crc32c(np.frombuffer(text.encode(), np.uint8)):08x}"
 
 
 def layout_of(obj: Any) -> str:
-    """`layout` of the object a restore fills (what `capture` would record of it)."""
+    """`layout` of the object a restore fills (what `capture` would record of it, as STATE)."""
     _, leaves, values = state_lib.flatten_state(obj)
     return layout([(path, _dtype_name(np.dtype(leaf.dtype)), shard.global_shape if shard else leaf.shape)
-                   for path, leaf, shard in leaves], [path for path, _ in values])
+                   for path, leaf, shard in leaves], [path for path, _ in values], STATE)
 
 
 _dtype_name = functools.lru_cache(maxsize=64)(format.dtype_name)  # numpy's dtype.name is slow, and asked per leaf

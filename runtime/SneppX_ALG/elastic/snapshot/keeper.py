@@ -22,6 +22,7 @@ import numpy as np
 
 from SneppX_ALG import _native, collectives, errors
 from SneppX_ALG.elastic.snapshot.image import (
+    STATE,
     Cut,
     Snapshot,
     Wanted,
@@ -94,10 +95,11 @@ class Keeper:
     # -- taking a snapshot --
 
     def take(self, obj: Any, step: int, group: collectives.ProcessGroup, *, instance: str, generation: int,
-             place: str, rank: int | None = None, training_state: Any = None) -> None:
+             place: str, rank: int | None = None, training_state: Any = None, role: str = STATE) -> None:
         """Snapshot `step` (every rank of the generation, same step; `place`: the node this rank is on, whose
         loss takes it; `rank`: its rank in the generation, when the group's ring visits the ranks in another
-        order, `ring_order`). Waits for the previous one first and raises what it failed with. `costs` then says
+        order, `ring_order`; `role`: image.STATE for what a restore fills, image.OTHER for state beside it). Waits
+        for the previous one first and raises what it failed with. `costs` then says
         what it cost this (the training) thread: waiting, the copy, and all of take (`take_ms`)."""
         began = time.perf_counter()
         self.wait()
@@ -108,7 +110,7 @@ class Keeper:
                            rank=group.rank if rank is None else rank,
                            world=group.world_size, into=self._buffer, training_state=training_state,
                            admit=functools.partial(self._check_memory, kept=self._kept_count(group.rank)),
-                           copier=self._copier)
+                           copier=self._copier, role=role)
         copied = time.perf_counter()
         if self._thread is None:  # one thread for the life of the process: starting one costs a step's worth
             self._thread = threading.Thread(target=self._serve, name="sneppx-snapshot", daemon=True)
