@@ -225,12 +225,13 @@ async def _job_loop(key: wakeups.Key) -> None:
 
 # Which jobs' pod indexes a pass may plan from. A replica that takes over (and a process that starts) trusts no
 # index: its watch may lag the status its predecessor wrote. A pass then lists the pods fresh, and the index is
-# trusted again once it holds exactly the pods that list held (within a term the index only moves forward, and
-# the statuses this replica writes rest on what it listed or indexed). While pods come and go the passes list;
-# once they settle, the index matches.
+# trusted again once it holds exactly the pods that list held, each as the list showed it: the same uids are not
+# enough, as an index still showing a listed pod Pending would undo the Running the status recorded from the
+# list (within a term the index only moves forward, and the statuses this replica writes rest on what it listed
+# or indexed). While pods come and go the passes list; once they settle, the index matches.
 _term = 0
 _trusted: dict[wakeups.Key, int] = {}  # job -> the term its index was last trusted in
-_listed: dict[wakeups.Key, frozenset[str]] = {}  # job -> uids of its last fresh list, until the index holds them
+_listed: dict[wakeups.Key, frozenset[reconcile.ObservedPod]] = {}  # job -> its last fresh list, until indexed
 
 
 def new_term() -> None:
@@ -244,12 +245,12 @@ def _pods_for_pass(
 ) -> list[reconcile.ObservedPod]:
     """The pods a pass plans from: the index's when it is trusted and agrees with the status read; else a
     fresh list from the API server (docs/OPERATOR.md, "Guarantees")."""
-    if key in _listed and _listed[key] == {p.uid for p in indexed}:
+    if key in _listed and _listed[key] == frozenset(indexed):
         del _listed[key]  # the index has caught up with the last list
     if _trusted.get(key) == _term and key not in _listed and not reconcile.pods_lag_status(job, indexed):
         return indexed
     fresh = k8s.list_pods(*key)
-    _trusted[key], _listed[key] = _term, frozenset(p.uid for p in fresh)
+    _trusted[key], _listed[key] = _term, frozenset(fresh)
     return fresh
 
 
