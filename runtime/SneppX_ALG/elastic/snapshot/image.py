@@ -111,15 +111,17 @@ def capture(obj: Any, step: int, *, instance: str, generation: int, rank: int, w
         np.copyto(view.reshape(t["local"]), np.asarray(leaf), casting="no")
     meta["values"] = [{"path": list(p), "value": v} for p, v in values]
     meta["training_state"] = training_state
-    meta["holds"] = layout([(t["path"], t["dtype"], t["shape"]) for t in meta["tensors"]], [p for p, _ in values],
-                           role)
+    meta["holds"] = layout([(t["path"], t["dtype"], t["shape"]) for t in meta["tensors"] if t["offset"] is None],
+                           [p for p, _ in values], role)
     return Snapshot(meta, payload)
 
 
 def layout(tensors: list[tuple[Any, str, Any]], values: list[Any], role: str = STATE) -> str:
-    """What a snapshot holds, as a restore target is compared with it: a digest of its role, its tensors'
-    paths, dtypes and global shapes and its plain values' paths (the same at every world size; the values
-    themselves change)."""
+    """What a snapshot holds, as a restore target is compared with it: a digest of its role, its replicated
+    tensors' paths, dtypes and shapes and its plain values' paths: the same on every rank and at every world size
+    (the values themselves change). Not its Shards: which pieces a rank holds depends on its rank and the world
+    size (ZeRO's optimizer pieces), and `apply` checks every target Shard's path, dtype, global shape and
+    coverage against the parts before it writes anything."""
     text = json.dumps([sorted([list(p), d, list(s)] for p, d, s in tensors), sorted(list(p) for p in values), role])
     return f"{_native.crc32c(np.frombuffer(text.encode(), np.uint8)):08x}"
 
@@ -127,8 +129,8 @@ def layout(tensors: list[tuple[Any, str, Any]], values: list[Any], role: str = S
 def layout_of(obj: Any) -> str:
     """`layout` of the object a restore fills (what `capture` would record of it, as STATE)."""
     _, leaves, values = state_lib.flatten_state(obj)
-    return layout([(path, _dtype_name(np.dtype(leaf.dtype)), shard.global_shape if shard else leaf.shape)
-                   for path, leaf, shard in leaves], [path for path, _ in values], STATE)
+    return layout([(path, _dtype_name(np.dtype(leaf.dtype)), leaf.shape) for path, leaf, shard in leaves
+                   if shard is None], [path for path, _ in values], STATE)
 
 
 _dtype_name = functools.lru_cache(maxsize=64)(format.dtype_name)  # numpy's dtype.name is slow, and asked per leaf
