@@ -189,7 +189,10 @@ def test_quorum_lost_with_pause_stops_training_until_the_node_returns(
     resumed = next(e for e in survivor if e["kind"] == "resumed")
     assert paused["t"] < resumed["t"]
     during = [e for e in survivor if e["kind"] == "step" and paused["t"] < e["t"] < resumed["t"]]
-    assert len(during) <= 1, during  # at most the step already in flight; then the worker waits in ctx.report
+    # The step in flight, and progress the worker sent before the pause reached it that the agent records after its
+    # paused event (it writes that event, then drains its workers' messages; the control record's GET between
+    # them takes a step or two under load: 2 seen here). Unpaused, the survivor trains some 20 steps in those 3 s.
+    assert len(during) <= 3, during
     assert paused_at_step < steps and done["restartCount"] == 1
     assert_params_match(out, steps)
 
