@@ -276,7 +276,10 @@ def test_a_drain_evicts_the_ranks_without_spending_the_budget_and_training_resum
     done = wait_finished(api, namespace, "train")
     assert done["phase"] == "Succeeded", (done, logs(node, namespace, "train-0")[-4000:])
     assert history(done) == [("Evicted", 0, False), ("Evicted", 1, False)], done["restartHistory"]
-    assert all("EvictionByEvictionAPI" in h["message"] for h in done["restartHistory"]), done["restartHistory"]
+    # the drain, named by the pod's own DisruptionTarget or by its cordoned node (a gone pod is judged by its node
+    # first, so the same drain reads the same whichever moment a pass saw it: docs/OPERATOR.md, "Guarantees")
+    assert all("EvictionByEvictionAPI" in h["message"] or "NodeCordoned" in h["message"]
+               for h in done["restartHistory"]), done["restartHistory"]
     assert done["restartCount"] == 0
     assert_params_match(out, STEPS)
 
