@@ -725,17 +725,22 @@ def test_a_step_cut_off_before_its_allgather_restores_only_if_every_own_snapshot
         g.close()
 
 
-def test_a_rank_whose_state_is_laid_out_otherwise_decides_as_every_other_rank() -> None:
-    """Every rank decided for its own target's layout: rank 1's state changed shape since (its w is (4,)), so
-    rank 1 went to storage ("holds another object") while rank 0 chose memory and waited for rank 1 in the
-    transfer's allgather until CollectiveTimeoutError. Now the layouts are allgathered: both go to storage."""
+def two_keepers_after_a_snapshot_of_step_5() -> tuple[list[snapshot.Keeper], list[Any]]:
+    """Two ranks' keepers holding a whole snapshot of step 5 (generation 0), and generation 1's groups."""
     root = tempfile.mkdtemp()
     keepers = [snapshot.Keeper() for _ in range(2)]
     old = groups(2, 0, root)
     assert take_everywhere(keepers, old, ["node-0", "node-1"], lambda r: state(r, 2, 5), range(5, 6)) == [None] * 2
     for g in old:
         g.close()
-    new = groups(2, 1, root)
+    return keepers, groups(2, 1, root)
+
+
+def test_a_rank_whose_state_is_laid_out_otherwise_decides_as_every_other_rank() -> None:
+    """Every rank decided for its own target's layout: rank 1's state changed shape since (its w is (4,)), so
+    rank 1 went to storage ("holds another object") while rank 0 chose memory and waited for rank 1 in the
+    transfer's allgather until CollectiveTimeoutError. Now the layouts are allgathered: both go to storage."""
+    keepers, new = two_keepers_after_a_snapshot_of_step_5()
     targets = [{"w": np.zeros(3 + r), "m": shard_of(r, 2), "epoch": 0} for r in range(2)]
     got = on_threads(2, lambda r: keepers[r].recover(targets[r], new[r]))
     assert [(g.step, g.decision.source) for g in got] == [(None, "storage")] * 2, got
@@ -867,13 +872,7 @@ def test_a_rank_whose_state_does_not_describe_itself_goes_to_storage_with_every_
     """Rank 1's shard lies outside its tensor (5 rows at offset 8 of a (10,)): its layout raised
     UnsupportedTensorError before the inventory's allgather, and rank 0 waited there for it until
     CollectiveTimeoutError. Now every rank goes to storage alike."""
-    root = tempfile.mkdtemp()
-    keepers = [snapshot.Keeper() for _ in range(2)]
-    old = groups(2, 0, root)
-    assert take_everywhere(keepers, old, ["node-0", "node-1"], lambda r: state(r, 2, 5), range(5, 6)) == [None] * 2
-    for g in old:
-        g.close()
-    new = groups(2, 1, root)
+    keepers, new = two_keepers_after_a_snapshot_of_step_5()
     targets = [{"w": np.zeros(3), "m": shard_of(0, 2), "epoch": 0},
                {"w": np.zeros(3), "m": Shard(np.zeros(5), (M,), (8,)), "epoch": 0}]
     got = on_threads(2, lambda r: keepers[r].recover(targets[r], new[r]))
