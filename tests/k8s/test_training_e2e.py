@@ -213,40 +213,49 @@ def process_group(pgid: int) -> dict[int, str]:
     return found
 
 
+def wedge_rank_1(api: kubernetes.client.ApiClient, namespace: str, pods: pod_runner.PodRunner,
+                 name: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """SIGSTOPs the whole pod of the job's rank 1 (its agent and its worker) once both pods train together, so
+    that it stays Running and Ready and nothing but an agent's `job/hung/<pod>` report can get it replaced; waits
+    for rank 0's agent to report it (or to exit: then the returned reports are empty) and for the job's end.
+    Returns (the survivor's `hung_reported` events, the job's final status)."""
+    out, wedged, survivor = output(pods), f"{name}-1", f"{name}-0"
+    k8s_helpers.wait_for(lambda: progress(out)["step"] >= 3 * EVERY and progress(out)["world_size"] == 2,
+                         "two pods training together past a few checkpoints", FINISH_TIMEOUT)
+    stopped = pods.pid(wedged)
+    assert stopped is not None
+    try:
+        assert len(process_group(stopped)) >= 2, process_group(stopped)  # the agent and its worker
+        pods.kill(wedged, signal.SIGSTOP)  # wedged: alive, Running and Ready, doing nothing
+        k8s_helpers.wait_for(lambda: set(process_group(stopped).values()) == {"T"}, "the whole pod stopped")
+        assert [p.metadata.name for p in k8s_helpers.running_pods(api, namespace, name)] == [survivor, wedged]
+
+        seen = k8s_helpers.wait_for(  # (or the survivor to finish training without it, or give up: no report)
+            lambda: [e for e in agent_events(pods, survivor) if e["kind"] in ("hung_reported", "exit")],
+            f"the survivor's agent to report {wedged} hung", FINISH_TIMEOUT)
+        reported = [e for e in seen if e["kind"] == "hung_reported"]
+        assert reported, (seen, pods.log_of(survivor)[-4000:])
+        return reported, wait_finished(api, namespace, name)
+    finally:
+        if pods.pid(wedged) == stopped:  # the test failed before the operator replaced it
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                os.killpg(stopped, sig)
+
+
 def test_a_rank_whose_agent_is_wedged_is_reported_hung_by_the_other_agent_and_replaced(
     api: kubernetes.client.ApiClient, cluster: k8s_cluster.Cluster, namespace: str,
     operator: kopf.testing.KopfRunner, pods: pod_runner.PodRunner, tmp_path: pathlib.Path,
 ) -> None:
-    """The real agents, no stand-in: rank 1's whole pod (its agent and its worker) is SIGSTOPped, so its pod stays
-    Running and Ready and nothing but an agent's `job/hung/<pod>` report can get it replaced. The survivor trains
-    on alone, reports it once it has been out of the generations for hangTimeoutSeconds, the operator replaces
-    the pod (restart reason Hang), and the replacement joins and training finishes at full size."""
+    """The real agents, no stand-in: rank 1's whole pod is SIGSTOPped (`wedge_rank_1`). The survivor trains on
+    alone, reports it once it has been out of the generations for hangTimeoutSeconds, the operator replaces the
+    pod (restart reason Hang), and the replacement joins and training finishes at full size."""
     # Slower steps, not more of them (float noise grows with the steps): the survivor must still be training when
     # the replacement joins, some hangTimeoutSeconds and a pod start after the stop.
     out, steps, hang = output(pods), 120, 10
     job = training_job("hung", steps=steps, sleep=0.3, failure_policy={"hangTimeoutSeconds": hang})
     job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 1  # a stopped agent never ends at SIGTERM
     k8s_helpers.kubectl_apply(cluster, namespace, job, tmp_path)
-    k8s_helpers.wait_for(lambda: progress(out)["step"] >= 3 * EVERY and progress(out)["world_size"] == 2,
-                         "two pods training together past a few checkpoints", FINISH_TIMEOUT)
-    stopped = pods.pid("hung-1")
-    assert stopped is not None
-    try:
-        assert len(process_group(stopped)) >= 2, process_group(stopped)  # the agent and its worker
-        pods.kill("hung-1", signal.SIGSTOP)  # wedged: alive, Running and Ready, doing nothing
-        k8s_helpers.wait_for(lambda: set(process_group(stopped).values()) == {"T"}, "the whole pod stopped")
-        assert [p.metadata.name for p in k8s_helpers.running_pods(api, namespace, "hung")] == ["hung-0", "hung-1"]
-
-        seen = k8s_helpers.wait_for(  # (or the survivor to finish training without it: no report then)
-            lambda: [e for e in agent_events(pods, "hung-0") if e["kind"] in ("hung_reported", "exit")],
-            "the survivor's agent to report hung-1 hung", FINISH_TIMEOUT)
-        reported = [e for e in seen if e["kind"] == "hung_reported"]
-        assert reported, seen
-        done = wait_finished(api, namespace, "hung")
-    finally:
-        if pods.pid("hung-1") == stopped:  # the test failed before the operator replaced it
-            for sig in (signal.SIGKILL, signal.SIGCONT):
-                os.killpg(stopped, sig)
+    reported, done = wedge_rank_1(api, namespace, pods, "hung")
     logs = {pod: pods.log_of(pod)[-4000:] for pod in ("hung-0", "hung-1")}
     assert done["phase"] == "Succeeded", (done, logs)
     assert [(h["reason"], h["rank"]) for h in done["restartHistory"]] == [("Hang", 1)], (done["restartHistory"], logs)
@@ -267,5 +276,42 @@ def test_a_rank_whose_agent_is_wedged_is_reported_hung_by_the_other_agent_and_re
     assert exits == [0], logs["hung-1"]  # the stopped agent left no exit (SIGKILLed); its replacement completed
     data = kubernetes.client.CoreV1Api(api).read_namespaced_config_map(
         job_object.object_name("hung"), namespace).data or {}
+    assert not [k for k in data if (job_object.record_key(k) or "").startswith(job_object.HUNG_PREFIX)], data
+    assert_params_match(out, steps)
+
+
+def test_a_wedged_rank_that_no_generation_can_form_without_is_reported_while_forming_and_replaced_once(
+    api: kubernetes.client.ApiClient, cluster: k8s_cluster.Cluster, namespace: str,
+    operator: kopf.testing.KopfRunner, pods: pod_runner.PodRunner, tmp_path: pathlib.Path,
+) -> None:
+    """Issue 38, defect 10: minNodes = maxNodes = 2 and rank 1's whole pod SIGSTOPped. No generation can form
+    without it, so no generation runs and no rank 0 of one could report it; the survivor, sealing the next
+    generation alone, reports it after the hang timeout capped at half rendezvousTimeoutSeconds, well before its
+    own join timeout. The operator replaces that one pod (one counted Hang restart), the replacement joins, and
+    the job succeeds at full size, the survivor never having given up."""
+    out, steps, hang, rendezvous_timeout = output(pods), 120, 10, 120
+    job = training_job("stall", steps=steps, sleep=0.3, min_nodes=2, failure_policy={"hangTimeoutSeconds": hang})
+    job["spec"]["elastic"]["rendezvousTimeoutSeconds"] = rendezvous_timeout
+    job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 1  # a stopped agent never ends at SIGTERM
+    k8s_helpers.kubectl_apply(cluster, namespace, job, tmp_path)
+    reported, done = wedge_rank_1(api, namespace, pods, "stall")
+    logs = {pod: pods.log_of(pod)[-4000:] for pod in ("stall-0", "stall-1")}
+    assert done["phase"] == "Succeeded", (done, logs)
+    assert [(h["reason"], h["rank"]) for h in done["restartHistory"]] == [("Hang", 1)], (done["restartHistory"], logs)
+    assert done["restartCount"] == 1
+
+    first = reported[0]
+    assert (first["pod"], first["rank"], first.get("forming")) == ("stall-1", 1, True), reported
+    assert first["generation"] == first["last_generation"] + 1  # reported while the next one formed
+    assert first["silent_seconds"] >= min(hang, rendezvous_timeout / 2)
+    survivor = agent_events(pods, "stall-0")
+    assert [e["code"] for e in survivor if e["kind"] == "exit"] == [0], logs["stall-0"]  # it never timed out
+    sizes = [e["world_size"] for e in survivor if e["kind"] == "generation"]
+    assert len(sizes) >= 2 and set(sizes) == {2}, sizes  # never alone: it waited for the replacement
+    assert json.loads((out / "final.json").read_text())["world_size"] == 2
+    exits = [e["code"] for e in agent_events(pods, "stall-1") if e["kind"] == "exit"]
+    assert exits == [0], logs["stall-1"]  # the stopped agent left no exit (SIGKILLed); its replacement completed
+    data = kubernetes.client.CoreV1Api(api).read_namespaced_config_map(
+        job_object.object_name("stall"), namespace).data or {}
     assert not [k for k in data if (job_object.record_key(k) or "").startswith(job_object.HUNG_PREFIX)], data
     assert_params_match(out, steps)

@@ -30,7 +30,8 @@ In operator mode (`operator_mode`, pod.py) the agent is its pod's command: its r
 ConfigMap, it takes the node bounds of each generation from the operator's `job/control` and follows its pause,
 and while its node is rank 0 it keeps `job/report` current and reports in `job/hung/<pod>` each peer that has
 been out of the generations (neither a member nor waiting to join) for the job's hang timeout: a pod whose agent
-is wedged stays Running and Ready, and only that report gets it replaced (pod.AbsentMembers). Failures that end
+is wedged stays Running and Ready, and only that report gets it replaced (pod.AbsentMembers); while too few
+agents joined to form the next generation, the agent sealing it reports instead (`_forming`). Failures that end
 only this agent (its restart budget, a join timeout) exit with EXIT_NODE_FAILED without marking the run
 finished: the pod fails and the operator's failurePolicy decides (a replacement pod, counted against
 maxRestarts).
@@ -207,7 +208,8 @@ class NodeAgent:
         self.heartbeat_address = f"{settings.host}:{self.heartbeat_socket.getsockname()[1]}"
         self.rdzv = rendezvous.Rendezvous(self.records, settings.run_id, agent_id=settings.agent_id,
                                           host=settings.host, heartbeat=self.heartbeat_address,
-                                          workers=settings.workers, config=settings.rendezvous)
+                                          workers=settings.workers, config=settings.rendezvous,
+                                          on_forming=self._forming if settings.operator_mode else None)
         self.ft = FaultToleranceManager(max_restarts=settings.max_restarts, restart_delay=settings.restart_delay,
                                         max_restart_delay=max(60.0, settings.restart_delay))
         self.workers = [WorkerProcess(i) for i in range(settings.workers)]
@@ -310,6 +312,8 @@ class NodeAgent:
                 w.spawn(self.s.worker_command, self.s.worker_env)
         if self.link is not None:
             self._follow_bounds(self.link.control())
+        if self.absent is not None and previous is not None:
+            self.absent.ended(time.monotonic())  # its peers are present again once they join the next one
         membership = self.rdzv.join(previous=previous, suspects=suspects)
         self._transition("reconfigured", membership.generation)
         if self.absent is not None:
@@ -371,6 +375,21 @@ class NodeAgent:
         for hung in self.link.report_hung(self.absent, self.step_timeout):
             self._event("hung_reported", generation=m.generation, pod=hung.pod, rank=hung.rank,
                         last_generation=hung.generation, silent_seconds=hung.silent_seconds)
+
+    def _forming(self, previous: rendezvous.Membership, joined: tuple[str, ...]) -> None:
+        """Operator mode, at each poll while this agent seals the generation after `previous`: who has joined
+        (no longer absent) and, while fewer than min_nodes did (no generation can form, so no rank 0 of a
+        running one will report anyone), `job/hung/<pod>` for each peer out for `pod.stalled_report_after`: a
+        wedged pod is replaced before the waiting agents' join timeout ends them (minNodes = maxNodes)."""
+        assert self.absent is not None and self.link is not None
+        if self.s.agent_id not in previous.agent_ids:  # a late joiner: that generation went on without it
+            return
+        self.absent.waiting(joined, time.monotonic())
+        config = self.rdzv.config
+        after = pod.stalled_report_after(self.step_timeout, config.join_timeout, len(joined), config.min_nodes)
+        for hung in self.link.report_hung(self.absent, after):
+            self._event("hung_reported", generation=previous.generation + 1, pod=hung.pod, rank=hung.rank,
+                        last_generation=hung.generation, silent_seconds=hung.silent_seconds, forming=True)
 
     # -- one generation --
 

@@ -6,7 +6,8 @@ it in every rank's environment (operator/sneppx_operator/builders.py, `rank_env`
 is the agent's link to the job's rendezvous object beyond the rendezvous itself (`JobLink`): the operator's
 `job/control` record in (node bounds for the next generation, pause), node rank 0's `job/report` out (what
 `kubectl get etj` shows) and its `job/hung/<pod>` reports about peers that stayed out of the generations for the
-job's hang timeout (`AbsentMembers` keeps track of who is out and since when).
+job's hang timeout, or that stall the forming of the next one (`AbsentMembers` keeps track of who is out and
+since when).
 
 Where records live in a pod (docs/OPERATOR.md, "Inside the pods"):
 - the rendezvous (`rdzv/<job>/...`) in the job's ConfigMap (`records.kube`), the only object the pod's token may
@@ -253,7 +254,8 @@ class JobLink:
         seconds (None or 0: never), at most `limit` of them, and restarts each one's window (`AbsentMembers.
         reported`): the operator replaces that pod, and its replacement gets a whole hang timeout of its own.
         Only node rank 0 of the running generation calls it, after a poll of the rendezvous (so a peer that
-        waits to join is never reported). A store error is logged and ends this round: the peers still due are
+        waits to join is never reported), or the agent sealing the next generation while too few joined to
+        form it, after its listing of the joins (`stalled_report_after`). A store error is logged and ends this round: the peers still due are
         reported at the next poll. Returns what it wrote."""
         # Both clocks read once, before any write: each window restarts no later than its report can be seen,
         # and a slow write doesn't put a later `reported_at` beside an older `silent_seconds`.
@@ -301,13 +303,18 @@ class AbsentMembers:
     without it) and train on, and nothing else would ever replace it: the job would run a node short for ever,
     or stall when minNodes = maxNodes. A pod that really died is seen by the operator from its status, far
     sooner than any hang timeout; one that is out of the generations that long, and not even waiting to join,
-    is hung, and node rank 0 reports it (`JobLink.report_hung`).
+    is hung, and node rank 0 reports it (`JobLink.report_hung`). When the others can't form a generation
+    without it (fewer than min_nodes joined: minNodes = maxNodes, say), no generation runs and nobody is rank
+    0: then the agent sealing the next generation reports a member of the last one that has not joined, after
+    `stalled_report_after` (before the waiting agents' join timeout).
 
     - `formed(m, now)`: a generation this agent is a member of formed; each member's node rank and the
       generation are remembered, and every peer remembered from an earlier generation that is not in this
       one is absent from `now` on (unless it already was: its absence goes on).
     - `waiting(ids, now)`: a poll of the running generation saw `ids` waiting to join the next one; they are
       no longer absent (a peer that stops waiting without becoming a member is absent again from `now`).
+    - `ended(now)`: the generation this agent was a member of is over and it waits to join the next: its
+      members are present again only once seen joined (`waiting`, from the sealer's listing of the joins).
     - `due(now, timeout)`: the peers absent for at least `timeout` seconds (None or 0: none), longest first.
     - `reported(id, now)`: its window starts again at `now`.
 
@@ -338,6 +345,10 @@ class AbsentMembers:
         self._waiting = frozenset(agent_ids)
         self._update(now)
 
+    def ended(self, now: float) -> None:
+        self._members, self._waiting = frozenset(), frozenset()
+        self._update(now)
+
     def due(self, now: float, timeout: float | None) -> list[Absence]:
         if not timeout or timeout <= 0:
             return []
@@ -359,6 +370,22 @@ class AbsentMembers:
         for agent in self._last:
             if agent not in present and agent != self.agent_id:
                 self._since.setdefault(agent, now)
+
+
+def stalled_report_after(hang_timeout: float | None, join_timeout: float, joined: int, min_nodes: int) -> float | None:
+    """How long a member of the generation before may stay out of the forming one before the agent sealing it
+    reports that pod hung, with `joined` agents joined of the `min_nodes` it needs (None: not now, or never).
+
+    Only while fewer than `min_nodes` joined: then no generation can form without the absent ones, nobody is
+    rank 0 of a running one to report them, and the job stands still; with enough, the generation forms
+    without them and its rank 0 reports them after the hang timeout as usual. The hang timeout (0: hang
+    reports are off), but at most half the join timeout: every agent waiting there gives up at the join
+    timeout (its pod fails), so the report leaves the other half for the operator to replace the wedged pod
+    (restart delay, pod start) and for the replacement to join. A pod that never was a member (one still
+    Pending, or pulling its image) is never absent, so never reported."""
+    if not hang_timeout or hang_timeout <= 0 or joined >= min_nodes:
+        return None
+    return min(hang_timeout, join_timeout / 2)
 
 
 def hung_record(absence: Absence, reported_by: str, now: float, wall: datetime.datetime) -> job_object.HungRank:

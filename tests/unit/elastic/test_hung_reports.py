@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from SneppX_ALG import errors
 from SneppX_ALG.contract import job_object
@@ -200,3 +203,130 @@ def test_the_reports_of_one_poll_are_bounded(tmp_path: Path) -> None:
     assert (len(first), len(second), len(third)) == (8, 8, 3)
     assert {h.pod for h in first + second + third} == set(agents[1:])
     assert link.report_hung(absent, HANG) == []
+
+
+# ---- a pod that stalls the forming of the next generation (issue 38, defect 10) -----------------------------
+
+
+def test_the_stalled_report_waits_the_hang_timeout_but_at_most_half_the_join_timeout() -> None:
+    """Exhaustive over a grid: reported only while fewer than min_nodes joined, never with hang reports off, and
+    always early enough that half the join timeout is left for the replacement."""
+    for hang in (None, 0, 0.0, 1, 10, 299, 300, 301, 1800):
+        for join_timeout in (1.0, 20.0, 600.0, 3600.0):
+            for min_nodes in (1, 2, 5):
+                for joined in range(7):
+                    after = pod.stalled_report_after(hang, join_timeout, joined, min_nodes)
+                    if not hang or joined >= min_nodes:
+                        assert after is None, (hang, join_timeout, joined, min_nodes)
+                        continue
+                    assert after is not None and 0 < after <= hang and after <= join_timeout / 2
+                    assert after == hang or (after == join_timeout / 2 < hang)  # the cap, only when it binds
+
+
+POLLS = st.lists(st.tuples(st.floats(0.0, 40.0), st.sets(st.integers(1, 4)), st.booleans()), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(peers=st.integers(1, 4), min_nodes=st.integers(1, 6), hang=st.sampled_from([None, 0, 5.0, 30.0, 1800.0]),
+       join_timeout=st.sampled_from([10.0, 60.0, 600.0]), ended_after=st.floats(0.0, 100.0), polls=POLLS)
+def test_the_sealer_reports_exactly_the_members_of_the_last_generation_that_stall_the_next(
+    peers: int, min_nodes: int, hang: float | None, join_timeout: float, ended_after: float,
+    polls: list[tuple[float, set[int], bool]],
+) -> None:
+    """The agent's rule while it seals the generation after its own (agent._forming), at random: at each poll it
+    sees who joined (itself always, some of its old peers, perhaps a pod that never was a member: one that was
+    Pending or pulling its image), and reports what is due (`JobLink.report_hung` restarts the window of each).
+    Oracle, by replay: a peer is due iff it was a member of the generation that ended, is not joined now, fewer
+    than min_nodes joined, and it has been out, since the generation ended or it was last seen joined or last
+    reported, for the hang timeout capped at half the join timeout."""
+    me, names = "train-0", [f"train-{i}" for i in range(1, peers + 1)]
+    stranger = "train-9"  # joins now and then; never a member of a generation this agent was in
+    absent = pod.AbsentMembers(me)
+    absent.formed(membership(4, me, *names), now=1000.0)
+    now = 1000.0 + ended_after
+    absent.ended(now)
+    since = dict.fromkeys(names, now)  # the oracle: when each peer's absence began (None: joined)
+    for dt, joined_peers, stranger_joined in polls:
+        now += dt
+        joined = [me] + [n for i, n in enumerate(names, 1) if i in joined_peers] + [stranger] * stranger_joined
+        for name in names:
+            if name in joined:
+                since[name] = None
+            elif since[name] is None:
+                since[name] = now
+        absent.waiting(joined, now)
+        after = pod.stalled_report_after(hang, join_timeout, len(joined), min_nodes)
+        due = [a.agent_id for a in absent.due(now, after)]
+        expected = sorted(n for n, began in since.items()
+                          if began is not None and after is not None and now - began >= after)
+        assert sorted(due) == expected, (now, since, after)
+        if after is not None:
+            assert after <= join_timeout / 2 and len(joined) < min_nodes and hang
+        for agent_id in due:
+            absent.reported(agent_id, now)
+            since[agent_id] = now
+        assert me not in due and stranger not in due
+        assert all(a.generation == 4 for a in absent.due(now, 0.001))  # its last generation, as reported
+
+
+class StepClock:
+    """Fake time for one agent's rendezvous: each sleep first runs `script` at the current time, then moves on."""
+
+    def __init__(self, script: Callable[[float], None]) -> None:
+        self.now, self.script = 0.0, script
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.script(self.now)
+        self.now += max(seconds, 0.001)
+
+
+def sealed(store: Any, *agents: str, generation: int = 0) -> rendezvous.Membership:
+    """A generation of `agents` sealed in `store`, as their rendezvous would leave it."""
+    m = membership(generation, *agents)
+    m = rendezvous.Membership("run", generation, m.members, m.sealed_by)
+    store.create(rendezvous.membership_key("run", generation), rendezvous.membership_to_json(m))
+    return m
+
+
+def test_the_sealer_of_the_next_generation_hands_on_who_joined_at_each_poll(tmp_path: Path) -> None:
+    """The real rendezvous, two nodes of min_nodes = max_nodes = 2: train-1 wedged (it never joins generation 1);
+    the survivor, sealing, hands its listing to `on_forming` at each poll until the replacement joins, and then
+    seals with it. Fake time: nothing here waits."""
+    store = open_record_store(str(tmp_path / "object"))
+    before = sealed(store, "train-0", "train-1")
+    seen: list[tuple[float, tuple[str, ...]]] = []
+
+    def replacement_joins(now: float) -> None:
+        key = rendezvous.join_key("run", 1, "train-1")
+        if now >= 50.0 and store.read(key) is None:
+            member = rendezvous.Member("train-1", "f" * 32, "127.0.0.1", "127.0.0.1:29511", 2, 0.0)
+            store.create(key, rendezvous.join_to_json("run", 1, rendezvous.Join(member)))
+
+    clock = StepClock(replacement_joins)
+    survivor = rendezvous.Rendezvous(
+        store, "run", agent_id="train-0", host="127.0.0.1", heartbeat="127.0.0.1:29510", workers=2,
+        config=rendezvous.RendezvousConfig(min_nodes=2, max_nodes=2, join_timeout=100.0),
+        clock=clock, sleep=clock.sleep, on_forming=lambda previous, joined: seen.append((clock.now, joined)))
+    formed = survivor.join(previous=before, suspects={"train-1"})
+    assert formed.generation == 1 and formed.agent_ids == ("train-0", "train-1")
+    assert seen and all(joined == ("train-0",) for t, joined in seen if t < 50.0)
+    assert seen[-1][1] == ("train-0", "train-1")
+    assert len([t for t, _ in seen if t < 50.0]) >= 10  # every poll of the wait, not once
+
+
+def test_without_a_replacement_the_survivor_still_gives_up_at_its_join_timeout(tmp_path: Path) -> None:
+    """The hook only reports: the wait is bounded as before (no replacement ever comes here)."""
+    store = open_record_store(str(tmp_path / "object"))
+    before = sealed(store, "train-0", "train-1")
+    calls: list[tuple[str, ...]] = []
+    clock = StepClock(lambda now: None)
+    survivor = rendezvous.Rendezvous(
+        store, "run", agent_id="train-0", host="127.0.0.1", heartbeat="127.0.0.1:29510", workers=2,
+        config=rendezvous.RendezvousConfig(min_nodes=2, max_nodes=2, join_timeout=100.0),
+        clock=clock, sleep=clock.sleep, on_forming=lambda previous, joined: calls.append(joined))
+    with pytest.raises(errors.RendezvousTimeoutError):
+        survivor.join(previous=before, suspects={"train-1"})
+    assert calls and set(calls) == {("train-0",)} and clock.now >= 100.0

@@ -141,12 +141,18 @@ class Rendezvous:
 
     Store errors: `RecordUnavailableError` inside `join()` is retried until `join_timeout`; from `poll()` and
     `check_fence()` it propagates (a fence that can't be checked refuses the commit).
+
+    `on_forming(previous, joined)`, if given, is called at each poll of the agent sealing a generation that has
+    a sealed generation before it, with that generation and the agent ids joined so far (the listing the sealer
+    makes anyway): in operator mode the agent reports there a member of `previous` that stalls the forming
+    (pod.AbsentMembers). It must not block; a `RecordUnavailableError` from it counts as the store's.
     """
 
     def __init__(self, store: record.RecordStore, run_id: str, *, agent_id: str, host: str, heartbeat: str,
                  workers: int, config: RendezvousConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-                 wall_clock: Callable[[], float] = time.time):
+                 wall_clock: Callable[[], float] = time.time,
+                 on_forming: Callable[[Membership, tuple[str, ...]], None] | None = None):
         for name, value in (("run_id", run_id), ("agent_id", agent_id)):
             if not isinstance(value, str) or not record.is_segment(value):
                 raise ValueError(f"{name} {value!r} is not an id: [A-Za-z0-9][A-Za-z0-9._-]*, at most 253 chars")
@@ -164,6 +170,7 @@ class Rendezvous:
         self.config = config or RendezvousConfig()
         self.incarnation = secrets.token_hex(16)
         self._clock, self._sleep, self._wall_clock = clock, sleep, wall_clock
+        self._on_forming = on_forming
         self._random = random.Random()
         self._newest_seen = 0
         self._lease: _Beat | None = None
@@ -352,6 +359,8 @@ class Rendezvous:
                     if j.member.agent_id not in previous.agent_ids and j.member.agent_id != self.agent_id]
             gone = self._gone_late_joiners(generation, late, now, look=looking)
             joins = [j for j in joins if j.member.agent_id not in gone]
+            if self._on_forming is not None:
+                self._on_forming(previous, tuple(j.member.agent_id for j in joins))
         suspected: set[str] = set().union(*(j.suspects for j in joins))
         if not self._ready(generation, [j.member.agent_id for j in joins], suspected, previous, seen, now):
             return None
