@@ -39,7 +39,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))  # test_operator_pass, al
 from test_operator_pass import KEY, Cluster, Crash, Indexes
 
 from SneppX_ALG.contract import job_object
-from sneppx_operator import handlers, k8s, reconcile
+from SneppX_ALG.elastic import pod as pod_agent
+from sneppx_operator import defaults, handlers, k8s, reconcile
 
 CRD = pathlib.Path(__file__).parents[3] / "crds" / "sneppx.io_elastictrainingjobs.yaml"
 STATUS_SCHEMA: dict[str, Any] = yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"][
@@ -154,6 +155,7 @@ class SimCluster(Cluster):
         self.node_names = itertools.count(3)
         self.foreign: reconcile.ObservedObject | None = None  # another job's object relabelled to this job
         self.hung: dict[str, job_object.HungRank] = {}  # the hang reports in the job's own object, by pod
+        self.wedged: set[str] = set()  # uids of pods whose agent is wedged (defect 10: `wedge`)
         self.causes: dict[str, Cause] = {}  # pod uid -> what took it
         self.earned_failure = False  # a cause the docs say fails the job
         self.completed = False
@@ -361,6 +363,10 @@ class SimCluster(Cluster):
         kind, *args = event
         if kind == "kubelet":
             self.kubelet()
+            return
+        if kind == "wedge":
+            wedge(self, args[0])
+            self._changed()
             return
         if kind in ("fail", "evict_kubelet", "evict_api", "podgc", "user_delete", "hang", "foreign_hang"):
             pod = self._live(args[0])
@@ -575,7 +581,46 @@ def check_restarting_ends_when_quorum_trains(cluster: SimCluster) -> None:
                         f"Restarting with {healthy} of {world} ranks ready and every rank's pod there")
 
 
-END_CHECKS = (check_the_job_ends_as_the_workload_earned, check_no_pod_outlives_its_finished_job,
+def wedge(cluster: SimCluster, rank: int) -> None:
+    """Defect 10's world: the rank's agent is wedged (its pod Running and ready, doing nothing). The agents' side
+    is the runtime's own rule: if the others still make min_nodes, they form a generation without it and its rank
+    0 reports it; if not, the agent sealing the next one reports it when `pod.stalled_report_after` comes before
+    their join timeout; and without a report they give up at that timeout: their pods fail (exit 1)."""
+    pod = cluster._live(rank)
+    status = cluster._status()
+    if cluster.job is None or pod is None or pod.phase != "Running":
+        return
+    spec = cluster.job["spec"]
+    others = [p for r in range(int(status.get("worldSize") or 0))
+              if r != rank and (p := cluster._live(r)) is not None and p.phase == "Running"]
+    min_nodes = int(spec["elastic"]["minNodes"])
+    hang = float(defaults.field(spec.get("failurePolicy") or {}, "failurePolicy.hangTimeoutSeconds"))
+    join = float(defaults.field(spec["elastic"], "elastic.rendezvousTimeoutSeconds"))
+    if not hang:  # hang reports off: nothing is promised
+        return
+    after = pod_agent.stalled_report_after(hang, join, len(others), min_nodes)
+    cluster.wedged.add(pod.uid)
+    cluster._record(pod, "wedged", expected_action(spec, None, None))
+    if len(others) >= min_nodes or (after is not None and after < join):
+        cluster._report_hang(pod, own=True)
+        return
+    for survivor in others:  # no report: each gives up at its join timeout (agent.EXIT_NODE_FAILED)
+        cluster.pods[survivor.name] = dataclasses.replace(survivor, phase="Failed", ready=False, exit_code=1,
+                                                          reason="Error")
+        cluster._record(survivor, "join timeout", expected_action(spec, 1, None))
+
+
+def check_a_wedged_pod_is_replaced_as_hang(cluster: SimCluster) -> None:
+    """Each wedged pod whose job went on (nothing voided the promise: a suspend, a resize, the job's end or
+    deletion) was replaced with a Hang restart, whether or not a generation could form without it."""
+    replaced = {e.get("podUid") for e in cluster._status().get("restartHistory") or [] if e.get("reason") == "Hang"}
+    for uid in cluster.wedged - replaced:
+        cause = cluster.causes.get(uid)
+        if cause is not None and cause.covered:
+            raise Violation("a_wedged_pod_is_replaced_as_hang", f"pod {uid} wedged and never replaced as Hang")
+
+
+END_CHECKS = (check_a_wedged_pod_is_replaced_as_hang, check_the_job_ends_as_the_workload_earned, check_no_pod_outlives_its_finished_job,
               check_restarting_ends_when_quorum_trains)
 
 

@@ -53,6 +53,28 @@ FIXED_DEFECTS: dict[str, tuple[str, dict[str, Any], list[sim.Event]]] = {
         [("fail", 2, 3), ("evict_api", 0), ("kubelet",), ("pass", 0, (5, "conflict")), ("pass", 0, None),
          ("kubelet",), ("pass", 3, None), ("pass", 2, None)]),
 }
+# Defect 10 is the agents' (no report while no generation can form): `sim.wedge` models them with the runtime's
+# rule, and these are its cases: minNodes = maxNodes (nothing forms without the wedged pod), and minNodes 1.
+WEDGED = {"no generation forms without it": sim.job_spec(2, 2, "Pause", 1),
+          "the others form one without it": sim.job_spec(1, 2, "Pause", 1)}
+WEDGE_SCHEDULE: list[sim.Event] = [("wedge", 1), ("pass", 0, None), ("kubelet",), ("pass", 0, None)]
+
+
+@pytest.mark.parametrize("name", list(WEDGED))
+def test_a_wedged_pod_is_replaced_once_as_hang(name: str) -> None:
+    cluster = sim.run(WEDGED[name], WEDGE_SCHEDULE, sim.EVERYTHING)
+    status = cluster._status()
+    assert [(e["reason"], e["rank"], e["counted"]) for e in status["restartHistory"]] == [("Hang", 1, True)]
+
+
+def test_defect_10_planted_back_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old agents: nobody reports a member missing while the next generation forms."""
+    monkeypatch.setattr(sim.pod_agent, "stalled_report_after", lambda *args: None)
+    with pytest.raises(sim.Violation, match="a_wedged_pod_is_replaced_as_hang"):
+        sim.run(WEDGED["no generation forms without it"], WEDGE_SCHEDULE, sim.EVERYTHING)
+    sim.run(WEDGED["the others form one without it"], WEDGE_SCHEDULE, sim.EVERYTHING)  # rank 0 of theirs reports
+
+
 # Still open: each an xfail(strict=True), to flip when its fix merges.
 KNOWN_DEFECTS: dict[str, tuple[str, dict[str, Any], list[sim.Event]]] = {
     "a hang report dropped unread while the view lags the pod's start": (  # seed 630; every report read is removed
