@@ -255,8 +255,8 @@ class JobLink:
         reported`): the operator replaces that pod, and its replacement gets a whole hang timeout of its own.
         Only node rank 0 of the running generation calls it, after a poll of the rendezvous (so a peer that
         waits to join is never reported), or the agent sealing the next generation while too few joined to
-        form it, after its listing of the joins (`stalled_report_after`). A store error is logged and ends this round: the peers still due are
-        reported at the next poll. Returns what it wrote."""
+        form it, after its listing of the joins (`stalled_report_after`). A store error is logged and ends
+        this round: the peers still due are reported at the next poll. Returns what it wrote."""
         # Both clocks read once, before any write: each window restarts no later than its report can be seen,
         # and a slow write doesn't put a later `reported_at` beside an older `silent_seconds`.
         now, wall = time.monotonic(), datetime.datetime.now(datetime.UTC)

@@ -620,7 +620,8 @@ def check_a_wedged_pod_is_replaced_as_hang(cluster: SimCluster) -> None:
             raise Violation("a_wedged_pod_is_replaced_as_hang", f"pod {uid} wedged and never replaced as Hang")
 
 
-END_CHECKS = (check_a_wedged_pod_is_replaced_as_hang, check_the_job_ends_as_the_workload_earned, check_no_pod_outlives_its_finished_job,
+END_CHECKS = (check_a_wedged_pod_is_replaced_as_hang,
+              check_the_job_ends_as_the_workload_earned, check_no_pod_outlives_its_finished_job,
               check_restarting_ends_when_quorum_trains)
 
 
