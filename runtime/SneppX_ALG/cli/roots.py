@@ -4,8 +4,9 @@
 left by a crash, steps set aside) and says which step `latest()` picks and why: committed steps are checked
 newest first, every byte, until one validates, exactly as `latest()` checks them; older ones get the quick
 check (manifest, marker and shard sizes, no shard read) unless `--full`; `--quick` reads no shard at all.
-`gc` asks the coordinator's own retention rule what it would delete (never the newest valid step) and deletes
-it only with `--apply`.
+`gc` asks the coordinator's own retention rule what it would delete (never the newest valid step, never the chain
+of a step a trainer restored and has not saved after: the root's ROLLBACK record) and deletes it only with
+`--apply`.
 
 Exit codes: ls 0 when every committed step checked is valid, 1 when one is not; gc 0 when the plan was made
 (and applied, with --apply); both 2 when the root can't be read or a key is bad.
@@ -241,7 +242,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         return output.TROUBLE
     report = {"root": args.root, "applied": args.apply, "keep": plan.keep, "delete": plan.delete,
               "remove_set_aside": plan.remove_set_aside, "newest_valid": plan.protected, "pinned": plan.pinned,
-              "invalid": {str(step): problems for step, problems in plan.invalid.items()}}
+              "restored": plan.restored, "invalid": {str(step): problems for step, problems in plan.invalid.items()}}
     if args.json:
         print(json.dumps(report, indent=2))
         return output.OK
@@ -251,6 +252,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"  step {plan.protected} is the newest valid step: never deleted")
     elif plan.delete:
         print("  no committed step validates: none is kept as the newest valid one")
+    if plan.restored is not None:
+        print(f"  step {plan.restored} is kept: a trainer restored it and has not saved since (the root's "
+              "ROLLBACK record); its next save continues that step's chain")
     for step in plan.pinned:
         print(f"  step {step} is kept: a kept step references its files (incremental)")
     for step in plan.delete:

@@ -328,6 +328,11 @@ class CheckpointCoordinator:
                 self._closed = True
                 self._finalizer()
                 self._engine.free_staging()
+                if not self.read_only and self.group.rank == 0 and self._steps.pending_fence() is not None:
+                    try:  # never saved after its restore: nothing was rolled back
+                        _record_rollback(self._storage, None)
+                    except (errors.SneppXError, OSError) as e:  # a stale record only keeps a chain longer
+                        log.warning("the rollback record at %s stays: %s", self.checkpoint_root, e)
         self._raise_background_error()
 
     def _check_open(self) -> None:
@@ -384,8 +389,11 @@ class CheckpointCoordinator:
         checked) into the arrays handed to `obj`. Restoring a step older than others on the timeline starts a
         new timeline: before this coordinator's next save commits, the newer steps are fenced off and moved
         aside, so neither latest() nor a restart returns them again (docs/FORMAT.md, "Timelines and fencing").
+        Until that save the rollback is pending: latest() elsewhere still sees the newer steps, and a close()
+        without a save leaves them as they were. Meanwhile the root's `ROLLBACK` record (written by this restore,
+        removed by the next commit or close) keeps retention, `sneppx gc` included, off the restored step's chain.
         A read_only coordinator never saves, so its restore is a look at a step, not a rollback: it fences
-        nothing, and its latest() still sees the newer steps.
+        nothing, writes nothing, and its latest() still sees the newer steps.
 
         In a group, every rank calls restore() and all load the same step: rank 0's list of steps is tried
         newest first, and a step that fails on any rank is skipped on all (reported in `skipped`); an error
@@ -441,6 +449,8 @@ class CheckpointCoordinator:
                 return self._info(candidate, manifest, read)
             fence = timeline.fence_after(candidate, everything, invalid)
             self._steps.start_timeline(candidate, fence, verified=targets is None)
+            if self.group.rank == 0:
+                _record_rollback(self._storage, fence)
             self._engine.continue_chain(manifest)
             if fence is not None:
                 self._engine.release_steps(fence.abandoned)  # their numbers may be saved again on the new timeline
@@ -492,6 +502,16 @@ class CheckpointCoordinator:
     def _report(self, step: int, problems: list[str]) -> None:
         self.skipped.append(SkippedCheckpoint(step, tuple(problems)))
         log.warning("skipping checkpoint step %d: %s", step, "; ".join(problems[:5]))
+
+
+def _record_rollback(store: storage.Storage, fence: timeline.Fence | None) -> None:
+    """The root's rollback record made to say what a writer's restore left pending (None: nothing), so that
+    retention beside it (`sneppx gc`) keeps the restored step's chain (coordinator/timeline.py). Not written
+    durably, retention could delete the chain the next save continues: a failure is raised."""
+    if fence is None:
+        store.remove_root_file(timeline.ROLLBACK_RECORD)
+    else:
+        store.write_root_file(timeline.ROLLBACK_RECORD, timeline.encode_fence(fence))
 
 
 def _load_whole(obj: Any, manifest: dict[str, Any], arrays: list[np.ndarray]) -> None:
