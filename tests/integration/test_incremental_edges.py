@@ -267,6 +267,27 @@ def test_after_a_read_back_finds_a_referenced_block_rotted_the_next_save_is_full
 # ---- defect 5: a manifest readers would refuse never commits ------------------------------------------------
 
 
+def test_a_large_state_is_cut_into_larger_blocks_and_pieces_that_chain_and_restore_bitwise(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "root"
+    monkeypatch.setattr(increments, "MAX_PIECES", 2)  # the ~5 MiB state counts as large: 4 MiB blocks and pieces
+    with CheckpointCoordinator(str(root), async_save=False, device="cpu", max_to_keep=None, incremental=True) as c:
+        c.save(state_for(1), step=1)
+        c.save(state_for(2), step=2)
+        second = manifest_of(root, 2)
+        assert second["block_bytes"] == 4 << 20 and second["uses"] == [1]
+        assert all(len(chunk["blocks"]) == 8 for t in second["tensors"] for chunk in t["chunks"])  # one block each
+        frozen = [c.get("from") for t in second["tensors"] if t["path"] == ["frozen"] for c in t["chunks"]]
+        assert frozen and all(ref == [1, "shard-00000.snpx"] for ref in frozen)
+        monkeypatch.undo()  # the state is small again: the blocks differ, so nothing of the chain is referenced
+        c.save(state_for(3), step=3)
+        assert manifest_of(root, 3)["block_bytes"] == 256 << 10 and manifest_of(root, 3)["version"] == 3
+    for step in (1, 2, 3):
+        got_step, got, skipped = restored(str(root), step)
+        assert got_step == step and not skipped
+        assert_state(got, step)
+
+
 def test_a_manifest_larger_than_readers_accept_is_a_typed_error_before_anything_commits(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "root"

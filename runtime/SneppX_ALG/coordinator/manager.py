@@ -135,6 +135,9 @@ class CheckpointCoordinator:
     checksum_block_bytes: the size of the blocks each chunk's CRC32C is taken per (a power of two, 4 KiB to
         64 MiB), so a resharded load reads whole blocks only where it needs part of a chunk. Smaller blocks
         read less beyond what is needed and make a larger manifest (8 hex digits per block, 72 when signed).
+        None (the default): 256 KiB, and for a state over 128 GiB the power of two that cuts it into at most 2^17
+        blocks (incremental pieces are then one block each), so its manifest stays far below what readers accept
+        (docs/FORMAT.md, "How large a state fits").
     commit_fence: called by the committing rank right before each step's commit point; whatever it raises
         fails the step instead (the ElasticTrainer's workers pass the rendezvous fence, `elastic.rendezvous.fence.check`,
         so a membership generation that is over commits nothing).
@@ -156,7 +159,7 @@ class CheckpointCoordinator:
                  s3_client: Any = None, staging_dir: str | None = None, cleanup_on_start: bool | None = None,
                  signing_key: Any = None, trusted_keys: Any = None, read_only: bool = False,
                  group: group_lib.Group | None = None,
-                 checksum_block_bytes: int = manifest_codec.BLOCK_BYTES,
+                 checksum_block_bytes: int | None = None,
                  commit_fence: Callable[[], None] | None = None, incremental: bool | str = increments.AUTO,
                  full_every: int = 10):
         if incremental not in (True, False, increments.AUTO):
@@ -174,7 +177,8 @@ class CheckpointCoordinator:
         if staging_bytes < 2 * 4096:
             raise ValueError(f"staging_bytes must be at least 8 KiB, not {staging_bytes}")
         block = checksum_block_bytes
-        if not (manifest_codec.MIN_BLOCK_BYTES <= block <= manifest_codec.MAX_BLOCK_BYTES and block & (block - 1) == 0):
+        if block is not None and not (isinstance(block, int) and manifest_codec.MIN_BLOCK_BYTES <= block
+                                      <= manifest_codec.MAX_BLOCK_BYTES and block & (block - 1) == 0):
             raise ValueError(f"checksum_block_bytes must be a power of two from {manifest_codec.MIN_BLOCK_BYTES} to "
                              f"{manifest_codec.MAX_BLOCK_BYTES}, not {block}")
         if group is not None and not isinstance(group, group_lib.Group):
