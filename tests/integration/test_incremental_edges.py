@@ -7,6 +7,7 @@ added it names the planted bug).
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -105,6 +106,9 @@ def test_gc_beside_a_trainer_process_that_rolled_back_keeps_the_restored_steps_c
     try:
         assert trainer.stdout.readline().strip() == "2", trainer.stderr.read()
         assert (root / timeline.ROLLBACK_RECORD).exists()
+        listed = subprocess.run([sys.executable, "-m", "SneppX_ALG.cli", "ls", str(root), "--quick", "--json"],
+                                check=True, capture_output=True, text=True, timeout=120).stdout
+        assert json.loads(listed)["rollback"] == 2 and json.loads(listed)["latest"] == 6  # readers see no rollback
         said = gc(root, keep=2)  # keeps the newest two (5, 6; 4 for their references), and 2 with its chain
         assert "step 2 is kept: a trainer restored it" in said
         assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
