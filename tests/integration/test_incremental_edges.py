@@ -159,6 +159,37 @@ def test_a_rollback_record_a_dead_trainer_left_keeps_its_chain_until_a_writer_co
     assert len([p for p in root.iterdir() if p.name.startswith("step-")]) == 6  # nothing deleted on a guess
 
 
+def test_on_s3_gc_beside_a_trainer_that_rolled_back_keeps_the_restored_steps_chain(
+        s3_bucket: str, s3_env: Any, tmp_path: pathlib.Path) -> None:
+    client = s3_env.client()
+    root = f"s3://{s3_bucket}/job"
+    settings = {"s3_client": client, "staging_dir": str(tmp_path), "device": "cpu", "full_every": 3}
+    save_steps(root, [1, 2, 3, 4, 5, 6], **settings)
+
+    def keys() -> set[str]:
+        return {o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix="job/").get("Contents", [])}
+
+    with CheckpointCoordinator(root, async_save=False, max_to_keep=None, **settings) as trainer:
+        assert trainer.restore({}, step=2).step == 2
+        assert f"job/{timeline.ROLLBACK_RECORD}" in keys()
+        with CheckpointCoordinator(root, **settings) as operator:  # what `sneppx gc --keep 2 --apply` runs
+            plan = operator.retention_plan(max_to_keep=2)
+            assert plan.restored == 2 and plan.delete == [3]
+            operator.apply_retention(plan)
+        trainer.save(state_for(7), step=7)
+        assert trainer.committed_steps() == [1, 2, 7]
+    assert f"job/{timeline.ROLLBACK_RECORD}" not in keys()
+    assert s3_manifest_uses(client, s3_bucket, 7) <= {1, 2}
+    got_step, got, skipped = restored(root, s3_client=client, staging_dir=str(tmp_path))
+    assert got_step == 7 and not skipped
+    assert_state(got, 7)
+
+
+def s3_manifest_uses(client: Any, bucket: str, step: int) -> set[int]:
+    raw = client.get_object(Bucket=bucket, Key=f"job/{storage.step_name(step)}/{storage.MANIFEST}")["Body"].read()
+    return set(json.loads(raw)["uses"])
+
+
 def test_a_save_whose_referenced_step_went_away_during_it_commits_nothing_and_the_next_is_whole(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "root"
