@@ -513,7 +513,8 @@ def _record_rollback(store: storage.Storage, fence: timeline.Fence | None) -> No
     retention beside it (`sneppx gc`) keeps the restored step's chain (coordinator/timeline.py). Not written
     durably, retention could delete the chain the next save continues: a failure is raised."""
     if fence is None:
-        store.remove_root_file(timeline.ROLLBACK_RECORD)
+        if store.read_root_file(timeline.ROLLBACK_RECORD) is not None:  # a restore of the newest step: most often none
+            store.remove_root_file(timeline.ROLLBACK_RECORD)
     else:
         store.write_root_file(timeline.ROLLBACK_RECORD, timeline.encode_fence(fence))
 
