@@ -245,8 +245,8 @@ def test_the_same_coordinator_saves_its_abandoned_step_numbers_again(tmp_path) -
 def test_a_fence_cut_short_by_a_kill_still_hides_the_abandoned_steps_and_the_next_writer_finishes_it(
         tmp_path) -> None:
     save_steps(str(tmp_path), [1000, 2000, 3000, 4000])
-    # renames of the first save after restore: the fence record, then the first set-aside (4000), before the
-    # save writes anything (so nothing of a set-aside step can be overwritten by the new one)
+    # renames: the restore's rollback record, then the first save's fence record, then its first set-aside
+    # (4000), before the save writes anything (so nothing of a set-aside step can be overwritten by the new one)
     script = textwrap.dedent(f"""
         import numpy as np
         from SneppX_ALG import CheckpointCoordinator
@@ -256,7 +256,7 @@ def test_a_fence_cut_short_by_a_kill_still_hides_the_abandoned_steps_and_the_nex
         print("not killed")
     """)
     result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
-                            timeout=120, env={**os.environ, "SNEPPX_FAULT": "rename:2:kill"})
+                            timeout=120, env={**os.environ, "SNEPPX_FAULT": "rename:3:kill"})
     assert result.returncode == -9, result.stderr + result.stdout
     names = step_dirs(tmp_path)
     assert timeline.FENCE_RECORD in names and storage.step_name(4000) in names  # cut before any move

@@ -7,6 +7,7 @@ added it names the planted bug).
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -76,26 +77,117 @@ def test_a_second_restore_keeps_the_steps_the_first_abandoned_fenced(tmp_path: p
 # ---- defect 3: gc --apply beside a trainer that rolled back -------------------------------------------------
 
 
-def gc(root: pathlib.Path, keep: int) -> None:
-    subprocess.run([sys.executable, "-m", "SneppX_ALG.cli", "gc", str(root), "--keep", str(keep), "--apply"],
-                   check=True, capture_output=True, timeout=120)
+def gc(root: pathlib.Path, keep: int) -> str:
+    """`sneppx gc --apply` in a process of its own, as an operator runs it beside a trainer; its output."""
+    done = subprocess.run([sys.executable, "-m", "SneppX_ALG.cli", "gc", str(root), "--keep", str(keep), "--apply"],
+                          check=True, capture_output=True, text=True, timeout=120)
+    return done.stdout
 
 
-def test_gc_beside_a_trainer_that_rolled_back_never_leaves_the_root_without_a_valid_step(
-        tmp_path: pathlib.Path) -> None:
+def test_gc_beside_a_trainer_process_that_rolled_back_keeps_the_restored_steps_chain(tmp_path: pathlib.Path) -> None:
     root = tmp_path / "root"
     save_steps(str(root), [1, 2, 3, 4, 5, 6], full_every=3)  # chains 1-3 and 4-6
-    with CheckpointCoordinator(str(root), async_save=False, device="cpu", max_to_keep=None, full_every=3) as c:
-        assert c.restore({}, step=2).step == 2  # continues the chain of 2: references 1 and 2
-        gc(root, keep=2)  # sees 5 and 6 as the newest: keeps them and 4, deletes 1 to 3
+    # The trainer: restores step 2 (its next save continues 2's chain: references 1 and 2), says so, and saves
+    # step 7 only once told to, after the gc ran.
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+        from test_incremental import state_for
+        from SneppX_ALG import CheckpointCoordinator
+        with CheckpointCoordinator({str(root)!r}, async_save=False, device="cpu", max_to_keep=None,
+                                   full_every=3) as c:
+            print(c.restore({{}}, step=2).step, flush=True)
+            sys.stdin.readline()
+            c.save(state_for(7), step=7)
+            print(c.latest().step, flush=True)
+    """)
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "2", trainer.stderr.read()
+        assert (root / timeline.ROLLBACK_RECORD).exists()
+        listed = subprocess.run([sys.executable, "-m", "SneppX_ALG.cli", "ls", str(root), "--quick", "--json"],
+                                check=True, capture_output=True, text=True, timeout=120).stdout
+        assert json.loads(listed)["rollback"] == 2 and json.loads(listed)["latest"] == 6  # readers see no rollback
+        said = gc(root, keep=2)  # keeps the newest two (5, 6; 4 for their references), and 2 with its chain
+        assert "step 2 is kept: a trainer restored it" in said
         assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
-            storage.step_name(s) for s in (4, 5, 6)]
-        c.save(state_for(7), step=7)  # its chain is gone: saved whole
-        assert manifest_of(root, 7)["version"] == 3
-        assert c.latest().step == 7
+            storage.step_name(s) for s in (1, 2, 4, 5, 6)]
+        out, err = trainer.communicate("go\n", timeout=120)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode == 0 and out.split() == ["7"], err
+    assert manifest_of(root, 7)["version"] == 4 and set(manifest_of(root, 7)["uses"]) <= {1, 2}  # chain kept
+    assert not (root / timeline.ROLLBACK_RECORD).exists()  # the first commit after the restore removed it
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+        storage.step_name(s) for s in (1, 2, 7)]
     got_step, got, skipped = restored(str(root))
     assert got_step == 7 and not skipped
     assert_state(got, 7)
+
+
+def test_a_writer_that_restores_and_closes_without_saving_leaves_no_rollback_record(tmp_path: pathlib.Path) -> None:
+    root = tmp_path / "root"
+    save_steps(str(root), [1, 2, 3], full_every=3)
+    with CheckpointCoordinator(str(root), device="cpu", max_to_keep=None) as c:
+        assert c.restore({}, step=1).step == 1
+        assert timeline.decode_fence((root / timeline.ROLLBACK_RECORD).read_bytes(), where="ROLLBACK") == (
+            timeline.Fence(1, (2, 3)))
+        assert c.restore({}, step=3).step == 3  # a second restore, of the newest: nothing is pending
+        assert not (root / timeline.ROLLBACK_RECORD).exists()
+        assert c.restore({}, step=1).step == 1
+    assert not (root / timeline.ROLLBACK_RECORD).exists()
+    assert "nothing to delete" in gc(root, keep=3)
+    assert restored(str(root))[0] == 3
+
+
+def test_a_rollback_record_a_dead_trainer_left_keeps_its_chain_until_a_writer_commits(tmp_path: pathlib.Path) -> None:
+    root = tmp_path / "root"
+    save_steps(str(root), [1, 2, 3, 4, 5, 6], full_every=3)
+    (root / timeline.ROLLBACK_RECORD).write_bytes(timeline.encode_fence(timeline.Fence(2, (3, 4, 5, 6))))
+    assert "step 2 is kept" in gc(root, keep=2)
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+        storage.step_name(s) for s in (1, 2, 4, 5, 6)]
+    assert restored(str(root))[0] == 6  # the rollback never took effect: nothing is hidden
+    save_steps(str(root), [7], full_every=3)
+    assert not (root / timeline.ROLLBACK_RECORD).exists()
+    (root / timeline.ROLLBACK_RECORD).write_bytes(b"{not json")
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        gc(root, keep=1)
+    assert "FenceRecordError" in failed.value.stderr or "fence record" in failed.value.stderr
+    assert len([p for p in root.iterdir() if p.name.startswith("step-")]) == 6  # nothing deleted on a guess
+
+
+def test_on_s3_gc_beside_a_trainer_that_rolled_back_keeps_the_restored_steps_chain(
+        s3_bucket: str, s3_env: Any, tmp_path: pathlib.Path) -> None:
+    client = s3_env.client()
+    root = f"s3://{s3_bucket}/job"
+    settings = {"s3_client": client, "staging_dir": str(tmp_path), "device": "cpu", "full_every": 3}
+    save_steps(root, [1, 2, 3, 4, 5, 6], **settings)
+
+    def keys() -> set[str]:
+        return {o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix="job/").get("Contents", [])}
+
+    with CheckpointCoordinator(root, async_save=False, max_to_keep=None, **settings) as trainer:
+        assert trainer.restore({}, step=2).step == 2
+        assert f"job/{timeline.ROLLBACK_RECORD}" in keys()
+        with CheckpointCoordinator(root, **settings) as operator:  # what `sneppx gc --keep 2 --apply` runs
+            plan = operator.retention_plan(max_to_keep=2)
+            assert plan.restored == 2 and plan.delete == [3]
+            operator.apply_retention(plan)
+        trainer.save(state_for(7), step=7)
+        assert trainer.committed_steps() == [1, 2, 7]
+    assert f"job/{timeline.ROLLBACK_RECORD}" not in keys()
+    assert s3_manifest_uses(client, s3_bucket, 7) <= {1, 2}
+    got_step, got, skipped = restored(root, s3_client=client, staging_dir=str(tmp_path))
+    assert got_step == 7 and not skipped
+    assert_state(got, 7)
+
+
+def s3_manifest_uses(client: Any, bucket: str, step: int) -> set[int]:
+    raw = client.get_object(Bucket=bucket, Key=f"job/{storage.step_name(step)}/{storage.MANIFEST}")["Body"].read()
+    return set(json.loads(raw)["uses"])
 
 
 def test_a_save_whose_referenced_step_went_away_during_it_commits_nothing_and_the_next_is_whole(
@@ -135,8 +227,9 @@ def test_resaving_an_invalid_step_that_a_valid_step_references_leaves_both_in_pl
 # ---- a kill during a rollback: the fence record's temporary file --------------------------------------------
 
 
+@pytest.mark.parametrize(("rename", "record"), [(1, timeline.ROLLBACK_RECORD), (2, timeline.FENCE_RECORD)])
 def test_a_fence_record_write_cut_short_by_a_kill_leaves_no_temporary_file_after_the_next_start(
-        tmp_path: pathlib.Path) -> None:
+        tmp_path: pathlib.Path, rename: int, record: str) -> None:
     root = tmp_path / "root"
     save_steps(str(root), [1, 2, 3], incremental=False)
     script = textwrap.dedent(f"""
@@ -147,14 +240,15 @@ def test_a_fence_record_write_cut_short_by_a_kill_leaves_no_temporary_file_after
         coord.save({{"w": np.zeros(3)}}, step=5)
         print("not killed")
     """)
-    # the first rename of that save is the fence record's, from its temporary name
+    # the first rename is the restore's rollback record's, from its temporary name; the second the save's fence's
     result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
-                            timeout=120, env={**os.environ, "SNEPPX_FAULT": "rename:1:kill"})
+                            timeout=120, env={**os.environ, "SNEPPX_FAULT": f"rename:{rename}:kill"})
     assert result.returncode == -9, result.stderr + result.stdout
-    leftovers = [p.name for p in root.iterdir() if p.name.startswith(timeline.FENCE_RECORD + ".")]
+    leftovers = [p.name for p in root.iterdir() if p.name.startswith(record + ".")]
     assert leftovers and leftovers[0].endswith(".tmp"), leftovers
     CheckpointCoordinator(str(root), device="cpu").close()  # a start's cleanup
     assert not [p.name for p in root.iterdir() if p.name.startswith(timeline.FENCE_RECORD)]
+    assert not [p.name for p in root.iterdir() if p.name.startswith(timeline.ROLLBACK_RECORD + ".")]
     assert restored(str(root))[0] == 3  # the rollback never happened: nothing was fenced
 
 
@@ -206,6 +300,27 @@ def test_after_a_read_back_finds_a_referenced_block_rotted_the_next_save_is_full
 
 
 # ---- defect 5: a manifest readers would refuse never commits ------------------------------------------------
+
+
+def test_a_large_state_is_cut_into_larger_blocks_and_pieces_that_chain_and_restore_bitwise(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "root"
+    monkeypatch.setattr(increments, "MAX_PIECES", 2)  # the ~5 MiB state counts as large: 4 MiB blocks and pieces
+    with CheckpointCoordinator(str(root), async_save=False, device="cpu", max_to_keep=None, incremental=True) as c:
+        c.save(state_for(1), step=1)
+        c.save(state_for(2), step=2)
+        second = manifest_of(root, 2)
+        assert second["block_bytes"] == 4 << 20 and second["uses"] == [1]
+        assert all(len(chunk["blocks"]) == 8 for t in second["tensors"] for chunk in t["chunks"])  # one block each
+        frozen = [c.get("from") for t in second["tensors"] if t["path"] == ["frozen"] for c in t["chunks"]]
+        assert frozen and all(ref == [1, "shard-00000.snpx"] for ref in frozen)
+        monkeypatch.undo()  # the state is small again: the blocks differ, so nothing of the chain is referenced
+        c.save(state_for(3), step=3)
+        assert manifest_of(root, 3)["block_bytes"] == 256 << 10 and manifest_of(root, 3)["version"] == 3
+    for step in (1, 2, 3):
+        got_step, got, skipped = restored(str(root), step)
+        assert got_step == step and not skipped
+        assert_state(got, step)
 
 
 def test_a_manifest_larger_than_readers_accept_is_a_typed_error_before_anything_commits(

@@ -3,9 +3,11 @@
 `ls` lists every step-like thing under the root (committed steps, steps a restore abandoned, saves in flight or
 left by a crash, steps set aside) and says which step `latest()` picks and why: committed steps are checked
 newest first, every byte, until one validates, exactly as `latest()` checks them; older ones get the quick
-check (manifest, marker and shard sizes, no shard read) unless `--full`; `--quick` reads no shard at all.
-`gc` asks the coordinator's own retention rule what it would delete (never the newest valid step) and deletes
-it only with `--apply`.
+check (manifest, marker and shard sizes, no shard read) unless `--full`; `--quick` reads no shard at all. A
+step a trainer restored and has not saved after (the root's ROLLBACK record) is named (`rollback` in --json).
+`gc` asks the coordinator's own retention rule what it would delete (never the newest valid step, never the chain
+of a step a trainer restored and has not saved after: the root's ROLLBACK record) and deletes it only with
+`--apply`.
 
 Exit codes: ls 0 when every committed step checked is valid, 1 when one is not; gc 0 when the plan was made
 (and applied, with --apply); both 2 when the root can't be read or a key is bad.
@@ -90,9 +92,14 @@ def list_root(coord: CheckpointCoordinator, *, full: bool = False, quick: bool =
     store = coord.storage
     entries = store.inventory()
     visible = set(coord.committed_steps())
-    fence = _stored_fence(store)
+    fence = _stored_fence(store, timeline.FENCE_RECORD)
+    rollback = _stored_fence(store, timeline.ROLLBACK_RECORD)
     present = {e.step for e in entries if e.state == "committed"}
     rows = {e.name: _row(store, e, visible, fence, present) for e in entries}
+    for row in rows.values():
+        if rollback is not None and row["state"] == "committed" and row["step"] == rollback.restored:
+            row["note"] = ("a trainer restored it and has not saved since (ROLLBACK): gc keeps it and the steps "
+                           "it uses")
     committed = sorted((r for r in rows.values() if r["state"] == "committed"), key=lambda r: -r["step"])
     to_read = [] if quick else committed if full else None
     total = sum(r["bytes"] for r in (to_read if to_read is not None else committed[:1]))
@@ -124,12 +131,14 @@ def list_root(coord: CheckpointCoordinator, *, full: bool = False, quick: bool =
         if row["valid"] is not None and row["check"] == "full" and row["signed"]:
             row["signer_trusted"] = bool(row["valid"]) if trusted else None
     return {"root": coord.checkpoint_root, "latest": picked, "why": _why(picked, committed, quick),
+            "rollback": rollback.restored if rollback is not None else None,
             "steps": sorted(rows.values(), key=lambda r: (-r["step"], r["name"]))}
 
 
-def _stored_fence(store: storage.Storage) -> timeline.Fence | None:
-    raw = store.read_root_file(timeline.FENCE_RECORD)
-    return timeline.decode_fence(raw, where=f"{store.uri}/{timeline.FENCE_RECORD}") if raw is not None else None
+def _stored_fence(store: storage.Storage, record: str) -> timeline.Fence | None:
+    """The FENCE or ROLLBACK record at the root (coordinator/timeline.py), or None."""
+    raw = store.read_root_file(record)
+    return timeline.decode_fence(raw, where=f"{store.uri}/{record}") if raw is not None else None
 
 
 def _row(store: storage.Storage, entry: storage.Entry, visible: set[int], fence: timeline.Fence | None,
@@ -241,7 +250,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         return output.TROUBLE
     report = {"root": args.root, "applied": args.apply, "keep": plan.keep, "delete": plan.delete,
               "remove_set_aside": plan.remove_set_aside, "newest_valid": plan.protected, "pinned": plan.pinned,
-              "invalid": {str(step): problems for step, problems in plan.invalid.items()}}
+              "restored": plan.restored, "invalid": {str(step): problems for step, problems in plan.invalid.items()}}
     if args.json:
         print(json.dumps(report, indent=2))
         return output.OK
@@ -251,6 +260,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"  step {plan.protected} is the newest valid step: never deleted")
     elif plan.delete:
         print("  no committed step validates: none is kept as the newest valid one")
+    if plan.restored is not None:
+        print(f"  step {plan.restored} is kept: a trainer restored it and has not saved since (the root's "
+              "ROLLBACK record); its next save continues that step's chain")
     for step in plan.pinned:
         print(f"  step {step} is kept: a kept step references its files (incremental)")
     for step in plan.delete:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures.thread  # noqa: F401 - registers its exit hook before ours (see _drain_at_exit)
 import dataclasses
 import logging
+import math
 import os
 import queue
 import threading
@@ -39,8 +40,8 @@ from SneppX_ALG import _native, errors, storage
 from SneppX_ALG.checkpoint import file, format, signing
 from SneppX_ALG.checkpoint import manifest as manifest_codec
 from SneppX_ALG.coordinator import group as group_lib
-from SneppX_ALG.coordinator import plan, steps, upkeep
-from SneppX_ALG.coordinator.increments import AUTO, AUTO_MIN_REUSE, REUSE_BYTES, Chain, reusable
+from SneppX_ALG.coordinator import increments, plan, steps, upkeep
+from SneppX_ALG.coordinator.increments import AUTO, AUTO_MIN_REUSE, Chain, reusable
 from SneppX_ALG.coordinator.job import Job
 from SneppX_ALG.coordinator.staging import Held, StagingPool, host_piece  # noqa: F401 - host_piece: re-exported
 
@@ -62,14 +63,14 @@ class Engine:
 
     def __init__(self, known: steps.Steps, max_to_keep: int | None, keep_every_n_steps: int | None,
                  signing_key: Any, group: group_lib.Group = group_lib.SOLO,
-                 block_bytes: int = manifest_codec.BLOCK_BYTES, commit_fence: Callable[[], None] | None = None,
+                 block_bytes: int | None = manifest_codec.BLOCK_BYTES, commit_fence: Callable[[], None] | None = None,
                  incremental: bool | str = False, full_every: int = 10):
         self.known = known
         self.store = known.store
         self.retention = (max_to_keep, keep_every_n_steps)
         self.signing_key = signing_key
         self.group = group
-        self.block_bytes = block_bytes
+        self.block_bytes = block_bytes  # None: by the size of each save's state (increments.block_bytes_for)
         self.commit_fence = commit_fence
         self.incremental = incremental
         self.full_every = full_every
@@ -90,10 +91,17 @@ class Engine:
     def shard_name(self) -> str:
         return plan.SHARD_FILE.format(self.group.rank)
 
-    @property
-    def unit_bytes(self) -> int | None:
+    def block_bytes_for(self, specs: list[plan.TensorSpec]) -> int:
+        """The checksum block size of a save of these tensors (every tensor of the state, this rank's or not: the
+        global size is the same on every rank, so the ranks agree without a word)."""
+        if self.block_bytes is not None:
+            return self.block_bytes
+        sizes = {spec.path: math.prod(spec.full_shape) * spec.itemsize for spec in specs}
+        return increments.block_bytes_for(sum(sizes.values()))
+
+    def unit_bytes(self, block_bytes: int) -> int | None:
         """The largest piece a save writes or references whole (None: as large as a staging buffer)."""
-        return max(REUSE_BYTES, self.block_bytes) if self.incremental else None
+        return increments.piece_bytes_for(block_bytes) if self.incremental else None
 
     def continue_chain(self, manifest: dict[str, Any]) -> None:
         """After a restore of `manifest`'s step: the next save may reference the chunks this rank's file holds or
@@ -109,7 +117,8 @@ class Engine:
         records = {c["entry"]: (t["dtype"], tuple(t["shape"]), c) for t in manifest["tensors"] for c in t["chunks"]
                    if c["shard"] == rank and c.get("digests") is not None}
         if records:
-            self.chain = Chain(manifest["step"], manifest["shards"][rank], int(manifest.get("chain", 0)), records)
+            self.chain = Chain(manifest["step"], manifest["shards"][rank], int(manifest.get("chain", 0)), records,
+                               block_bytes=manifest["block_bytes"])
 
     def _plan_increment(self, job: Job) -> None:
         """Whether this save references the chain (at most full_every - 1 saves after a full one) and whether it
@@ -319,7 +328,8 @@ class Engine:
             if same is not None and job.base is not None and same == job.base.step:
                 # the snapshot found it equal to the base's bytes: referenced with the base's checksums, unhashed
                 placed = plan.chunk_record(spec, piece, self.group.rank, job.snapshot_crcs[piece.entry], "", None)
-                record = reusable(job.base, piece.entry, spec.dtype, spec.full_shape, placed, ("crc32c",))
+                record = reusable(job.base, piece.entry, spec.dtype, spec.full_shape, placed, ("crc32c",),
+                                  block_bytes=job.block_bytes)
                 if record is not None:
                     job.records[piece.entry] = record
                     job.state_bytes += piece.nbytes
@@ -334,19 +344,19 @@ class Engine:
             if box.shape != spec.full_shape:
                 extra = {"global_shape": spec.full_shape, "global_offset": box.offset}
             expected = job.snapshot_crcs[piece.entry]
-            blocks = storage.block_crcs(data, self.block_bytes)
+            block = job.block_bytes
+            blocks = storage.block_crcs(data, block)
             combined = 0
             for index, crc in enumerate(blocks):
-                combined = _native.crc32c_combine(combined, crc,
-                                                  min(self.block_bytes, piece.nbytes - index * self.block_bytes))
+                combined = _native.crc32c_combine(combined, crc, min(block, piece.nbytes - index * block))
             digests = None
             if self.signing_key is not None or job.hashing:
-                digests = "".join(signing.block_digest(data[i:i + self.block_bytes])
-                                  for i in range(0, piece.nbytes, self.block_bytes))
+                digests = "".join(signing.block_digest(data[i:i + block]) for i in range(0, piece.nbytes, block))
             record = plan.chunk_record(spec, piece, self.group.rank, expected, "".join(f"{c:08x}" for c in blocks),
                                        digests)
             job.state_bytes += piece.nbytes
-            reference = reusable(job.base, piece.entry, spec.dtype, spec.full_shape, record) if job.base else None
+            reference = (reusable(job.base, piece.entry, spec.dtype, spec.full_shape, record, block_bytes=block)
+                         if job.base else None)
             if reference is not None:  # unchanged since the chain's step: referenced, not written
                 written = expected
                 record = reference
@@ -443,7 +453,7 @@ class Engine:
         specs = {p.entry: job.specs[p.tensor] for p in job.pieces}
         self.chain = Chain(job.step, self.shard_name, length,
                            {name: (specs[name].dtype, specs[name].full_shape, record)
-                            for name, record in job.records.items()}, comparing)
+                            for name, record in job.records.items()}, comparing, job.block_bytes)
         if self.pool is not None:
             for slot, pieces in job.slots:
                 self.pool.settle(slot, job.token, Held(job.step, {
@@ -460,7 +470,7 @@ class Engine:
         record = self._file_record(job, shard) if self.signing_key is not None else None
         parts = self.store.upload(job.pending, [shard])
         return {"ok": True, "shard": shard, "parts": {k: list(v) for k, v in parts.items()}, "file": record,
-                "chain": self._chain_length(job),
+                "chain": self._chain_length(job), "block_bytes": job.block_bytes,
                 "declared": job.declared, "tensors": plan.rank_part(job.specs, job.pieces, job.records)}
 
     def _commit(self, job: Job, reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -473,13 +483,17 @@ class Engine:
             raise errors.ShardingMismatchError(
                 f"step {job.step}: the ranks hold different replicated tensors (an array that is not a Shard must "
                 "be in every rank's state, with the same dtype and shape)")
+        if len({r["block_bytes"] for r in reports}) != 1:
+            raise errors.ShardingMismatchError(
+                f"step {job.step}: the ranks cut their blocks differently ({[r['block_bytes'] for r in reports]} "
+                "bytes): their states differ in size (each rank's whole state must name every tensor alike)")
         tensors = plan.merge_parts([r["tensors"] for r in reports])
         shards = [r["shard"] for r in reports]
         parts = {name: (size, etag) for r in reports for name, (size, etag) in r["parts"].items()}
         files = {r["shard"]: r["file"] for r in reports} if self.signing_key is not None else None
         manifest = manifest_codec.encode_manifest(plan.build_manifest(
             job.step, tensors, job.values, job.kind, job.training_state, shards,
-            world_size=self.group.world_size, generation=self.group.generation, block_bytes=self.block_bytes,
+            world_size=self.group.world_size, generation=self.group.generation, block_bytes=job.block_bytes,
             files=files, chain=max(r["chain"] for r in reports)))
         if len(manifest) > storage.MAX_MANIFEST_BYTES:  # readers refuse it: it would commit unreadable
             raise errors.ManifestTooLargeError(

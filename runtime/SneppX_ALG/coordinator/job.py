@@ -50,6 +50,8 @@ class Job:
     # with BLAKE3 (to be compared now, or next time), and the bytes it referenced instead of writing.
     base: Chain | None = None
     hashing: bool = False
+    # The checksum block size of this save's chunks (the engine's, or one for the state's size: same on every rank).
+    block_bytes: int = 0
     reused_bytes: int = 0
     state_bytes: int = 0
     # The staging slots this save filled, with their pieces (what they hold once it commits), and the pieces the

@@ -135,6 +135,9 @@ class CheckpointCoordinator:
     checksum_block_bytes: the size of the blocks each chunk's CRC32C is taken per (a power of two, 4 KiB to
         64 MiB), so a resharded load reads whole blocks only where it needs part of a chunk. Smaller blocks
         read less beyond what is needed and make a larger manifest (8 hex digits per block, 72 when signed).
+        None (the default): 256 KiB, and for a state over 128 GiB the power of two that cuts it into at most 2^17
+        blocks (incremental pieces are then one block each), so its manifest stays far below what readers accept
+        (docs/FORMAT.md, "How large a state fits").
     commit_fence: called by the committing rank right before each step's commit point; whatever it raises
         fails the step instead (the ElasticTrainer's workers pass the rendezvous fence, `elastic.rendezvous.fence.check`,
         so a membership generation that is over commits nothing).
@@ -156,7 +159,7 @@ class CheckpointCoordinator:
                  s3_client: Any = None, staging_dir: str | None = None, cleanup_on_start: bool | None = None,
                  signing_key: Any = None, trusted_keys: Any = None, read_only: bool = False,
                  group: group_lib.Group | None = None,
-                 checksum_block_bytes: int = manifest_codec.BLOCK_BYTES,
+                 checksum_block_bytes: int | None = None,
                  commit_fence: Callable[[], None] | None = None, incremental: bool | str = increments.AUTO,
                  full_every: int = 10):
         if incremental not in (True, False, increments.AUTO):
@@ -174,7 +177,8 @@ class CheckpointCoordinator:
         if staging_bytes < 2 * 4096:
             raise ValueError(f"staging_bytes must be at least 8 KiB, not {staging_bytes}")
         block = checksum_block_bytes
-        if not (manifest_codec.MIN_BLOCK_BYTES <= block <= manifest_codec.MAX_BLOCK_BYTES and block & (block - 1) == 0):
+        if block is not None and not (isinstance(block, int) and manifest_codec.MIN_BLOCK_BYTES <= block
+                                      <= manifest_codec.MAX_BLOCK_BYTES and block & (block - 1) == 0):
             raise ValueError(f"checksum_block_bytes must be a power of two from {manifest_codec.MIN_BLOCK_BYTES} to "
                              f"{manifest_codec.MAX_BLOCK_BYTES}, not {block}")
         if group is not None and not isinstance(group, group_lib.Group):
@@ -328,6 +332,11 @@ class CheckpointCoordinator:
                 self._closed = True
                 self._finalizer()
                 self._engine.free_staging()
+                if not self.read_only and self.group.rank == 0 and self._steps.pending_fence() is not None:
+                    try:  # never saved after its restore: nothing was rolled back
+                        _record_rollback(self._storage, None)
+                    except (errors.SneppXError, OSError) as e:  # a stale record only keeps a chain longer
+                        log.warning("the rollback record at %s stays: %s", self.checkpoint_root, e)
         self._raise_background_error()
 
     def _check_open(self) -> None:
@@ -384,8 +393,11 @@ class CheckpointCoordinator:
         checked) into the arrays handed to `obj`. Restoring a step older than others on the timeline starts a
         new timeline: before this coordinator's next save commits, the newer steps are fenced off and moved
         aside, so neither latest() nor a restart returns them again (docs/FORMAT.md, "Timelines and fencing").
+        Until that save the rollback is pending: latest() elsewhere still sees the newer steps, and a close()
+        without a save leaves them as they were. Meanwhile the root's `ROLLBACK` record (written by this restore,
+        removed by the next commit or close) keeps retention, `sneppx gc` included, off the restored step's chain.
         A read_only coordinator never saves, so its restore is a look at a step, not a rollback: it fences
-        nothing, and its latest() still sees the newer steps.
+        nothing, writes nothing, and its latest() still sees the newer steps.
 
         In a group, every rank calls restore() and all load the same step: rank 0's list of steps is tried
         newest first, and a step that fails on any rank is skipped on all (reported in `skipped`); an error
@@ -441,6 +453,8 @@ class CheckpointCoordinator:
                 return self._info(candidate, manifest, read)
             fence = timeline.fence_after(candidate, everything, invalid)
             self._steps.start_timeline(candidate, fence, verified=targets is None)
+            if self.group.rank == 0:
+                _record_rollback(self._storage, fence)
             self._engine.continue_chain(manifest)
             if fence is not None:
                 self._engine.release_steps(fence.abandoned)  # their numbers may be saved again on the new timeline
@@ -492,6 +506,17 @@ class CheckpointCoordinator:
     def _report(self, step: int, problems: list[str]) -> None:
         self.skipped.append(SkippedCheckpoint(step, tuple(problems)))
         log.warning("skipping checkpoint step %d: %s", step, "; ".join(problems[:5]))
+
+
+def _record_rollback(store: storage.Storage, fence: timeline.Fence | None) -> None:
+    """The root's rollback record made to say what a writer's restore left pending (None: nothing), so that
+    retention beside it (`sneppx gc`) keeps the restored step's chain (coordinator/timeline.py). Not written
+    durably, retention could delete the chain the next save continues: a failure is raised."""
+    if fence is None:
+        if store.read_root_file(timeline.ROLLBACK_RECORD) is not None:  # a restore of the newest step: most often none
+            store.remove_root_file(timeline.ROLLBACK_RECORD)
+    else:
+        store.write_root_file(timeline.ROLLBACK_RECORD, timeline.encode_fence(fence))
 
 
 def _load_whole(obj: Any, manifest: dict[str, Any], arrays: list[np.ndarray]) -> None:

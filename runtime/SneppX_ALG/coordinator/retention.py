@@ -54,7 +54,8 @@ class Plan:
     """What retention decided for a root: the committed steps to `keep` and to `delete` (oldest first),
     set-aside steps to remove, the step kept because it is the newest that validates (`protected`: None when
     no deletion needed it read, or when none validates), the problems of the steps read and found invalid
-    on the way to it, and the steps kept only because a kept step references them (`pinned`)."""
+    on the way to it, the steps kept only because a kept step references them (`pinned`), and the step a
+    writer restored and has not saved after (`restored`, from the root's rollback record: kept, and its chain)."""
 
     keep: list[int]
     delete: list[int]
@@ -62,3 +63,4 @@ class Plan:
     protected: int | None
     invalid: dict[int, list[str]]
     pinned: list[int] = dataclasses.field(default_factory=list)
+    restored: int | None = None

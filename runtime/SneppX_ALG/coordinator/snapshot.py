@@ -29,14 +29,16 @@ def stage(job: job_lib.Job, obj: Any, worker: engine.Engine, copier: _native.Cop
     mine = [i for i, spec in enumerate(specs) if spec.sharded or owners[spec.path] == group.rank]
     job.kind, job.values, job.declared = kind, values, plan.replicated_declaration(specs)
     job.specs = [specs[i] for i in mine]
+    job.block_bytes = worker.block_bytes_for(specs)
     leaves = [leaves[i] for i in mine]
     pool = worker.staging_pool(copier, sum(s.nbytes for s in job.specs), staging_bytes)
-    buffers = plan.plan_pieces(job.specs, pool.size, worker.unit_bytes)
+    unit_bytes = worker.unit_bytes(job.block_bytes)
+    buffers = plan.plan_pieces(job.specs, pool.size, unit_bytes)
     state.check_entry_names(p for b in buffers for p in b)
     job.pieces = [p for b in buffers for p in b]
     # An incremental save whose state fits the staging area puts its i-th buffer in slot i every time, so the
     # slot still holds what the last save staged there: a host piece equal to that is not copied (staging.Held).
-    slotted = worker.unit_bytes is not None and len(buffers) <= pool.limit
+    slotted = unit_bytes is not None and len(buffers) <= pool.limit
     for index, pieces in enumerate(buffers):
         slot, held = pool.acquire(job.token, on_wait=job.may_write.set, slot=index if slotted else None)
         try:

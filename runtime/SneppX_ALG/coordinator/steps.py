@@ -50,6 +50,14 @@ class Steps:
             return None
         return timeline.decode_fence(raw, where=f"{self.store.uri}/{timeline.FENCE_RECORD}")
 
+    def stored_rollback(self) -> timeline.Fence | None:
+        """The rollback record at the root: a writer restored an older step and has not saved since (or died
+        before it did). Retention keeps the restored step and what it references; nothing is hidden."""
+        raw = self.store.read_root_file(timeline.ROLLBACK_RECORD)
+        if raw is None:
+            return None
+        return timeline.decode_fence(raw, where=f"{self.store.uri}/{timeline.ROLLBACK_RECORD}")
+
     def visible(self, *, include_pending: bool = True) -> list[int]:
         """Committed steps, oldest first, less those a fence abandoned: a stored one, and (include_pending)
         the one this process's last restore made, which the next commit applies."""

@@ -7,6 +7,12 @@ timeline commits, the steps newer than the restored one are moved out of the ste
 `.abandoned-...`, or `.invalid-...` for those the restore found invalid). Several moves are not atomic, so a
 durable fence record (`FENCE` at the root) lists them first; readers skip every step it lists, and the writer
 removes it once every listed step is moved. Spec: docs/FORMAT.md, "Timelines and fencing".
+
+Until that first save, the rollback is only pending: a writer that restores and never saves (an evaluator) must
+leave the root as it was, so readers still see the newer steps. But retention run beside it (`sneppx gc`) must
+not delete the restored step's chain, which the next save continues; so a writer's restore that rolls back also
+records the pending fence at the root (`ROLLBACK`, the same encoding), which readers ignore and retention obeys.
+The first commit after it (or the writer's close without one) removes it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import json
 from SneppX_ALG import errors
 
 FENCE_RECORD = "FENCE"
+ROLLBACK_RECORD = "ROLLBACK"  # a pending fence: keeps retention off the restored step's chain, hides nothing
 FENCE_FORMAT = "sneppx.fence"
 FENCE_VERSION = 1
 

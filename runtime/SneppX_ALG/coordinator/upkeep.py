@@ -38,6 +38,8 @@ def apply_fences(root: steps.Steps, *, stored: bool) -> None:
             log.info("new timeline from step %d: step %d set aside as %s", fence.restored, step, aside)
         store.remove_root_file(timeline.FENCE_RECORD)
         root.fence_applied(fence)
+    if pending is not None or stored:  # the rollback is no longer pending (or one a dead writer left is stale)
+        store.remove_root_file(timeline.ROLLBACK_RECORD)
 
 
 def set_aside_if_invalid(root: steps.Steps, step: int) -> None:
@@ -87,8 +89,13 @@ def plan_retention(root: steps.Steps, new_step: int | None, max_to_keep: int | N
     is read. Otherwise the steps are validated newest first (the new step first: usually it is valid)
     until one validates. In the steady state that is one read-back every max_to_keep saves (a step
     validated stays known valid until it is the oldest kept); with max_to_keep=1 it is every save:
-    keeping a single copy means proving the new one good before the old one goes. Raises
-    CheckpointUnreadableError when a step can't be read now."""
+    keeping a single copy means proving the new one good before the old one goes.
+
+    A step a writer restored and has not saved after (the root's rollback record) is kept, with every step it
+    references: the writer's next save continues that chain. The record is read before the steps are listed,
+    so a writer that commits meanwhile has set the abandoned steps aside first, and its step is the newest.
+    Raises CheckpointUnreadableError when a step can't be read now, FenceRecordError when the record is bad."""
+    rollback = root.stored_rollback()
     committed = root.visible()
     if new_step is None:
         new_step = committed[-1] if committed else None
@@ -104,6 +111,8 @@ def plan_retention(root: steps.Steps, new_step: int | None, max_to_keep: int | N
             doomed = retention.steps_to_delete(
                 committed, new_step=new_step, max_to_keep=max_to_keep, keep_every_n_steps=keep_every_n_steps,
                 protected=frozenset() if protected is None else frozenset({protected}))
+    restored = rollback.restored if rollback is not None and rollback.restored in committed else None
+    doomed = [s for s in doomed if s != restored]
     pinned: set[int] = set()
     if doomed:  # never a step that a kept one references (incremental steps): it would break that step
         pinned = retention.referenced([s for s in committed if s not in doomed], root.uses) & set(doomed)
@@ -111,7 +120,7 @@ def plan_retention(root: steps.Steps, new_step: int | None, max_to_keep: int | N
     return retention.Plan(keep=[s for s in committed if s not in doomed], delete=doomed,
                           remove_set_aside=retention.set_aside_to_delete(root.store.set_aside_steps(),
                                                                          max_to_keep=max_to_keep),
-                          protected=protected, invalid=rejected, pinned=sorted(pinned))
+                          protected=protected, invalid=rejected, pinned=sorted(pinned), restored=restored)
 
 
 def apply_retention(root: steps.Steps, plan: retention.Plan) -> None:

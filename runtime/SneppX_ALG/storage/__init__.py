@@ -45,7 +45,7 @@ life. A commit checks that every part it wrote is still there first, so a writer
 Setting aside (a committed step moved out of the step namespace, kept for inspection until retention removes
 it): local, one durable rename to `.<reason>-step-...`; S3, a server-side copy under that name, then the marker
 deleted, then the step's other objects (its manifest.json too, so the number can be saved again). Small durable
-files at the root (the coordinator's `FENCE`, docs/FORMAT.md "Coordinator roots: timelines and fencing"):
+files at the root (the coordinator's `FENCE` and `ROLLBACK`, docs/FORMAT.md "Coordinator roots: timelines and fencing"):
 local, written through `_fs.write_durable`; S3, one PUT.
 
 What is still assumed on S3: one writer per *step*. Two writers saving the same step upload its shards to the
@@ -53,7 +53,7 @@ same keys: at most one commits, and a step whose shards the other replaced fails
 bytes), but that step is then lost. (Locally each writer has its own directory and the rename decides.) Every
 listing is confined to the root (`prefix + "/"`): `s3://bkt/jobs/a` never touches `jobs/ab/...`, and a bucket
 root `s3://bkt` owns only the `step-*/`, `.lease-*`, set-aside (`.invalid-step-*/`, `.abandoned-step-*/`) and
-`FENCE` keys at the top of the bucket, and the records under `rdzv/` (below); two jobs in one bucket need two
+`FENCE`/`ROLLBACK` keys at the top of the bucket, and the records under `rdzv/` (below); two jobs in one bucket need two
 prefixes.
 
 Beside the steps, the same root holds small compare-and-swap records (`SneppX_ALG.records`, opened with

@@ -28,8 +28,8 @@ class S3Storage:
 
     Every key this object lists, writes or deletes is under `prefix + "/"` (`key()` builds them all), and
     within it only `step-NNNNNNNNN/...`, `.lease-*`, set-aside steps (`.invalid-step-*/...`,
-    `.abandoned-step-*/...`) and the coordinator's records (`FENCE`): a root `s3://bkt/jobs/a` never touches
-    `jobs/ab/...`, and a bucket root (`s3://bkt`) owns just those keys at the top of the bucket, nothing else.
+    `.abandoned-step-*/...`) and the coordinator's records (`FENCE`, `ROLLBACK`): a root `s3://bkt/jobs/a` never
+    touches `jobs/ab/...`, and a bucket root (`s3://bkt`) owns just those keys at the top of the bucket, nothing else.
     """
 
     def __init__(self, uri: str, *, client: Any = None, staging_dir: str | None = None,

@@ -203,6 +203,24 @@ def test_ranks_that_do_not_hold_the_same_replicated_tensors_commit_nothing(tmp_p
     assert os.listdir(tmp_path) == []
 
 
+def test_ranks_that_cut_their_blocks_differently_commit_nothing(tmp_path, monkeypatch) -> None:
+    # Every rank takes the block size from the size of the whole state, so they agree; one whose state differs
+    # (here: told so) would write chunks the manifest's one block size does not describe.
+    from SneppX_ALG.coordinator import engine
+    chosen = engine.Engine.block_bytes_for
+    monkeypatch.setattr(engine.Engine, "block_bytes_for",
+                        lambda self, specs: 8192 if self.group.rank == 1 else chosen(self, specs))
+
+    def body(rank: int, group: Group) -> None:
+        with CheckpointCoordinator(tmp_path, group=group) as coord:
+            coord.save({"w": column_shard(rank, 2), "bias": BIAS}, step=1)
+
+    outcomes = on_ranks(2, body)
+    assert isinstance(outcomes[0], errors.ShardingMismatchError) and "blocks" in str(outcomes[0])
+    assert isinstance(outcomes[1], errors.ShardedCheckpointError) and list(outcomes[1].failures) == [0]
+    assert os.listdir(tmp_path) == []
+
+
 def test_shards_that_leave_a_hole_commit_nothing(tmp_path) -> None:
     def body(rank: int, group: Group) -> None:
         shard = column_shard(rank, 3)

@@ -105,6 +105,9 @@ def test_a_piece_is_referenced_only_when_every_checksum_and_its_place_match() ->
     assert engine.reusable(base, "w@1", "float32", (2048, 256), record) is None  # another global tensor
     assert engine.reusable(base, "w@0", "float32", (1024, 256), record) is None
     assert engine.reusable(base, "w@1", "float32", (1024, 256), {**record, "digests": None}) is None
+    # blocks of another size (the state grew past 128 GiB): the base's block checksums would not fit this manifest
+    assert engine.reusable(base, "w@1", "float32", (1024, 256), placed, ("crc32c",), block_bytes=1 << 20) is None
+    assert engine.reusable(base, "w@1", "float32", (1024, 256), record, block_bytes=1 << 20) is None
 
 
 def test_a_staging_slot_holds_what_a_committed_save_staged_only_until_another_save_takes_it() -> None:
