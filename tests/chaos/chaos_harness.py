@@ -10,10 +10,12 @@ fault fires when the run reaches its step, or as soon as the generation after th
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
 import random
+import secrets
 import signal
 import sys
 import threading
@@ -33,6 +35,7 @@ from elastic_script import process_state
 SIGNALS = ("kill_worker", "stop_worker", "kill_agent", "kill_node", "stop_node")
 FLIPS = ("flip_checkpoint", "flip_base")
 PLANTED = {"flip_held": "FLIP_HELD", "diverge": "DIVERGE", "raise": "RAISE"}
+SETUP = ("kill_creator",)  # a shared-memory segment's creator killed in setup, a peer late (drawn apart)
 RECOVERY = -1  # a fault's `at`: as soon as the generation after the previous fault forms (during recovery)
 TYPED_ENDS = ("ElasticRunError", "RestartBudgetExhaustedError")  # report_run's typed ends of a run
 FINISH_TIMEOUT = 240.0
@@ -148,8 +151,9 @@ def generate(seed: int) -> Schedule:
     # drawn apart, so adding it left every other choice of a seed as it was (campaigns before it stay valid)
     ranks_array = nodes > 1 and random.Random(f"{seed}/ranks_array").random() < 0.25
     other_snapshot = snapshot > 0 and random.Random(f"{seed}/other_snapshot").random() < 0.2
-    return Schedule(seed, resource_options(seed, dataclasses.replace(config, ranks_array=ranks_array,
-                                                                     other_snapshot=other_snapshot)), tuple(faults))
+    config = resource_options(seed, dataclasses.replace(config, ranks_array=ranks_array,
+                                                        other_snapshot=other_snapshot))
+    return Schedule(seed, config, tuple(faults) + setup_faults(seed, config, len(faults)))
 
 
 def resource_options(seed: int, config: Config) -> Config:
@@ -166,6 +170,16 @@ def resource_options(seed: int, config: Config) -> Config:
     if config.nodes == 1 and config.gpus > 1 and config.backend == "auto" and draw.random() < 0.3:
         config = dataclasses.replace(config, shm_fail=True)
     return config
+
+
+def setup_faults(seed: int, config: Config, drawn: int) -> tuple[Fault, ...]:
+    """Where a node's workers share memory, sometimes its segment's creator killed in setup, a peer late
+    (`kill_creator`), drawn apart, as a schedule's last fault (it has at most 3)."""
+    draw = random.Random(f"{seed}/setup")
+    shared = config.hosts or (config.nodes == 1 and config.gpus > 1 and config.backend == "auto" and not config.shm_fail)
+    if not shared or drawn >= 3 or draw.random() >= 0.3:
+        return ()
+    return (Fault("kill_creator", at=draw.randrange(2, config.steps - 2), node=draw.randrange(config.nodes)),)
 
 
 SNAPSHOT_OVERHEAD = 256  # bytes of a snapshot besides its arrays (its slot for descriptions): about, measured
@@ -207,7 +221,8 @@ def run(schedule: Schedule, workdir: Path) -> Outcome:
                              "snapshot": c.snapshot, "replicas": c.replicas, "incremental": int(c.incremental),
                              "backend": c.backend, "node_restart_delay": c.node_restart_delay,
                              "ranks_array": int(c.ranks_array), "other_snapshot": int(c.other_snapshot),
-                             "memory_limit": c.memory_limit, "hosts": int(c.hosts), "shm_fail": int(c.shm_fail)}
+                             "memory_limit": c.memory_limit, "hosts": int(c.hosts), "shm_fail": int(c.shm_fail),
+                             "key": secrets.token_hex(32)}  # the job's key: its segments' names are judged
     for fault in schedule.faults:
         if fault.kind in PLANTED:
             knobs[PLANTED[fault.kind]] = f"{fault.at}:{fault.node}"
@@ -225,7 +240,8 @@ def run(schedule: Schedule, workdir: Path) -> Outcome:
             job.kill()
         else:
             job.log.close()
-    problems = judge(c, job.out, result) + judge_resources(c, job.out, result)
+    problems = judge(c, job.out, result) + judge_resources(c, job.out, result) + judge_segments(
+        schedule, workdir / "ckpts", knobs["key"], fired, result)
     ended = "recovered" if "error" not in result else f"{result['error']}: {result.get('message', '')[:300]}"
     sizes = {r["generation"]: r["world_size"] for r in records(job.out / "restored")}
     return Outcome(schedule, problems, ended, fired, time.monotonic() - started, job.out,
@@ -305,11 +321,88 @@ def fire(watch: Watch, fault: Fault, checkpoints: Path) -> str:
             stop_for(stopping(watch, [watch.pid("worker", agent, str(fault.local_rank))]), fault.hold, group=False)
         elif fault.kind == "stop_node":
             stop_for(stopping(watch, [watch.pid("agent", agent)], agent), fault.hold, group=True)
+        elif fault.kind == "kill_creator":
+            return kill_creator(watch, agent, checkpoints)
         else:
             return flip_step(checkpoints, newest=fault.kind == "flip_checkpoint")
     except (LookupError, ProcessLookupError) as e:
         return f"no target ({e})"
     return "fired"
+
+
+def kill_creator(watch: Watch, agent: str, checkpoints: Path) -> str:
+    """Issue 37 defect 8's moment: SIGKILL the node's worker 0, so a new generation forms and its replacement
+    creates the node's shared-memory segment; the moment the replacement publishes it, SIGSTOP the node's worker 1
+    (a peer late to attach) and SIGKILL the creator, then SIGCONT the peer. The segment is named and the creator
+    gone: a rank that opened it must unlink it (`judge_segments`)."""
+    first = watch.pid("worker", agent, "0")
+    before = published_segments(checkpoints)
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + TRIGGER_TIMEOUT
+    creator = None
+    while time.monotonic() < deadline:
+        if creator is None and watch.pids.get(("worker", agent, "0"), first) != first:
+            creator = watch.pids[("worker", agent, "0")]
+        if creator is not None and (new := set(published_segments(checkpoints)) - set(before)):
+            break
+        time.sleep(0.001)
+    else:
+        return "no new segment was published"
+    assert creator is not None
+    try:
+        peer = stopping(watch, [watch.pid("worker", agent, "1")])
+        os.kill(peer, signal.SIGSTOP)
+    except LookupError:
+        peer = None
+    try:
+        os.kill(creator, signal.SIGKILL)
+    finally:
+        if peer is not None:
+            time.sleep(0.5)
+            os.kill(peer, signal.SIGCONT)
+    return f"killed {first}, then {creator}, the creator of {min(new)[1][:16]}... of generation {min(new)[0]}"
+
+
+def published_segments(checkpoints: Path) -> list[tuple[int, str]]:
+    """(generation, nonce) of every shared-memory segment a run's ranks published (`collectives.shm`: the store
+    holds each segment's nonce, under the generation's key, beside the checkpoints)."""
+    found = []
+    for path in (checkpoints / "_elastic" / "comm").rglob(".v*") if (checkpoints / "_elastic").exists() else []:
+        parts = path.parts
+        if "shm" not in parts or not ("segment" in parts or "host-segment" in parts):
+            continue
+        generation = next((int(p[4:]) for p in parts if p.startswith("gen-") and p[4:].isdigit()), None)
+        try:
+            value = json.loads(base64.b64decode(json.loads(path.read_text())["value"]))
+        except (ValueError, KeyError, TypeError, OSError):
+            continue  # being written
+        if generation is not None and isinstance(value, dict) and "nonce" in value:
+            found.append((generation, str(value["nonce"])))
+    return sorted(set(found))
+
+
+def judge_segments(schedule: Schedule, checkpoints: Path, key: str, fired: list[str],
+                   result: dict[str, Any]) -> list[str]:
+    """No shared-memory segment of this run is left in /dev/shm once every process has exited (issue 37 defect 8:
+    a setup that fails unlinks it, on every rank that opened it). The names are the run's own (its key and the
+    nonces its store holds): other runs on the machine are not counted. A run where a whole node or agent was
+    killed, or that hung (the harness killed everything), may leave one no live rank ever opened: not judged."""
+    from SneppX_ALG import job_key
+    from SneppX_ALG.collectives.shm import shm_name
+
+    everyone = ("kill_node", "kill_agent")
+    if result.get("error") == "hang" or any(line.startswith(everyone) and ": fired" in line for line in fired):
+        return []
+    mac = job_key.load_key(key, {})
+    left = [(g, name) for g, nonce in published_segments(checkpoints)
+            if os.path.exists("/dev/shm" + (name := shm_name(mac, g, bytes.fromhex(nonce))))]
+    for _, name in left:
+        try:
+            os.unlink("/dev/shm" + name)  # this run's: the machine keeps no leak of ours
+        except FileNotFoundError:
+            pass
+    return [f"the shared-memory segment of generation {g} ({name}) was left in /dev/shm after every process "
+            "exited" for g, name in left]
 
 
 def stopping(watch: Watch, pids: list[int], agent: str = "") -> int:
@@ -524,8 +617,10 @@ def judge_setup(config: Config, out: Path, result: dict[str, Any]) -> list[str]:
     if not config.shm_fail:
         return []
     failures = result.get("failures", []) + result.get("history", [])
-    return [f"a segment /dev/shm refused failed a generation instead of the ring: {reason[:300]}"
-            for f in failures if SETUP_FAILURE in (reason := json.dumps(f))][:3]
+    problems = [f"a segment /dev/shm refused failed a generation instead of the ring: {reason[:300]}"
+                for f in failures if SETUP_FAILURE in (reason := json.dumps(f))][:3]
+    return problems + [f"generation {r['generation']} rank {r['rank']} made a segment under SHM_FAIL: the fault "
+                       "missed" for r in records(out / "restored") if r.get("backend") == "shm"][:1]
 
 
 SETUP_FAILURE = "File too large"  # EFBIG, what a segment's creation meets under SHM_FAIL

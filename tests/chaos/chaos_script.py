@@ -23,7 +23,7 @@ trainer's snapshot_memory_limit; every rank records in OUT/memory/ the bytes its
 at most during the steps), HOSTS=1 (each node a host of its own, SNEPPX_HOST_KEY: backend "shm" then runs the
 hierarchical path, shared memory in a node and the ring between), SHM_FAIL=1 (no worker may make a file over
 1 MiB, RLIMIT_FSIZE: every shared-memory segment's creation fails with EFBIG, as on a /dev/shm it may not use),
-COLLECTIVE_TIMEOUT; and every collective failure a rank meets in train_fn goes to OUT/lost/ with the rank it
+COLLECTIVE_TIMEOUT, KEY (the job key, hex: the harness names the run's segments with it); and every collective failure a rank meets in train_fn goes to OUT/lost/ with the rank it
 blames.
 """
 
@@ -140,7 +140,7 @@ def train_loop(ctx: Any) -> None:
     else:
         del mine["f"]
     record(out / "restored", ctx, {"step": step, "source": None if info is None else info.location,
-                                   **part(mine, ctx.rank, ctx.world_size)})
+                                   "backend": ctx.group.backend, **part(mine, ctx.rank, ctx.world_size)})
     held_bytes(out, ctx, None)
     diverge, flip, fail = knob("DIVERGE", ""), knob("FLIP_HELD", ""), knob("RAISE", "")
     flipped: set[Any] | None = None
@@ -260,7 +260,10 @@ def resources() -> None:
     """HOSTS and SHM_FAIL, in each agent and worker as it starts (before any group is set up)."""
     import resource
 
-    from SneppX_ALG.contract.env import ENV_AGENT_ID, ENV_HOST_KEY, ENV_ROLE
+    from SneppX_ALG.contract.env import ENV_AGENT_ID, ENV_HEARTBEAT_KEY, ENV_HOST_KEY, ENV_ROLE
+
+    if knob("KEY", "") and not os.environ.get(ENV_HEARTBEAT_KEY):
+        os.environ[ENV_HEARTBEAT_KEY] = knob("KEY", "")  # the job's key, the harness's: it names the run's segments
 
     if knob("HOSTS", "0") == "1" and os.environ.get(ENV_AGENT_ID):
         os.environ[ENV_HOST_KEY] = os.environ[ENV_AGENT_ID]  # its workers inherit it: one host per node
