@@ -406,12 +406,13 @@ def judge_segments(schedule: Schedule, checkpoints: Path, key: str, fired: list[
 
 
 def stopping(watch: Watch, pids: list[int], agent: str = "") -> int:
-    """Notes the processes a stop fault is about to stop (a node's: its agent and workers) in OUT/stopped.json:
-    a stopped rank lives on, and may be blamed for what it did while stopped. Returns the first."""
+    """Notes the processes a stop fault is about to stop (a node's: its agent and workers) in OUT/stopped.json, and
+    when the first stop came: a stopped rank lives on, and may be blamed for what it did while stopped. Returns
+    the first."""
     pids = pids + [pid for (role, a, _), pid in watch.pids.items() if agent and a == agent and role == "worker"]
     path = watch.job.out / "stopped.json"
-    before = json.loads(path.read_text()) if path.exists() else []
-    path.write_text(json.dumps(sorted(set(before) | set(pids))))
+    before = json.loads(path.read_text()) if path.exists() else {"pids": [], "first": time.time()}
+    path.write_text(json.dumps({"pids": sorted(set(before["pids"]) | set(pids)), "first": before["first"]}))
     return pids[0]
 
 
@@ -589,8 +590,12 @@ def recovery_need(config: Config, world: int) -> int:
 def judge_blame(out: Path) -> list[str]:
     """A survivor's PeerLostError names a rank that is gone: killed, exited, or stopped by the harness (alive
     again later, but lost while stopped). A named rank that met the failure itself (it recorded one) or trained
-    on in a later generation, unstopped, was alive: the failure was blamed on a live rank."""
-    stopped = set(json.loads((out / "stopped.json").read_text())) if (out / "stopped.json").exists() else set()
+    on in a later generation, unstopped, was alive: the failure was blamed on a live rank. Once the harness has
+    stopped a process, failures are not judged: the heartbeat then takes the stopped node for dead, its peers'
+    agents abort them, and to the stopped ranks those peers left (by design, not the relay's error)."""
+    path = out / "stopped.json"
+    held = json.loads(path.read_text()) if path.exists() else {"pids": [], "first": float("inf")}
+    stopped, first_stop = set(held["pids"]), held["first"]
     pids, lives = {}, {}
     for path, r in named_records(out / "restored"):
         pid = int(path.stem.rsplit("-p", 1)[1])
@@ -601,7 +606,7 @@ def judge_blame(out: Path) -> list[str]:
     problems = []
     for _, r in lost:
         g, peer = r["generation"], r["peer"]
-        if r["error"] != "PeerLostError" or peer is None or pids.get((g, peer)) in stopped:
+        if r["error"] != "PeerLostError" or peer is None or pids.get((g, peer)) in stopped or r["time"] >= first_stop:
             continue
         pid = pids.get((g, peer))
         later = sorted(x for x in lives.get(pid, set()) if x > g)

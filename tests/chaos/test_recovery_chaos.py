@@ -319,13 +319,14 @@ def test_the_blame_oracle_flags_a_live_rank_named_as_lost(tmp_path: Path) -> Non
     restored["g1-r3-p200"] = {"generation": 1, "rank": 3, "step": 5}  # rank 3's replacement: 103 is gone
 
     def lost(rank: int, peer: int | None, error: str = "PeerLostError") -> dict[str, Any]:
-        return {"generation": 0, "rank": rank, "error": error, "peer": peer, "message": "..."}
+        return {"generation": 0, "rank": rank, "error": error, "peer": peer, "message": "...", "time": 100.0}
 
     cases = {
         "the dead rank named": ({"g0-r0-p100": lost(0, 3), "g0-r1-p101": lost(1, 3)}, [], 0),
         "a live rank that met it": ({"g0-r0-p100": lost(0, 2), "g0-r2-p102": lost(2, 3)}, [], 1),
         "a live rank that trained on": ({"g0-r0-p100": lost(0, 1)}, [], 1),
         "a stopped rank": ({"g0-r0-p100": lost(0, 1)}, [101], 0),
+        "after a stop": ({"g0-r0-p100": lost(0, 2), "g0-r2-p102": lost(2, 3)}, [999], 0),
         "a timeout, not a loss": ({"g0-r0-p100": lost(0, 1, "CollectiveTimeoutError")}, [], 0),
         "no one named": ({"g0-r0-p100": lost(0, None)}, [], 0),
     }
@@ -333,7 +334,7 @@ def test_the_blame_oracle_flags_a_live_rank_named_as_lost(tmp_path: Path) -> Non
         out = tmp_path / name.replace(" ", "-")
         write_records(out / "restored", restored)
         write_records(out / "lost", lost_records)
-        (out / "stopped.json").write_text(json.dumps(stopped))
+        (out / "stopped.json").write_text(json.dumps({"pids": stopped, "first": 50.0 if stopped else 1e12}))
         assert len(chaos_harness.judge_blame(out)) == problems, (name, chaos_harness.judge_blame(out))
 
 
