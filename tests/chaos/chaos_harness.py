@@ -10,10 +10,12 @@ fault fires when the run reaches its step, or as soon as the generation after th
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
 import random
+import secrets
 import signal
 import sys
 import threading
@@ -33,6 +35,7 @@ from elastic_script import process_state
 SIGNALS = ("kill_worker", "stop_worker", "kill_agent", "kill_node", "stop_node")
 FLIPS = ("flip_checkpoint", "flip_base")
 PLANTED = {"flip_held": "FLIP_HELD", "diverge": "DIVERGE", "raise": "RAISE"}
+SETUP = ("kill_creator",)  # a shared-memory segment's creator killed in setup, a peer late (drawn apart)
 RECOVERY = -1  # a fault's `at`: as soon as the generation after the previous fault forms (during recovery)
 TYPED_ENDS = ("ElasticRunError", "RestartBudgetExhaustedError")  # report_run's typed ends of a run
 FINISH_TIMEOUT = 240.0
@@ -54,6 +57,9 @@ class Config:
     node_restart_delay: float  # short: a killed node is back at once; long: the world shrinks, then grows
     ranks_array: bool = False  # the state holds a replicated array shaped (world size at the start,)
     other_snapshot: bool = False  # each step also keeps another object with ctx.snapshot
+    memory_limit: int = 0  # snapshot_memory_limit in bytes (0: the product's default), near what the layout needs
+    hosts: bool = False  # each node a host of its own: backend "shm" runs the hierarchical path across nodes
+    shm_fail: bool = False  # no shared-memory segment can be created (EFBIG): "auto" must use the ring instead
 
     @property
     def world_size(self) -> int:
@@ -105,7 +111,10 @@ class Schedule:
                 f"{snapshots}, incremental {'on' if c.incremental else 'off'}, {c.steps} steps, checkpoint every "
                 f"{c.every}, nodes back after {c.node_restart_delay}s"
                 + (f", a replicated array shaped ({c.world_size},)" if c.ranks_array else "")
-                + (", ctx.snapshot of another object each step" if c.other_snapshot else ""))
+                + (", ctx.snapshot of another object each step" if c.other_snapshot else "")
+                + (f", snapshot_memory_limit {c.memory_limit} bytes" if c.memory_limit else "")
+                + (", each node a host of its own" if c.hosts else "")
+                + (", no shared-memory segment can be created" if c.shm_fail else ""))
         lines = [head]
         lines += [f"  {i}. {f}" for i, f in enumerate(self.faults, 1)] or ["  (no faults)"]
         return "\n".join(lines + [f"  replay: {self.to_json()}"])
@@ -142,8 +151,47 @@ def generate(seed: int) -> Schedule:
     # drawn apart, so adding it left every other choice of a seed as it was (campaigns before it stay valid)
     ranks_array = nodes > 1 and random.Random(f"{seed}/ranks_array").random() < 0.25
     other_snapshot = snapshot > 0 and random.Random(f"{seed}/other_snapshot").random() < 0.2
-    return Schedule(seed, dataclasses.replace(config, ranks_array=ranks_array, other_snapshot=other_snapshot),
-                    tuple(faults))
+    config = resource_options(seed, dataclasses.replace(config, ranks_array=ranks_array,
+                                                        other_snapshot=other_snapshot))
+    return Schedule(seed, config, tuple(faults) + setup_faults(seed, config, len(faults)))
+
+
+def resource_options(seed: int, config: Config) -> Config:
+    """What the product holds and how it sets up its collectives, each drawn apart (the rest of a seed's schedule
+    stays as it was): a memory limit near what the starting layout's snapshots need (below it, at it, or a
+    little above: a shrink then doubles each survivor's shard), each node a host of its own with shared memory
+    inside it (the hierarchical path), or a /dev/shm that refuses every segment."""
+    draw = random.Random(f"{seed}/resources")
+    if config.snapshot and config.incremental and draw.random() < 0.3:
+        factor = draw.choice([0.8, 1.0, 1.25, 1.5, 3.0])
+        config = dataclasses.replace(config, memory_limit=int(factor * snapshot_need(config)))
+    if (config.nodes, config.gpus) == (2, 2) and draw.random() < 0.5:
+        config = dataclasses.replace(config, backend="shm", hosts=True)
+    if config.nodes == 1 and config.gpus > 1 and config.backend == "auto" and draw.random() < 0.3:
+        config = dataclasses.replace(config, shm_fail=True)
+    return config
+
+
+def setup_faults(seed: int, config: Config, drawn: int) -> tuple[Fault, ...]:
+    """Where a node's workers share memory, sometimes its segment's creator killed in setup, a peer late
+    (`kill_creator`), drawn apart, as a schedule's last fault (it has at most 3)."""
+    draw = random.Random(f"{seed}/setup")
+    shared = config.hosts or (config.nodes == 1 and config.gpus > 1 and config.backend == "auto" and not config.shm_fail)
+    if not shared or drawn >= 3 or draw.random() >= 0.3:
+        return ()
+    return (Fault("kill_creator", at=draw.randrange(2, config.steps - 2), node=draw.randrange(config.nodes)),)
+
+
+SNAPSHOT_OVERHEAD = 256  # bytes of a snapshot besides its arrays (its slot for descriptions): about, measured
+
+
+def snapshot_need(config: Config) -> int:
+    """About what one rank's snapshots need at the starting world size (`memory.needed_bytes`: two of its own,
+    two of each peer part it keeps, two in transit), from the script's layout: the memory limit is drawn near it."""
+    world = config.world_size
+    unique = 8 * (chaos_script.M + chaos_script.F * config.incremental) // world  # its shards
+    state = unique + 8 * 4 + 8 * world * config.ranks_array + SNAPSHOT_OVERHEAD
+    return (2 * (state + config.replicas * state) + 2 * state) * (1 + config.other_snapshot)
 
 
 # ---- running a schedule ------------------------------------------------------------------------------------
@@ -172,7 +220,9 @@ def run(schedule: Schedule, workdir: Path) -> Outcome:
                              "until_world": c.world_size, "max_steps": c.most_steps,
                              "snapshot": c.snapshot, "replicas": c.replicas, "incremental": int(c.incremental),
                              "backend": c.backend, "node_restart_delay": c.node_restart_delay,
-                             "ranks_array": int(c.ranks_array), "other_snapshot": int(c.other_snapshot)}
+                             "ranks_array": int(c.ranks_array), "other_snapshot": int(c.other_snapshot),
+                             "memory_limit": c.memory_limit, "hosts": int(c.hosts), "shm_fail": int(c.shm_fail),
+                             "key": secrets.token_hex(32)}  # the job's key: its segments' names are judged
     for fault in schedule.faults:
         if fault.kind in PLANTED:
             knobs[PLANTED[fault.kind]] = f"{fault.at}:{fault.node}"
@@ -190,7 +240,8 @@ def run(schedule: Schedule, workdir: Path) -> Outcome:
             job.kill()
         else:
             job.log.close()
-    problems = judge(c, job.out, result)
+    problems = judge(c, job.out, result) + judge_resources(c, job.out, result) + judge_segments(
+        schedule, workdir / "ckpts", knobs["key"], fired, result)
     ended = "recovered" if "error" not in result else f"{result['error']}: {result.get('message', '')[:300]}"
     sizes = {r["generation"]: r["world_size"] for r in records(job.out / "restored")}
     return Outcome(schedule, problems, ended, fired, time.monotonic() - started, job.out,
@@ -267,14 +318,102 @@ def fire(watch: Watch, fault: Fault, checkpoints: Path) -> str:
         elif fault.kind == "kill_node":
             os.killpg(watch.pid("agent", agent), signal.SIGKILL)
         elif fault.kind == "stop_worker":
-            stop_for(watch.pid("worker", agent, str(fault.local_rank)), fault.hold, group=False)
+            stop_for(stopping(watch, [watch.pid("worker", agent, str(fault.local_rank))]), fault.hold, group=False)
         elif fault.kind == "stop_node":
-            stop_for(watch.pid("agent", agent), fault.hold, group=True)
+            stop_for(stopping(watch, [watch.pid("agent", agent)], agent), fault.hold, group=True)
+        elif fault.kind == "kill_creator":
+            return kill_creator(watch, agent, checkpoints)
         else:
             return flip_step(checkpoints, newest=fault.kind == "flip_checkpoint")
     except (LookupError, ProcessLookupError) as e:
         return f"no target ({e})"
     return "fired"
+
+
+def kill_creator(watch: Watch, agent: str, checkpoints: Path) -> str:
+    """Issue 37 defect 8's moment: SIGKILL the node's worker 0, so a new generation forms and its replacement
+    creates the node's shared-memory segment; the moment the replacement publishes it, SIGSTOP the node's worker 1
+    (a peer late to attach) and SIGKILL the creator, then SIGCONT the peer. The segment is named and the creator
+    gone: a rank that opened it must unlink it (`judge_segments`)."""
+    first = watch.pid("worker", agent, "0")
+    before = published_segments(checkpoints)
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + TRIGGER_TIMEOUT
+    creator = None
+    while time.monotonic() < deadline:
+        if creator is None and watch.pids.get(("worker", agent, "0"), first) != first:
+            creator = watch.pids[("worker", agent, "0")]
+        if creator is not None and (new := set(published_segments(checkpoints)) - set(before)):
+            break
+        time.sleep(0.001)
+    else:
+        return "no new segment was published"
+    assert creator is not None
+    try:
+        peer = stopping(watch, [watch.pid("worker", agent, "1")])
+        os.kill(peer, signal.SIGSTOP)
+    except LookupError:
+        peer = None
+    try:
+        os.kill(creator, signal.SIGKILL)
+    finally:
+        if peer is not None:
+            time.sleep(0.5)
+            os.kill(peer, signal.SIGCONT)
+    return f"killed {first}, then {creator}, the creator of {min(new)[1][:16]}... of generation {min(new)[0]}"
+
+
+def published_segments(checkpoints: Path) -> list[tuple[int, str]]:
+    """(generation, nonce) of every shared-memory segment a run's ranks published (`collectives.shm`: the store
+    holds each segment's nonce, under the generation's key, beside the checkpoints)."""
+    found = []
+    for path in (checkpoints / "_elastic" / "comm").rglob(".v*") if (checkpoints / "_elastic").exists() else []:
+        parts = path.parts
+        if "shm" not in parts or not ("segment" in parts or "host-segment" in parts):
+            continue
+        generation = next((int(p[4:]) for p in parts if p.startswith("gen-") and p[4:].isdigit()), None)
+        try:
+            value = json.loads(base64.b64decode(json.loads(path.read_text())["value"]))
+        except (ValueError, KeyError, TypeError, OSError):
+            continue  # being written
+        if generation is not None and isinstance(value, dict) and "nonce" in value:
+            found.append((generation, str(value["nonce"])))
+    return sorted(set(found))
+
+
+def judge_segments(schedule: Schedule, checkpoints: Path, key: str, fired: list[str],
+                   result: dict[str, Any]) -> list[str]:
+    """No shared-memory segment of this run is left in /dev/shm once every process has exited (issue 37 defect 8:
+    a setup that fails unlinks it, on every rank that opened it). The names are the run's own (its key and the
+    nonces its store holds): other runs on the machine are not counted. A run where a whole node or agent was
+    killed, or that hung (the harness killed everything), may leave one no live rank ever opened: not judged."""
+    from SneppX_ALG import job_key
+    from SneppX_ALG.collectives.shm import shm_name
+
+    everyone = ("kill_node", "kill_agent")
+    if result.get("error") == "hang" or any(line.startswith(everyone) and ": fired" in line for line in fired):
+        return []
+    mac = job_key.load_key(key, {})
+    left = [(g, name) for g, nonce in published_segments(checkpoints)
+            if os.path.exists("/dev/shm" + (name := shm_name(mac, g, bytes.fromhex(nonce))))]
+    for _, name in left:
+        try:
+            os.unlink("/dev/shm" + name)  # this run's: the machine keeps no leak of ours
+        except FileNotFoundError:
+            pass
+    return [f"the shared-memory segment of generation {g} ({name}) was left in /dev/shm after every process "
+            "exited" for g, name in left]
+
+
+def stopping(watch: Watch, pids: list[int], agent: str = "") -> int:
+    """Notes the processes a stop fault is about to stop (a node's: its agent and workers) in OUT/stopped.json, and
+    when the first stop came: a stopped rank lives on, and may be blamed for what it did while stopped. Returns
+    the first."""
+    pids = pids + [pid for (role, a, _), pid in watch.pids.items() if agent and a == agent and role == "worker"]
+    path = watch.job.out / "stopped.json"
+    before = json.loads(path.read_text()) if path.exists() else {"pids": [], "first": time.time()}
+    path.write_text(json.dumps({"pids": sorted(set(before["pids"]) | set(pids)), "first": before["first"]}))
+    return pids[0]
 
 
 def stop_for(pid: int, hold: float, *, group: bool) -> None:
@@ -399,6 +538,118 @@ def judge(config: Config, out: Path, result: dict[str, Any]) -> list[str]:
         if (wrong := differences(r, truth, exact=not resized)):
             problems.append(f"wrong final state: rank {r['rank']}/{r['world_size']}: {wrong}")
     return problems
+
+
+def judge_resources(config: Config, out: Path, result: dict[str, Any]) -> list[str]:
+    """What the run held and whom it blamed, from the script's records and the agents' events: the memory bound
+    holds in every step and every recovery (`judge_memory`), every lost peer a survivor names is one the harness
+    killed (`judge_blame`), and a segment /dev/shm refuses costs "auto" nothing (`judge_setup`)."""
+    return judge_memory(config, out) + judge_blame(out) + judge_setup(config, out, result)
+
+
+def judge_memory(config: Config, out: Path) -> list[str]:
+    """Every snapshot a rank kept fits snapshot_memory_limit by the documented bound of its actual sizes (over
+    it, the product must refuse: SnapshotMemoryError), and a recovery sends rank 0 only what its new shards need
+    (the boxes of its new state, a description per old rank's piece) and no more than fits beside what its
+    snapshots held."""
+    limit, problems, after = config.memory_limit, [], {}
+    for r in records(out / "memory"):
+        if r["after_restore"] is not None:
+            after[(r["generation"], r["rank"])] = (r["after_restore"], r["world_size"])
+        if limit and r["need"] > limit:
+            problems.append(f"generation {r['generation']} rank {r['rank']}/{r['world_size']}: the snapshots it kept "
+                            f"at step {r['at']} need {r['need']} bytes (2 x (its state + the parts it keeps) + 2 x the "
+                            f"largest passing through), over snapshot_memory_limit {limit}, and nothing refused")
+    for event in events(out):
+        if event.get("kind") != "restored" or not event.get("received"):
+            continue
+        held, world = after.get((event["generation"], 0), (None, 0))
+        if held is None:
+            continue
+        needs = recovery_need(config, world)
+        if event["received"] > needs:
+            problems.append(f"generation {event['generation']} rank 0/{world}: a recovery sent it "
+                            f"{event['received']} bytes, where its new shards need {needs} at most")
+        if limit and held + event["received"] > limit:
+            problems.append(f"generation {event['generation']} rank 0: a recovery sent it {event['received']} "
+                            f"bytes beside the {held} its snapshots held, over snapshot_memory_limit {limit}")
+    return problems
+
+
+PIECE_OVERHEAD = 512  # bytes of a recovery piece besides its boxes (its description and CRCs): at most, measured
+
+
+def recovery_need(config: Config, world: int) -> int:
+    """The most a recovery may send rank 0 of `world` ranks: its new state's bytes (the replicated arrays and its
+    shards' boxes) and a piece's description from each old rank (at most the largest world, 4)."""
+    shards = 8 * (chaos_script.M + chaos_script.F * config.incremental) // max(world, 1) + 16
+    replicated = 8 * 4 + 8 * 4 * config.ranks_array
+    return (shards + replicated) * (1 + config.other_snapshot) + 4 * PIECE_OVERHEAD
+
+
+def judge_blame(out: Path) -> list[str]:
+    """A survivor's PeerLostError names a rank that is gone: killed, exited, or stopped by the harness (alive
+    again later, but lost while stopped). A named rank that met the failure itself (it recorded one) or trained
+    on in a later generation, unstopped, was alive: the failure was blamed on a live rank. Once the harness has
+    stopped a process, failures are not judged: the heartbeat then takes the stopped node for dead, its peers'
+    agents abort them, and to the stopped ranks those peers left (by design, not the relay's error)."""
+    path = out / "stopped.json"
+    held = json.loads(path.read_text()) if path.exists() else {"pids": [], "first": float("inf")}
+    stopped, first_stop = set(held["pids"]), held["first"]
+    pids, lives = {}, {}
+    for path, r in named_records(out / "restored"):
+        pid = int(path.stem.rsplit("-p", 1)[1])
+        pids[(r["generation"], r["rank"])] = pid
+        lives.setdefault(pid, set()).add(r["generation"])
+    lost = named_records(out / "lost")
+    met = {(r["generation"], r["rank"]) for _, r in lost}
+    problems = []
+    for _, r in lost:
+        g, peer = r["generation"], r["peer"]
+        if r["error"] != "PeerLostError" or peer is None or pids.get((g, peer)) in stopped or r["time"] >= first_stop:
+            continue
+        pid = pids.get((g, peer))
+        later = sorted(x for x in lives.get(pid, set()) if x > g)
+        if (g, peer) in met or later:
+            problems.append(f"generation {g} rank {r['rank']} blames rank {peer} for a lost peer, but rank {peer} "
+                            + ("met the failure itself" if (g, peer) in met else f"trained on in generation {later[0]}")
+                            + f": {r['message'][:300]}")
+    return problems
+
+
+def judge_setup(config: Config, out: Path, result: dict[str, Any]) -> list[str]:
+    """A /dev/shm that refuses the segment (SHM_FAIL) is the ring for backend "auto": no generation fails for it."""
+    if not config.shm_fail:
+        return []
+    failures = result.get("failures", []) + result.get("history", [])
+    problems = [f"a segment /dev/shm refused failed a generation instead of the ring: {reason[:300]}"
+                for f in failures if SETUP_FAILURE in (reason := json.dumps(f))][:3]
+    return problems + [f"generation {r['generation']} rank {r['rank']} made a segment under SHM_FAIL: the fault "
+                       "missed" for r in records(out / "restored") if r.get("backend") == "shm"][:1]
+
+
+SETUP_FAILURE = "File too large"  # EFBIG, what a segment's creation meets under SHM_FAIL
+
+
+def events(out: Path) -> list[dict[str, Any]]:
+    found = []
+    for path in sorted((out / "events").glob("*.events.jsonl")) if (out / "events").exists() else []:
+        for line in path.read_text().splitlines():
+            try:
+                found.append(json.loads(line))
+            except ValueError:
+                continue  # a line an agent was killed while writing
+    return found
+
+
+def named_records(where: Path) -> list[tuple[Path, dict[str, Any]]]:
+    found = []
+    for path in sorted(where.glob("*.json")) if where.exists() else []:
+        try:
+            found.append((path, json.loads(path.read_text())))
+        except ValueError:
+            continue
+    return found
 
 
 def started_at(restores: list[dict[str, Any]]) -> dict[int, int]:

@@ -17,6 +17,14 @@ RANKS_ARRAY (a replicated array shaped by the world size), OTHER_SNAPSHOT (ctx.s
 like the state, each step), UNTIL_WORLD and MAX_STEPS (train past STEPS, up to MAX_STEPS, until the world has
 UNTIL_WORLD ranks again), MAX_RESTARTS, NODE_RESTART_DELAY, and the product's timing tunables (2 s / 10 s / 5 s,
 as recovery_script.py chose for a loaded 2-core box).
+
+What the product holds and blames, for the harness's resource checks (`resources` below): MEMORY_LIMIT (the
+trainer's snapshot_memory_limit; every rank records in OUT/memory/ the bytes its keeper holds after restore and
+at most during the steps), HOSTS=1 (each node a host of its own, SNEPPX_HOST_KEY: backend "shm" then runs the
+hierarchical path, shared memory in a node and the ring between), SHM_FAIL=1 (no worker may make a file over
+1 MiB, RLIMIT_FSIZE: every shared-memory segment's creation fails with EFBIG, as on a /dev/shm it may not use),
+COLLECTIVE_TIMEOUT, KEY (the job key, hex: the harness names the run's segments with it); and every collective failure a rank meets in train_fn goes to OUT/lost/ with the rank it
+blames.
 """
 
 from __future__ import annotations
@@ -132,7 +140,8 @@ def train_loop(ctx: Any) -> None:
     else:
         del mine["f"]
     record(out / "restored", ctx, {"step": step, "source": None if info is None else info.location,
-                                   **part(mine, ctx.rank, ctx.world_size)})
+                                   "backend": ctx.group.backend, **part(mine, ctx.rank, ctx.world_size)})
+    held_bytes(out, ctx, None)
     diverge, flip, fail = knob("DIVERGE", ""), knob("FLIP_HELD", ""), knob("RAISE", "")
     flipped: set[Any] | None = None
     other = knob("OTHER_SNAPSHOT", "0") == "1"
@@ -162,6 +171,7 @@ def train_loop(ctx: Any) -> None:
         if other:  # state not given to restore() (an average of the parameters, shaped like them), kept with
             ctx.snapshot({"w": state["w"] * 0.5, "m": Shard(state["m"].data * 0.5, (M,), (m0,))}, step)  # snapshot
         ctx.report(step)
+        held_bytes(out, ctx, step)
         if ctx.rank == 0:
             elastic_script.write_json(out / "progress.json", {"step": step, "generation": ctx.generation,
                                                               "world_size": ctx.world_size, "pid": os.getpid()})
@@ -172,6 +182,49 @@ def train_loop(ctx: Any) -> None:
     if "r" in state:
         mine["r"] = state["r"]
     record(out / "final", ctx, {"step": step, **part(mine, ctx.rank, ctx.world_size)})
+
+
+_HELD: dict[int, dict[str, Any]] = {}  # this process's record of its generation's keeper, by generation
+
+
+def held_bytes(out: Path, ctx: Any, step: int | None) -> None:
+    """What this rank's snapshot keeper holds, written to OUT/memory/ as it grows: right after restore (`step`
+    None: what a recovery adds to) its bytes, and at every step the most its newest snapshots need by the
+    documented bound (docs/ELASTIC.md: 2 x (its state + the parts it keeps) + 2 x the largest part passing
+    through it), from their actual sizes, against snapshot_memory_limit."""
+    keeper = ctx._worker.snapshots
+    if keeper is None:
+        return
+    own, held = list(keeper.own), list(keeper.held)
+    newest: dict[Any, int] = {}
+    for copy in sorted(held, key=lambda c: c.key):
+        newest[copy.source] = len(copy.payload)
+    need = 2 * ((len(own[-1].payload) if own else 0) + sum(newest.values())) + 2 * max(newest.values(), default=0)
+    if step is None:
+        _HELD[ctx.generation] = {"limit": int(knob("MEMORY_LIMIT", "0")), "world_size": ctx.world_size,
+                                 "after_restore": sum(len(c.payload) for c in own + held), "need": 0, "at": None}
+    fields = _HELD.setdefault(ctx.generation, {"limit": int(knob("MEMORY_LIMIT", "0")), "after_restore": None,
+                                                "world_size": ctx.world_size, "need": 0, "at": None})
+    if step is None or (step is not None and need > fields["need"]):
+        if step is not None:
+            fields.update(need=need, at=step)
+        record(out / "memory", ctx, fields)
+
+
+def recording_blame(train_fn: Any) -> Any:
+    """train_fn, recording each collective failure it meets with the rank that failure blames (`peer`) in
+    OUT/lost/, for the harness to check against the ranks it killed or stopped."""
+    from SneppX_ALG import errors
+
+    def run(ctx: Any) -> None:
+        try:
+            train_fn(ctx)
+        except errors.CollectiveError as e:
+            record(Path(knob("OUT", ".")) / "lost", ctx, {"error": type(e).__name__, "peer": e.peer,
+                                                           "message": str(e)[:500]})
+            raise
+
+    return run
 
 
 def record(where: Path, ctx: Any, fields: dict[str, Any]) -> None:
@@ -187,15 +240,35 @@ def main() -> None:
     out, checkpoint_dir = Path(sys.argv[1]), sys.argv[2]
     out.mkdir(parents=True, exist_ok=True)
     os.environ["C_OUT"] = str(out)  # the agents and workers run this script again: they inherit it
+    resources()
     trainer = ElasticTrainer(
-        train_fn=train_loop, checkpoint_dir=checkpoint_dir, max_restarts=int(knob("MAX_RESTARTS", "8")),
+        train_fn=recording_blame(train_loop), checkpoint_dir=checkpoint_dir, max_restarts=int(knob("MAX_RESTARTS", "8")),
         restart_delay=0.1, join_timeout=120, last_call=float(knob("LAST_CALL", "10")),
         hang_timeout=float(knob("HANG_TIMEOUT", "5")), heartbeat_timeout=float(knob("HEARTBEAT_TIMEOUT", "2")),
         node_restart_delay=float(knob("NODE_RESTART_DELAY", "0.2")), events_dir=str(out / "events"),
         backend=knob("BACKEND", "auto"), snapshot_every=int(knob("SNAPSHOT", "0")),  # type: ignore[arg-type]
-        snapshot_replicas=int(knob("REPLICAS", "1")))
+        snapshot_replicas=int(knob("REPLICAS", "1")), snapshot_memory_limit=int(knob("MEMORY_LIMIT", "0")) or None,
+        collective_timeout=float(knob("COLLECTIVE_TIMEOUT", "300")))
     elastic_script.report_run(out, lambda: trainer.run(num_nodes=int(knob("NODES", "1")),
                                                         num_gpus=int(knob("GPUS", "1"))))
+
+
+SHM_FAIL_BYTES = 1 << 20  # a worker's largest file under SHM_FAIL: a segment is 2 x world x 1 MiB, a shard KiBs
+
+
+def resources() -> None:
+    """HOSTS and SHM_FAIL, in each agent and worker as it starts (before any group is set up)."""
+    import resource
+
+    from SneppX_ALG.contract.env import ENV_AGENT_ID, ENV_HEARTBEAT_KEY, ENV_HOST_KEY, ENV_ROLE
+
+    if knob("KEY", "") and not os.environ.get(ENV_HEARTBEAT_KEY):
+        os.environ[ENV_HEARTBEAT_KEY] = knob("KEY", "")  # the job's key, the harness's: it names the run's segments
+
+    if knob("HOSTS", "0") == "1" and os.environ.get(ENV_AGENT_ID):
+        os.environ[ENV_HOST_KEY] = os.environ[ENV_AGENT_ID]  # its workers inherit it: one host per node
+    if knob("SHM_FAIL", "0") == "1" and os.environ.get(ENV_ROLE) == "worker":
+        resource.setrlimit(resource.RLIMIT_FSIZE, (SHM_FAIL_BYTES, SHM_FAIL_BYTES))  # CPython ignores SIGXFSZ
 
 
 class Run(elastic_script.Run):

@@ -36,7 +36,7 @@ from SneppX_ALG.collectives.ring import (
     check_setup_aborted,
     connect_ring,
 )
-from SneppX_ALG.collectives.shm import host_identity, shm_key, shm_name
+from SneppX_ALG.collectives.shm import host_identity, shm_key, shm_name, unlink_segment
 
 DEFAULT_TIMEOUT = 300.0
 SHM_MIN_SLOT = 64  # native/src/shm.c: a slot is a whole number of cache lines
@@ -147,8 +147,8 @@ class ProcessGroup:
         g, rank = self.generation, self.rank
         store.set(shm_key(g, f"host/{rank}"), json.dumps({"host": host_identity()}).encode())
         if rank != 0:
-            outcome = json.loads(self._poll_store(store, shm_key(g, "segment"), deadline, aborted,
-                                                  "transport from rank 0", 0))
+            outcome = json.loads(self._poll_published(store, shm_key(g, "segment"), key, deadline, aborted,
+                                                      "transport from rank 0", 0))
             if "error" in outcome:
                 raise errors.CommProtocolError(outcome["error"], rank=rank, generation=g, peer=0)
             if "hosts" in outcome:
@@ -244,8 +244,8 @@ class ProcessGroup:
                 local.close()  # unlinks the name: nobody else can, since nobody else learnt it
                 raise
         else:
-            record = json.loads(self._poll_store(store, where, deadline, aborted, f"segment of host {index}",
-                                                 hosts[index][0]))
+            record = json.loads(self._poll_published(store, where, key, deadline, aborted, f"segment of host {index}",
+                                                     hosts[index][0]))
             if "error" in record:
                 raise errors.CommProtocolError(record["error"], rank=self.rank, generation=g, peer=hosts[index][0])
             local = self._open_published(shm_name(key, g, bytes.fromhex(record["nonce"])), local_rank,
@@ -276,6 +276,25 @@ class ProcessGroup:
         except BaseException:
             comm.close()
             raise
+
+    def _poll_published(self, store: store_lib.Store, where: str, key: bytes, deadline: float,
+                        aborted: threading.Event | None, what: str, creator: int) -> bytes:
+        """`_poll_store` of the outcome the segment's creator publishes. A wait that fails (an abort, the
+        deadline) unlinks the segment published by then: the creator may have died after publishing it (its
+        death is what ended this setup), and a rank that never opened the name would leave it in /dev/shm."""
+        try:
+            return self._poll_store(store, where, deadline, aborted, what, creator)
+        except BaseException:
+            self._unlink_published(store, where, key)
+            raise
+
+    def _unlink_published(self, store: store_lib.Store, where: str, key: bytes) -> None:
+        try:
+            outcome = json.loads(store.get(where, 0))
+        except (errors.StoreError, ValueError):
+            return  # nothing published (or nothing readable): nothing to unlink
+        if isinstance(outcome, dict) and isinstance(outcome.get("nonce"), str):
+            unlink_segment(shm_name(key, self.generation, bytes.fromhex(outcome["nonce"])))
 
     def _poll_store(self, store: store_lib.Store, key: str, deadline: float, aborted: threading.Event | None,
                     what: str, peer: int) -> bytes:

@@ -29,6 +29,17 @@ def host_identity() -> str:
     return f"{boot}:{shm.st_dev}:{shm.st_ino}:{pids.st_ino}:{os.environ.get(ENV_HOST_KEY, '')}"
 
 
+SHM_DIR = "/dev/shm"  # where glibc's shm_open keeps the names
+
+
+def unlink_segment(name: str) -> None:
+    """Removes a segment's name, as shm_unlink(3) does; a name already gone (another rank was first) is no error."""
+    try:
+        os.unlink(SHM_DIR + name)
+    except FileNotFoundError:
+        pass
+
+
 def shm_name(key: bytes, generation: int, nonce: bytes) -> str:
     """The segment's name, from the job key: the store carries only the nonce, so a reader of the store without
     the key cannot name it, and no rank of another generation opens it."""

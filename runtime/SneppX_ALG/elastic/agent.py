@@ -551,7 +551,8 @@ class NodeAgent:
             if message.get("rank") == 0:
                 self._event("restored", generation=m.generation, step=message.get("step"),
                             source=message.get("source", "storage"), why=message.get("why", ""),
-                            rolled_back=message.get("rolled_back", []))
+                            rolled_back=message.get("rolled_back", []),  # and the bytes peers sent it, if any
+                            **({"received": message["received"]} if "received" in message else {}))
                 step = message.get("step")
                 self.resumed_from = step if isinstance(step, int) and not isinstance(step, bool) else None
                 self.resumed_source = "memory" if message.get("source") == "memory" else "storage"

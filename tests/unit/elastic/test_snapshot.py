@@ -291,6 +291,18 @@ def test_more_than_the_memory_limit_is_refused_before_anything_is_allocated_or_s
     group.close()
 
 
+def test_a_refusal_under_a_mib_says_its_bytes() -> None:
+    """The recovery chaos harness's limits are KiBs: the reason said 'need 0.0 MiB ..., over snapshot_memory_limit
+    0.0 MiB'."""
+    group = groups(1, 0, tempfile.mkdtemp())[0]
+    with pytest.raises(errors.SnapshotMemoryError) as refused:
+        snapshot.Keeper(memory_limit=100).take(state(0, 1, 1), 1, group, instance="i", generation=0, place="node-0")
+    assert f"need {refused.value.needed} bytes" in str(refused.value), refused.value
+    assert "over snapshot_memory_limit 100 bytes" in str(refused.value) and "0.0 MiB" not in str(refused.value)
+    assert snapshot.keeper.size(3 << 20) == "3.0 MiB"
+    group.close()
+
+
 def test_a_0_d_array_keeps_its_shape() -> None:
     shot = snapshot.capture({"step": np.array(7, np.int64)}, 1, instance="i", generation=0, rank=0, world=1,
                             into=lambda n: np.empty(n, np.uint8))

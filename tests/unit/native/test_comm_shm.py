@@ -249,6 +249,40 @@ def test_rank_0_failing_in_setup_fails_the_others_at_once(tmp_path: Any) -> None
     assert results[1].peer == 0
 
 
+def test_a_rank_whose_setup_ends_before_it_opened_the_published_segment_unlinks_it(tmp_path: Any) -> None:
+    """Issue 37 defect 8 as the recovery chaos harness found it (kill_creator): rank 0 created and published the
+    segment and was SIGKILLed; rank 1, aborted (its agent saw rank 0 die) before it read the outcome, never
+    opened the name, and it stayed in /dev/shm after every process exited. A wait for the outcome that fails
+    unlinks the segment published by then."""
+    import json
+
+    from directory_store import DirectoryStore
+
+    from SneppX_ALG import collectives
+
+    key, nonce, aborted = b"k" * 32, secrets.token_bytes(16), threading.Event()
+    name = collectives.shm_name(key, 1, nonce)
+    creator = _native.ShmComm(name, 0, 2, 1, create=True, slot_bytes=4096)  # never closed: as if SIGKILLed
+    store = DirectoryStore(tmp_path)
+    store.set(collectives.shm_key(1, "segment"), json.dumps({"nonce": nonce.hex()}).encode())
+
+    class AbortedOnceItJoins:  # rank 1's agent aborts it right after it says where it runs
+        def set(self, k: str, value: bytes) -> None:
+            store.set(k, value)
+            aborted.set()
+
+        def get(self, k: str, timeout: float) -> bytes:
+            return store.get(k, timeout)
+
+    try:
+        with pytest.raises(errors.CollectiveAbortedError):
+            collectives.ProcessGroup(AbortedOnceItJoins(), 1, 2, 1, backend="shm", key=key, timeout=60,
+                                     aborted=aborted)
+        assert not os.path.exists("/dev/shm" + name), "the published segment leaked"
+    finally:
+        creator.close()
+
+
 @pytest.mark.parametrize("dtype", ["uint8", "float32", "float64"])
 def test_a_hierarchical_allgather_keeps_every_bit(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
     """2 "hosts" x 2 ranks (threads named after their host): allgather sums bytes as integers, so -0.0, NaN

@@ -172,12 +172,12 @@ class Keeper:
         own); `_replicate` checks again with every rank's sizes before any copy arrives."""
         needed = needed_bytes(total, unique, kept)
         if needed > self.memory_limit:
-            raise self._over(needed, self.memory_limit, f"state {total / 2**20:.1f} MiB + {kept} peer copies")
+            raise self._over(needed, self.memory_limit, f"state {size(total)} + {kept} peer copies")
 
     def _over(self, needed: int, limit: int, what: str, rank: str = "this rank") -> errors.SnapshotMemoryError:
         return errors.SnapshotMemoryError(
-            f"peer-memory snapshots need {needed / 2**20:.1f} MiB of host memory on {rank} (2 x ({what}) + 2 in "
-            f"transit), over snapshot_memory_limit {limit / 2**20:.1f} MiB: raise the limit, or snapshot less "
+            f"peer-memory snapshots need {size(needed)} of host memory on {rank} (2 x ({what}) + 2 in "
+            f"transit), over snapshot_memory_limit {size(limit)}: raise the limit, or snapshot less "
             "state", needed=needed, limit=limit)
 
     def _copier(self, device: int) -> Any:
@@ -246,8 +246,8 @@ class Keeper:
         if over:
             p = over[0]
             kept = sum(int(sizes[s, 0]) for s in range(len(holders)) if p in holders[s])
-            return self._over(needed[p], int(sizes[p, 4]), f"state {int(sizes[p, 3]) / 2**20:.1f} MiB + peer copies "
-                              f"{kept / 2**20:.1f} MiB", rank=f"rank {int(sizes[p, 2])}")
+            return self._over(needed[p], int(sizes[p, 4]), f"state {size(int(sizes[p, 3]))} + peer copies "
+                              f"{size(kept)}", rank=f"rank {int(sizes[p, 2])}")
         return None
 
     def _send_to_peers(self, wire: np.ndarray, group: collectives.ProcessGroup, sizes: np.ndarray,
@@ -408,9 +408,9 @@ class Keeper:
         over = [q for q in range(world) if needed[q] > sizes[q, world + 1]]
         if over:
             q = over[0]
-            return (f"recovering the snapshot of step {key[2]} would hold {needed[q] / 2**20:.1f} MiB on rank {q} of "
+            return (f"recovering the snapshot of step {key[2]} would hold {size(needed[q])} on rank {q} of "
                     f"the snapshot group (its snapshots, the boxes it receives, 2 in transit), over "
-                    f"snapshot_memory_limit {int(sizes[q, world + 1]) / 2**20:.1f} MiB")
+                    f"snapshot_memory_limit {size(int(sizes[q, world + 1]))}")
         pieces = unbundle(bundle(cuts_for(me), np.empty(int(sizes[me, me]), np.uint8)))
         received, corrupt = 0, ""
         for k in range(1, world):
@@ -436,6 +436,12 @@ class Keeper:
                                            generation=group.generation)
         by_source = {piece.source: piece for piece in pieces}
         return [by_source[s] for s in sources], received
+
+
+def size(nbytes: int) -> str:
+    """Bytes as a reason says them: MiB from 1 MiB on, else the bytes (a small state's 34560 needed against a
+    33000 limit is not '0.0 MiB over 0.0 MiB')."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes} bytes"
 
 
 @dataclasses.dataclass(frozen=True)
