@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import datetime
 import itertools
+import logging
 import pathlib
 import random
 import sys
@@ -36,10 +37,13 @@ import yaml
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))  # test_operator_pass, also when run as a script
 
+import kubernetes
+from kubernetes.client import ApiException
+from test_operator_leader import Leases
 from test_operator_pass import KEY, Cluster, Crash, Indexes
 
 from SneppX_ALG.contract import job_object
-from sneppx_operator import handlers, k8s, reconcile
+from sneppx_operator import handlers, k8s, leader, reconcile
 
 CRD = pathlib.Path(__file__).parents[3] / "crds" / "sneppx.io_elastictrainingjobs.yaml"
 STATUS_SCHEMA: dict[str, Any] = yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"][
@@ -54,6 +58,11 @@ RULE_CHOICES = (
 )
 # The DisruptionTarget reasons the docs say never count (the cluster's doing, not the job's).
 CLUSTER_DISRUPTIONS = ("EvictionByEvictionAPI", "DeletionByPodGC")
+# The two replicas' election, with leader.py's default timings (seconds of the model's clock).
+ELECTION = handlers.Election("operators", "sneppx-operator")
+# What one operator process keeps in handlers.py (its term, which pod indexes it trusts, its elector): each
+# replica has its own, swapped in while it runs (SimCluster.switch).
+PROCESS_STATE = ("_term", "_trusted", "_listed", "_rendezvous_seen", "_elector")
 
 Event = tuple[Any, ...]
 
@@ -130,6 +139,55 @@ def schema_problems(value: Any, schema: Mapping[str, Any], path: str = "status")
     return out
 
 
+# ---- the operator's replicas and their Lease ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Replica:
+    """One operator process: its elector (the real leader.py, wired as the fence by handlers.elector_for), its
+    handlers.py state while another runs, and what the Lease model saw it do (the write fence's oracle)."""
+
+    identity: str
+    state: dict[str, Any]
+    elector: leader.Elector | None = None
+    fence: Callable[[], None] | None = None
+    took_over: bool = False  # its elector said it leads now: a new term begins before its next pass
+    renewed_at: float | None = None  # the model's clock at its last successful write of itself into the Lease
+    renewed_seq: int = 0  # that write's place in the order of all Lease writes
+    read_other: bool = False  # it read a Lease naming another holder (or none) since that write
+    next_round: float = 0.0
+    stalled_until: float = 0.0  # its election thread starved, or its Lease calls time out, until then
+
+
+class ReplicaLeases:
+    """The Lease API as one replica calls it (leader.py's CoordinationV1Api): the shared model, with what the
+    replica read and wrote recorded for the fence's oracle."""
+
+    def __init__(self, cluster: SimCluster, replica: Replica):
+        self.cluster, self.replica = cluster, replica
+
+    def read_namespaced_lease(self, name: str, namespace: str, **kw: Any) -> kubernetes.client.V1Lease:
+        try:
+            lease = self.cluster.leases.read_namespaced_lease(name, namespace, **kw)
+        except ApiException:
+            self.replica.read_other = True
+            raise
+        if (lease.spec.holder_identity or "") != self.replica.identity:
+            self.replica.read_other = True
+        return lease
+
+    def create_namespaced_lease(self, namespace: str, body: kubernetes.client.V1Lease, **kw: Any) -> None:
+        before = self.cluster.lease_holder()
+        self.cluster.leases.create_namespaced_lease(namespace, body, **kw)
+        self.cluster.lease_written(self.replica, before, body)
+
+    def replace_namespaced_lease(self, name: str, namespace: str, body: kubernetes.client.V1Lease,
+                                 **kw: Any) -> None:
+        before = self.cluster.lease_holder()
+        self.cluster.leases.replace_namespaced_lease(name, namespace, body, **kw)
+        self.cluster.lease_written(self.replica, before, body)
+
+
 # ---- the model --------------------------------------------------------------------------------------------
 
 
@@ -142,7 +200,16 @@ class SimCluster(Cluster):
         self.now = START
         self.history: list[dict[str, reconcile.ObservedPod]] = [{}]  # the pods after each change
         self.seen = [0, 0]  # each replica's view of the pods: history[seen[replica]]
-        self.leader = 0  # the replica that runs passes
+        # The operator's two replicas over one Lease (made released: the first round takes it at once).
+        self.leases = Leases()
+        self.leases._store(kubernetes.client.V1Lease(
+            metadata=kubernetes.client.V1ObjectMeta(name=ELECTION.name, namespace=ELECTION.namespace),
+            spec=kubernetes.client.V1LeaseSpec(holder_identity="", renew_time=self.now, lease_duration_seconds=1)))
+        self.lease_writes = 0
+        self.acquired: list[tuple[int, str]] = []  # (Lease write, identity) of each takeover of the Lease
+        self.incarnations = itertools.count()
+        self.replicas: list[Replica] = []
+        self.current: int | None = None  # the replica whose handlers.py state is swapped in
         self.decided = 0  # the view of the last pass that ran to its end
         self.skew = datetime.timedelta()  # the operator's clock minus the cluster's
         self.held: set[int] = set()  # ranks whose pods created from now on stay Pending
@@ -194,6 +261,7 @@ class SimCluster(Cluster):
     def patch_job_status(self, namespace: str, name: str, uid: str, version: str, patch: Mapping[str, Any]) -> str:
         if not patch:
             return version
+        self._fenced()
         fault = self._call("patch")
         if self.job is None:
             raise k8s.StatusConflict("404")
@@ -208,6 +276,7 @@ class SimCluster(Cluster):
     def apply(self, namespace: str, actions: Sequence[reconcile.Action]) -> reconcile.Outcome:
         done: list[reconcile.Action] = []
         for action in actions:
+            self._fenced()
             fault = self._call("apply")
             if fault in ("error", "conflict"):
                 return reconcile.Outcome(tuple(done), reconcile.Refusal(action, 503, "the server is unavailable"))
@@ -235,8 +304,15 @@ class SimCluster(Cluster):
                 raise TimeoutError("the call went through, its answer was lost")
         return reconcile.Outcome(tuple(done))
 
+    def _fenced(self) -> None:
+        """A write leaves this replica as k8s.py sends one: past the product's fence (handlers.elector_for wired
+        it: leader.NotLeaderError when this replica may not act), then checked against the Lease's history."""
+        k8s._guard()
+        check_one_replica_writes(self)
+
     def indexes(self) -> Indexes:
-        view = self.history[self.seen[self.leader]]
+        assert self.current is not None
+        view = self.history[self.seen[self.current]]
         own = self.rendezvous
         if own is not None:
             own = dataclasses.replace(own, view=dataclasses.replace(own.view, hung=tuple(self.hung.values())))
@@ -261,6 +337,7 @@ class SimCluster(Cluster):
         if self.pods != self.history[-1]:  # a lag is counted in changes to the pods
             self.history.append(dict(self.pods))
         self.now += datetime.timedelta(seconds=1)
+        self.election_rounds()
         if self.job is None:
             return
         check_one_pod_per_rank(self)
@@ -347,7 +424,8 @@ class SimCluster(Cluster):
             if pod.terminating:
                 del self.pods[name]
                 self.sidecars.discard(pod.uid)
-            elif pod.phase == "Pending" and not (pod.rank in self.held and pod.uid not in self.known_pods):
+            elif pod.phase == "Pending" and not (pod.rank in self.held and pod.uid not in self.known_pods) and (
+                    pod.node not in self.nodes or self.nodes[pod.node].ready):  # a NotReady node starts nothing
                 self.pods[name] = dataclasses.replace(pod, phase="Running", ready=True, created_at=self.now)
         if self.job is not None and "deletionTimestamp" in self.job["metadata"]:
             if dependents:  # the garbage collector deletes the dependents, then (a step later) the job
@@ -426,10 +504,34 @@ class SimCluster(Cluster):
             self.known_pods = {p.uid for p in self.pods.values()}
         elif kind == "clock":
             self.skew += datetime.timedelta(seconds=args[0])
-        elif kind == "takeover":  # the other replica takes the Lease, its view as it was (a lag)
-            self.leader = 1 - self.leader
-            self.seen[self.leader] = max(self.seen[self.leader], len(self.history) - 1 - args[0])
-            handlers.new_term()  # its leadership begins: it trusts no pod index yet
+        elif kind == "takeover":  # a rolling update: the leader stops (releasing the Lease) and restarts; the
+            # other replica, its view as it was (a lag), takes the release at its next round
+            for index, replica in enumerate(self.replicas):
+                if replica.elector is not None and replica.elector.holds():
+                    self.switch(index)
+                    replica.elector.stop()
+                    self.start_replica(index)
+                    other = 1 - index
+                    self.seen[other] = max(self.seen[other], len(self.history) - 1 - args[0])
+                    self.replicas[other].next_round = self.monotonic()
+                    break
+        elif kind == "lease_delete":  # an admin deletes the Lease (before a `helm upgrade`, say)
+            self.leases.delete(ELECTION.name)
+        elif kind == "lease_replace":  # the Lease made again by another hand: the chart's (no holder), a stranger's
+            self.leases.delete(ELECTION.name)
+            self.leases._store(kubernetes.client.V1Lease(
+                metadata=kubernetes.client.V1ObjectMeta(name=ELECTION.name, namespace=ELECTION.namespace),
+                spec=kubernetes.client.V1LeaseSpec(holder_identity=args[0] or None, lease_duration_seconds=15,
+                                                   renew_time=self.now if args[0] else None)))
+        elif kind == "stall":  # a replica's election thread starves (or its Lease calls time out) for a while
+            replica = self.replicas[args[0]]
+            replica.stalled_until = max(replica.stalled_until, self.monotonic() + args[1])
+        elif kind == "node_down":  # a node stops reporting: NotReady; its pod stays as it was, not ready
+            pod = self._live(args[0])
+            if pod is not None and pod.node in self.nodes and self.nodes[pod.node].ready:
+                self.nodes[pod.node] = dataclasses.replace(self.nodes[pod.node], ready=False, since=self.now)
+                self.pods[pod.name] = dataclasses.replace(pod, ready=False)
+                self._record(pod, kind, "Restart")
         elif kind == "delete_job" and self.job is not None:
             if args[0] == "foreground":
                 self.job["metadata"]["deletionTimestamp"] = job_object.timestamp(self.now)
@@ -449,18 +551,95 @@ class SimCluster(Cluster):
         else:
             self.foreign = reconcile.ObservedObject("other-cm", "uid-other", job_object.View(hung=(report,)))
 
-    def run_pass(self, lag: int, fault: tuple[int, str] | None) -> None:
-        """One pass of the operator, its pod view `lag` changes behind the truth, with `fault` planned."""
-        self.seen[self.leader] = max(self.seen[self.leader], len(self.history) - 1 - lag)
+    # -- the operator's replicas --
+
+    def monotonic(self) -> float:
+        """The replicas' monotonic clock (leader.py measures only on it): it never steps, as the wall one does."""
+        return (self.now - START).total_seconds()
+
+    def switch(self, index: int) -> None:
+        """Swap replica `index`'s process state into handlers.py and k8s.py (the other's is kept aside)."""
+        if self.current == index:
+            return
+        if self.current is not None:
+            out = self.replicas[self.current]
+            out.state = {name: getattr(handlers, name) for name in PROCESS_STATE}
+            out.fence = k8s._fence
+        replica = self.replicas[index]
+        for name, value in replica.state.items():
+            setattr(handlers, name, value)
+        k8s.set_fence(replica.fence)
+        self.current = index
+
+    def start_replica(self, index: int) -> None:
+        """A new operator process in slot `index` (a first start, or a restart after a crash or an update): a
+        new identity, nothing trusted, its pod view listed afresh."""
+        replica = Replica(f"operator-{index}_{next(self.incarnations)}",
+                          {"_term": 0, "_trusted": {}, "_listed": {}, "_rendezvous_seen": {}, "_elector": None},
+                          next_round=self.monotonic())
+        if index == len(self.replicas):
+            self.replicas.append(replica)
+            self.seen.append(0)
+        self.replicas[index] = replica
+        if self.current == index:
+            self.current = None  # the old process's state dies with it
+        self.switch(index)
+
+        def changed(leading: bool) -> None:  # handlers.startup's: a new term for the replica that took over
+            replica.took_over = replica.took_over or leading
+
+        elector = handlers.elector_for(ELECTION, changed, identity=replica.identity,
+                                       lease_api=ReplicaLeases(self, replica), clock=self.monotonic)
+        handlers._elector = replica.elector = elector
+        self.seen[index] = len(self.history) - 1
+
+    def election_rounds(self) -> None:
+        """Each replica's campaign thread runs its round every retry period (unless it is stalled)."""
+        now = self.monotonic()
+        for replica in self.replicas:
+            if replica.next_round <= now:
+                replica.next_round = now + ELECTION.retry_period
+                if replica.stalled_until <= now and replica.elector is not None:
+                    replica.elector.campaign_round()
+
+    def lease_holder(self) -> str:
+        lease = self.leases.objects.get(ELECTION.name)
+        return "" if lease is None else lease.spec.holder_identity or ""
+
+    def lease_written(self, replica: Replica, before: str, body: kubernetes.client.V1Lease) -> None:
+        self.lease_writes += 1
+        if (body.spec.holder_identity or "") != replica.identity:
+            return  # a release, or an empty Lease made
+        if before != replica.identity:
+            self.acquired.append((self.lease_writes, replica.identity))
+        replica.renewed_at, replica.renewed_seq, replica.read_other = self.monotonic(), self.lease_writes, False
+
+    def run_pass(self, lag: int, fault: tuple[int, str] | None) -> bool:
+        """A pass of each replica that acts (the real handlers.acting()), its pod view `lag` changes behind the
+        truth, with `fault` planned for the first. False when none acted."""
+        acted = False
+        for index in range(len(self.replicas)):
+            self.switch(index)
+            if self.replicas[index].took_over:  # handlers._took_over, as its event loop runs it
+                self.replicas[index].took_over = False
+                handlers.new_term()
+            if not handlers.acting():
+                continue
+            acted = True
+            self._pass(index, lag, fault)
+            fault = None
+        return acted
+
+    def _pass(self, index: int, lag: int, fault: tuple[int, str] | None) -> None:
+        self.seen[index] = max(self.seen[index], len(self.history) - 1 - lag)
         self.calls, self.fault = 0, fault
         try:
             handlers.reconcile_job(KEY, self.indexes())  # type: ignore[arg-type]
-            self.decided = self.seen[self.leader]
-        except (k8s.StatusConflict, ServerError, TimeoutError):
+            self.decided = self.seen[index]
+        except (k8s.StatusConflict, ServerError, TimeoutError, leader.NotLeaderError):
             pass  # the loop tries again (handlers._job_loop)
-        except Crash:
-            self.seen[self.leader] = len(self.history) - 1  # a new process lists afresh
-            handlers.new_term()  # and trusts no index before it matches a fresh list
+        except Crash:  # the process dies: a new one starts, a new candidate for the Lease
+            self.start_replica(index)
         finally:
             self.fault = None
 
@@ -486,6 +665,24 @@ def check_never_a_healthy_pod_deleted(cluster: SimCluster, action: reconcile.Del
     if pod.uid in cluster.causes:
         return
     raise Violation("never_a_healthy_pod_deleted", f"{pod.name} (uid {pod.uid}) deleted while Running and ready")
+
+
+def check_one_replica_writes(cluster: SimCluster) -> None:
+    """The write fence: a write is accepted only from the replica whose last write of itself into the Lease began
+    less than the renew deadline ago, which has read no other holder (nor no Lease) since, and after which no
+    other replica took the Lease. (leader.py's promise, docs/OPERATOR.md "At most one operator acts", checked
+    against the Lease model's history, not against the elector's own state.)"""
+    assert cluster.current is not None
+    replica = cluster.replicas[cluster.current]
+    now = cluster.monotonic()
+    if replica.renewed_at is None or now - replica.renewed_at >= ELECTION.renew_deadline:
+        raise Violation("one_replica_writes", f"{replica.identity} wrote at {now:.0f} s, its last renewal "
+                        f"{replica.renewed_at} (renew deadline {ELECTION.renew_deadline:.0f} s)")
+    if replica.read_other:
+        raise Violation("one_replica_writes", f"{replica.identity} wrote after reading another holder in the Lease")
+    later = [who for seq, who in cluster.acquired if seq > replica.renewed_seq and who != replica.identity]
+    if later:
+        raise Violation("one_replica_writes", f"{replica.identity} wrote after {later[0]} took the Lease")
 
 
 def check_one_pod_per_rank(cluster: SimCluster) -> None:
@@ -599,6 +796,8 @@ class Profile:
     sidecars: bool = True
     job_deletes: tuple[str, ...] = ("background", "foreground")
     group_restart: bool = True  # RestartGroup (defect 4 showed whenever quorum was lost to a drain)
+    lease_events: bool = True  # the Lease deleted or made again by others, a replica's election thread stalled
+    nodes_fail: bool = True  # a node goes NotReady under a pod
 
 
 EVERYTHING = Profile(
@@ -652,11 +851,19 @@ def make_schedule(rng: random.Random, profile: Profile, length: int) -> list[Eve
             events.append(("delete_job", rng.choice(profile.job_deletes)))
     # Drawn last, each from its own stream: the other events stay those of the seed.
     steps, holds = random.Random(rng.random()), random.Random(rng.random())
+    leases, nodes = random.Random(rng.random()), random.Random(rng.random())
     if profile.clock_steps:
         for _ in range(length // 10):
             events.insert(steps.randrange(len(events) + 1), ("clock", steps.choice((-3600, -30, -1, 1, 30, 3600))))
     if profile.held_pending and holds.random() < 0.3:
         events.insert(holds.randrange(len(events) + 1), ("hold", holds.randrange(3)))
+    if profile.lease_events:
+        for _ in range(length // 10):
+            event = leases.choice((("lease_delete",), ("lease_replace", leases.choice(("", "stranger"))),
+                                   ("stall", leases.randrange(2), leases.choice((3, 9, 11, 20, 40)))))
+            events.insert(leases.randrange(len(events) + 1), event)
+    if profile.nodes_fail and nodes.random() < 0.3:
+        events.insert(nodes.randrange(len(events) + 1), ("node_down", nodes.randrange(3)))
     return events
 
 
@@ -664,7 +871,8 @@ def make_schedule(rng: random.Random, profile: Profile, length: int) -> list[Eve
 def routed_to(cluster_of: Callable[[], SimCluster]) -> Iterator[None]:
     """k8s.py's calls and the pass's clock go to the current simulated cluster (restored after)."""
     saved = {name: getattr(k8s, name) for name in ("read_job", "list_pods", "patch_job_status", "apply", "post_events")}
-    saved_datetime = handlers.datetime
+    saved_datetime, saved_now, saved_fence = handlers.datetime, leader._now, k8s._fence
+    saved_process = {name: getattr(handlers, name) for name in PROCESS_STATE}
 
     class Clock(datetime.datetime):
         @classmethod
@@ -674,6 +882,7 @@ def routed_to(cluster_of: Callable[[], SimCluster]) -> Iterator[None]:
     for name in ("read_job", "list_pods", "patch_job_status", "apply"):
         setattr(k8s, name, lambda *a, _name=name, **kw: getattr(cluster_of(), _name)(*a, **kw))
     k8s.post_events = lambda *a, **kw: None  # type: ignore[assignment]
+    leader._now = lambda: cluster_of().now + cluster_of().skew  # the renewTime it writes: a clock that steps
     handlers.datetime = type("datetime_module", (), {"datetime": Clock, "UTC": datetime.UTC,  # type: ignore
                                                      "timedelta": datetime.timedelta})
     try:
@@ -681,7 +890,10 @@ def routed_to(cluster_of: Callable[[], SimCluster]) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(k8s, name, value)
-        handlers.datetime = saved_datetime
+        for name, value in saved_process.items():
+            setattr(handlers, name, value)
+        handlers.datetime, leader._now = saved_datetime, saved_now
+        k8s.set_fence(saved_fence)
 
 
 def run(spec: Mapping[str, Any], schedule: Sequence[Event], profile: Profile) -> SimCluster:
@@ -689,7 +901,9 @@ def run(spec: Mapping[str, Any], schedule: Sequence[Event], profile: Profile) ->
     Raises Violation."""
     cluster = SimCluster(spec, profile)
     with routed_to(lambda: cluster):
-        handlers.new_term()  # a new operator for each run: nothing trusted from the last one
+        for index in (0, 1):  # two new operator processes: nothing trusted from the last run
+            cluster.start_replica(index)
+        cluster.election_rounds()  # the first takes the released Lease
         for _ in range(4):  # the job starts
             cluster.run_pass(0, None)
             cluster.kubelet()
@@ -700,14 +914,14 @@ def run(spec: Mapping[str, Any], schedule: Sequence[Event], profile: Profile) ->
                 cluster.event(event)
             for check in STEP_CHECKS:
                 check(cluster)
-        for _ in range(30):  # settle: a calm world, a view that catches up
+        for _ in range(60):  # settle: a calm world, a view that catches up, a leader (in a lease duration)
             before = (cluster.writes, len(cluster.history))
-            cluster.run_pass(0, None)
+            acted = cluster.run_pass(0, None)
             cluster.kubelet()
             for check in STEP_CHECKS:
                 check(cluster)
-            if (cluster.writes, len(cluster.history)) == before:  # the pass changed nothing, nor did the kubelet
-                break
+            if acted and (cluster.writes, len(cluster.history)) == before:  # the pass changed nothing, nor did
+                break  # the kubelet
         for check in END_CHECKS:
             check(cluster)
     return cluster
@@ -763,17 +977,25 @@ ABLATIONS: tuple[tuple[str, Callable[[list[Event]], list[Event]], Callable[[dict
 def suspects(spec: Mapping[str, Any], schedule: list[Event], profile: Profile) -> list[str]:
     """The defects a failing schedule shows: each whose trigger alone (every other ABLATIONS trigger taken out)
     still fails it. Empty: a failure no known defect explains."""
+    if failure_of(*ablated(spec, schedule, profile, keep=None)) is not None:
+        return []  # it fails without any of them
     found = []
     for keep, _, _, _ in ABLATIONS:
-        changed, events, options = copy.deepcopy(dict(spec)), list(schedule), {}
-        for name, edit_schedule, edit_spec, profile_change in ABLATIONS:
-            if name != keep:
-                edit_spec(changed)
-                events = edit_schedule(events)
-                options.update(profile_change)
-        if failure_of(changed, events, dataclasses.replace(profile, **options)) is not None:
+        if failure_of(*ablated(spec, schedule, profile, keep)) is not None:
             found.append(keep)
     return found
+
+
+def ablated(spec: Mapping[str, Any], schedule: list[Event], profile: Profile,
+            keep: str | None) -> tuple[dict[str, Any], list[Event], Profile]:
+    """The schedule with every ABLATIONS trigger but `keep` taken out."""
+    changed, events, options = copy.deepcopy(dict(spec)), list(schedule), {}
+    for name, edit_schedule, edit_spec, profile_change in ABLATIONS:
+        if name != keep:
+            edit_spec(changed)
+            events = edit_schedule(events)
+            options.update(profile_change)
+    return changed, events, dataclasses.replace(profile, **options)
 
 
 def report(seed: int, spec: Mapping[str, Any], schedule: list[Event], profile: Profile, violation: Violation) -> str:
@@ -800,6 +1022,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=2, help="shrink and print this many failures per invariant")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
+    logging.getLogger(leader.__name__).setLevel(logging.ERROR)  # each takeover's line, thousands of them
     profile = EVERYTHING if args.profile == "everything" else Profile()
     seeds = [args.seed] if args.seed is not None else range(args.first, args.first + args.schedules)
     by_invariant: dict[str, list[int]] = {}
