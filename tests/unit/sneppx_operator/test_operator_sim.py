@@ -11,8 +11,8 @@ from typing import Any
 import operator_sim as sim
 import pytest
 
-# The clean profile: every adversity but the triggers of the open defects (a lagging view and takeovers, another
-# job's object, counting a pod lost before the operator saw it).
+# The clean profile: every adversity (a lagging view, takeovers, two replicas over a Lease that is deleted and
+# made again, stalls, node NotReady) but counting a pod lost before the operator saw it (the open suspicion).
 CLEAN = sim.Profile()
 SEEDS_PER_CASE = 100
 
@@ -29,6 +29,7 @@ def test_fixed_seeds_keep_every_invariant(first: int) -> None:
 
 
 IGNORE_42 = {"action": "Ignore", "onExitCodes": {"operator": "In", "values": [42]}}
+FAIL_3 = {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [3]}}
 # The minimal schedules the simulation found for issue 38's defects, each run in sim.EVERYTHING; docs/TESTING.md
 # has the seeds that found them. (issue 38's defect, spec, schedule)
 FIXED_DEFECTS: dict[str, tuple[str, dict[str, Any], list[sim.Event]]] = {
@@ -52,12 +53,25 @@ FIXED_DEFECTS: dict[str, tuple[str, dict[str, Any], list[sim.Event]]] = {
         "defect 5 (what is left: a lagging view, no takeover)", sim.job_spec(2, 3, "RestartGroup", 4),
         [("fail", 2, 3), ("evict_api", 0), ("kubelet",), ("pass", 0, (5, "conflict")), ("pass", 0, None),
          ("kubelet",), ("pass", 3, None), ("pass", 2, None)]),
+    "a hang report dropped unread while the view lags the pod's start": (  # seed 630; every report read was removed
+        "defect 5's cause (a new consequence)", sim.job_spec(1, 2, "Pause", 4),
+        [("resize", 1), ("pass", 1, (3, "timeout")), ("pass", 0, None), ("kubelet",), ("hang", 0), ("pass", 2, None)]),
+    # The leader election's planted bugs (docs/TESTING.md): each schedule fails with its bug planted back.
+    "a follower makes a missing Lease its own at once": (  # seed 16 with the bug planted
+        "defect 1", sim.job_spec(2, 2, "RestartGroup", 2, [FAIL_3]), [("stall", 0, 20), ("suspend", True),
+                                                                      ("lease_delete",)]),
+    "a leader acts on after reading another holder in the Lease": (
+        "defect 1", sim.job_spec(1, 2, "Pause", 3),
+        [("lease_replace", "stranger"), ("kubelet",), ("kubelet",), ("fail", 0, 1), ("pass", 0, None)]),
+    "the renew deadline ignored": (  # seed 11 with the bug planted
+        "mutation audit", sim.job_spec(2, 2, "RestartGroup", 4, [FAIL_3, IGNORE_42]), [("evict_api", 0),
+                                                                                       ("stall", 0, 11)]),
+    "the write fence always passes": (  # seed 11 with the bug planted
+        "mutation audit", sim.job_spec(2, 2, "RestartGroup", 4, [FAIL_3, IGNORE_42]), [("stall", 0, 11),
+                                                                                       ("resize", 1)]),
 }
 # Still open: each an xfail(strict=True), to flip when its fix merges.
 KNOWN_DEFECTS: dict[str, tuple[str, dict[str, Any], list[sim.Event]]] = {
-    "a hang report dropped unread while the view lags the pod's start": (  # seed 630; every report read is removed
-        "defect 5's cause (a new consequence)", sim.job_spec(1, 2, "Pause", 4),
-        [("resize", 1), ("pass", 1, (3, "timeout")), ("pass", 0, None), ("kubelet",), ("hang", 0), ("pass", 2, None)]),
     "a replacement deleted before the operator saw it is never counted": (
         "suspicion (confirmed)", sim.job_spec(1, 2, "Pause", 3),
         [("user_delete", 1), ("pass", 0, None), ("kubelet",), ("pass", 0, None), ("user_delete", 1)]),
