@@ -43,7 +43,7 @@ from test_operator_leader import Leases
 from test_operator_pass import KEY, Cluster, Crash, Indexes
 
 from SneppX_ALG.contract import job_object
-from sneppx_operator import handlers, k8s, leader, reconcile
+from sneppx_operator import handlers, k8s, leader, metrics, reconcile
 
 CRD = pathlib.Path(__file__).parents[3] / "crds" / "sneppx.io_elastictrainingjobs.yaml"
 STATUS_SCHEMA: dict[str, Any] = yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"][
@@ -225,6 +225,7 @@ class SimCluster(Cluster):
         self.earned_failure = False  # a cause the docs say fails the job
         self.completed = False
         self.fault: tuple[int, str] | None = None  # (the pass's n-th API call, what goes wrong there)
+        self.recovery_due = False  # a restart was decided, and no pass has measured the recovery since
         self.calls = 0
 
     # -- the API, with faults --
@@ -265,10 +266,14 @@ class SimCluster(Cluster):
         fault = self._call("patch")
         if self.job is None:
             raise k8s.StatusConflict("404")
+        last = (self._status().get("restartHistory") or [None])[-1]
         written = super().patch_job_status(namespace, name, uid, version, patch)
         problems = schema_problems(self.job["status"], STATUS_SCHEMA)
         if problems:
             raise Violation("status_admitted_by_the_crd_schema", "; ".join(problems[:3]))
+        if (self._status().get("restartHistory") or [None])[-1] != last:  # a restart decided
+            self.recovery_due = True
+            check_a_restart_shows_restarting(self)
         if fault == "timeout":
             raise TimeoutError("the write went through, its answer was lost")
         return written
@@ -303,6 +308,12 @@ class SimCluster(Cluster):
             if fault == "timeout":
                 raise TimeoutError("the call went through, its answer was lost")
         return reconcile.Outcome(tuple(done))
+
+    def measured(self, namespace: str, name: str, status: Mapping[str, Any], history: Sequence[Any],
+                 recovered_after: float | None) -> None:
+        """metrics.record_pass: a pass's figures; a recovery measured (sneppx_job_recovery_seconds)."""
+        if recovered_after is not None:
+            self.recovery_due = False
 
     def _fenced(self) -> None:
         """A write leaves this replica as k8s.py sends one: past the product's fence (handlers.elector_for wired
@@ -366,8 +377,9 @@ class SimCluster(Cluster):
             and status.get("phase") not in ("Succeeded", "Failed", "Suspended")
             and pod.generation == status.get("membershipGeneration") and pod.rank < int(status.get("worldSize") or 0)
             and self._wanted() == int(status.get("worldSize") or 0) and not self.earned_failure
-            # a pod lost before the operator saw it: open (the suspicion); a hung pod or a NotReady node's stays
-            and (seen or self.profile.count_unseen or action != "Restart" or what in ("hang", "node_down"))
+            # A pod gone before any pass saw it took what would classify it along (its node, its condition): it is
+            # replaced uncounted (docs/OPERATOR.md, "Not guaranteed"). A hung pod or a NotReady node's pod stays.
+            and (seen or action != "Restart" or what in ("hang", "node_down"))
         )
         earlier = self.causes.get(pod.uid)
         if earlier is not None:  # two causes raced for one pod: either may be the one the operator saw
@@ -400,6 +412,7 @@ class SimCluster(Cluster):
                 if uid not in recorded:
                     cause.covered = False
             self.completed = False
+            self.recovery_due = False  # a new generation's start is not a restart's recovery
             self._judge()
         self._bump()
 
@@ -689,6 +702,14 @@ def check_one_replica_writes(cluster: SimCluster) -> None:
         raise Violation("one_replica_writes", f"{replica.identity} wrote after {later[0]} took the Lease")
 
 
+def check_a_restart_shows_restarting(cluster: SimCluster) -> None:
+    """A pass that decides a restart shows it (Restarting, or the job paused, suspended or ended), never as pods
+    being created or a job running: its recovery is then measured (issue 38, defect 8)."""
+    phase = cluster._status().get("phase")
+    if phase in ("Creating", "Pending", "Running"):
+        raise Violation("a_restart_is_shown_and_its_recovery_measured", f"a restart decided, phase {phase}")
+
+
 def check_one_pod_per_rank(cluster: SimCluster) -> None:
     ranks = [p.rank for p in cluster.pods.values() if not p.terminating and p.phase in ("Pending", "Running")]
     if len(ranks) != len(set(ranks)):
@@ -776,8 +797,14 @@ def check_restarting_ends_when_quorum_trains(cluster: SimCluster) -> None:
                         f"Restarting with {healthy} of {world} ranks ready and every rank's pod there")
 
 
+def check_every_recovery_measured(cluster: SimCluster) -> None:
+    """A job Running again after a restart had its recovery measured (sneppx_job_recovery_seconds)."""
+    if cluster.job is not None and cluster._status().get("phase") == "Running" and cluster.recovery_due:
+        raise Violation("a_restart_is_shown_and_its_recovery_measured", "Running again, its recovery not measured")
+
+
 END_CHECKS = (check_the_job_ends_as_the_workload_earned, check_no_pod_outlives_its_finished_job,
-              check_restarting_ends_when_quorum_trains)
+              check_restarting_ends_when_quorum_trains, check_every_recovery_measured)
 
 
 # ---- schedules ---------------------------------------------------------------------------------------------
@@ -786,14 +813,13 @@ END_CHECKS = (check_the_job_ends_as_the_workload_earned, check_no_pod_outlives_i
 @dataclasses.dataclass(frozen=True)
 class Profile:
     """Which adversities a schedule may draw. The defaults (the `no-known-defects` profile, which fixed seeds
-    must pass) leave out only the trigger of the open suspicion: counting a pod lost before the operator saw it."""
+    must pass) would leave out the triggers of open defects; there is none now, and `everything` is the same."""
 
     max_lag: int = 3
     takeovers: bool = True
     grace_outlasts_a_pass: bool = False  # a pod being deleted gracefully is seen so by a pass before it goes
     clock_steps: bool = True  # the operator's clock steps (NTP, a VM resumed) against the cluster's
     held_pending: bool = True  # a rank's next pods stay Pending (no room on any node)
-    count_unseen: bool = False  # a pod lost before the operator ever saw it counts too (issue 38's suspicion)
     faults: bool = True
     others: tuple[str, ...] = ("fail", "evict_kubelet", "evict_api", "podgc", "user_delete", "hang", "foreign_hang")
     sidecars: bool = True
@@ -803,7 +829,7 @@ class Profile:
     nodes_fail: bool = True  # a node goes NotReady under a pod
 
 
-EVERYTHING = Profile(count_unseen=True)
+EVERYTHING = Profile()  # no open defect's trigger is left out of the defaults now
 
 
 def job_spec(min_nodes: int, max_nodes: int, on_loss: str, max_restarts: int,
@@ -872,6 +898,7 @@ def routed_to(cluster_of: Callable[[], SimCluster]) -> Iterator[None]:
     """k8s.py's calls and the pass's clock go to the current simulated cluster (restored after)."""
     saved = {name: getattr(k8s, name) for name in ("read_job", "list_pods", "patch_job_status", "apply", "post_events")}
     saved_datetime, saved_now, saved_fence = handlers.datetime, leader._now, k8s._fence
+    saved_record_pass = metrics.record_pass
     saved_process = {name: getattr(handlers, name) for name in PROCESS_STATE}
 
     class Clock(datetime.datetime):
@@ -882,6 +909,7 @@ def routed_to(cluster_of: Callable[[], SimCluster]) -> Iterator[None]:
     for name in ("read_job", "list_pods", "patch_job_status", "apply"):
         setattr(k8s, name, lambda *a, _name=name, **kw: getattr(cluster_of(), _name)(*a, **kw))
     k8s.post_events = lambda *a, **kw: None  # type: ignore[assignment]
+    metrics.record_pass = lambda *a, **kw: cluster_of().measured(*a, **kw)  # type: ignore[assignment]
     leader._now = lambda: cluster_of().now + cluster_of().skew  # the renewTime it writes: a clock that steps
     handlers.datetime = type("datetime_module", (), {"datetime": Clock, "UTC": datetime.UTC,  # type: ignore
                                                      "timedelta": datetime.timedelta})
@@ -892,7 +920,7 @@ def routed_to(cluster_of: Callable[[], SimCluster]) -> Iterator[None]:
             setattr(k8s, name, value)
         for name, value in saved_process.items():
             setattr(handlers, name, value)
-        handlers.datetime, leader._now = saved_datetime, saved_now
+        handlers.datetime, leader._now, metrics.record_pass = saved_datetime, saved_now, saved_record_pass
         k8s.set_fence(saved_fence)
 
 
@@ -962,16 +990,12 @@ def shrink(spec: Mapping[str, Any], schedule: list[Event], profile: Profile, inv
     return schedule
 
 
-# The triggers of issue 38's open defects, each as a way to take it out of a schedule (suspects() isolates them).
-# The fixed defects' triggers stay in every schedule: a failure that needs one is a new defect.
+# The triggers of open defects, each as a way to take it out of a schedule (suspects() isolates them); none is
+# open now. The fixed defects' triggers stay in every schedule: a failure that needs one is a new defect. (Defect
+# 5's was ("defect 5: ...", lambda schedule: [("pass", 0, e[2]) if e[0] == "pass" else e for e in schedule
+# if e[0] != "takeover"], lambda spec: None, {}).)
 ABLATIONS: tuple[tuple[str, Callable[[list[Event]], list[Event]], Callable[[dict[str, Any]], None], dict[str, Any]],
-                 ...] = (
-    ("defect 5: a pod view older than the status (lag, takeover)",
-     lambda schedule: [("pass", 0, e[2]) if e[0] == "pass" else e for e in schedule if e[0] != "takeover"],
-     lambda spec: None, {}),
-    ("suspicion: a replacement lost before the operator saw it is never counted", lambda schedule: schedule,
-     lambda spec: None, {"count_unseen": False}),
-)
+                 ...] = ()
 
 
 def suspects(spec: Mapping[str, Any], schedule: list[Event], profile: Profile) -> list[str]:
