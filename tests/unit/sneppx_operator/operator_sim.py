@@ -9,7 +9,9 @@ and checks, after every step, the promises of docs/OPERATOR.md as small named in
 The model is test_operator_pass.Cluster, extended (SimCluster): the truth (the job, its pods and their nodes,
 its rendezvous object) plus the operator's watch view of the pods, which lags the truth by as many changes as each
 pass event says (a watch delivers the newest state of each object, so a dropped event is a skipped snapshot; the
-view never goes back). Every random choice is in the schedule itself (the pass events carry their lag and their API
+view never goes back), and two operator replicas, each with its own handlers.py state and the real leader.py
+elector over a model of the Lease, so every write passes the product's fence and is checked against the Lease's
+history. Every random choice is in the schedule itself (the pass events carry their lag and their API
 fault), so a schedule replays exactly and can be shrunk (delta debugging over the event list).
 
 Reproduce a seed:   .venv/bin/python tests/unit/sneppx_operator/operator_sim.py --seed 17 -v
