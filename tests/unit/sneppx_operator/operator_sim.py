@@ -524,7 +524,7 @@ class SimCluster(Cluster):
         elif kind == "clock":
             self.skew += datetime.timedelta(seconds=args[0])
         elif kind == "takeover":  # a rolling update: the leader stops (releasing the Lease) and restarts; the
-            # other replica, its view as it was (a lag), takes the release at its next round
+            # other replica, its view as it was (a lag), takes the release in the round that comes next
             for index, replica in enumerate(self.replicas):
                 if replica.elector is not None and replica.elector.holds():
                     self.switch(index)
@@ -532,7 +532,10 @@ class SimCluster(Cluster):
                     self.start_replica(index)
                     other = 1 - index
                     self.seen[other] = max(self.seen[other], len(self.history) - 1 - args[0])
-                    self.replicas[other].next_round = self.monotonic()
+                    successor = self.replicas[other]
+                    if successor.elector is not None and successor.stalled_until <= self.monotonic():
+                        successor.elector.campaign_round()  # its round comes first: it takes the release
+                        successor.next_round = self.monotonic() + ELECTION.retry_period
                     break
         elif kind == "lease_delete":  # an admin deletes the Lease (before a `helm upgrade`, say)
             self.leases.delete(ELECTION.name)
