@@ -28,7 +28,7 @@ import dataclasses
 import datetime
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
@@ -97,13 +97,20 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
             loop.call_soon_threadsafe(_took_over)
 
     metrics.leading(False)
-    _elector = leader.Elector(
-        ELECTION.namespace, ELECTION.name, lease_duration=ELECTION.lease_duration,
-        renew_deadline=ELECTION.renew_deadline, retry_period=ELECTION.retry_period, on_change=changed,
-        labels=ELECTION.labels, owner_deployment=ELECTION.owner_deployment,
-    )
-    k8s.set_fence(_elector.check)
+    _elector = elector_for(ELECTION, changed)
     _elector.start()
+
+
+def elector_for(election: Election, on_change: Callable[[bool], None], **elector_args: Any) -> leader.Elector:
+    """This replica's elector (not started yet), made the fence of every write k8s.py sends; `elector_args` go
+    to leader.Elector (the simulation's Lease API, clock and identity)."""
+    elector = leader.Elector(
+        election.namespace, election.name, lease_duration=election.lease_duration,
+        renew_deadline=election.renew_deadline, retry_period=election.retry_period, on_change=on_change,
+        labels=election.labels, owner_deployment=election.owner_deployment, **elector_args,
+    )
+    k8s.set_fence(elector.check)
+    return elector
 
 
 def _took_over() -> None:

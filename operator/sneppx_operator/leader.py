@@ -161,12 +161,17 @@ class Elector:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self.try_acquire_or_renew()
-            except Exception:  # the API unreachable or answering oddly: not leader this round
-                log.warning("leader election: can't reach the Lease %s/%s", self.namespace, self.name, exc_info=True)
-            self._set_leading(self.holds())
+            self.campaign_round()
             self._stop.wait(self.retry_period)
+
+    def campaign_round(self) -> None:
+        """One round of the campaign thread (every `retry_period`): renew or try to take the Lease, and tell
+        `on_change` when this replica starts or stops acting."""
+        try:
+            self.try_acquire_or_renew()
+        except Exception:  # the API unreachable or answering oddly: not leader this round
+            log.warning("leader election: can't reach the Lease %s/%s", self.namespace, self.name, exc_info=True)
+        self._set_leading(self.holds())
 
     def _set_leading(self, leading: bool) -> None:
         if leading == self._leading:

@@ -112,6 +112,9 @@ def walk_slots(
     before = {int(r["rank"]): r for r in previous.get("ranks") or []} if same_generation else {}
     hung = {h.pod: h for h in (rendezvous.view.hung if rendezvous else ())}
     window = policy.terminating_timeout_seconds(spec)
+    # Pods reported hung that this pass can't judge (its view lags their start: not there, or still Pending):
+    # their reports stay for a pass that sees them. A report goes once acted on or stale (about an older pod).
+    starting: set[str] = set()
 
     for pod in mine:  # a pod stuck Terminating past the window is force-deleted, whatever its slot
         if not pod.terminating:
@@ -157,10 +160,15 @@ def walk_slots(
                 work.replacing.append(rank)
             (work.waiting if holders else work.missing).append(rank)  # an older pod may still hold the name
             work.ranks[rank] = entry
+            if name in hung:  # about a pod this pass's view does not hold yet: judged when a pass sees it
+                starting.add(name)
             continue
 
         entry |= rank_status(live)
-        failure = _pod_failure(rank, live, nodes.get(live.node or ""), hung.get(live.name))
+        report = hung.get(live.name)
+        if report is not None and live.phase == "Pending" and _is_current_report(report, live):
+            starting.add(live.name)  # a view that lags its start: the pod may be Running (and hung) by now
+        failure = _pod_failure(rank, live, nodes.get(live.node or ""), report)
         if failure is None:
             if live.phase == "Succeeded":
                 work.succeeded += 1
@@ -178,8 +186,9 @@ def walk_slots(
         work.ranks[rank] = {**entry, "phase": "Replacing", "ready": False}
         work.replacing.append(rank)
 
-    for record in hung.values():  # every hung report is acted on (above) or stale: it goes either way
-        work.put[job_object.hung_key(record.pod)] = None
+    for record in hung.values():
+        if record.pod not in starting:
+            work.put[job_object.hung_key(record.pod)] = None
     return work
 
 

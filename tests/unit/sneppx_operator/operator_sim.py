@@ -9,7 +9,9 @@ and checks, after every step, the promises of docs/OPERATOR.md as small named in
 The model is test_operator_pass.Cluster, extended (SimCluster): the truth (the job, its pods and their nodes,
 its rendezvous object) plus the operator's watch view of the pods, which lags the truth by as many changes as each
 pass event says (a watch delivers the newest state of each object, so a dropped event is a skipped snapshot; the
-view never goes back). Every random choice is in the schedule itself (the pass events carry their lag and their API
+view never goes back), and two operator replicas, each with its own handlers.py state and the real leader.py
+elector over a model of the Lease, so every write passes the product's fence and is checked against the Lease's
+history. Every random choice is in the schedule itself (the pass events carry their lag and their API
 fault), so a schedule replays exactly and can be shrunk (delta debugging over the event list).
 
 Reproduce a seed:   .venv/bin/python tests/unit/sneppx_operator/operator_sim.py --seed 17 -v
@@ -25,6 +27,7 @@ import copy
 import dataclasses
 import datetime
 import itertools
+import logging
 import pathlib
 import random
 import sys
@@ -36,11 +39,14 @@ import yaml
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))  # test_operator_pass, also when run as a script
 
+import kubernetes
+from kubernetes.client import ApiException
+from test_operator_leader import Leases
 from test_operator_pass import KEY, Cluster, Crash, Indexes
 
 from SneppX_ALG.contract import job_object
 from SneppX_ALG.elastic import pod as pod_agent
-from sneppx_operator import defaults, handlers, k8s, reconcile
+from sneppx_operator import defaults, handlers, k8s, leader, metrics, reconcile
 
 CRD = pathlib.Path(__file__).parents[3] / "crds" / "sneppx.io_elastictrainingjobs.yaml"
 STATUS_SCHEMA: dict[str, Any] = yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"][
@@ -55,6 +61,11 @@ RULE_CHOICES = (
 )
 # The DisruptionTarget reasons the docs say never count (the cluster's doing, not the job's).
 CLUSTER_DISRUPTIONS = ("EvictionByEvictionAPI", "DeletionByPodGC")
+# The two replicas' election, with leader.py's default timings (seconds of the model's clock).
+ELECTION = handlers.Election("operators", "sneppx-operator")
+# What one operator process keeps in handlers.py (its term, which pod indexes it trusts, its elector): each
+# replica has its own, swapped in while it runs (SimCluster.switch).
+PROCESS_STATE = ("_term", "_trusted", "_listed", "_rendezvous_seen", "_elector")
 
 Event = tuple[Any, ...]
 
@@ -131,6 +142,55 @@ def schema_problems(value: Any, schema: Mapping[str, Any], path: str = "status")
     return out
 
 
+# ---- the operator's replicas and their Lease ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Replica:
+    """One operator process: its elector (the real leader.py, wired as the fence by handlers.elector_for), its
+    handlers.py state while another runs, and what the Lease model saw it do (the write fence's oracle)."""
+
+    identity: str
+    state: dict[str, Any]
+    elector: leader.Elector | None = None
+    fence: Callable[[], None] | None = None
+    took_over: bool = False  # its elector said it leads now: a new term begins before its next pass
+    renewed_at: float | None = None  # the model's clock at its last successful write of itself into the Lease
+    renewed_seq: int = 0  # that write's place in the order of all Lease writes
+    read_other: bool = False  # it read a Lease naming another holder (or none) since that write
+    next_round: float = 0.0
+    stalled_until: float = 0.0  # its election thread starved, or its Lease calls time out, until then
+
+
+class ReplicaLeases:
+    """The Lease API as one replica calls it (leader.py's CoordinationV1Api): the shared model, with what the
+    replica read and wrote recorded for the fence's oracle."""
+
+    def __init__(self, cluster: SimCluster, replica: Replica):
+        self.cluster, self.replica = cluster, replica
+
+    def read_namespaced_lease(self, name: str, namespace: str, **kw: Any) -> kubernetes.client.V1Lease:
+        try:
+            lease = self.cluster.leases.read_namespaced_lease(name, namespace, **kw)
+        except ApiException:
+            self.replica.read_other = True
+            raise
+        if (lease.spec.holder_identity or "") != self.replica.identity:
+            self.replica.read_other = True
+        return lease
+
+    def create_namespaced_lease(self, namespace: str, body: kubernetes.client.V1Lease, **kw: Any) -> None:
+        before = self.cluster.lease_holder()
+        self.cluster.leases.create_namespaced_lease(namespace, body, **kw)
+        self.cluster.lease_written(self.replica, before, body)
+
+    def replace_namespaced_lease(self, name: str, namespace: str, body: kubernetes.client.V1Lease,
+                                 **kw: Any) -> None:
+        before = self.cluster.lease_holder()
+        self.cluster.leases.replace_namespaced_lease(name, namespace, body, **kw)
+        self.cluster.lease_written(self.replica, before, body)
+
+
 # ---- the model --------------------------------------------------------------------------------------------
 
 
@@ -143,7 +203,16 @@ class SimCluster(Cluster):
         self.now = START
         self.history: list[dict[str, reconcile.ObservedPod]] = [{}]  # the pods after each change
         self.seen = [0, 0]  # each replica's view of the pods: history[seen[replica]]
-        self.leader = 0  # the replica that runs passes
+        # The operator's two replicas over one Lease (made released: the first round takes it at once).
+        self.leases = Leases()
+        self.leases._store(kubernetes.client.V1Lease(
+            metadata=kubernetes.client.V1ObjectMeta(name=ELECTION.name, namespace=ELECTION.namespace),
+            spec=kubernetes.client.V1LeaseSpec(holder_identity="", renew_time=self.now, lease_duration_seconds=1)))
+        self.lease_writes = 0
+        self.acquired: list[tuple[int, str]] = []  # (Lease write, identity) of each takeover of the Lease
+        self.incarnations = itertools.count()
+        self.replicas: list[Replica] = []
+        self.current: int | None = None  # the replica whose handlers.py state is swapped in
         self.decided = 0  # the view of the last pass that ran to its end
         self.skew = datetime.timedelta()  # the operator's clock minus the cluster's
         self.held: set[int] = set()  # ranks whose pods created from now on stay Pending
@@ -160,6 +229,7 @@ class SimCluster(Cluster):
         self.earned_failure = False  # a cause the docs say fails the job
         self.completed = False
         self.fault: tuple[int, str] | None = None  # (the pass's n-th API call, what goes wrong there)
+        self.recovery_due = False  # a restart was decided, and no pass has measured the recovery since
         self.calls = 0
 
     # -- the API, with faults --
@@ -196,13 +266,18 @@ class SimCluster(Cluster):
     def patch_job_status(self, namespace: str, name: str, uid: str, version: str, patch: Mapping[str, Any]) -> str:
         if not patch:
             return version
+        self._fenced()
         fault = self._call("patch")
         if self.job is None:
             raise k8s.StatusConflict("404")
+        last = (self._status().get("restartHistory") or [None])[-1]
         written = super().patch_job_status(namespace, name, uid, version, patch)
         problems = schema_problems(self.job["status"], STATUS_SCHEMA)
         if problems:
             raise Violation("status_admitted_by_the_crd_schema", "; ".join(problems[:3]))
+        if (self._status().get("restartHistory") or [None])[-1] != last:  # a restart decided
+            self.recovery_due = True
+            check_a_restart_shows_restarting(self)
         if fault == "timeout":
             raise TimeoutError("the write went through, its answer was lost")
         return written
@@ -210,6 +285,7 @@ class SimCluster(Cluster):
     def apply(self, namespace: str, actions: Sequence[reconcile.Action]) -> reconcile.Outcome:
         done: list[reconcile.Action] = []
         for action in actions:
+            self._fenced()
             fault = self._call("apply")
             if fault in ("error", "conflict"):
                 return reconcile.Outcome(tuple(done), reconcile.Refusal(action, 503, "the server is unavailable"))
@@ -237,8 +313,21 @@ class SimCluster(Cluster):
                 raise TimeoutError("the call went through, its answer was lost")
         return reconcile.Outcome(tuple(done))
 
+    def measured(self, namespace: str, name: str, status: Mapping[str, Any], history: Sequence[Any],
+                 recovered_after: float | None) -> None:
+        """metrics.record_pass: a pass's figures; a recovery measured (sneppx_job_recovery_seconds)."""
+        if recovered_after is not None:
+            self.recovery_due = False
+
+    def _fenced(self) -> None:
+        """A write leaves this replica as k8s.py sends one: past the product's fence (handlers.elector_for wired
+        it: leader.NotLeaderError when this replica may not act), then checked against the Lease's history."""
+        k8s._guard()
+        check_one_replica_writes(self)
+
     def indexes(self) -> Indexes:
-        view = self.history[self.seen[self.leader]]
+        assert self.current is not None
+        view = self.history[self.seen[self.current]]
         own = self.rendezvous
         if own is not None:
             own = dataclasses.replace(own, view=dataclasses.replace(own.view, hung=tuple(self.hung.values())))
@@ -263,6 +352,7 @@ class SimCluster(Cluster):
         if self.pods != self.history[-1]:  # a lag is counted in changes to the pods
             self.history.append(dict(self.pods))
         self.now += datetime.timedelta(seconds=1)
+        self.election_rounds()
         if self.job is None:
             return
         check_one_pod_per_rank(self)
@@ -291,11 +381,13 @@ class SimCluster(Cluster):
             and status.get("phase") not in ("Succeeded", "Failed", "Suspended")
             and pod.generation == status.get("membershipGeneration") and pod.rank < int(status.get("worldSize") or 0)
             and self._wanted() == int(status.get("worldSize") or 0) and not self.earned_failure
-            and (seen or self.profile.count_unseen or action != "Restart")
+            # A pod gone before any pass saw it took what would classify it along (its node, its condition): it is
+            # replaced uncounted (docs/OPERATOR.md, "Not guaranteed"). A hung pod or a NotReady node's pod stays.
+            and (seen or action != "Restart" or what in ("hang", "node_down"))
         )
         earlier = self.causes.get(pod.uid)
         if earlier is not None:  # two causes raced for one pod: either may be the one the operator saw
-            earlier.covered = earlier.covered and earlier.action == action
+            earlier.covered = earlier.covered and covered and earlier.action == action
             if action == "FailJob":
                 earlier.action = action
             self._judge()
@@ -324,6 +416,7 @@ class SimCluster(Cluster):
                 if uid not in recorded:
                     cause.covered = False
             self.completed = False
+            self.recovery_due = False  # a new generation's start is not a restart's recovery
             self._judge()
         self._bump()
 
@@ -349,7 +442,8 @@ class SimCluster(Cluster):
             if pod.terminating:
                 del self.pods[name]
                 self.sidecars.discard(pod.uid)
-            elif pod.phase == "Pending" and not (pod.rank in self.held and pod.uid not in self.known_pods):
+            elif pod.phase == "Pending" and not (pod.rank in self.held and pod.uid not in self.known_pods) and (
+                    pod.node not in self.nodes or self.nodes[pod.node].ready):  # a NotReady node starts nothing
                 self.pods[name] = dataclasses.replace(pod, phase="Running", ready=True, created_at=self.now)
         if self.job is not None and "deletionTimestamp" in self.job["metadata"]:
             if dependents:  # the garbage collector deletes the dependents, then (a step later) the job
@@ -409,6 +503,7 @@ class SimCluster(Cluster):
             ready = all(p is not None and p.phase == "Running" for p in pods)
             if status.get("phase") != "Running" or self._wanted() != world or not ready:
                 return
+            raced = False
             for pod in pods:
                 assert pod is not None
                 # A sidecar that runs on keeps the kubelet's phase Running after the trainer exited.
@@ -416,10 +511,12 @@ class SimCluster(Cluster):
                                                           pod_phase="Running" if args[0] else "")
                 if pod.uid in self.causes:  # a hang report raced the pod's success
                     self.causes[pod.uid].covered = False
+                if pod.name in self.hung:  # unread: a pass whose view is a moment older (the pod still Running)
+                    raced = True  # may replace it, as one at that moment would; the rank then runs again
                 if args[0]:
                     self.sidecars.add(pod.uid)
             self._judge()
-            self.completed = not self.earned_failure
+            self.completed = not self.earned_failure and not raced
         elif kind == "suspend":
             self._edit_spec(lambda spec: spec.__setitem__("suspend", args[0]))
         elif kind == "resize":
@@ -432,10 +529,37 @@ class SimCluster(Cluster):
             self.known_pods = {p.uid for p in self.pods.values()}
         elif kind == "clock":
             self.skew += datetime.timedelta(seconds=args[0])
-        elif kind == "takeover":  # the other replica takes the Lease, its view as it was (a lag)
-            self.leader = 1 - self.leader
-            self.seen[self.leader] = max(self.seen[self.leader], len(self.history) - 1 - args[0])
-            handlers.new_term()  # its leadership begins: it trusts no pod index yet
+        elif kind == "takeover":  # a rolling update: the leader stops (releasing the Lease) and restarts; the
+            # other replica, its view as it was (a lag), takes the release in the round that comes next
+            for index, replica in enumerate(self.replicas):
+                if replica.elector is not None and replica.elector.holds():
+                    self.switch(index)
+                    replica.elector.stop()
+                    self.start_replica(index)
+                    other = 1 - index
+                    self.seen[other] = max(self.seen[other], len(self.history) - 1 - args[0])
+                    successor = self.replicas[other]
+                    if successor.elector is not None and successor.stalled_until <= self.monotonic():
+                        successor.elector.campaign_round()  # its round comes first: it takes the release
+                        successor.next_round = self.monotonic() + ELECTION.retry_period
+                    break
+        elif kind == "lease_delete":  # an admin deletes the Lease (before a `helm upgrade`, say)
+            self.leases.delete(ELECTION.name)
+        elif kind == "lease_replace":  # the Lease made again by another hand: the chart's (no holder), a stranger's
+            self.leases.delete(ELECTION.name)
+            self.leases._store(kubernetes.client.V1Lease(
+                metadata=kubernetes.client.V1ObjectMeta(name=ELECTION.name, namespace=ELECTION.namespace),
+                spec=kubernetes.client.V1LeaseSpec(holder_identity=args[0] or None, lease_duration_seconds=15,
+                                                   renew_time=self.now if args[0] else None)))
+        elif kind == "stall":  # a replica's election thread starves (or its Lease calls time out) for a while
+            replica = self.replicas[args[0]]
+            replica.stalled_until = max(replica.stalled_until, self.monotonic() + args[1])
+        elif kind == "node_down":  # a node stops reporting: NotReady; its pod stays as it was, not ready
+            pod = self._live(args[0])
+            if pod is not None and pod.node in self.nodes and self.nodes[pod.node].ready:
+                self.nodes[pod.node] = dataclasses.replace(self.nodes[pod.node], ready=False, since=self.now)
+                self.pods[pod.name] = dataclasses.replace(pod, ready=False)
+                self._record(pod, kind, "Restart")
         elif kind == "delete_job" and self.job is not None:
             if args[0] == "foreground":
                 self.job["metadata"]["deletionTimestamp"] = job_object.timestamp(self.now)
@@ -455,18 +579,95 @@ class SimCluster(Cluster):
         else:
             self.foreign = reconcile.ObservedObject("other-cm", "uid-other", job_object.View(hung=(report,)))
 
-    def run_pass(self, lag: int, fault: tuple[int, str] | None) -> None:
-        """One pass of the operator, its pod view `lag` changes behind the truth, with `fault` planned."""
-        self.seen[self.leader] = max(self.seen[self.leader], len(self.history) - 1 - lag)
+    # -- the operator's replicas --
+
+    def monotonic(self) -> float:
+        """The replicas' monotonic clock (leader.py measures only on it): it never steps, as the wall one does."""
+        return (self.now - START).total_seconds()
+
+    def switch(self, index: int) -> None:
+        """Swap replica `index`'s process state into handlers.py and k8s.py (the other's is kept aside)."""
+        if self.current == index:
+            return
+        if self.current is not None:
+            out = self.replicas[self.current]
+            out.state = {name: getattr(handlers, name) for name in PROCESS_STATE}
+            out.fence = k8s._fence
+        replica = self.replicas[index]
+        for name, value in replica.state.items():
+            setattr(handlers, name, value)
+        k8s.set_fence(replica.fence)
+        self.current = index
+
+    def start_replica(self, index: int) -> None:
+        """A new operator process in slot `index` (a first start, or a restart after a crash or an update): a
+        new identity, nothing trusted, its pod view listed afresh."""
+        replica = Replica(f"operator-{index}_{next(self.incarnations)}",
+                          {"_term": 0, "_trusted": {}, "_listed": {}, "_rendezvous_seen": {}, "_elector": None},
+                          next_round=self.monotonic())
+        if index == len(self.replicas):
+            self.replicas.append(replica)
+            self.seen.append(0)
+        self.replicas[index] = replica
+        if self.current == index:
+            self.current = None  # the old process's state dies with it
+        self.switch(index)
+
+        def changed(leading: bool) -> None:  # handlers.startup's: a new term for the replica that took over
+            replica.took_over = replica.took_over or leading
+
+        elector = handlers.elector_for(ELECTION, changed, identity=replica.identity,
+                                       lease_api=ReplicaLeases(self, replica), clock=self.monotonic)
+        handlers._elector = replica.elector = elector
+        self.seen[index] = len(self.history) - 1
+
+    def election_rounds(self) -> None:
+        """Each replica's campaign thread runs its round every retry period (unless it is stalled)."""
+        now = self.monotonic()
+        for replica in self.replicas:
+            if replica.next_round <= now:
+                replica.next_round = now + ELECTION.retry_period
+                if replica.stalled_until <= now and replica.elector is not None:
+                    replica.elector.campaign_round()
+
+    def lease_holder(self) -> str:
+        lease = self.leases.objects.get(ELECTION.name)
+        return "" if lease is None else lease.spec.holder_identity or ""
+
+    def lease_written(self, replica: Replica, before: str, body: kubernetes.client.V1Lease) -> None:
+        self.lease_writes += 1
+        if (body.spec.holder_identity or "") != replica.identity:
+            return  # a release, or an empty Lease made
+        if before != replica.identity:
+            self.acquired.append((self.lease_writes, replica.identity))
+        replica.renewed_at, replica.renewed_seq, replica.read_other = self.monotonic(), self.lease_writes, False
+
+    def run_pass(self, lag: int, fault: tuple[int, str] | None) -> bool:
+        """A pass of each replica that acts (the real handlers.acting()), its pod view `lag` changes behind the
+        truth, with `fault` planned for the first. False when none acted."""
+        acted = False
+        for index in range(len(self.replicas)):
+            self.switch(index)
+            if self.replicas[index].took_over:  # handlers._took_over, as its event loop runs it
+                self.replicas[index].took_over = False
+                handlers.new_term()
+            if not handlers.acting():
+                continue
+            acted = True
+            self._pass(index, lag, fault)
+            fault = None
+        return acted
+
+    def _pass(self, index: int, lag: int, fault: tuple[int, str] | None) -> None:
+        self.seen[index] = max(self.seen[index], len(self.history) - 1 - lag)
         self.calls, self.fault = 0, fault
         try:
             handlers.reconcile_job(KEY, self.indexes())  # type: ignore[arg-type]
-            self.decided = self.seen[self.leader]
-        except (k8s.StatusConflict, ServerError, TimeoutError):
+            self.decided = self.seen[index]
+        except (k8s.StatusConflict, ServerError, TimeoutError, leader.NotLeaderError):
             pass  # the loop tries again (handlers._job_loop)
-        except Crash:
-            self.seen[self.leader] = len(self.history) - 1  # a new process lists afresh
-            handlers.new_term()  # and trusts no index before it matches a fresh list
+        except Crash:  # the process dies: a new one starts, a new candidate for the Lease
+            self.start_replica(index)
         finally:
             self.fault = None
 
@@ -492,6 +693,32 @@ def check_never_a_healthy_pod_deleted(cluster: SimCluster, action: reconcile.Del
     if pod.uid in cluster.causes:
         return
     raise Violation("never_a_healthy_pod_deleted", f"{pod.name} (uid {pod.uid}) deleted while Running and ready")
+
+
+def check_one_replica_writes(cluster: SimCluster) -> None:
+    """The write fence: a write is accepted only from the replica whose last write of itself into the Lease began
+    less than the renew deadline ago, which has read no other holder (nor no Lease) since, and after which no
+    other replica took the Lease. (leader.py's promise, docs/OPERATOR.md "At most one operator acts", checked
+    against the Lease model's history, not against the elector's own state.)"""
+    assert cluster.current is not None
+    replica = cluster.replicas[cluster.current]
+    now = cluster.monotonic()
+    if replica.renewed_at is None or now - replica.renewed_at >= ELECTION.renew_deadline:
+        raise Violation("one_replica_writes", f"{replica.identity} wrote at {now:.0f} s, its last renewal "
+                        f"{replica.renewed_at} (renew deadline {ELECTION.renew_deadline:.0f} s)")
+    if replica.read_other:
+        raise Violation("one_replica_writes", f"{replica.identity} wrote after reading another holder in the Lease")
+    later = [who for seq, who in cluster.acquired if seq > replica.renewed_seq and who != replica.identity]
+    if later:
+        raise Violation("one_replica_writes", f"{replica.identity} wrote after {later[0]} took the Lease")
+
+
+def check_a_restart_shows_restarting(cluster: SimCluster) -> None:
+    """A pass that decides a restart shows it (Restarting, or the job paused, suspended or ended), never as pods
+    being created or a job running: its recovery is then measured (issue 38, defect 8)."""
+    phase = cluster._status().get("phase")
+    if phase in ("Creating", "Pending", "Running"):
+        raise Violation("a_restart_is_shown_and_its_recovery_measured", f"a restart decided, phase {phase}")
 
 
 def check_one_pod_per_rank(cluster: SimCluster) -> None:
@@ -620,9 +847,15 @@ def check_a_wedged_pod_is_replaced_as_hang(cluster: SimCluster) -> None:
             raise Violation("a_wedged_pod_is_replaced_as_hang", f"pod {uid} wedged and never replaced as Hang")
 
 
+def check_every_recovery_measured(cluster: SimCluster) -> None:
+    """A job Running again after a restart had its recovery measured (sneppx_job_recovery_seconds)."""
+    if cluster.job is not None and cluster._status().get("phase") == "Running" and cluster.recovery_due:
+        raise Violation("a_restart_is_shown_and_its_recovery_measured", "Running again, its recovery not measured")
+
+
 END_CHECKS = (check_a_wedged_pod_is_replaced_as_hang,
               check_the_job_ends_as_the_workload_earned, check_no_pod_outlives_its_finished_job,
-              check_restarting_ends_when_quorum_trains)
+              check_restarting_ends_when_quorum_trains, check_every_recovery_measured)
 
 
 # ---- schedules ---------------------------------------------------------------------------------------------
@@ -631,26 +864,23 @@ END_CHECKS = (check_a_wedged_pod_is_replaced_as_hang,
 @dataclasses.dataclass(frozen=True)
 class Profile:
     """Which adversities a schedule may draw. The defaults (the `no-known-defects` profile, which fixed seeds
-    must pass) leave out only the triggers of the open defects: a lagging view and takeovers (defect 5's rest), and
-    counting a pod lost unseen (the suspicion)."""
+    must pass) would leave out the triggers of open defects; there is none now, and `everything` is the same."""
 
-    max_lag: int = 0
-    takeovers: bool = False
+    max_lag: int = 3
+    takeovers: bool = True
     grace_outlasts_a_pass: bool = False  # a pod being deleted gracefully is seen so by a pass before it goes
     clock_steps: bool = True  # the operator's clock steps (NTP, a VM resumed) against the cluster's
     held_pending: bool = True  # a rank's next pods stay Pending (no room on any node)
-    count_unseen: bool = False  # a pod lost before the operator ever saw it counts too (issue 38's suspicion)
     faults: bool = True
     others: tuple[str, ...] = ("fail", "evict_kubelet", "evict_api", "podgc", "user_delete", "hang", "foreign_hang")
     sidecars: bool = True
     job_deletes: tuple[str, ...] = ("background", "foreground")
     group_restart: bool = True  # RestartGroup (defect 4 showed whenever quorum was lost to a drain)
+    lease_events: bool = True  # the Lease deleted or made again by others, a replica's election thread stalled
+    nodes_fail: bool = True  # a node goes NotReady under a pod
 
 
-EVERYTHING = Profile(
-    max_lag=3, takeovers=True, count_unseen=True,
-    others=("fail", "evict_kubelet", "evict_api", "podgc", "user_delete", "hang", "foreign_hang"),
-)
+EVERYTHING = Profile()  # no open defect's trigger is left out of the defaults now
 
 
 def job_spec(min_nodes: int, max_nodes: int, on_loss: str, max_restarts: int,
@@ -698,11 +928,19 @@ def make_schedule(rng: random.Random, profile: Profile, length: int) -> list[Eve
             events.append(("delete_job", rng.choice(profile.job_deletes)))
     # Drawn last, each from its own stream: the other events stay those of the seed.
     steps, holds = random.Random(rng.random()), random.Random(rng.random())
+    leases, nodes = random.Random(rng.random()), random.Random(rng.random())
     if profile.clock_steps:
         for _ in range(length // 10):
             events.insert(steps.randrange(len(events) + 1), ("clock", steps.choice((-3600, -30, -1, 1, 30, 3600))))
     if profile.held_pending and holds.random() < 0.3:
         events.insert(holds.randrange(len(events) + 1), ("hold", holds.randrange(3)))
+    if profile.lease_events:
+        for _ in range(length // 10):
+            event = leases.choice((("lease_delete",), ("lease_replace", leases.choice(("", "stranger"))),
+                                   ("stall", leases.randrange(2), leases.choice((3, 9, 11, 20, 40)))))
+            events.insert(leases.randrange(len(events) + 1), event)
+    if profile.nodes_fail and nodes.random() < 0.3:
+        events.insert(nodes.randrange(len(events) + 1), ("node_down", nodes.randrange(3)))
     return events
 
 
@@ -710,7 +948,9 @@ def make_schedule(rng: random.Random, profile: Profile, length: int) -> list[Eve
 def routed_to(cluster_of: Callable[[], SimCluster]) -> Iterator[None]:
     """k8s.py's calls and the pass's clock go to the current simulated cluster (restored after)."""
     saved = {name: getattr(k8s, name) for name in ("read_job", "list_pods", "patch_job_status", "apply", "post_events")}
-    saved_datetime = handlers.datetime
+    saved_datetime, saved_now, saved_fence = handlers.datetime, leader._now, k8s._fence
+    saved_record_pass = metrics.record_pass
+    saved_process = {name: getattr(handlers, name) for name in PROCESS_STATE}
 
     class Clock(datetime.datetime):
         @classmethod
@@ -720,6 +960,8 @@ def routed_to(cluster_of: Callable[[], SimCluster]) -> Iterator[None]:
     for name in ("read_job", "list_pods", "patch_job_status", "apply"):
         setattr(k8s, name, lambda *a, _name=name, **kw: getattr(cluster_of(), _name)(*a, **kw))
     k8s.post_events = lambda *a, **kw: None  # type: ignore[assignment]
+    metrics.record_pass = lambda *a, **kw: cluster_of().measured(*a, **kw)  # type: ignore[assignment]
+    leader._now = lambda: cluster_of().now + cluster_of().skew  # the renewTime it writes: a clock that steps
     handlers.datetime = type("datetime_module", (), {"datetime": Clock, "UTC": datetime.UTC,  # type: ignore
                                                      "timedelta": datetime.timedelta})
     try:
@@ -727,7 +969,10 @@ def routed_to(cluster_of: Callable[[], SimCluster]) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(k8s, name, value)
-        handlers.datetime = saved_datetime
+        for name, value in saved_process.items():
+            setattr(handlers, name, value)
+        handlers.datetime, leader._now, metrics.record_pass = saved_datetime, saved_now, saved_record_pass
+        k8s.set_fence(saved_fence)
 
 
 def run(spec: Mapping[str, Any], schedule: Sequence[Event], profile: Profile) -> SimCluster:
@@ -735,7 +980,9 @@ def run(spec: Mapping[str, Any], schedule: Sequence[Event], profile: Profile) ->
     Raises Violation."""
     cluster = SimCluster(spec, profile)
     with routed_to(lambda: cluster):
-        handlers.new_term()  # a new operator for each run: nothing trusted from the last one
+        for index in (0, 1):  # two new operator processes: nothing trusted from the last run
+            cluster.start_replica(index)
+        cluster.election_rounds()  # the first takes the released Lease
         for _ in range(4):  # the job starts
             cluster.run_pass(0, None)
             cluster.kubelet()
@@ -746,14 +993,14 @@ def run(spec: Mapping[str, Any], schedule: Sequence[Event], profile: Profile) ->
                 cluster.event(event)
             for check in STEP_CHECKS:
                 check(cluster)
-        for _ in range(30):  # settle: a calm world, a view that catches up
+        for _ in range(60):  # settle: a calm world, a view that catches up, a leader (in a lease duration)
             before = (cluster.writes, len(cluster.history))
-            cluster.run_pass(0, None)
+            acted = cluster.run_pass(0, None)
             cluster.kubelet()
             for check in STEP_CHECKS:
                 check(cluster)
-            if (cluster.writes, len(cluster.history)) == before:  # the pass changed nothing, nor did the kubelet
-                break
+            if acted and (cluster.writes, len(cluster.history)) == before:  # the pass changed nothing, nor did
+                break  # the kubelet
         for check in END_CHECKS:
             check(cluster)
     return cluster
@@ -794,32 +1041,36 @@ def shrink(spec: Mapping[str, Any], schedule: list[Event], profile: Profile, inv
     return schedule
 
 
-# The triggers of issue 38's open defects, each as a way to take it out of a schedule (suspects() isolates them).
-# The fixed defects' triggers stay in every schedule: a failure that needs one is a new defect.
+# The triggers of open defects, each as a way to take it out of a schedule (suspects() isolates them); none is
+# open now. The fixed defects' triggers stay in every schedule: a failure that needs one is a new defect. (Defect
+# 5's was ("defect 5: ...", lambda schedule: [("pass", 0, e[2]) if e[0] == "pass" else e for e in schedule
+# if e[0] != "takeover"], lambda spec: None, {}).)
 ABLATIONS: tuple[tuple[str, Callable[[list[Event]], list[Event]], Callable[[dict[str, Any]], None], dict[str, Any]],
-                 ...] = (
-    ("defect 5: a pod view older than the status (lag, takeover)",
-     lambda schedule: [("pass", 0, e[2]) if e[0] == "pass" else e for e in schedule if e[0] != "takeover"],
-     lambda spec: None, {}),
-    ("suspicion: a replacement lost before the operator saw it is never counted", lambda schedule: schedule,
-     lambda spec: None, {"count_unseen": False}),
-)
+                 ...] = ()
 
 
 def suspects(spec: Mapping[str, Any], schedule: list[Event], profile: Profile) -> list[str]:
     """The defects a failing schedule shows: each whose trigger alone (every other ABLATIONS trigger taken out)
     still fails it. Empty: a failure no known defect explains."""
+    if failure_of(*ablated(spec, schedule, profile, keep=None)) is not None:
+        return []  # it fails without any of them
     found = []
     for keep, _, _, _ in ABLATIONS:
-        changed, events, options = copy.deepcopy(dict(spec)), list(schedule), {}
-        for name, edit_schedule, edit_spec, profile_change in ABLATIONS:
-            if name != keep:
-                edit_spec(changed)
-                events = edit_schedule(events)
-                options.update(profile_change)
-        if failure_of(changed, events, dataclasses.replace(profile, **options)) is not None:
+        if failure_of(*ablated(spec, schedule, profile, keep)) is not None:
             found.append(keep)
     return found
+
+
+def ablated(spec: Mapping[str, Any], schedule: list[Event], profile: Profile,
+            keep: str | None) -> tuple[dict[str, Any], list[Event], Profile]:
+    """The schedule with every ABLATIONS trigger but `keep` taken out."""
+    changed, events, options = copy.deepcopy(dict(spec)), list(schedule), {}
+    for name, edit_schedule, edit_spec, profile_change in ABLATIONS:
+        if name != keep:
+            edit_spec(changed)
+            events = edit_schedule(events)
+            options.update(profile_change)
+    return changed, events, dataclasses.replace(profile, **options)
 
 
 def report(seed: int, spec: Mapping[str, Any], schedule: list[Event], profile: Profile, violation: Violation) -> str:
@@ -846,6 +1097,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=2, help="shrink and print this many failures per invariant")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
+    logging.getLogger(leader.__name__).setLevel(logging.ERROR)  # each takeover's line, thousands of them
     profile = EVERYTHING if args.profile == "everything" else Profile()
     seeds = [args.seed] if args.seed is not None else range(args.first, args.first + args.schedules)
     by_invariant: dict[str, list[int]] = {}

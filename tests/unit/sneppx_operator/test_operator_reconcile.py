@@ -840,6 +840,22 @@ def test_a_hang_report_older_than_the_pod_is_removed_without_a_restart() -> None
     assert plan.restarts == ()
 
 
+def test_a_hang_report_about_a_pod_the_view_has_not_seen_start_stays_until_a_pass_sees_it() -> None:
+    """Seed 630 of the operator simulation: a pass whose pod view lagged the hung pod's start (not there yet, or
+    still Pending) removed the report unread, and the wedged pod was never replaced."""
+    created = NOW - datetime.timedelta(hours=1)
+    status = plan_of(lifecycle_job(), [observed(0, ready=True)], now=NOW, heartbeat_key=KEY).status  # 1 created
+    for lagging in ([observed(0, ready=True)],
+                    [observed(0, ready=True), dataclasses.replace(observed(1, phase="Pending"), created_at=created)]):
+        plan = plan_of(lifecycle_job(status), lagging, now=NOW, heartbeat_key=KEY, rendezvous=hung_view("train-1"))
+        removed = [a for a in plan.actions
+                   if isinstance(a, reconcile.PutRecords) and "job/hung/train-1" in dict(a.records)]
+        assert removed == [] and plan.restarts == (), f"report removed or acted on from {lagging}"
+    running = [observed(0, ready=True), dataclasses.replace(observed(1, ready=True), created_at=created)]
+    plan = plan_of(lifecycle_job(status), running, now=NOW, heartbeat_key=KEY, rendezvous=hung_view("train-1"))
+    assert [r.failure.reason for r in plan.restarts] == ["Hang"]
+
+
 # ---- quorum ----------------------------------------------------------------------------------------------------
 
 
