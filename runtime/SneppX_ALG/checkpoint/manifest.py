@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import struct
 from typing import Any
 
 from SneppX_ALG import _native, errors, storage, untrusted
@@ -45,7 +46,7 @@ _HEX = re.compile(r"^[0-9a-f]*$")
 
 
 def _canonical(doc: dict[str, Any]) -> bytes:
-    return json.dumps(doc, sort_keys=True, allow_nan=False, separators=(",", ":")).encode()
+    return _canonical_text(doc).encode()
 
 
 def manifest_checksum(manifest: dict[str, Any]) -> str:
@@ -140,12 +141,29 @@ def decode_manifest(raw: bytes, *, step: int, where: str) -> dict[str, Any]:
         stored = m.pop(CHECKSUM, None)
         if stored is None:
             raise bad("manifest has no checksum")
-        if stored != manifest_checksum(m):
+        content, whole = _canonical_with(m, stored)  # one encoding for both checks: a chain's manifest is large
+        computed = f"crc32c:{_native.crc32c(content):08x}"
+        if stored != computed:
             raise bad(f"manifest checksum mismatch: it says {str(stored)[:40]!r}, its content gives "
-                      f"{manifest_checksum(m)!r} (the manifest was changed after it was written)")
-        if _canonical({**m, CHECKSUM: stored}) != raw:
+                      f"{computed!r} (the manifest was changed after it was written)")
+        if whole != raw:
             raise bad("manifest bytes are not in canonical form (changed after they were written?)")
     return m
+
+
+def _canonical_with(content: dict[str, Any], checksum: Any) -> tuple[bytes, bytes]:
+    """(_canonical(content), _canonical(content with `checksum` added)), each top-level value encoded once:
+    a canonical encoding is its members in key order, so the two differ by the checksum's member alone."""
+    members = {key: f"{json.dumps(key)}:{_canonical_text(value)}" for key, value in content.items()}
+    without = sorted(members)
+    with_checksum = sorted({*members, CHECKSUM})
+    members[CHECKSUM] = f"{json.dumps(CHECKSUM)}:{_canonical_text(checksum)}"
+    return (("{" + ",".join(members[k] for k in without) + "}").encode(),
+            ("{" + ",".join(members[k] for k in with_checksum) + "}").encode())
+
+
+def _canonical_text(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, allow_nan=False, separators=(",", ":"))
 
 
 def _check_sharding(m: dict[str, Any], bad: Any) -> None:
@@ -168,6 +186,7 @@ def _check_chunks(tensor: dict[str, Any], shard_count: int, block_bytes: int, ve
     if version >= INCREMENTAL_VERSION:
         keys.add("from")
     boxes = []
+    combine = _native.crc32c_combine
     for c in tensor["chunks"]:
         if not (isinstance(c, dict) and type(c.get("shard")) is int and 0 <= c["shard"] < shard_count
                 and isinstance(c.get("entry"), str) and _int_list(c.get("offset")) and _int_list(c.get("shape"))
@@ -183,9 +202,12 @@ def _check_chunks(tensor: dict[str, Any], shard_count: int, block_bytes: int, ve
         count = block_count(c["nbytes"], block_bytes)
         if len(c["blocks"]) != 8 * count or (c.get("digests") is not None and len(c["digests"]) != 64 * count):
             raise bad(f"tensor {name}: chunk {c['entry']!r} needs {count} block checksums")
+        crcs = block_crcs(c)
         crc = 0
-        for index, value in enumerate(block_crcs(c)):
-            crc = _native.crc32c_combine(crc, value, min(block_bytes, c["nbytes"] - index * block_bytes))
+        for value in crcs[:-1]:
+            crc = combine(crc, value, block_bytes)
+        if crcs:
+            crc = combine(crc, crcs[-1], c["nbytes"] - (len(crcs) - 1) * block_bytes)
         if crc != c["crc32c"]:
             raise bad(f"tensor {name}: the block checksums of chunk {c['entry']!r} don't make up its CRC32C")
         boxes.append(chunks.Box(tuple(c["offset"]), tuple(c["shape"])))
@@ -235,8 +257,8 @@ def block_count(nbytes: int, block_bytes: int) -> int:
 
 def block_crcs(chunk: dict[str, Any]) -> list[int]:
     """A version 3 chunk's CRC32C per block."""
-    hexes = chunk["blocks"]
-    return [int(hexes[i:i + 8], 16) for i in range(0, len(hexes), 8)]
+    raw = bytes.fromhex(chunk["blocks"])  # (decode_manifest checked it is 8 hex digits per block)
+    return list(struct.unpack(f">{len(raw) // 4}I", raw))
 
 
 def block_digests(chunk: dict[str, Any]) -> list[bytes] | None:

@@ -267,8 +267,9 @@ def _read_file(reader: storage.StepReader, manifest: dict[str, Any], name: str, 
     entries = {entry.name: entry for entry in layout.decoded.tensors}
     block_bytes = manifest["block_bytes"]
     tensors = {tuple(t["path"]): t for t in manifest["tensors"]}
+    flats: dict[int, np.ndarray] = {}  # each target's bytes, viewed once per file, not once per chunk
     reads: list[_Read] = []
-    for item in sorted(items, key=lambda w: entries[w.chunk["entry"]].offset if w.chunk["entry"] in entries else 0):
+    for item in items:
         chunk = item.chunk
         tensor = tensors[needs[item.need].path]
         entry = entries.get(chunk["entry"])
@@ -276,16 +277,17 @@ def _read_file(reader: storage.StepReader, manifest: dict[str, Any], name: str, 
             raise errors.CorruptTableError(f"has no entry {chunk['entry']!r}, which the manifest names", path=path)
         if not manifest_codec.entry_matches(entry, chunk, tensor):
             raise errors.CorruptTableError(f"entry {chunk['entry']!r} does not match the manifest", path=path)
-        out = outs[item.need] if outs is not None else None
-        place = _direct_place(item, needs[item.need], out) if out is not None else None
+        place = _direct_place(item, needs[item.need], outs[item.need], flats) if outs is not None else None
         reads.append(_Read(item, entry.offset, *(place or (None, 0))))
+    reads.sort(key=lambda r: r.offset)
     digests_too = signed
     index = 0
     while index < len(reads):  # chunks read whole, adjacent in the file and in their target: one read
-        run = [reads[index]]
+        run, size = [reads[index]], reads[index].item.chunk["nbytes"]
         while (index + len(run) < len(reads) and run[-1].joins(reads[index + len(run)], block_bytes)
-               and sum(r.item.chunk["nbytes"] for r in run) < _RUN_BYTES):
+               and size < _RUN_BYTES):
             run.append(reads[index + len(run)])
+            size += run[-1].item.chunk["nbytes"]
         if len(run) > 1:
             _read_run(reader, name, path, run, block_bytes, digests_too, stats)
         else:
@@ -323,6 +325,8 @@ def _check_blocks(view: memoryview, got: list[int], chunk: dict[str, Any], first
                   digests: list[bytes] | None, path: str) -> None:
     """The CRC32C (and BLAKE3) of blocks first, first + 1, ... of a chunk, read into `view`, against the manifest."""
     crcs = manifest_codec.block_crcs(chunk)
+    if digests is None and got == crcs[first:first + len(got)]:
+        return  # the usual case, in one comparison; a mismatch is found and named below
     for block, crc in enumerate(got, start=first):
         if crc != crcs[block]:
             raise errors.ChecksumMismatchError(
@@ -349,9 +353,9 @@ def _read_run(reader: storage.StepReader, name: str, path: str, run: list[_Read]
     for r in run:
         chunk = r.item.chunk
         count = manifest_codec.block_count(chunk["nbytes"], block_bytes)
-        digests = manifest_codec.block_digests(chunk) if digests_too else None
-        _check_blocks(target[position:position + chunk["nbytes"]].data, got[block:block + count], chunk, 0,
-                      block_bytes, digests, path)
+        if digests_too or got[block:block + count] != manifest_codec.block_crcs(chunk):  # else: all match
+            _check_blocks(target[position:position + chunk["nbytes"]].data, got[block:block + count], chunk, 0,
+                          block_bytes, manifest_codec.block_digests(chunk) if digests_too else None, path)
         position += chunk["nbytes"]
         block += count
 
@@ -376,19 +380,25 @@ def _read_one(reader: storage.StepReader, name: str, path: str, read: _Read, nee
         _copy_out(scratch, base, chunk, item.part, needs[item.need], outs[item.need])
 
 
-def _direct_place(item: _Work, need: Need, out: np.ndarray) -> tuple[np.ndarray, int] | None:
+def _direct_place(item: _Work, need: Need, out: np.ndarray, flats: dict[int, np.ndarray],
+                  ) -> tuple[np.ndarray, int] | None:
     """Where a chunk needed whole lands in `out` when that is one byte range of it (the common case: a whole
     tensor, a row block, a range of a 1-D tensor): (out's bytes, the range's start); its blocks are read and checked
-    right there, no copy."""
-    box = chunks.Box(tuple(item.chunk["offset"]), tuple(item.chunk["shape"]))
-    if item.part != box or box.volume == 0:
+    right there, no copy. `flats`: out's bytes by need, made once."""
+    offset, shape = item.chunk["offset"], item.chunk["shape"]
+    if item.part.offset != tuple(offset) or item.part.shape != tuple(shape) or 0 in shape:
         return None
     origin = need.box.offset if need.box is not None else (0,) * out.ndim
-    local = chunks.Box(tuple(o - b for o, b in zip(box.offset, origin, strict=True)), box.shape)
+    local = chunks.Box(tuple(o - b for o, b in zip(offset, origin, strict=True)), tuple(shape))
     if not chunks.is_contiguous(out.shape, local):
         return None
-    start = int(np.ravel_multi_index(local.offset, out.shape)) * out.itemsize if out.ndim else 0
-    return out.reshape(-1).view(np.uint8), start
+    start = 0
+    for index, extent in zip(local.offset, out.shape, strict=True):  # np.ravel_multi_index, without its cost
+        start = start * extent + index
+    flat = flats.get(item.need)
+    if flat is None:
+        flat = flats[item.need] = out.reshape(-1).view(np.uint8)
+    return flat, int(start) * out.itemsize
 
 
 def _copy_out(scratch: np.ndarray, base: int, chunk: dict[str, Any], part: chunks.Box, need: Need,
