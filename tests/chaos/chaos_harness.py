@@ -27,12 +27,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 import chaos_script
+import promises
 from elastic_script import process_state
 
 # Faults made from outside the job (signals, files) and in it (chaos_script's once-a-run knobs)
 SIGNALS = ("kill_worker", "stop_worker", "kill_agent", "kill_node", "stop_node")
 FLIPS = ("flip_checkpoint", "flip_base")
 PLANTED = {"flip_held": "FLIP_HELD", "diverge": "DIVERGE", "raise": "RAISE"}
+STAGED = {"hold_copies": "HOLD_COPIES"}  # planted in the script too, by hand-made schedules only (promises.py)
 RECOVERY = -1  # a fault's `at`: as soon as the generation after the previous fault forms (during recovery)
 TYPED_ENDS = ("ElasticRunError", "RestartBudgetExhaustedError")  # report_run's typed ends of a run
 FINISH_TIMEOUT = 240.0
@@ -54,6 +56,7 @@ class Config:
     node_restart_delay: float  # short: a killed node is back at once; long: the world shrinks, then grows
     ranks_array: bool = False  # the state holds a replicated array shaped (world size at the start,)
     other_snapshot: bool = False  # each step also keeps another object with ctx.snapshot
+    places: str = ""  # "a,a,b": node-i's Kubernetes node (SNEPPX_NODE_NAME); "": each node its own
 
     @property
     def world_size(self) -> int:
@@ -79,7 +82,8 @@ class Fault:
         where = {"kill_worker": f" node-{self.node}/{self.local_rank}", "stop_worker":
                  f" node-{self.node}/{self.local_rank} for {self.hold}s", "kill_agent": f" node-{self.node}",
                  "kill_node": f" node-{self.node}", "stop_node": f" node-{self.node} for {self.hold}s",
-                 "diverge": f" rank {self.node}", "raise": f" rank {self.node}"}.get(self.kind, "")
+                 "diverge": f" rank {self.node}", "raise": f" rank {self.node}",
+                 "hold_copies": f" rank {self.node}"}.get(self.kind, "")
         return f"{self.kind}{where} {when}"
 
 
@@ -105,7 +109,8 @@ class Schedule:
                 f"{snapshots}, incremental {'on' if c.incremental else 'off'}, {c.steps} steps, checkpoint every "
                 f"{c.every}, nodes back after {c.node_restart_delay}s"
                 + (f", a replicated array shaped ({c.world_size},)" if c.ranks_array else "")
-                + (", ctx.snapshot of another object each step" if c.other_snapshot else ""))
+                + (", ctx.snapshot of another object each step" if c.other_snapshot else "")
+                + (f", nodes on Kubernetes nodes {c.places}" if c.places else ""))
         lines = [head]
         lines += [f"  {i}. {f}" for i, f in enumerate(self.faults, 1)] or ["  (no faults)"]
         return "\n".join(lines + [f"  replay: {self.to_json()}"])
@@ -173,9 +178,10 @@ def run(schedule: Schedule, workdir: Path) -> Outcome:
                              "snapshot": c.snapshot, "replicas": c.replicas, "incremental": int(c.incremental),
                              "backend": c.backend, "node_restart_delay": c.node_restart_delay,
                              "ranks_array": int(c.ranks_array), "other_snapshot": int(c.other_snapshot)}
+    knobs["places"] = c.places
     for fault in schedule.faults:
-        if fault.kind in PLANTED:
-            knobs[PLANTED[fault.kind]] = f"{fault.at}:{fault.node}"
+        if fault.kind in {**PLANTED, **STAGED}:
+            knobs[{**PLANTED, **STAGED}[fault.kind]] = f"{fault.at}:{fault.node}"
     started = time.monotonic()
     job = chaos_script.Run(workdir / "out", str(workdir / "ckpts"), **knobs)
     fired: list[str] = []
@@ -190,7 +196,7 @@ def run(schedule: Schedule, workdir: Path) -> Outcome:
             job.kill()
         else:
             job.log.close()
-    problems = judge(c, job.out, result)
+    problems = judge(c, job.out, result) + promises.broken(schedule, job.out, fired, result)
     ended = "recovered" if "error" not in result else f"{result['error']}: {result.get('message', '')[:300]}"
     sizes = {r["generation"]: r["world_size"] for r in records(job.out / "restored")}
     return Outcome(schedule, problems, ended, fired, time.monotonic() - started, job.out,
@@ -211,7 +217,7 @@ def fire_in_turn(job: chaos_script.Run, schedule: Schedule, checkpoints: Path, f
                  watch: Watch) -> None:
     generation = 0
     for fault in schedule.faults:
-        if fault.kind in PLANTED:
+        if fault.kind in {**PLANTED, **STAGED}:
             fired.append(f"{fault} (planted in the script)")
             continue
         try:

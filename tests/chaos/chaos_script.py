@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,7 @@ def train_loop(ctx: Any) -> None:
     from SneppX_ALG.coordinator import Shard
 
     out = Path(knob("OUT", "."))
+    place_as_kubernetes_node(ctx)
     steps, every, pause = int(knob("STEPS", "20")), int(knob("EVERY", "4")), float(knob("SLEEP", "0.2"))
     incremental = knob("INCREMENTAL", "0") == "1"
     whole = initial(incremental, ctx.world_size if knob("RANKS_ARRAY", "0") == "1" else 0)
@@ -137,6 +139,9 @@ def train_loop(ctx: Any) -> None:
     flipped: set[Any] | None = None
     other = knob("OTHER_SNAPSHOT", "0") == "1"
     until_world, most = int(knob("UNTIL_WORLD", "0")), int(knob("MAX_STEPS", "0"))
+    hold = knob("HOLD_COPIES", "")
+    if hold and planted(hold)[1] == ctx.rank % ctx.world_size and ctx._worker.snapshots is not None:
+        hold_copies(ctx._worker.snapshots, planted(hold)[0], out)
     while step < steps or (ctx.world_size < until_world and step < most):  # on until nodes that died are back
         if fail and planted(fail) == (step, ctx.rank % ctx.world_size) and once(out, "raise"):
             raise RuntimeError(f"planted failure at step {step}, generation {ctx.generation}")
@@ -172,6 +177,30 @@ def train_loop(ctx: Any) -> None:
     if "r" in state:
         mine["r"] = state["r"]
     record(out / "final", ctx, {"step": step, **part(mine, ctx.rank, ctx.world_size)})
+
+
+def place_as_kubernetes_node(ctx: Any) -> None:
+    """C_PLACES=a,a,b: node-i's workers say they run on Kubernetes node `a`, `a`, `b` (SNEPPX_NODE_NAME, as the
+    operator sets it), so that a snapshot's copies are placed by those names: harness nodes sharing one are pods
+    on one Kubernetes node (issue 37, defect 4)."""
+    places = [p for p in knob("PLACES", "").split(",") if p]
+    node = int(str(ctx._assignment.agent_id).rpartition("-")[2])
+    if places:
+        os.environ["SNEPPX_NODE_NAME"] = places[node]
+
+
+def hold_copies(keeper: Any, step: int, out: Path) -> None:
+    """C_HOLD_COPIES=STEP:RANK: that rank's snapshot of STEP is taken and compared, but its copies never leave
+    (its background thread waits in the first shift until the process dies): a node lost with its copies in
+    flight, deterministically. Once a run (the marker says when it began to hold)."""
+    send = keeper._send_to_peers
+
+    def held(wire: Any, group: Any, sizes: Any, holders: Any) -> None:
+        if keeper.own and keeper.own[-1].meta["step"] == step and once(out, "hold-copies"):
+            threading.Event().wait()  # until the harness kills this node
+        send(wire, group, sizes, holders)
+
+    keeper._send_to_peers = held
 
 
 def record(where: Path, ctx: Any, fields: dict[str, Any]) -> None:

@@ -1,0 +1,121 @@
+"""The promise oracle of the recovery chaos harness: where a recovery must come from, by docs/ELASTIC.md's "What
+is guaranteed", and whether it did. `chaos_harness.judge` asks whether the state is right; this asks what the
+recovery cost: a run that restores the right state from storage (or ends) where peer memory was promised is a
+broken promise (issue 37, defects 3 and 4, and `choose` taking a snapshot with a part lost).
+
+It asserts only where the schedule and the run's own records make the promise certain despite real-process
+timing, and says nothing elsewhere (an oracle with false failures is worse than none):
+- snapshots on, no world-sized array (a world that changes ends it with a typed error), and the nodes on at least
+  two Kubernetes nodes (`Config.places`; each harness node its own by default), so that every part has a copy
+  off its node (`plan.copy_holders`);
+- the first signal fault of the schedule (in list order, so in time) kills one worker, agent or node: one
+  Kubernetes node's worth of memory at most, which every part survives;
+- nothing else may have lost memory or spoiled a snapshot before the next generation restored: no later signal
+  fault that could fire before it (during recovery, or at a step the first generation reached already), and no
+  planted fault in the script (its marker file says when it fired) before the restore; flipped committed steps
+  may be there: they never make a snapshot count less.
+Then a snapshot of a step S was complete on every rank when the first generation ended: a worker's `take` of the
+snapshot at step T waits for the one before it (T - snapshot_every) to be held everywhere (its barrier), and
+rank 0's progress event of step T + 1 comes after its `take` of T returned; a progress event whose snapshot
+costs have `background_ms` says the newest snapshot taken is done. The next generation must restore step S or a
+newer one, and from memory when it is S (a committed step as new as a counting snapshot loses to it): restoring
+an older step, a fresh start, storage at S, or the run ending there (`RollbackLimitError`) break the promise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import chaos_harness
+
+LOSSES = ("kill_worker", "kill_agent", "kill_node")
+MARGIN = 2  # steps a later fault's step must be past the first generation's last, to fire after the restore
+
+
+def broken(schedule: chaos_harness.Schedule, out: Path, fired: list[str], result: dict[str, Any]) -> list[str]:
+    """The promises the run broke: empty where it kept them, or where none is certain."""
+    c = schedule.config
+    places = c.places.split(",") if c.places else [f"node-{i}" for i in range(c.nodes)]
+    if not c.snapshot or c.ranks_array or len(set(places)) < 2:
+        return []
+    signals = [i for i, f in enumerate(schedule.faults) if f.kind in chaos_harness.SIGNALS]
+    if not signals:
+        return []
+    first = signals[0]
+    loss = schedule.faults[first]
+    if loss.kind not in LOSSES or loss.at == chaos_harness.RECOVERY or ": fired (" not in fired[first]:
+        return []
+    restores = chaos_harness.records(out / "restored")
+    generations = sorted({r["generation"] for r in restores})
+    if len(generations) < 2:
+        return []
+    before, after = generations[0], generations[1]
+    if any(r.get("step") != 0 or r.get("source") is not None for r in restores if r["generation"] == before):
+        return []  # the first generation did not start fresh: not the run this reasoning is about
+    steps = progress(out / "events", before)
+    last = max(steps, default=0)
+    later = schedule.faults[first + 1:]
+    if any(f.kind in chaos_harness.SIGNALS and (f.at == chaos_harness.RECOVERY or f.at <= last + MARGIN)
+           for f in later):
+        return []  # it may have fired before the next generation restored: more than one node's worth lost
+    restored = [r for r in restores if r["generation"] == after]
+    began = min(r["time"] for r in restored)
+    if planted_before(out, began):
+        return []
+    complete = complete_snapshot(steps, c.snapshot, costs_tell=not c.other_snapshot)
+    if complete < 1:
+        return []
+    why = (f"{loss} lost one Kubernetes node's worth of memory at most (nodes on {', '.join(places)}; every part "
+           f"has a copy off its node), and the snapshot of step {complete} was complete on every rank (rank 0 "
+           f"reported step {last} in generation {before}): docs/ELASTIC.md promises generation {after} restores "
+           f"step {complete} or newer, from memory at {complete}")
+    problems = []
+    for r in sorted(restored, key=lambda r: r["rank"]):
+        if "error" in r:
+            if r["error"].startswith("RollbackLimitError"):
+                problems.append(f"broken promise: generation {after} rank {r['rank']} ended the run "
+                                f"({r['error'][:300]}); {why}")
+            continue
+        source = r.get("source")
+        if r["step"] < complete or (r["step"] == complete and source != "memory"):
+            problems.append(f"broken promise: generation {after} rank {r['rank']} restored step {r['step']} from "
+                            f"{source or 'nothing (a fresh start)'}; {why}")
+    return problems[:2]  # every rank decides alike: two say it
+
+
+def progress(events: Path, generation: int) -> dict[int, dict[str, Any]]:
+    """Rank 0's progress events of `generation` (the agents' `step` events), by step."""
+    steps: dict[int, dict[str, Any]] = {}
+    for path in sorted(events.glob("*.events.jsonl")) if events.exists() else []:
+        for line in path.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # an agent killed while writing its last line
+            if event.get("kind") == "step" and event.get("generation") == generation \
+                    and isinstance(event.get("step"), int):
+                steps[event["step"]] = event
+    return steps
+
+
+def complete_snapshot(steps: dict[int, dict[str, Any]], every: int, *, costs_tell: bool) -> int:
+    """The newest step whose snapshot rank 0's progress events prove held on every rank (0: none): the event of
+    step T + 1 follows the `take` of T (T a multiple of `every`), which waited for the snapshot of T - every;
+    with `costs_tell`, its costs with `background_ms` say the snapshot of T itself is done (with another object
+    snapshotted each step, the newest taken may be that object's: not told apart)."""
+    done = 0
+    for step, event in steps.items():
+        taken = every * ((step - 1) // every)  # the newest snapshot rank 0 took before this step's report
+        if taken >= every and taken == step - 1:
+            done = max(done, taken - every)
+        if costs_tell and taken >= every and "background_ms" in (event.get("snapshot") or {}):
+            done = max(done, taken)
+    return done
+
+
+def planted_before(out: Path, moment: float) -> bool:
+    """Whether a fault planted in the script (a diverged replica, flipped held copies, a raise) fired before
+    `moment` (its marker file's time): it may have cost the snapshots their promise."""
+    return any(marker.stat().st_mtime <= moment for marker in out.glob("once-*") if marker.name != "once-hold-copies")
