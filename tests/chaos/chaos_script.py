@@ -12,7 +12,8 @@ OUT/restored/, and its final state to OUT/final/, for the oracle (chaos_harness.
 harness cannot make from outside are planted here, each once a run (a marker file in OUT): C_DIVERGE=STEP:RANK
 (that rank's replica of w drifts by 2**-20 at that step), C_FLIP_HELD=STEP (from that step on, in that
 generation, rank 0 flips a byte in every copy of a peer's snapshot it holds), C_RAISE=STEP:RANK (train_fn
-raises). The job's shape: NODES, GPUS, STEPS, EVERY, SLEEP, BACKEND, SNAPSHOT, REPLICAS, INCREMENTAL,
+raises), C_HOLD_COPIES=STEP:RANK (that rank's copies of STEP never leave: its node dies with them in flight).
+C_PLACES=a,a,b names the Kubernetes node of each node's workers (SNEPPX_NODE_NAME): copies are placed by it. The job's shape: NODES, GPUS, STEPS, EVERY, SLEEP, BACKEND, SNAPSHOT, REPLICAS, INCREMENTAL,
 RANKS_ARRAY (a replicated array shaped by the world size), OTHER_SNAPSHOT (ctx.snapshot of another object shaped
 like the state, each step), UNTIL_WORLD and MAX_STEPS (train past STEPS, up to MAX_STEPS, until the world has
 UNTIL_WORLD ranks again), MAX_RESTARTS, NODE_RESTART_DELAY, and the product's timing tunables (2 s / 10 s / 5 s,
