@@ -196,7 +196,7 @@ def run(schedule: Schedule, workdir: Path) -> Outcome:
             job.kill()
         else:
             job.log.close()
-    problems = judge(c, job.out, result) + promises.broken(schedule, job.out, fired, result)
+    problems = judge(c, job.out, result) + promises.broken(schedule, job.out, fired)
     ended = "recovered" if "error" not in result else f"{result['error']}: {result.get('message', '')[:300]}"
     sizes = {r["generation"]: r["world_size"] for r in records(job.out / "restored")}
     return Outcome(schedule, problems, ended, fired, time.monotonic() - started, job.out,

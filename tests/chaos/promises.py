@@ -24,6 +24,7 @@ an older step, a fresh start, storage at S, or the run ending there (`RollbackLi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -34,55 +35,71 @@ LOSSES = ("kill_worker", "kill_agent", "kill_node")
 MARGIN = 2  # steps a later fault's step must be past the first generation's last, to fire after the restore
 
 
-def broken(schedule: chaos_harness.Schedule, out: Path, fired: list[str], result: dict[str, Any]) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Promise:
+    """Generation `generation` must restore step `step` or a newer one, from memory at `step`; `why` says so."""
+
+    generation: int
+    step: int
+    why: str
+
+
+def broken(schedule: chaos_harness.Schedule, out: Path, fired: list[str]) -> list[str]:
     """The promises the run broke: empty where it kept them, or where none is certain."""
+    promise = promised(schedule, out, fired)
+    if promise is None:
+        return []
+    problems = []
+    for r in sorted(chaos_harness.records(out / "restored"), key=lambda r: r["rank"]):
+        if r["generation"] != promise.generation:
+            continue
+        if "error" in r:
+            if r["error"].startswith("RollbackLimitError"):
+                problems.append(f"broken promise: generation {promise.generation} rank {r['rank']} ended the run "
+                                f"({r['error'][:300]}); {promise.why}")
+            continue
+        source = r.get("source")
+        if r["step"] < promise.step or (r["step"] == promise.step and source != "memory"):
+            problems.append(f"broken promise: generation {promise.generation} rank {r['rank']} restored step "
+                            f"{r['step']} from {source or 'nothing (a fresh start)'}; {promise.why}")
+    return problems[:2]  # every rank decides alike: two say it
+
+
+def promised(schedule: chaos_harness.Schedule, out: Path, fired: list[str]) -> Promise | None:
+    """Where the first recovery must come from, when the schedule and the run's records make it certain."""
     c = schedule.config
     places = c.places.split(",") if c.places else [f"node-{i}" for i in range(c.nodes)]
     if not c.snapshot or c.ranks_array or len(set(places)) < 2:
-        return []
+        return None
     signals = [i for i, f in enumerate(schedule.faults) if f.kind in chaos_harness.SIGNALS]
     if not signals:
-        return []
+        return None
     first = signals[0]
     loss = schedule.faults[first]
     if loss.kind not in LOSSES or loss.at == chaos_harness.RECOVERY or ": fired (" not in fired[first]:
-        return []
+        return None
     restores = chaos_harness.records(out / "restored")
     generations = sorted({r["generation"] for r in restores})
     if len(generations) < 2:
-        return []
+        return None
     before, after = generations[0], generations[1]
     if any(r.get("step") != 0 or r.get("source") is not None for r in restores if r["generation"] == before):
-        return []  # the first generation did not start fresh: not the run this reasoning is about
+        return None  # the first generation did not start fresh: not the run this reasoning is about
     steps = progress(out / "events", before)
     last = max(steps, default=0)
-    later = schedule.faults[first + 1:]
     if any(f.kind in chaos_harness.SIGNALS and (f.at == chaos_harness.RECOVERY or f.at <= last + MARGIN)
-           for f in later):
-        return []  # it may have fired before the next generation restored: more than one node's worth lost
-    restored = [r for r in restores if r["generation"] == after]
-    began = min(r["time"] for r in restored)
-    if planted_before(out, began):
-        return []
+           for f in schedule.faults[first + 1:]):
+        return None  # it may have fired before the next generation restored: more than one node's worth lost
+    if planted_before(out, min(r["time"] for r in restores if r["generation"] == after)):
+        return None
     complete = complete_snapshot(steps, c.snapshot, costs_tell=not c.other_snapshot)
     if complete < 1:
-        return []
-    why = (f"{loss} lost one Kubernetes node's worth of memory at most (nodes on {', '.join(places)}; every part "
-           f"has a copy off its node), and the snapshot of step {complete} was complete on every rank (rank 0 "
-           f"reported step {last} in generation {before}): docs/ELASTIC.md promises generation {after} restores "
-           f"step {complete} or newer, from memory at {complete}")
-    problems = []
-    for r in sorted(restored, key=lambda r: r["rank"]):
-        if "error" in r:
-            if r["error"].startswith("RollbackLimitError"):
-                problems.append(f"broken promise: generation {after} rank {r['rank']} ended the run "
-                                f"({r['error'][:300]}); {why}")
-            continue
-        source = r.get("source")
-        if r["step"] < complete or (r["step"] == complete and source != "memory"):
-            problems.append(f"broken promise: generation {after} rank {r['rank']} restored step {r['step']} from "
-                            f"{source or 'nothing (a fresh start)'}; {why}")
-    return problems[:2]  # every rank decides alike: two say it
+        return None
+    return Promise(after, complete, (
+        f"{loss} lost one Kubernetes node's worth of memory at most (nodes on {', '.join(places)}; every part has a "
+        f"copy off its node), and the snapshot of step {complete} was complete on every rank (rank 0 reported step "
+        f"{last} in generation {before}): docs/ELASTIC.md promises generation {after} restores step {complete} "
+        f"or newer, from memory at {complete}"))
 
 
 def progress(events: Path, generation: int) -> dict[int, dict[str, Any]]:

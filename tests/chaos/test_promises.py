@@ -49,11 +49,10 @@ def write_run(out: Path, last: int, after: list[dict[str, Any]], markers: tuple[
 
 
 def judged(out: Path, after: list[dict[str, Any]], *, config: chaos_harness.Config = CONFIG,
-           faults: tuple[chaos_harness.Fault, ...] = (KILL,), last: int = 8, markers: tuple[str, ...] = (),
-           result: dict[str, Any] | None = None) -> list[str]:
+           faults: tuple[chaos_harness.Fault, ...] = (KILL,), last: int = 8, markers: tuple[str, ...] = ()) -> list[str]:
     write_run(out, last, after, markers)
     fired = [f"{f}: fired (at step {last}, 0.0s to fire)" for f in faults]
-    return promises.broken(chaos_harness.Schedule(0, config, faults), out, fired, result or {})
+    return promises.broken(chaos_harness.Schedule(0, config, faults), out, fired)
 
 
 MEMORY = [{"step": 6, "source": "memory"}] * 2
@@ -99,10 +98,10 @@ def test_no_promise_is_asserted_where_the_schedule_does_not_make_it_certain(tmp_
         faults, markers = (chaos_harness.Fault("diverge", 7, node=0), KILL), ("diverge",)
     write_run(tmp_path, 8, [{"step": 0, "source": None}] * 2, markers)
     fired = [f"{f}: {'no target' if case == 'not fired' else 'fired'} (at step 8, 0.0s to fire)" for f in faults]
-    assert promises.broken(chaos_harness.Schedule(0, config, faults), tmp_path, fired, {}) == []
+    assert promises.broken(chaos_harness.Schedule(0, config, faults), tmp_path, fired) == []
     if case == "diverged before":  # the same diverge after the restore leaves the promise standing
         os.utime(tmp_path / "once-diverge", (300.0, 300.0))
-        assert promises.broken(chaos_harness.Schedule(0, config, faults), tmp_path, fired, {})
+        assert promises.broken(chaos_harness.Schedule(0, config, faults), tmp_path, fired)
 
 
 def test_a_later_kill_and_flipped_steps_leave_the_promise_standing(tmp_path: Path) -> None:
