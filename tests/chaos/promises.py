@@ -8,12 +8,12 @@ timing, and says nothing elsewhere (an oracle with false failures is worse than 
 - snapshots on, no world-sized array (a world that changes ends it with a typed error), and the nodes on at least
   two Kubernetes nodes (`Config.places`; each harness node its own by default), so that every part has a copy
   off its node (`plan.copy_holders`);
-- the first signal fault of the schedule (in list order, so in time) kills one worker, agent or node: one
-  Kubernetes node's worth of memory at most, which every part survives;
-- nothing else may have lost memory or spoiled a snapshot before the next generation restored: no later signal
-  fault that could fire before it (during recovery, or at a step the first generation reached already), and no
-  planted fault in the script (its marker file says when it fired) before the restore; flipped committed steps
-  may be there: they never make a snapshot count less.
+- the first generation started fresh, and exactly one fault may have acted before the next generation restored:
+  a worker, agent or node killed or stopped, or a rank raising (one Kubernetes node's worth of memory at most,
+  which every part survives). A signal may have acted when it fired during recovery or at a step the first
+  generation reached (or nearly: faults fire in turn, when progress.json reaches their step), a fault planted
+  in the script when its marker file is older than the restore; a diverged replica or flipped held copies
+  acting rule the promise out. Flipped committed steps never do: they never make a snapshot count less.
 Then a snapshot of a step S was complete on every rank when the first generation ended: a worker's `take` of the
 snapshot at step T waits for the one before it (T - snapshot_every) to be held everywhere (its barrier), and
 rank 0's progress event of step T + 1 comes after its `take` of T returned; a progress event whose snapshot
@@ -31,7 +31,9 @@ from typing import Any
 
 import chaos_harness
 
-LOSSES = ("kill_worker", "kill_agent", "kill_node")
+# faults that cost one Kubernetes node's memory at most (a stopped node is dropped, or waited for)
+LOSSES = ("kill_worker", "kill_agent", "kill_node", "stop_worker", "stop_node", "raise")
+MARKERS = {"raise": "raise", "diverge": "diverge", "flip_held": "flip-held"}  # chaos_script's once() markers
 MARGIN = 2  # steps a later fault's step must be past the first generation's last, to fire after the restore
 
 
@@ -71,13 +73,6 @@ def promised(schedule: chaos_harness.Schedule, out: Path, fired: list[str]) -> P
     places = c.places.split(",") if c.places else [f"node-{i}" for i in range(c.nodes)]
     if not c.snapshot or c.ranks_array or len(set(places)) < 2:
         return None
-    signals = [i for i, f in enumerate(schedule.faults) if f.kind in chaos_harness.SIGNALS]
-    if not signals:
-        return None
-    first = signals[0]
-    loss = schedule.faults[first]
-    if loss.kind not in LOSSES or loss.at == chaos_harness.RECOVERY or ": fired (" not in fired[first]:
-        return None
     restores = chaos_harness.records(out / "restored")
     generations = sorted({r["generation"] for r in restores})
     if len(generations) < 2:
@@ -87,11 +82,12 @@ def promised(schedule: chaos_harness.Schedule, out: Path, fired: list[str]) -> P
         return None  # the first generation did not start fresh: not the run this reasoning is about
     steps = progress(out / "events", before)
     last = max(steps, default=0)
-    if any(f.kind in chaos_harness.SIGNALS and (f.at == chaos_harness.RECOVERY or f.at <= last + MARGIN)
-           for f in schedule.faults[first + 1:]):
-        return None  # it may have fired before the next generation restored: more than one node's worth lost
-    if planted_before(out, min(r["time"] for r in restores if r["generation"] == after)):
-        return None
+    began = min(r["time"] for r in restores if r["generation"] == after)
+    said = [*fired, *[""] * (len(schedule.faults) - len(fired))]  # a fault the drive never reached did not fire
+    acting = [f for f, what in zip(schedule.faults, said, strict=False) if acted(f, what, out, last, began)]
+    if len(acting) != 1 or acting[0].kind not in LOSSES:
+        return None  # none (nothing this knows of ended the generation), or more than one node's worth
+    loss = acting[0]
     complete = complete_snapshot(steps, c.snapshot, costs_tell=not c.other_snapshot)
     if complete < 1:
         return None
@@ -100,6 +96,18 @@ def promised(schedule: chaos_harness.Schedule, out: Path, fired: list[str]) -> P
         f"copy off its node), and the snapshot of step {complete} was complete on every rank (rank 0 reported step "
         f"{last} in generation {before}): docs/ELASTIC.md promises generation {after} restores step {complete} "
         f"or newer, from memory at {complete}"))
+
+
+def acted(fault: chaos_harness.Fault, fired: str, out: Path, last: int, began: float) -> bool:
+    """Whether `fault` may have fired before the next generation restored (at `began`): a signal that fired
+    during recovery or at a step the first generation reached (or nearly: `last` + MARGIN), a fault planted in
+    the script whose marker is older; never a flipped committed step, nor held copies (they only delay)."""
+    if fault.kind in chaos_harness.SIGNALS:
+        return ": fired (" in fired and (fault.at == chaos_harness.RECOVERY or fault.at <= last + MARGIN)
+    if fault.kind in MARKERS:
+        marker = out / f"once-{MARKERS[fault.kind]}"
+        return marker.exists() and marker.stat().st_mtime <= began
+    return False
 
 
 def progress(events: Path, generation: int) -> dict[int, dict[str, Any]]:
@@ -130,9 +138,3 @@ def complete_snapshot(steps: dict[int, dict[str, Any]], every: int, *, costs_tel
         if costs_tell and taken >= every and "background_ms" in (event.get("snapshot") or {}):
             done = max(done, taken)
     return done
-
-
-def planted_before(out: Path, moment: float) -> bool:
-    """Whether a fault planted in the script (a diverged replica, flipped held copies, a raise) fired before
-    `moment` (its marker file's time): it may have cost the snapshots their promise."""
-    return any(marker.stat().st_mtime <= moment for marker in out.glob("once-*") if marker.name != "once-hold-copies")

@@ -108,3 +108,14 @@ def test_a_later_kill_and_flipped_steps_leave_the_promise_standing(tmp_path: Pat
     faults = (chaos_harness.Fault("flip_checkpoint", 8), KILL, chaos_harness.Fault("kill_node", 11, node=0))
     assert judged(tmp_path / "good", MEMORY, faults=faults) == []
     assert judged(tmp_path / "bad", [{"step": 5, "source": "/ckpts/step-000000005"}] * 2, faults=faults)
+
+
+@pytest.mark.parametrize("loss", [chaos_harness.Fault("stop_node", 8, node=1, hold=4.0),
+                                  chaos_harness.Fault("kill_agent", 8, node=0),
+                                  chaos_harness.Fault("raise", 7, node=1)])
+def test_a_lone_stop_or_raise_is_one_nodes_worth_too(tmp_path: Path, loss: chaos_harness.Fault) -> None:
+    markers = ("raise",) if loss.kind == "raise" else ()
+    assert judged(tmp_path / "good", MEMORY, faults=(loss,), markers=markers) == []
+    assert judged(tmp_path / "bad", [{"step": 0, "source": None}] * 2, faults=(loss,), markers=markers)
+    no_marker = judged(tmp_path / "unmarked", [{"step": 0, "source": None}] * 2, faults=(loss,))
+    assert bool(no_marker) == (loss.kind != "raise")  # a raise that left no marker never happened: no promise
