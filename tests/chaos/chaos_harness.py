@@ -35,6 +35,7 @@ SIGNALS = ("kill_worker", "stop_worker", "kill_agent", "kill_node", "stop_node")
 FLIPS = ("flip_checkpoint", "flip_base")
 PLANTED = {"flip_held": "FLIP_HELD", "diverge": "DIVERGE", "raise": "RAISE"}
 STAGED = {"hold_copies": "HOLD_COPIES"}  # planted in the script too, by hand-made schedules only (promises.py)
+IN_SCRIPT = {**PLANTED, **STAGED}
 RECOVERY = -1  # a fault's `at`: as soon as the generation after the previous fault forms (during recovery)
 TYPED_ENDS = ("ElasticRunError", "RestartBudgetExhaustedError")  # report_run's typed ends of a run
 FINISH_TIMEOUT = 240.0
@@ -180,8 +181,8 @@ def run(schedule: Schedule, workdir: Path) -> Outcome:
                              "ranks_array": int(c.ranks_array), "other_snapshot": int(c.other_snapshot)}
     knobs["places"] = c.places
     for fault in schedule.faults:
-        if fault.kind in {**PLANTED, **STAGED}:
-            knobs[{**PLANTED, **STAGED}[fault.kind]] = f"{fault.at}:{fault.node}"
+        if fault.kind in IN_SCRIPT:
+            knobs[IN_SCRIPT[fault.kind]] = f"{fault.at}:{fault.node}"
     started = time.monotonic()
     job = chaos_script.Run(workdir / "out", str(workdir / "ckpts"), **knobs)
     fired: list[str] = []
@@ -217,7 +218,7 @@ def fire_in_turn(job: chaos_script.Run, schedule: Schedule, checkpoints: Path, f
                  watch: Watch) -> None:
     generation = 0
     for fault in schedule.faults:
-        if fault.kind in {**PLANTED, **STAGED}:
+        if fault.kind in IN_SCRIPT:
             fired.append(f"{fault} (planted in the script)")
             continue
         try:

@@ -13,7 +13,8 @@ harness cannot make from outside are planted here, each once a run (a marker fil
 (that rank's replica of w drifts by 2**-20 at that step), C_FLIP_HELD=STEP (from that step on, in that
 generation, rank 0 flips a byte in every copy of a peer's snapshot it holds), C_RAISE=STEP:RANK (train_fn
 raises), C_HOLD_COPIES=STEP:RANK (that rank's copies of STEP never leave: its node dies with them in flight).
-C_PLACES=a,a,b names the Kubernetes node of each node's workers (SNEPPX_NODE_NAME): copies are placed by it. The job's shape: NODES, GPUS, STEPS, EVERY, SLEEP, BACKEND, SNAPSHOT, REPLICAS, INCREMENTAL,
+C_PLACES=a,a,b names the Kubernetes node of each node's workers (SNEPPX_NODE_NAME): copies are placed by it.
+The job's shape: NODES, GPUS, STEPS, EVERY, SLEEP, BACKEND, SNAPSHOT, REPLICAS, INCREMENTAL,
 RANKS_ARRAY (a replicated array shaped by the world size), OTHER_SNAPSHOT (ctx.snapshot of another object shaped
 like the state, each step), UNTIL_WORLD and MAX_STEPS (train past STEPS, up to MAX_STEPS, until the world has
 UNTIL_WORLD ranks again), MAX_RESTARTS, NODE_RESTART_DELAY, and the product's timing tunables (2 s / 10 s / 5 s,
@@ -185,9 +186,8 @@ def place_as_kubernetes_node(ctx: Any) -> None:
     operator sets it), so that a snapshot's copies are placed by those names: harness nodes sharing one are pods
     on one Kubernetes node (issue 37, defect 4)."""
     places = [p for p in knob("PLACES", "").split(",") if p]
-    node = int(str(ctx._assignment.agent_id).rpartition("-")[2])
-    if places:
-        os.environ["SNEPPX_NODE_NAME"] = places[node]
+    if places:  # the launcher names node i's agent node-i
+        os.environ["SNEPPX_NODE_NAME"] = places[int(str(ctx._assignment.agent_id).rpartition("-")[2])]
 
 
 def hold_copies(keeper: Any, step: int, out: Path) -> None:
