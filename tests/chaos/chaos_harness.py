@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 import chaos_script
+import promises
 from elastic_script import process_state
 
 # Faults made from outside the job (signals, files) and in it (chaos_script's once-a-run knobs)
@@ -36,6 +37,8 @@ SIGNALS = ("kill_worker", "stop_worker", "kill_agent", "kill_node", "stop_node")
 FLIPS = ("flip_checkpoint", "flip_base")
 PLANTED = {"flip_held": "FLIP_HELD", "diverge": "DIVERGE", "raise": "RAISE"}
 SETUP = ("kill_creator",)  # a shared-memory segment's creator killed in setup, a peer late (drawn apart)
+STAGED = {"hold_copies": "HOLD_COPIES"}  # planted in the script too, by hand-made schedules only (promises.py)
+IN_SCRIPT = {**PLANTED, **STAGED}
 RECOVERY = -1  # a fault's `at`: as soon as the generation after the previous fault forms (during recovery)
 TYPED_ENDS = ("ElasticRunError", "RestartBudgetExhaustedError")  # report_run's typed ends of a run
 FINISH_TIMEOUT = 240.0
@@ -60,6 +63,7 @@ class Config:
     memory_limit: int = 0  # snapshot_memory_limit in bytes (0: the product's default), near what the layout needs
     hosts: bool = False  # each node a host of its own: backend "shm" runs the hierarchical path across nodes
     shm_fail: bool = False  # no shared-memory segment can be created (EFBIG): "auto" must use the ring instead
+    places: str = ""  # "a,a,b": node-i's Kubernetes node (SNEPPX_NODE_NAME); "": each node its own
 
     @property
     def world_size(self) -> int:
@@ -85,7 +89,8 @@ class Fault:
         where = {"kill_worker": f" node-{self.node}/{self.local_rank}", "stop_worker":
                  f" node-{self.node}/{self.local_rank} for {self.hold}s", "kill_agent": f" node-{self.node}",
                  "kill_node": f" node-{self.node}", "stop_node": f" node-{self.node} for {self.hold}s",
-                 "diverge": f" rank {self.node}", "raise": f" rank {self.node}"}.get(self.kind, "")
+                 "diverge": f" rank {self.node}", "raise": f" rank {self.node}",
+                 "hold_copies": f" rank {self.node}"}.get(self.kind, "")
         return f"{self.kind}{where} {when}"
 
 
@@ -114,7 +119,8 @@ class Schedule:
                 + (", ctx.snapshot of another object each step" if c.other_snapshot else "")
                 + (f", snapshot_memory_limit {c.memory_limit} bytes" if c.memory_limit else "")
                 + (", each node a host of its own" if c.hosts else "")
-                + (", no shared-memory segment can be created" if c.shm_fail else ""))
+                + (", no shared-memory segment can be created" if c.shm_fail else "")
+                + (f", nodes on Kubernetes nodes {c.places}" if c.places else ""))
         lines = [head]
         lines += [f"  {i}. {f}" for i, f in enumerate(self.faults, 1)] or ["  (no faults)"]
         return "\n".join(lines + [f"  replay: {self.to_json()}"])
@@ -223,9 +229,10 @@ def run(schedule: Schedule, workdir: Path) -> Outcome:
                              "ranks_array": int(c.ranks_array), "other_snapshot": int(c.other_snapshot),
                              "memory_limit": c.memory_limit, "hosts": int(c.hosts), "shm_fail": int(c.shm_fail),
                              "key": secrets.token_hex(32)}  # the job's key: its segments' names are judged
+    knobs["places"] = c.places
     for fault in schedule.faults:
-        if fault.kind in PLANTED:
-            knobs[PLANTED[fault.kind]] = f"{fault.at}:{fault.node}"
+        if fault.kind in IN_SCRIPT:
+            knobs[IN_SCRIPT[fault.kind]] = f"{fault.at}:{fault.node}"
     started = time.monotonic()
     job = chaos_script.Run(workdir / "out", str(workdir / "ckpts"), **knobs)
     fired: list[str] = []
@@ -240,8 +247,9 @@ def run(schedule: Schedule, workdir: Path) -> Outcome:
             job.kill()
         else:
             job.log.close()
-    problems = judge(c, job.out, result) + judge_resources(c, job.out, result) + judge_segments(
-        schedule, workdir / "ckpts", knobs["key"], fired, result)
+    problems = (judge(c, job.out, result) + judge_resources(c, job.out, result)
+                + judge_segments(schedule, workdir / "ckpts", knobs["key"], fired, result)
+                + promises.broken(schedule, job.out, fired))
     ended = "recovered" if "error" not in result else f"{result['error']}: {result.get('message', '')[:300]}"
     sizes = {r["generation"]: r["world_size"] for r in records(job.out / "restored")}
     return Outcome(schedule, problems, ended, fired, time.monotonic() - started, job.out,
@@ -262,7 +270,7 @@ def fire_in_turn(job: chaos_script.Run, schedule: Schedule, checkpoints: Path, f
                  watch: Watch) -> None:
     generation = 0
     for fault in schedule.faults:
-        if fault.kind in PLANTED:
+        if fault.kind in IN_SCRIPT:
             fired.append(f"{fault} (planted in the script)")
             continue
         try:

@@ -12,7 +12,9 @@ OUT/restored/, and its final state to OUT/final/, for the oracle (chaos_harness.
 harness cannot make from outside are planted here, each once a run (a marker file in OUT): C_DIVERGE=STEP:RANK
 (that rank's replica of w drifts by 2**-20 at that step), C_FLIP_HELD=STEP (from that step on, in that
 generation, rank 0 flips a byte in every copy of a peer's snapshot it holds), C_RAISE=STEP:RANK (train_fn
-raises). The job's shape: NODES, GPUS, STEPS, EVERY, SLEEP, BACKEND, SNAPSHOT, REPLICAS, INCREMENTAL,
+raises), C_HOLD_COPIES=STEP:RANK (that rank's copies of STEP never leave: its node dies with them in flight).
+C_PLACES=a,a,b names the Kubernetes node of each node's workers (SNEPPX_NODE_NAME): copies are placed by it.
+The job's shape: NODES, GPUS, STEPS, EVERY, SLEEP, BACKEND, SNAPSHOT, REPLICAS, INCREMENTAL,
 RANKS_ARRAY (a replicated array shaped by the world size), OTHER_SNAPSHOT (ctx.snapshot of another object shaped
 like the state, each step), UNTIL_WORLD and MAX_STEPS (train past STEPS, up to MAX_STEPS, until the world has
 UNTIL_WORLD ranks again), MAX_RESTARTS, NODE_RESTART_DELAY, and the product's timing tunables (2 s / 10 s / 5 s,
@@ -32,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -117,6 +120,7 @@ def train_loop(ctx: Any) -> None:
     from SneppX_ALG.coordinator import Shard
 
     out = Path(knob("OUT", "."))
+    place_as_kubernetes_node(ctx)
     steps, every, pause = int(knob("STEPS", "20")), int(knob("EVERY", "4")), float(knob("SLEEP", "0.2"))
     incremental = knob("INCREMENTAL", "0") == "1"
     whole = initial(incremental, ctx.world_size if knob("RANKS_ARRAY", "0") == "1" else 0)
@@ -146,6 +150,9 @@ def train_loop(ctx: Any) -> None:
     flipped: set[Any] | None = None
     other = knob("OTHER_SNAPSHOT", "0") == "1"
     until_world, most = int(knob("UNTIL_WORLD", "0")), int(knob("MAX_STEPS", "0"))
+    hold = knob("HOLD_COPIES", "")
+    if hold and planted(hold)[1] == ctx.rank % ctx.world_size and ctx._worker.snapshots is not None:
+        hold_copies(ctx._worker.snapshots, planted(hold)[0], out)
     while step < steps or (ctx.world_size < until_world and step < most):  # on until nodes that died are back
         if fail and planted(fail) == (step, ctx.rank % ctx.world_size) and once(out, "raise"):
             raise RuntimeError(f"planted failure at step {step}, generation {ctx.generation}")
@@ -225,6 +232,29 @@ def recording_blame(train_fn: Any) -> Any:
             raise
 
     return run
+
+
+def place_as_kubernetes_node(ctx: Any) -> None:
+    """C_PLACES=a,a,b: node-i's workers say they run on Kubernetes node `a`, `a`, `b` (SNEPPX_NODE_NAME, as the
+    operator sets it), so that a snapshot's copies are placed by those names: harness nodes sharing one are pods
+    on one Kubernetes node (issue 37, defect 4)."""
+    places = [p for p in knob("PLACES", "").split(",") if p]
+    if places:  # the launcher names node i's agent node-i
+        os.environ["SNEPPX_NODE_NAME"] = places[int(str(ctx._assignment.agent_id).rpartition("-")[2])]
+
+
+def hold_copies(keeper: Any, step: int, out: Path) -> None:
+    """C_HOLD_COPIES=STEP:RANK: that rank's snapshot of STEP is taken and compared, but its copies never leave
+    (its background thread waits in the first shift until the process dies): a node lost with its copies in
+    flight, deterministically. Once a run (the marker says when it began to hold)."""
+    send = keeper._send_to_peers
+
+    def held(wire: Any, group: Any, sizes: Any, holders: Any) -> None:
+        if keeper.own and keeper.own[-1].meta["step"] == step and once(out, "hold-copies"):
+            threading.Event().wait()  # until the harness kills this node
+        send(wire, group, sizes, holders)
+
+    keeper._send_to_peers = held
 
 
 def record(where: Path, ctx: Any, fields: dict[str, Any]) -> None:
