@@ -626,10 +626,15 @@ def judge_blame(out: Path) -> list[str]:
 
 
 def judge_setup(config: Config, out: Path, result: dict[str, Any]) -> list[str]:
-    """A /dev/shm that refuses the segment (SHM_FAIL) is the ring for backend "auto": no generation fails for it."""
+    """A /dev/shm that refuses the segment (SHM_FAIL) is the ring for backend "auto": no generation fails for it.
+    For backend "shm" it fails each generation as the collectives' failure, never as the user's code's ("train_fn
+    raised": the worker replaced and the error taken for a bug in train_fn)."""
     if not config.shm_fail:
         return []
     failures = result.get("failures", []) + result.get("history", [])
+    if config.backend == "shm":
+        return [f"a segment /dev/shm refused was taken for train_fn's failure: {reason[:300]}"
+                for f in failures if SETUP_FAILURE in (reason := json.dumps(f)) and "train_fn raised" in reason][:3]
     problems = [f"a segment /dev/shm refused failed a generation instead of the ring: {reason[:300]}"
                 for f in failures if SETUP_FAILURE in (reason := json.dumps(f))][:3]
     return problems + [f"generation {r['generation']} rank {r['rank']} made a segment under SHM_FAIL: the fault "

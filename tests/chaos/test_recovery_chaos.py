@@ -107,6 +107,13 @@ FIXED_FAILURES.update({
          "then failed it 1 run in 2 (the peer aborted before it opened the name), fixed since"),
         {"seed": 0, "config": job(1, gpus=2, snapshot=0, steps=10),
          "faults": [{"kind": "kill_creator", "at": 4, "node": 0}]}),
+    "two-hosts-a-refused-segment-is-the-collectives-failure": Known(
+        ("issue 37, the two-level path's setup: 2 hosts x 2 on backend shm, no segment can be created (EFBIG); "
+         "the creator's StorageError escaped ProcessGroup, and every generation ended 'rank 0's train_fn raised' "
+         "(the worker replaced as a user error) where the collectives failed; now every rank raises "
+         "CommProtocolError and the run ends RestartBudgetExhaustedError on collectives failures (about 45 s)"),
+        {"seed": 0, "config": job(2, gpus=2, snapshot=0, backend="shm", hosts=True, shm_fail=True, steps=10),
+         "faults": []}),
 })
 
 # Hand-made schedules that reach a promise of docs/ELASTIC.md's "What is guaranteed" the generator's schedules reach
@@ -377,3 +384,8 @@ def test_the_setup_oracle_flags_a_refused_segment_that_failed_a_generation(tmp_p
     assert chaos_harness.judge_setup(dataclasses.replace(config, shm_fail=False), tmp_path, failed) == []
     write_records(tmp_path / "restored", {"g0-r0-p1": {"generation": 0, "rank": 0, "backend": "shm"}})
     assert "the fault missed" in chaos_harness.judge_setup(config, tmp_path, {})[0]
+    # backend "shm" (two hosts): the refused segment fails each generation, as the collectives', not train_fn's
+    hosts = dataclasses.replace(CONFIG, nodes=2, gpus=2, backend="shm", hosts=True, shm_fail=True)
+    collectives = {"failures": [{"reason": "rank 1's collectives failed: CommProtocolError: ... (File too large)"}]}
+    assert chaos_harness.judge_setup(hosts, tmp_path, collectives) == []
+    assert "taken for train_fn's failure" in chaos_harness.judge_setup(hosts, tmp_path, failed)[0]

@@ -154,6 +154,28 @@ def set_up_once(store_dir: str, rank: int, world: int, results: Any, backend: st
     group.close()
 
 
+SEGMENT_REFUSED_BYTES = 1 << 20  # a file-size limit under any segment (2 x ranks x slot): its creation gets EFBIG
+
+
+def set_up_refused(store_dir: str, rank: int, world: int, results: Any, backend: str, host_key: str,
+                   refused: bool) -> None:
+    """Sets up a group (refused: this rank may make no file over 1 MiB, so a segment it creates fails with EFBIG,
+    as on a /dev/shm it may not use) and allreduces [rank + 1] * 4 on it. Reports (rank, "ok", backend, sums)
+    or (rank, error class name, blamed peer, message)."""
+    import resource
+
+    os.environ[ENV_HOST_KEY] = host_key
+    if refused:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (SEGMENT_REFUSED_BYTES, SEGMENT_REFUSED_BYTES))
+    try:
+        with connect(store_dir, rank, world, timeout=60, backend=backend) as group:
+            data = np.full(4, rank + 1.0)
+            group.allreduce(data)
+            results.put((rank, "ok", group.backend, data.tolist()))
+    except Exception as e:  # noqa: BLE001 - reported to the test, which judges its kind
+        results.put((rank, type(e).__name__, getattr(e, "peer", None), str(e)))
+
+
 def allreduce_once(store_dir: str, rank: int, world: int, results: Any) -> None:
     """Connects, allreduces [rank + 1] * 8, reports (rank, result, refused-connection counts)."""
     try:

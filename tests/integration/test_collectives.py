@@ -221,6 +221,40 @@ def test_a_multi_host_setup_whose_store_fails_leaks_no_segment(tmp_path: pathlib
     assert leaked == []
 
 
+@pytest.mark.parametrize("refused", [(1,), (0, 1)])
+@pytest.mark.parametrize("backend", ["auto", "shm"])
+def test_a_host_whose_segment_is_refused_means_the_ring_or_one_typed_error_on_every_rank(
+        tmp_path: pathlib.Path, ranks: Ranks, backend: str, refused: tuple[int, ...]) -> None:
+    """2 hosts x 2 ranks (SNEPPX_HOST_KEY); on the `refused` hosts no rank may make a file over 1 MiB, so the
+    host's segment fails with EFBIG. Every host publishes its outcome and every rank reads them all: "auto" goes
+    on over the ring on every rank (a host whose segment was made unlinks it), "shm" fails on every rank with
+    the single-host path's error, a collectives failure (the worker's "failed", not "train_fn raised"). Before,
+    the refused host's creator raised StorageError ("File too large"), and the other host's ranks waited out
+    their 60 s deadline in the ring between hosts (CollectiveTimeoutError)."""
+    world = 4
+    for rank in range(world):
+        ranks.start(rank, workers.set_up_refused, str(tmp_path), rank, world, ranks.results, backend,
+                    f"host-{rank // 2}", rank // 2 in refused)
+    reports = {report[0]: report[1:] for report in (ranks.get() for _ in range(world))}
+    for rank in range(world):
+        ranks.processes[rank].join(60)
+    store = DirectoryStore(tmp_path)
+    published = [json.loads(store.get(collectives.shm_key(1, f"host-segment/{h}"), 0)) for h in (0, 1)]
+    left = [h for h, record in enumerate(published) if "nonce" in record
+            and segment_path(tmp_path, record["nonce"]).exists()]
+    for record in published:
+        if "nonce" in record:
+            segment_path(tmp_path, record["nonce"]).unlink(missing_ok=True)
+    if backend == "auto":
+        assert reports == {rank: ("ok", "tcp", [10.0] * 4) for rank in range(world)}, reports
+    else:
+        creator = 2 * refused[0]  # the first host that failed: every rank names its segment's creator
+        assert {rank: report[:2] for rank, report in reports.items()} == \
+            {rank: ("CommProtocolError", creator) for rank in range(world)}, reports
+        assert all("File too large" in report[2] and "backend 'shm'" in report[2] for report in reports.values())
+    assert left == [], f"the segment of host(s) {left} outlived every rank"
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="a read-only /dev/shm needs a mount namespace (root)")
 def test_a_read_only_dev_shm_means_the_ring_for_auto(tmp_path: pathlib.Path) -> None:

@@ -115,10 +115,15 @@ class ProcessGroup:
         mac_key = job_key.load_key(key, os.environ)
         segment = self._open_segment(store, backend, mac_key, chunk_bytes & ~63, deadline, aborted) \
             if backend != "tcp" else None
-        if isinstance(segment, list):  # several hosts, as many ranks on each
-            self.backend = "shm"
-            self._comm = self._connect_hierarchical(store, segment, mac_key, host, chunk_bytes, deadline, aborted)
-        elif segment is not None:
+        if isinstance(segment, list):  # several hosts, as many ranks on each: shared memory in each, or the ring
+            hierarchical = self._connect_hierarchical(store, segment, backend, mac_key, host, chunk_bytes, deadline,
+                                                      aborted)
+            if hierarchical is not None:
+                self.backend = "shm"
+                self._comm = hierarchical
+                return
+            segment = None  # "auto", and a host's segment can't be made: the ring, on every rank
+        if segment is not None:
             self.backend = "shm"
             self._comm = self._attach(segment, deadline, aborted)
         else:
@@ -193,13 +198,20 @@ class ProcessGroup:
             return None, {"ring": f"rank(s) {elsewhere} on other hosts"} if backend == "auto" else \
                 {"error": "backend 'shm' needs every rank on one host (one boot, /dev/shm and PID namespace): "
                           f"rank(s) {elsewhere} are not on rank 0's"}
+        return self._create_segment(backend, key, self.world_size, slot_bytes, "the segment")
+
+    def _create_segment(self, backend: Backend, key: bytes, world: int, slot_bytes: int, what: str,
+                        ) -> tuple[_native.ShmComm | None, dict[str, Any]]:
+        """A new segment for `world` ranks and its outcome to publish (its nonce), or None and why it can't be
+        made (/dev/shm full, read-only, not writable, over a file-size limit, a failed mapping): the ring for
+        "auto", an error for "shm". The one rule of the single-host and the hierarchical paths."""
         nonce = secrets.token_bytes(16)
         try:
-            comm = _native.ShmComm(shm_name(key, g, nonce), 0, self.world_size, g, create=True,
+            comm = _native.ShmComm(shm_name(key, self.generation, nonce), 0, world, self.generation, create=True,
                                    slot_bytes=slot_bytes)
-        except (errors.StorageError, MemoryError) as e:  # ENOSPC (a container's 64 MiB), EACCES, EROFS, mmap
-            why = f"/dev/shm has no room for the segment: {e}" if isinstance(e, errors.DiskFullError) else \
-                f"can't create the segment in /dev/shm: {e}"
+        except (errors.StorageError, MemoryError) as e:  # ENOSPC (a container's 64 MiB), EACCES, EROFS, EFBIG, mmap
+            why = f"/dev/shm has no room for {what}: {e}" if isinstance(e, errors.DiskFullError) else \
+                f"can't create {what} in /dev/shm: {e}"
             return None, {"ring": why} if backend == "auto" else {"error": f"backend 'shm': {why}"}
         return comm, {"nonce": nonce.hex()}  # published once the segment exists
 
@@ -222,34 +234,55 @@ class ProcessGroup:
         except errors.StoreError:
             pass
 
-    def _connect_hierarchical(self, store: store_lib.Store, hosts: list[list[int]], key: bytes, host: str,
-                              chunk_bytes: int, deadline: float, aborted: threading.Event | None) -> _Hierarchical:
-        """This rank's shared-memory group (its host's ranks; the first creates the segment and publishes its
-        nonce) and its ring between hosts (the ranks of its local index on every host)."""
-        g = self.generation
+    def _connect_hierarchical(self, store: store_lib.Store, hosts: list[list[int]], backend: Backend, key: bytes,
+                              host: str, chunk_bytes: int, deadline: float, aborted: threading.Event | None,
+                              ) -> _Hierarchical | None:
+        """This rank's shared-memory group (its host's ranks) and its ring between hosts (the ranks of its local
+        index on every host); None for the ring of every rank instead. Each host's first rank creates its
+        segment and publishes the outcome (`_create_segment`: its nonce, or why it can't be made); every rank
+        reads every host's before it opens anything, so all take one path: each host's segment, or (a host's
+        refused) the ring for "auto" and that host's reason as an error for "shm", on every rank alike."""
+        g, slot_bytes = self.generation, chunk_bytes & ~63
         index = next(h for h, ranks in enumerate(hosts) if self.rank in ranks)
         local_rank = hosts[index].index(self.rank)
-        where = shm_key(g, f"host-segment/{index}")
+        where = [shm_key(g, f"host-segment/{h}") for h in range(len(hosts))]
+        local: _native.ShmComm | None = None
         if local_rank == 0:
-            nonce = secrets.token_bytes(16)
             try:
-                local = _native.ShmComm(shm_name(key, g, nonce), 0, len(hosts[index]), g, create=True,
-                                        slot_bytes=chunk_bytes & ~63)
+                local, outcome = self._create_segment(
+                    backend, key, len(hosts[index]), slot_bytes,
+                    f"host {index}'s segment (ranks {', '.join(map(str, hosts[index]))})")
             except BaseException as e:
-                self._publish_failure(store, where, f"rank {self.rank} failed creating host {index}'s segment: {e!r}")
+                self._publish_failure(store, where[index], f"rank {self.rank} failed creating host {index}'s "
+                                                           f"segment: {e!r}")
                 raise
             try:
-                store.set(where, json.dumps({"nonce": nonce.hex()}).encode())
+                store.set(where[index], json.dumps(outcome).encode())
             except BaseException:
-                local.close()  # unlinks the name: nobody else can, since nobody else learnt it
+                if local is not None:
+                    local.close()  # unlinks the name: nobody else can, since nobody else learnt it
                 raise
-        else:
-            record = json.loads(self._poll_published(store, where, key, deadline, aborted, f"segment of host {index}",
-                                                     hosts[index][0]))
-            if "error" in record:
-                raise errors.CommProtocolError(record["error"], rank=self.rank, generation=g, peer=hosts[index][0])
-            local = self._open_published(shm_name(key, g, bytes.fromhex(record["nonce"])), local_rank,
-                                         len(hosts[index]), chunk_bytes & ~63, hosts[index][0])
+        try:
+            outcomes = [json.loads(self._poll_store(store, where[h], deadline, aborted, f"segment of host {h}",
+                                                    hosts[h][0])) for h in range(len(hosts))]
+        except BaseException:
+            if local is not None:
+                local.close()
+            else:  # the creator may have died after publishing: a name nobody opened would stay in /dev/shm
+                self._unlink_published(store, where[index], key)
+            raise
+        refused = [(h, outcome) for h, outcome in enumerate(outcomes) if "nonce" not in outcome]
+        if refused:  # every rank read the same outcomes: the same verdict everywhere
+            if local is not None:
+                local.close()
+            failed = [(h, outcome) for h, outcome in refused if "error" in outcome]
+            if failed:
+                h, outcome = failed[0]
+                raise errors.CommProtocolError(outcome["error"], rank=self.rank, generation=g, peer=hosts[h][0])
+            return None
+        if local is None:
+            local = self._open_published(shm_name(key, g, bytes.fromhex(outcomes[index]["nonce"])), local_rank,
+                                         len(hosts[index]), slot_bytes, hosts[index][0])
         local = self._attach(local, deadline, aborted)
         try:
             cross = ProcessGroup(store_lib.Namespace(store, f"cross/{local_rank}"), index, len(hosts), g,

@@ -207,6 +207,47 @@ def test_a_dev_shm_without_room_means_the_ring_or_a_clear_error(tmp_path: Any, m
         assert all(isinstance(e, errors.CommProtocolError) and reason in str(e) for e in results), results
 
 
+@pytest.mark.parametrize("refused", [(0,), (1,), (0, 1)])
+@pytest.mark.parametrize("failure", sorted(CREATE_FAILURES))
+@pytest.mark.parametrize("backend", ["auto", "shm"])
+def test_a_host_whose_segment_cant_be_made_means_one_path_for_every_rank_of_every_host(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, backend: str, failure: str, refused: tuple[int, ...]) -> None:
+    """2 "hosts" x 2 ranks (threads named after their host), the segment of the `refused` hosts failing as
+    CREATE_FAILURES says: "auto" goes on over the ring on all 4 ranks, "shm" fails on all 4 with the first
+    refused host's reason, naming its creator. (Before, the creator raised the StorageError itself, and the
+    ranks of the other host waited out their deadline in the ring between hosts.)"""
+    from directory_store import DirectoryStore
+
+    from SneppX_ALG import collectives
+
+    monkeypatch.setattr(collectives.group, "host_identity", lambda: threading.current_thread().name.split("-")[0])
+    real = _native.ShmComm
+
+    def refusing(name: str, rank: int, world: int, generation: int, *, create: bool, slot_bytes: int) -> Any:
+        if create and int(threading.current_thread().name[4]) in refused:
+            raise CREATE_FAILURES[failure]
+        return real(name, rank, world, generation, create=create, slot_bytes=slot_bytes)
+
+    monkeypatch.setattr(_native, "ShmComm", refusing)
+
+    def join(rank: int) -> Any:
+        threading.current_thread().name = f"host{rank // 2}-rank"
+        with collectives.ProcessGroup(DirectoryStore(tmp_path), rank, 4, 1, backend=backend, key=b"k" * 32,
+                                      timeout=30) as group:
+            data = np.full(2, rank + 1.0)
+            group.allreduce(data)
+            return group.backend, data.tolist()
+
+    results = run_ranks([None] * 4, lambda rank, _: join(rank))
+    if backend == "auto":
+        assert results == [("tcp", [10.0, 10.0])] * 4
+    else:
+        reason = str(CREATE_FAILURES[failure])
+        assert all(isinstance(e, errors.CommProtocolError) and reason in str(e) and e.peer == 2 * refused[0]
+                   for e in results), results
+        assert len({str(e) for e in results}) == 1, results
+
+
 @pytest.mark.parametrize("backend", ["auto", "shm"])
 @pytest.mark.parametrize("chunk_bytes", [8, 32, 63])
 def test_a_chunk_too_small_for_a_shared_memory_slot_is_refused_before_setup(tmp_path: Any, backend: str,
