@@ -77,6 +77,7 @@ class ObservedPod:
     reason: str | None = None  # why it ended (OOMKilled, Error, Evicted), when the kubelet says
     deleted_at: datetime.datetime | None = None  # deletionTimestamp: when its grace period ends
     created_at: datetime.datetime | None = None
+    started_at: datetime.datetime | None = None  # when its training container last started running
     disruption: str | None = None  # why the cluster is taking it away (its DisruptionTarget condition's reason)
     pod_phase: str = ""  # the kubelet's, where `phase` (the trainer's) differs: a sidecar runs on
 
@@ -128,6 +129,7 @@ def observe_pod(
         reason=reason or status.get("reason"),
         deleted_at=parse_time(meta.get("deletionTimestamp")),
         created_at=parse_time(meta.get("creationTimestamp")),
+        started_at=_training_container_started(spec, status),
         disruption=str(disruption) if disruption is not None else None,
         pod_phase=pod_phase if pod_phase != phase else "",
     )
@@ -145,6 +147,17 @@ def _training_container_end(
             code = terminated.get("exitCode")
             return (int(code) if code is not None else None), terminated.get("reason")
     return None, None
+
+
+def _training_container_started(spec: Mapping[str, Any], status: Mapping[str, Any]) -> datetime.datetime | None:
+    """When the first container (the training agent) started running, while it runs."""
+    containers = spec.get("containers") or []
+    name = containers[0].get("name") if containers else None
+    for container_status in status.get("containerStatuses") or []:
+        running = (container_status.get("state") or {}).get("running")
+        if container_status.get("name") == name and running:
+            return parse_time(running.get("startedAt"))
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -204,9 +204,11 @@ def _restart(
 
 def _is_current_report(report: job_object.HungRank, pod: ObservedPod) -> bool:
     """A hang report names a pod by name; it is about this pod only if the absence it reports began after
-    this pod was created (a report about its predecessor must never replace a pod that is still starting)."""
+    this pod's trainer started (or, not known yet, after the pod was created): a report about its predecessor,
+    or written while this pod was still Pending (scheduled, pulling its image), must never replace it."""
     reported = parse_time(report.reported_at)
     if reported is None:
         return False
     began = reported - datetime.timedelta(seconds=report.silent_seconds)
-    return pod.created_at is None or began >= pod.created_at
+    since = pod.started_at or pod.created_at
+    return since is None or began >= since

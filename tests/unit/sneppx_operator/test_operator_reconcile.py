@@ -856,6 +856,31 @@ def test_a_hang_report_about_a_pod_the_view_has_not_seen_start_stays_until_a_pas
     assert [r.failure.reason for r in plan.restarts] == ["Hang"]
 
 
+def test_a_hang_report_whose_silence_began_before_the_pod_started_does_not_replace_it() -> None:
+    """A replacement pod is created (restart delay), then Pending for minutes (scheduling, an image pull); the
+    agent sealing the next generation reports its name after stalled_report_after (here hangTimeout 60 s): the
+    silence began after the pod's creation, but before its trainer started, so the report is not about it. On
+    the pod's creation alone the report was kept while it was Pending and the pod replaced as Hang the moment it
+    ran (a counted restart; the next replacement met the same, until maxRestarts)."""
+    created, started = NOW - datetime.timedelta(seconds=300), NOW + datetime.timedelta(seconds=5)
+    report = job_object.HungRank("train-1", 1, 4, "train-0", 60.0, "2026-01-02T03:04:05Z")  # silent since NOW-60
+    control = builders.control_record(lifecycle_job().spec, paused=False, reason="", pod_generation=1)
+    view = reconcile.ObservedObject("cm-uid", "uid-1", job_object.View(control=control, hung=(report,)))
+    meta = {"labels": {"sneppx.io/rank": "1", "sneppx.io/membership-generation": "1"}, "uid": "pod-uid-1",
+            "creationTimestamp": created.strftime("%Y-%m-%dT%H:%M:%SZ")}
+    status = {"phase": "Running", "containerStatuses": [
+        {"name": "trainer", "state": {"running": {"startedAt": started.strftime("%Y-%m-%dT%H:%M:%SZ")}}}]}
+    pod = reconcile.observe_pod("train-1", meta, {"containers": [{"name": "trainer"}]}, status)
+    assert pod is not None
+    pod = dataclasses.replace(pod, controller_uid="uid-1", node="node-1")
+    plan = plan_of(lifecycle_job(running_status()), [observed(0, ready=True), pod], now=started, heartbeat_key=KEY,
+                   rendezvous=view)
+    assert plan.restarts == ()
+    assert not any(isinstance(a, reconcile.Delete) for a in plan.actions)
+    (put,) = [a for a in plan.actions if isinstance(a, reconcile.PutRecords)]
+    assert dict(put.records)["job/hung/train-1"] is None  # not about this pod: it goes
+
+
 # ---- quorum ----------------------------------------------------------------------------------------------------
 
 
