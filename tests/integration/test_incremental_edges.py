@@ -157,6 +157,13 @@ def test_a_rollback_record_a_dead_trainer_left_keeps_its_chain_until_a_writer_co
         gc(root, keep=1)
     assert "FenceRecordError" in failed.value.stderr or "fence record" in failed.value.stderr
     assert len([p for p in root.iterdir() if p.name.startswith("step-")]) == 6  # nothing deleted on a guess
+    # Readers ignore the record, so `sneppx ls` lists the steps and names the damaged record (it listed nothing,
+    # exit 2 with FenceRecordError, before: the review of 7 December).
+    listed = subprocess.run([sys.executable, "-m", "SneppX_ALG.cli", "ls", str(root), "--quick", "--json"],
+                            check=True, capture_output=True, text=True, timeout=120).stdout
+    listing = json.loads(listed)
+    assert listing["latest"] == 7 and listing["rollback"] is None
+    assert timeline.ROLLBACK_RECORD in listing["rollback_problem"]
 
 
 def test_on_s3_gc_beside_a_trainer_that_rolled_back_keeps_the_restored_steps_chain(

@@ -93,7 +93,11 @@ def list_root(coord: CheckpointCoordinator, *, full: bool = False, quick: bool =
     entries = store.inventory()
     visible = set(coord.committed_steps())
     fence = _stored_fence(store, timeline.FENCE_RECORD)
-    rollback = _stored_fence(store, timeline.ROLLBACK_RECORD)
+    rollback, rollback_problem = None, None
+    try:
+        rollback = _stored_fence(store, timeline.ROLLBACK_RECORD)
+    except errors.FenceRecordError as e:  # readers ignore the record, so the steps are listed; gc refuses on it
+        rollback_problem = str(e)
     present = {e.step for e in entries if e.state == "committed"}
     rows = {e.name: _row(store, e, visible, fence, present) for e in entries}
     for row in rows.values():
@@ -131,7 +135,7 @@ def list_root(coord: CheckpointCoordinator, *, full: bool = False, quick: bool =
         if row["valid"] is not None and row["check"] == "full" and row["signed"]:
             row["signer_trusted"] = bool(row["valid"]) if trusted else None
     return {"root": coord.checkpoint_root, "latest": picked, "why": _why(picked, committed, quick),
-            "rollback": rollback.restored if rollback is not None else None,
+            "rollback": rollback.restored if rollback is not None else None, "rollback_problem": rollback_problem,
             "steps": sorted(rows.values(), key=lambda r: (-r["step"], r["name"]))}
 
 
@@ -228,6 +232,8 @@ def _print_ls(listing: dict[str, Any]) -> None:
     console = Console(width=max(Console().width, 140))
     console.print(table)
     console.print(listing["why"])
+    if listing["rollback_problem"]:
+        console.print(f"the ROLLBACK record is damaged (gc refuses until it is removed): {listing['rollback_problem']}")
 
 
 # ---- gc -------------------------------------------------------------------------------------------------
