@@ -25,8 +25,11 @@ lint: $(INSTALLED)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# The suite on TEST_WORKERS pytest-xdist workers, tests that share a cluster or the image on one worker
+# (tests/conftest.py; docs/TESTING.md, "Running tests in parallel"). `make test TEST_WORKERS=0`: one process.
+TEST_WORKERS ?= 4
 test: lint k8s-tools
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS)
 
 bench: $(INSTALLED)
 	$(PY) -m bench

@@ -14,6 +14,57 @@ import pytest
 import s3_servers
 from s3_servers import S3Server, free_port
 
+# ---- parallel runs: which tests share a pytest-xdist worker ---------------------------------------------------
+# `make test` runs the suite on several workers (`-n`; docs/TESTING.md, "Running tests in parallel"), each with
+# its own session and module fixtures. Tests that share an expensive one stay together on one worker, so that it
+# is made once: the image (a buildah build, minutes) and the real node that runs it; a module's module-scoped
+# fixture (the k8s tier's in-process operator, the fuzz targets' build, the power-loss recordings, a reference
+# training). The k8s tier goes by module even where a module has none, so that few workers start a cluster.
+# Every other test goes to whichever worker is free. (xdist's own `--dist loadgroup` reads an `xdist_group` mark
+# from a node-id suffix that pytest 9.2's node ids no longer carry: every test would go alone. So the groups are
+# decided here, from the node id, by the scheduler below.)
+SHARED_BY_PREFIX = {"tests/image/": "image-and-node", "tests/node/": "image-and-node"}
+BY_MODULE = ("tests/k8s/", "tests/fuzz/", "tests/powerloss/", "tests/integration/test_data_parallel.py",
+             "tests/integration/test_sharded_checkpoint.py")
+
+
+def worker_group(nodeid: str) -> str | None:
+    """The group whose tests run on one worker, one after another (None: the test goes on its own)."""
+    for prefix, group in SHARED_BY_PREFIX.items():
+        if nodeid.startswith(prefix):
+            return group
+    module = nodeid.split("::", 1)[0]
+    return module if module.startswith(BY_MODULE) else None
+
+
+def start_rank(nodeid: str) -> int:
+    """Which tests a parallel run hands out first: the groups that wait longest (the image build and the real
+    node, then the k8s modules' pods) start at once, and the short tests fill the workers around them."""
+    group = worker_group(nodeid)
+    if group in SHARED_BY_PREFIX.values():
+        return 0
+    return 1 if nodeid.startswith("tests/k8s/") else 2
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: a venv without pytest-xdist still runs the suite serially
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        """xdist's scheduler of whole scopes (all of one goes to one worker), a scope being worker_group()."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid) or nodeid
+
+    config.option.loadscopereorder = False  # hand scopes out in collection order, which start_rank sets
+    return SharedFixtureScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker; every worker sorts alike. A serial run keeps its order.
+        items.sort(key=lambda item: start_rank(item.nodeid))  # stable: within a rank, collection's order
+
+
 # ---- checkpoint writes: one write mode for the whole session -------------------------------------------------
 # CheckpointWriter probes O_DIRECT against buffered writes on the first save to a filesystem
 # (checkpoint/write_mode.py). A probe inside a test would write files the test doesn't expect and pass the fault

@@ -19,6 +19,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -139,19 +140,25 @@ def built_image(state: pathlib.Path, tag: str) -> Iterator[Image]:
     builder = Image(tag, storage)
     log = state / "build.log"
     with log.open("w") as progress:
-        built = subprocess.run(
+        build = subprocess.Popen(
             ["bash", str(BUILD_SCRIPT), tag],
             env={**os.environ, **builder.buildah_env},
             stdout=subprocess.DEVNULL,
             stderr=progress,
-            check=False,
+            start_new_session=True,
         )
-    if built.returncode == SKIP_STATUS:
+        try:
+            returncode = build.wait()
+        except BaseException:  # pytest-timeout's, an interrupt: killing bash alone left buildah building on
+            os.killpg(build.pid, signal.SIGKILL)
+            build.wait()
+            raise
+    if returncode == SKIP_STATUS:
         raise Unavailable(log.read_text().strip().splitlines()[-1])
     try:
-        if built.returncode != 0:
+        if returncode != 0:
             raise BuildFailed(
-                f"build_image.sh exited {built.returncode}; the end of {log}:\n{log.read_text()[-6000:]}"
+                f"build_image.sh exited {returncode}; the end of {log}:\n{log.read_text()[-6000:]}"
             )
         config = json.loads(builder.buildah("inspect", "--type", "image", tag).stdout)
         yield dataclasses.replace(

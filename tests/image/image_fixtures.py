@@ -9,6 +9,10 @@ import container_image
 import pytest
 
 TAG = "localhost/sneppx:test"
+# The first test to ask for the image builds it in its setup, inside pytest-timeout's limit per test: 900 s was
+# too short for the build at load 20-25 with the suite's other workers beside it (two builds, 7 December).
+# The tests that use the image take this limit instead (a hang guard, no assertion).
+BUILD_TIMEOUT = pytest.mark.timeout(1800)
 _BUILT = pytest.StashKey[container_image.Image]()
 _UNAVAILABLE = pytest.StashKey[str]()
 

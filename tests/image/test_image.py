@@ -14,13 +14,14 @@ import subprocess
 import urllib.parse
 import urllib.request
 
+import image_fixtures
 import k8s_cluster
 import k8s_helpers
 import kubernetes
 import pytest
 from container_image import REPO, Image, command_pid
 
-pytestmark = pytest.mark.image
+pytestmark = [pytest.mark.image, image_fixtures.BUILD_TIMEOUT]
 
 CHART = REPO / "charts" / "sneppx-operator"
 # Where a pod's /var/run/secrets/kubernetes.io/serviceaccount leads in this image (/var/run -> /run). The

@@ -16,6 +16,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "k8s"), str(HERE.parent / "image")]
 
 import container_image
+import image_fixtures
 import k8s_cluster
 import k8s_helpers
 import kubernetes
@@ -28,6 +29,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if pathlib.Path(str(item.fspath)).is_relative_to(HERE):
             item.add_marker(pytest.mark.node)
+            item.add_marker(image_fixtures.BUILD_TIMEOUT)  # the first one's setup builds the image, then the node
 
 
 @pytest.fixture(scope="session")

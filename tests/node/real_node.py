@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import pathlib
@@ -43,6 +44,7 @@ NODE_TOOLS = ("kube-scheduler", "kubelet", "kube-proxy", "containerd", "containe
 READY_TIMEOUT_S = 180.0
 BIN_DIR = pathlib.Path(os.environ.get("SNEPPX_CACHE", pathlib.Path.home() / ".cache" / "sneppx")) / "bin"
 RUN_PREFIX = "sneppx-node-"  # /run/sneppx-node-XXXX: sockets and state, and the PIDs this module started
+MACHINE_LOCK = pathlib.Path("/run/sneppx-node.lock")  # held while a node runs (_one_node_per_machine)
 
 PAUSE_C = r"""
 #include <signal.h>
@@ -116,11 +118,22 @@ def check_can_run() -> str | None:
 
 @contextlib.contextmanager
 def running_node(bin_dir: pathlib.Path, workdir: pathlib.Path) -> Iterator[Node]:
-    node = start_node(bin_dir, workdir)
-    try:
-        yield node
-    finally:
-        node.stop()
+    with _one_node_per_machine():
+        node = start_node(bin_dir, workdir)
+        try:
+            yield node
+        finally:
+            node.stop()
+
+
+@contextlib.contextmanager
+def _one_node_per_machine() -> Iterator[None]:
+    """The bridge, its addresses, kube-proxy's rules and the `kubepods` cgroups are the machine's, not a session's:
+    a second test session's node (another checkout's run) waits until the first has stopped. Under the lock, what
+    start_node finds of another node is a killed session's, never a live one's."""
+    with open(MACHINE_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def start_node(bin_dir: pathlib.Path, workdir: pathlib.Path) -> Node:
