@@ -43,7 +43,12 @@ def start_rank(nodeid: str) -> int:
     group = worker_group(nodeid)
     if group in SHARED_BY_PREFIX.values():
         return 0
-    return 1 if nodeid.startswith("tests/k8s/") else 2
+    return 1 if nodeid.startswith(("tests/k8s/",) + LONG_ALONE) else 2
+
+
+# Long tests of their own, handed out with the k8s modules rather than last in collection order (at 15 min of 20,
+# test_crash_kill's fork sweep ended a parallel run alone).
+LONG_ALONE = ("tests/integration/test_crash_kill.py",)
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: a venv without pytest-xdist still runs the suite serially
