@@ -1,7 +1,7 @@
 """`ProcessGroup`: the ranks of one membership generation, and the collectives they run together.
 
-It picks the backend (rank 0 decides for all: the TCP ring, shared memory, shared memory per host with rings
-between hosts, or NCCL), connects it through `ring.py` or `shm.py`, and runs the collectives on the native
+It picks the backend, the same on every rank (the TCP ring, shared memory, shared memory per host with rings
+between hosts, or NCCL; where shared memory is tried, from every host's published outcome of making its segment), connects it through `ring.py` or `shm.py`, and runs the collectives on the native
 communicator, staging host arrays through device memory for NCCL. One concept: the group as callers see it.
 """
 
@@ -59,7 +59,7 @@ class ProcessGroup:
     surviving rank (PeerLostError, CollectiveTimeoutError, CollectiveAbortedError, StaleGenerationError,
     CommProtocolError) and leaves the group unusable: the next generation builds a new one.
 
-    backend="auto" (CPU: "shm" when every rank is on one host, else "tcp"; rank 0 decides for all), "tcp" (CPU,
+    backend="auto" (CPU: "shm" when every rank is on one host, else "tcp"; every rank alike, from the published setup outcomes), "tcp" (CPU,
     the TCP ring, any machines), "shm" (CPU, every rank on one host: shared memory, native/src/shm.c) or "nccl"
     (GPU `device`; arrays are staged through device memory, and objects with __cuda_array_interface__ are used in
     place). The CPU backends need the job key when world_size > 1. `backend` then says the one in use. `abort()`
