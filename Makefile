@@ -25,9 +25,10 @@ lint: $(INSTALLED)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-# The suite on TEST_WORKERS pytest-xdist workers, tests that share a cluster or the image on one worker
-# (tests/conftest.py; docs/TESTING.md, "Running tests in parallel"). `make test TEST_WORKERS=0`: one process.
-TEST_WORKERS ?= 4
+# The suite in one process by default; `make test TEST_WORKERS=4` runs it on pytest-xdist workers, tests that share
+# a cluster or the image on one worker (tests/conftest.py; docs/TESTING.md, "Running tests in parallel"). Serial
+# until the wedged-agent k8s test passes in parallel runs too: it failed in both (two Hang restarts for one wedge).
+TEST_WORKERS ?= 0
 test: lint k8s-tools
 	$(PY) -m pytest -n $(TEST_WORKERS)
 
