@@ -242,6 +242,18 @@ def wedge_rank_1(api: kubernetes.client.ApiClient, namespace: str, pods: pod_run
                 os.killpg(stopped, sig)
 
 
+def wedged_and_replaced_once(api: kubernetes.client.ApiClient, namespace: str, pods: pod_runner.PodRunner,
+                             job: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """`wedge_rank_1`, then what both wedged-rank tests require of the job: Succeeded after exactly one counted
+    Hang restart of rank 1. Returns the hang reports and the two pods' log tails."""
+    reported, done = wedge_rank_1(api, namespace, pods, job)
+    logs = {pod: pods.log_of(pod)[-4000:] for pod in (f"{job}-0", f"{job}-1")}
+    assert done["phase"] == "Succeeded", (done, logs)
+    assert [(h["reason"], h["rank"]) for h in done["restartHistory"]] == [("Hang", 1)], (done["restartHistory"], logs)
+    assert done["restartCount"] == 1
+    return reported, logs
+
+
 def test_a_rank_whose_agent_is_wedged_is_reported_hung_by_the_other_agent_and_replaced(
     api: kubernetes.client.ApiClient, cluster: k8s_cluster.Cluster, namespace: str,
     operator: kopf.testing.KopfRunner, pods: pod_runner.PodRunner, tmp_path: pathlib.Path,
@@ -255,11 +267,7 @@ def test_a_rank_whose_agent_is_wedged_is_reported_hung_by_the_other_agent_and_re
     job = training_job("hung", steps=steps, sleep=0.3, failure_policy={"hangTimeoutSeconds": hang})
     job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 1  # a stopped agent never ends at SIGTERM
     k8s_helpers.kubectl_apply(cluster, namespace, job, tmp_path)
-    reported, done = wedge_rank_1(api, namespace, pods, "hung")
-    logs = {pod: pods.log_of(pod)[-4000:] for pod in ("hung-0", "hung-1")}
-    assert done["phase"] == "Succeeded", (done, logs)
-    assert [(h["reason"], h["rank"]) for h in done["restartHistory"]] == [("Hang", 1)], (done["restartHistory"], logs)
-    assert done["restartCount"] == 1
+    reported, logs = wedged_and_replaced_once(api, namespace, pods, "hung")
 
     survivor = agent_events(pods, "hung-0")
     first = reported[0]
@@ -294,11 +302,7 @@ def test_a_wedged_rank_that_no_generation_can_form_without_is_reported_while_for
     job["spec"]["elastic"]["rendezvousTimeoutSeconds"] = rendezvous_timeout
     job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 1  # a stopped agent never ends at SIGTERM
     k8s_helpers.kubectl_apply(cluster, namespace, job, tmp_path)
-    reported, done = wedge_rank_1(api, namespace, pods, "stall")
-    logs = {pod: pods.log_of(pod)[-4000:] for pod in ("stall-0", "stall-1")}
-    assert done["phase"] == "Succeeded", (done, logs)
-    assert [(h["reason"], h["rank"]) for h in done["restartHistory"]] == [("Hang", 1)], (done["restartHistory"], logs)
-    assert done["restartCount"] == 1
+    reported, logs = wedged_and_replaced_once(api, namespace, pods, "stall")
 
     first = reported[0]
     assert (first["pod"], first["rank"], first.get("forming")) == ("stall-1", 1, True), reported
